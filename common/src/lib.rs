@@ -1,1 +1,61 @@
-//! placeholder
+//! The node's PCI/VFIO/vGPU inventory and every sysfs read and write of gpu-vm-node.
+//!
+//! Nothing else in the project touches `/sys`, `/dev` or `/proc`: the daemons read an
+//! [`Inventory`], decide, and write through [`Sysfs`]. Every path comes from one
+//! [`HostPaths`] built from `--host-root`, so the same code runs on a host (`/`), in a pod
+//! (`/host`) and against a simulated node (a directory).
+//!
+//! # Binding a GPU to vfio-pci
+//!
+//! The kernel's rebind sequence, as [`Sysfs`] performs it for `0000:65:00.0`:
+//!
+//! 1. `echo vfio-pci > /sys/bus/pci/devices/0000:65:00.0/driver_override` —
+//!    [`Sysfs::set_driver_override`]. Only this device will now match vfio-pci, and no other
+//!    driver will take it.
+//! 2. `echo 0000:65:00.0 > /sys/bus/pci/drivers/nvidia/unbind` — [`Sysfs::unbind`]. The
+//!    `driver` link disappears. For `nvidia` this blocks while the driver tears down; it hangs
+//!    if a process still holds `/dev/nvidia<N>` ([`inuse`] finds such holders first).
+//! 3. `echo 0000:65:00.0 > /sys/bus/pci/drivers_probe` — [`Sysfs::drivers_probe`]. The kernel
+//!    binds the override driver; `driver` now points at vfio-pci and `/dev/vfio/<group>` appears
+//!    once every device of the IOMMU group is on a VFIO driver (or none).
+//! 4. [`Sysfs::wait_for_driver`] confirms the link; the caller checks `/dev/vfio/<group>`
+//!    ([`HostPaths::vfio_group_node`]).
+//!
+//! Giving it back: write `\n` to `driver_override` (reads `(null)` again), unbind from
+//! vfio-pci, `drivers_probe` — the default driver takes the device again.
+//!
+//! # vGPUs
+//!
+//! - **mdev** (Turing on the GPU itself; Ampere on the GPU's SR-IOV VFs, enabled with
+//!   [`Sysfs::set_sriov_numvfs`]): each parent lists `mdev_supported_types/<type>/` with
+//!   `name` (`NVIDIA A10-4Q`) and `available_instances`. Writing a UUID to the type's `create`
+//!   ([`Sysfs::mdev_create`]) makes `/sys/bus/mdev/devices/<uuid>` with its own IOMMU group and
+//!   `/dev/vfio/<group>`; writing `1` to its `remove` ([`Sysfs::mdev_remove`]) deletes it.
+//! - **Vendor path** (Ada, Hopper, Blackwell with recent drivers): each VF has
+//!   `nvidia/creatable_vgpu_types` (`1145  : NVIDIA L40S-1B`) and `nvidia/current_vgpu_type`;
+//!   writing a type id creates the vGPU on that VF, `0` deletes it
+//!   ([`Sysfs::set_current_vgpu_type`]). The VF itself is then what a VM is given.
+//!
+//! A vGPU is in use while a process holds its `/dev/vfio/<group>` open ([`inuse::holders`]).
+//!
+//! Writes block while drivers probe: call this crate from async code via `spawn_blocking`.
+#![warn(missing_docs)]
+
+pub mod error;
+pub mod inuse;
+pub mod inventory;
+pub mod naming;
+pub mod ops;
+pub mod paths;
+pub mod pci;
+
+pub use error::{Error, Result};
+pub use inuse::Holder;
+pub use inventory::{
+    Inventory, MdevDevice, MdevParent, MdevType, NvidiaVgpu, PciDevice, ReadOptions, Unreadable,
+    VgpuType, error_chain,
+};
+pub use naming::{PciIds, env_var_name, passthrough_resource_name, vgpu_resource_name};
+pub use ops::Sysfs;
+pub use paths::{HostPaths, host_vfio_group_path};
+pub use pci::PciAddress;

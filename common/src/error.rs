@@ -1,0 +1,93 @@
+//! Errors of the sysfs layer. Every variant names the file it concerns and, where there is one,
+//! the device.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// A failed read, write or parse of the node's sysfs, dev or proc tree.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Reading or listing a file or directory failed.
+    #[error("cannot read {path}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The kernel refused a write.
+    #[error("{device}: writing {value:?} to {path} failed")]
+    Write {
+        /// The device the write was for (PCI address, mdev UUID or parent name).
+        device: String,
+        /// The file written.
+        path: PathBuf,
+        /// What was written (without the trailing newline).
+        value: String,
+        /// The kernel's answer.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A write did not return in time (a driver probe hanging, for example). The write may
+    /// still complete later in the background.
+    #[error("{device}: writing {value:?} to {path} did not finish within {after:?}")]
+    Timeout {
+        /// The device the write was for.
+        device: String,
+        /// The file written.
+        path: PathBuf,
+        /// What was written.
+        value: String,
+        /// How long we waited.
+        after: Duration,
+    },
+    /// A device did not reach the expected driver in time.
+    #[error("{device}: not bound to {driver} after {after:?} (driver now: {current})")]
+    BindTimeout {
+        /// The device.
+        device: String,
+        /// The driver we waited for.
+        driver: String,
+        /// How long we waited.
+        after: Duration,
+        /// The driver it is on now, or "none".
+        current: String,
+    },
+    /// A file held something we could not understand.
+    #[error("{path}: {reason}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// What was wrong with it.
+        reason: String,
+    },
+    /// The device (PCI function, mdev, parent, type) does not exist on this node.
+    #[error("{device}: no such device ({path} does not exist)")]
+    NotFound {
+        /// The device.
+        device: String,
+        /// Where it was looked for.
+        path: PathBuf,
+    },
+}
+
+impl Error {
+    /// The errno behind the error, when there is one (EBUSY, ENODEV, ENOSPC, ...).
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            Error::Io { source, .. } | Error::Write { source, .. } => source.raw_os_error(),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+/// Result of the sysfs layer.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,681 @@
+//! One consistent read of the node: PCI functions, IOMMU groups, SR-IOV VFs, mdev parents,
+//! types and instances, NVIDIA SR-IOV vGPU VFs and the VFIO group nodes that exist.
+//!
+//! A device whose files are odd (missing, garbage, dangling links) is listed in
+//! [`Inventory::unreadable`] and left out; the rest of the node is still returned.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::paths::HostPaths;
+use crate::pci::PciAddress;
+
+/// What [`Inventory::read_with`] reads.
+#[derive(Clone, Debug)]
+pub struct ReadOptions {
+    /// Read every mdev parent's supported types (name, available instances, ...). Costly on
+    /// nodes with many VFs (an Ampere GPU lists ~30 types on each of its VFs); readers that only
+    /// need existing vGPUs turn it off. Instances always carry their type id and name.
+    pub mdev_types: bool,
+}
+
+impl Default for ReadOptions {
+    fn default() -> Self {
+        ReadOptions { mdev_types: true }
+    }
+}
+
+/// A device or file that could not be read; it is left out of the inventory.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Unreadable {
+    /// The sysfs path.
+    pub path: PathBuf,
+    /// Why.
+    pub reason: String,
+}
+
+/// An NVIDIA vGPU type offered by a VF on the vendor-specific (non-mdev) path.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct VgpuType {
+    /// Numeric type id (`1145`), the same as the mdev `nvidia-1145` number.
+    pub id: u32,
+    /// Type name (`NVIDIA L40S-1B`).
+    pub name: String,
+}
+
+/// The vendor-specific vGPU state of one VF (`<vf>/nvidia/`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct NvidiaVgpu {
+    /// Types this VF can create now (`creatable_vgpu_types`).
+    pub creatable: Vec<VgpuType>,
+    /// The type configured on the VF (`current_vgpu_type`), 0 when free.
+    pub current: u32,
+    /// The name of the current type, when the creatable list (or a sibling's) names it.
+    pub current_name: Option<String>,
+}
+
+/// One mdev type of a parent (`mdev_supported_types/<id>`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct MdevType {
+    /// The type id, the directory name (`nvidia-558`, `mtty-2`).
+    pub id: String,
+    /// `name`, when the driver provides it (`NVIDIA A10-4Q`).
+    pub name: Option<String>,
+    /// `available_instances`.
+    pub available_instances: u32,
+    /// `device_api` (`vfio-pci`).
+    pub device_api: Option<String>,
+    /// `description`, absent on some drivers.
+    pub description: Option<String>,
+    /// UUIDs of the instances of this type (`devices/`).
+    pub devices: Vec<String>,
+}
+
+/// A device that can create mdevs (`/sys/class/mdev_bus/<name>`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct MdevParent {
+    /// The entry name: a PCI address, or a driver's name for virtual parents (`mtty`).
+    pub name: String,
+    /// The parent's PCI address, when it is a PCI function.
+    pub pci: Option<PciAddress>,
+    /// Supported types (empty when read with `mdev_types: false`).
+    pub types: Vec<MdevType>,
+}
+
+/// A mediated device (`/sys/bus/mdev/devices/<uuid>`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct MdevDevice {
+    /// Lower-case UUID.
+    pub uuid: String,
+    /// The type id (`nvidia-558`).
+    pub type_id: String,
+    /// The type's name (`NVIDIA A10-4Q`), when the driver provides one.
+    pub type_name: Option<String>,
+    /// The parent's name (`0000:41:00.4`, `mtty`).
+    pub parent: String,
+    /// The parent's PCI address, when it is a PCI function.
+    pub parent_pci: Option<PciAddress>,
+    /// The mdev's own IOMMU group.
+    pub iommu_group: Option<u32>,
+    /// The driver bound to the mdev (`vfio_mdev`), if any.
+    pub driver: Option<String>,
+}
+
+/// One PCI function.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PciDevice {
+    /// Address.
+    pub address: PciAddress,
+    /// `vendor`.
+    pub vendor: u16,
+    /// `device`.
+    pub device: u16,
+    /// `subsystem_vendor` (0 when absent).
+    pub subsystem_vendor: u16,
+    /// `subsystem_device` (0 when absent).
+    pub subsystem_device: u16,
+    /// `class`, 24 bits (`0x030200`).
+    pub class: u32,
+    /// The bound driver's name (`driver` link).
+    pub driver: Option<String>,
+    /// `driver_override`, `None` when it reads `(null)`.
+    pub driver_override: Option<String>,
+    /// The IOMMU group (`iommu_group` link).
+    pub iommu_group: Option<u32>,
+    /// `numa_node`, `None` when -1 or absent.
+    pub numa_node: Option<i32>,
+    /// The PF of a VF (`physfn`).
+    pub physfn: Option<PciAddress>,
+    /// The VFs of a PF (`virtfnN`), in N order.
+    pub virtfns: Vec<PciAddress>,
+    /// `sriov_totalvfs`.
+    pub sriov_totalvfs: Option<u32>,
+    /// `sriov_numvfs`.
+    pub sriov_numvfs: Option<u32>,
+    /// `modalias`.
+    pub modalias: Option<String>,
+    /// The bridge or port the function sits under (its parent in `/sys/devices`); GPUs under one
+    /// PCIe switch share an upstream bridge's upstream bridge.
+    pub upstream_bridge: Option<PciAddress>,
+    /// The whole chain of bridges above the function, nearest first.
+    pub bridges: Vec<PciAddress>,
+    /// The VFIO cdev name (`vfio0`) under `<dev>/vfio-dev/`, when the kernel has them.
+    pub vfio_cdev: Option<String>,
+    /// mdev types, when this function is an mdev parent (and types were read).
+    pub mdev_types: Vec<MdevType>,
+    /// Whether this function is an mdev parent (`mdev_supported_types` exists).
+    pub mdev_parent: bool,
+    /// Vendor-path vGPU state, when `<dev>/nvidia/creatable_vgpu_types` exists.
+    pub nvidia_vgpu: Option<NvidiaVgpu>,
+}
+
+impl PciDevice {
+    /// Display controller: VGA (0x0300) or 3D (0x0302).
+    pub fn is_display(&self) -> bool {
+        matches!(self.class >> 8, 0x0300 | 0x0302)
+    }
+
+    /// A bridge (class 0x06xx): never bound to VFIO.
+    pub fn is_bridge(&self) -> bool {
+        self.class >> 16 == 0x06
+    }
+
+    /// An SR-IOV virtual function.
+    pub fn is_vf(&self) -> bool {
+        self.physfn.is_some()
+    }
+
+    /// `VVVV:DDDD` in lower-case hex.
+    pub fn id_string(&self) -> String {
+        format!("{:04x}:{:04x}", self.vendor, self.device)
+    }
+}
+
+/// One snapshot of the node.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Inventory {
+    /// Every readable PCI function, by address.
+    pub devices: BTreeMap<PciAddress, PciDevice>,
+    /// What could not be read.
+    pub unreadable: Vec<Unreadable>,
+    /// mdev parents by name.
+    pub mdev_parents: BTreeMap<String, MdevParent>,
+    /// mdev instances by lower-case UUID.
+    pub mdevs: BTreeMap<String, MdevDevice>,
+    /// Groups whose `<root>/dev/vfio/<group>` node exists.
+    pub vfio_nodes: BTreeSet<u32>,
+}
+
+impl Inventory {
+    /// Reads everything, mdev types included.
+    pub fn read(paths: &HostPaths) -> Result<Inventory> {
+        Self::read_with(paths, &ReadOptions::default())
+    }
+
+    /// Reads the node. Fails only when the PCI device list itself cannot be listed; odd devices
+    /// go to [`Inventory::unreadable`].
+    pub fn read_with(paths: &HostPaths, opts: &ReadOptions) -> Result<Inventory> {
+        let mut inv = Inventory::default();
+        let pci_dir = paths.pci_devices();
+        for name in list_dir(&pci_dir)? {
+            let path = pci_dir.join(&name);
+            let Ok(address) = name.parse::<PciAddress>() else {
+                inv.unreadable.push(Unreadable {
+                    path,
+                    reason: "entry name is not a PCI address".into(),
+                });
+                continue;
+            };
+            match read_pci_device(&path, address, opts) {
+                Ok(Some(dev)) => {
+                    inv.devices.insert(address, dev);
+                }
+                Ok(None) => {} // vanished while we read it
+                Err(e) => inv.unreadable.push(Unreadable {
+                    path,
+                    reason: error_chain(&e),
+                }),
+            }
+        }
+        inv.read_mdev_parents(paths, opts);
+        inv.read_mdevs(paths);
+        inv.fill_vendor_vgpu_names();
+        match list_dir(&paths.dev_vfio()) {
+            Ok(names) => inv.vfio_nodes = names.iter().filter_map(|n| n.parse().ok()).collect(),
+            Err(e) if is_not_found(&e) => {}
+            Err(e) => inv.unreadable.push(Unreadable {
+                path: paths.dev_vfio(),
+                reason: error_chain(&e),
+            }),
+        }
+        Ok(inv)
+    }
+
+    /// The device at `a`.
+    pub fn device(&self, a: &PciAddress) -> Option<&PciDevice> {
+        self.devices.get(a)
+    }
+
+    /// The PCI functions in IOMMU group `group`, in address order.
+    pub fn group_members(&self, group: u32) -> Vec<PciAddress> {
+        self.devices
+            .values()
+            .filter(|d| d.iommu_group == Some(group))
+            .map(|d| d.address)
+            .collect()
+    }
+
+    /// Display-class physical functions (VFs excluded) of `vendor` (any vendor when `None`), in
+    /// address order: the GPUs of the node.
+    pub fn gpus(&self, vendor: Option<u16>) -> Vec<&PciDevice> {
+        self.devices
+            .values()
+            .filter(|d| d.is_display() && !d.is_vf() && vendor.is_none_or(|v| d.vendor == v))
+            .collect()
+    }
+
+    /// The mdevs whose parent is `parent` (a PCI address string or a virtual parent's name).
+    pub fn mdevs_of(&self, parent: &str) -> Vec<&MdevDevice> {
+        self.mdevs.values().filter(|m| m.parent == parent).collect()
+    }
+
+    fn read_mdev_parents(&mut self, paths: &HostPaths, opts: &ReadOptions) {
+        let dir = paths.mdev_bus();
+        let names = match list_dir(&dir) {
+            Ok(n) => n,
+            Err(e) if is_not_found(&e) => return,
+            Err(e) => {
+                self.unreadable.push(Unreadable {
+                    path: dir,
+                    reason: error_chain(&e),
+                });
+                return;
+            }
+        };
+        for name in names {
+            let path = dir.join(&name);
+            let pci = name.parse::<PciAddress>().ok();
+            let types = match pci.and_then(|a| self.devices.get(&a)) {
+                Some(dev) => dev.mdev_types.clone(),
+                None if opts.mdev_types => match read_mdev_types(&path) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        self.unreadable.push(Unreadable {
+                            path,
+                            reason: error_chain(&e),
+                        });
+                        continue;
+                    }
+                },
+                None => Vec::new(),
+            };
+            self.mdev_parents
+                .insert(name.clone(), MdevParent { name, pci, types });
+        }
+    }
+
+    fn read_mdevs(&mut self, paths: &HostPaths) {
+        let dir = paths.mdev_devices();
+        let names = match list_dir(&dir) {
+            Ok(n) => n,
+            Err(e) if is_not_found(&e) => return,
+            Err(e) => {
+                self.unreadable.push(Unreadable {
+                    path: dir,
+                    reason: error_chain(&e),
+                });
+                return;
+            }
+        };
+        for name in names {
+            let path = dir.join(&name);
+            match read_mdev(&path, &name) {
+                Ok(Some(mut m)) => {
+                    if m.type_name.is_none() {
+                        m.type_name = self
+                            .mdev_parents
+                            .get(&m.parent)
+                            .and_then(|p| p.types.iter().find(|t| t.id == m.type_id))
+                            .and_then(|t| t.name.clone());
+                    }
+                    self.mdevs.insert(m.uuid.clone(), m);
+                }
+                Ok(None) => {}
+                Err(e) => self.unreadable.push(Unreadable {
+                    path,
+                    reason: error_chain(&e),
+                }),
+            }
+        }
+    }
+
+    /// A VF's creatable list stops naming its own type once it is set; name it from a sibling.
+    fn fill_vendor_vgpu_names(&mut self) {
+        let mut names: BTreeMap<u32, String> = BTreeMap::new();
+        for d in self.devices.values() {
+            if let Some(v) = &d.nvidia_vgpu {
+                for t in &v.creatable {
+                    names.entry(t.id).or_insert_with(|| t.name.clone());
+                }
+            }
+        }
+        for d in self.devices.values_mut() {
+            if let Some(v) = &mut d.nvidia_vgpu
+                && v.current != 0
+                && v.current_name.is_none()
+            {
+                v.current_name = names.get(&v.current).cloned();
+            }
+        }
+    }
+}
+
+/// The full message of an error and its sources, for reports.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
+
+fn is_not_found(e: &Error) -> bool {
+    matches!(e, Error::Io { source, .. } if source.kind() == io::ErrorKind::NotFound)
+}
+
+/// Names in a directory, sorted.
+pub(crate) fn list_dir(dir: &Path) -> Result<Vec<String>> {
+    let rd = fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
+    let mut names = Vec::new();
+    for entry in rd {
+        let entry = entry.map_err(|e| Error::io(dir, e))?;
+        if let Some(n) = entry.file_name().to_str() {
+            names.push(n.to_string());
+        }
+    }
+    names.sort();
+    Ok(names)
+}
+
+/// A file's contents without surrounding whitespace; `None` when it does not exist.
+pub(crate) fn read_opt(path: &Path) -> Result<Option<String>> {
+    match fs::read_to_string(path) {
+        Ok(s) => Ok(Some(s.trim().to_string())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io(path, e)),
+    }
+}
+
+fn read_req(path: &Path) -> Result<String> {
+    fs::read_to_string(path)
+        .map(|s| s.trim().to_string())
+        .map_err(|e| Error::io(path, e))
+}
+
+fn parse_hex(path: &Path, s: &str) -> Result<u32> {
+    let digits = s
+        .strip_prefix("0x")
+        .or_else(|| s.strip_prefix("0X"))
+        .unwrap_or(s);
+    if digits.is_empty() || digits.len() > 8 {
+        return Err(Error::Parse {
+            path: path.to_path_buf(),
+            reason: format!("not a hex number: {s:?}"),
+        });
+    }
+    u32::from_str_radix(digits, 16).map_err(|_| Error::Parse {
+        path: path.to_path_buf(),
+        reason: format!("not a hex number: {s:?}"),
+    })
+}
+
+fn read_hex16(path: &Path) -> Result<u16> {
+    let s = read_req(path)?;
+    let v = parse_hex(path, &s)?;
+    u16::try_from(v).map_err(|_| Error::Parse {
+        path: path.to_path_buf(),
+        reason: format!("not a 16-bit id: {s:?}"),
+    })
+}
+
+fn read_opt_u32(path: &Path) -> Result<Option<u32>> {
+    read_opt(path)?
+        .map(|s| {
+            s.parse::<u32>().map_err(|_| Error::Parse {
+                path: path.to_path_buf(),
+                reason: format!("not a number: {s:?}"),
+            })
+        })
+        .transpose()
+}
+
+/// The last component of a symlink's target; `None` when there is no link.
+pub(crate) fn link_name(path: &Path) -> Result<Option<String>> {
+    match fs::read_link(path) {
+        Ok(t) => Ok(t
+            .file_name()
+            .and_then(|n| n.to_str())
+            .map(|s| s.to_string())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io(path, e)),
+    }
+}
+
+fn link_number(path: &Path) -> Result<Option<u32>> {
+    link_name(path)?
+        .map(|n| {
+            n.parse::<u32>().map_err(|_| Error::Parse {
+                path: path.to_path_buf(),
+                reason: format!("link does not end in a group number: {n:?}"),
+            })
+        })
+        .transpose()
+}
+
+fn link_address(path: &Path) -> Result<Option<PciAddress>> {
+    link_name(path)?
+        .map(|n| {
+            n.parse::<PciAddress>().map_err(|_| Error::Parse {
+                path: path.to_path_buf(),
+                reason: format!("link does not end in a PCI address: {n:?}"),
+            })
+        })
+        .transpose()
+}
+
+fn read_pci_device(
+    link: &Path,
+    address: PciAddress,
+    opts: &ReadOptions,
+) -> Result<Option<PciDevice>> {
+    let dir = match fs::canonicalize(link) {
+        Ok(d) => d,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            // A dangling link; a device that vanished has no link at all.
+            if fs::symlink_metadata(link).is_ok() {
+                return Err(Error::Parse {
+                    path: link.to_path_buf(),
+                    reason: "dangling link".into(),
+                });
+            }
+            return Ok(None);
+        }
+        Err(e) => return Err(Error::io(link, e)),
+    };
+    let class_path = dir.join("class");
+    let class = parse_hex(&class_path, &read_req(&class_path)?)?;
+    let bridges: Vec<PciAddress> = dir
+        .ancestors()
+        .skip(1)
+        .map_while(|p| p.file_name()?.to_str()?.parse::<PciAddress>().ok())
+        .collect();
+    let mut virtfns: Vec<(u32, PciAddress)> = Vec::new();
+    let mut mdev_parent = false;
+    let mut vfio_cdev = None;
+    for name in list_dir(&dir)? {
+        if let Some(n) = name
+            .strip_prefix("virtfn")
+            .and_then(|n| n.parse::<u32>().ok())
+        {
+            if let Some(a) = link_address(&dir.join(&name))? {
+                virtfns.push((n, a));
+            }
+        } else if name == "mdev_supported_types" {
+            mdev_parent = true;
+        } else if name == "vfio-dev" {
+            vfio_cdev = list_dir(&dir.join(&name))
+                .ok()
+                .and_then(|v| v.into_iter().next());
+        }
+    }
+    virtfns.sort();
+    let override_raw = read_opt(&dir.join("driver_override"))?;
+    let numa = read_opt(&dir.join("numa_node"))?
+        .map(|s| {
+            s.parse::<i32>().map_err(|_| Error::Parse {
+                path: dir.join("numa_node"),
+                reason: format!("not a number: {s:?}"),
+            })
+        })
+        .transpose()?;
+    let mdev_types = if mdev_parent && opts.mdev_types {
+        read_mdev_types(&dir)?
+    } else {
+        Vec::new()
+    };
+    let nvidia_vgpu = read_nvidia_vgpu(&dir)?;
+    Ok(Some(PciDevice {
+        address,
+        vendor: read_hex16(&dir.join("vendor"))?,
+        device: read_hex16(&dir.join("device"))?,
+        subsystem_vendor: opt_hex16(&dir.join("subsystem_vendor"))?,
+        subsystem_device: opt_hex16(&dir.join("subsystem_device"))?,
+        class,
+        driver: link_name(&dir.join("driver"))?,
+        driver_override: override_raw.filter(|s| !s.is_empty() && s != "(null)"),
+        iommu_group: link_number(&dir.join("iommu_group"))?,
+        numa_node: numa.filter(|n| *n >= 0),
+        physfn: link_address(&dir.join("physfn"))?,
+        virtfns: virtfns.into_iter().map(|(_, a)| a).collect(),
+        sriov_totalvfs: read_opt_u32(&dir.join("sriov_totalvfs"))?,
+        sriov_numvfs: read_opt_u32(&dir.join("sriov_numvfs"))?,
+        modalias: read_opt(&dir.join("modalias"))?,
+        upstream_bridge: bridges.first().copied(),
+        bridges,
+        vfio_cdev,
+        mdev_types,
+        mdev_parent,
+        nvidia_vgpu,
+    }))
+}
+
+fn opt_hex16(path: &Path) -> Result<u16> {
+    match read_opt(path)? {
+        None => Ok(0),
+        Some(s) => {
+            let v = parse_hex(path, &s)?;
+            u16::try_from(v).map_err(|_| Error::Parse {
+                path: path.to_path_buf(),
+                reason: format!("not a 16-bit id: {s:?}"),
+            })
+        }
+    }
+}
+
+fn read_mdev_types(parent_dir: &Path) -> Result<Vec<MdevType>> {
+    let dir = parent_dir.join("mdev_supported_types");
+    let mut types = Vec::new();
+    for id in list_dir(&dir)? {
+        let t = dir.join(&id);
+        let available_path = t.join("available_instances");
+        let available = read_req(&available_path)?;
+        let available_instances = available.parse::<u32>().map_err(|_| Error::Parse {
+            path: available_path.clone(),
+            reason: format!("not a number: {available:?}"),
+        })?;
+        let devices = match list_dir(&t.join("devices")) {
+            Ok(d) => d,
+            Err(e) if is_not_found(&e) => Vec::new(),
+            Err(e) => return Err(e),
+        };
+        types.push(MdevType {
+            name: read_opt(&t.join("name"))?,
+            available_instances,
+            device_api: read_opt(&t.join("device_api"))?,
+            description: read_opt(&t.join("description"))?,
+            devices,
+            id,
+        });
+    }
+    Ok(types)
+}
+
+/// Parses `creatable_vgpu_types`: an optional `ID : vGPU Name` header, then `1145  : NVIDIA L40S-1B`.
+pub fn parse_creatable_vgpu_types(path: &Path, text: &str) -> Result<Vec<VgpuType>> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let Some((id, name)) = line.split_once(':') else {
+            return Err(Error::Parse {
+                path: path.to_path_buf(),
+                reason: format!("line without ':': {line:?}"),
+            });
+        };
+        let (id, name) = (id.trim(), name.trim());
+        if id.eq_ignore_ascii_case("id") {
+            continue; // header
+        }
+        let id = id.parse::<u32>().map_err(|_| Error::Parse {
+            path: path.to_path_buf(),
+            reason: format!("type id is not a number: {line:?}"),
+        })?;
+        out.push(VgpuType {
+            id,
+            name: name.to_string(),
+        });
+    }
+    Ok(out)
+}
+
+fn read_nvidia_vgpu(dir: &Path) -> Result<Option<NvidiaVgpu>> {
+    let path = dir.join("nvidia/creatable_vgpu_types");
+    let Some(text) = (match fs::read_to_string(&path) {
+        Ok(s) => Some(s),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        Err(e) => return Err(Error::io(&path, e)),
+    }) else {
+        return Ok(None);
+    };
+    let creatable = parse_creatable_vgpu_types(&path, &text)?;
+    let current = read_opt_u32(&dir.join("nvidia/current_vgpu_type"))?.unwrap_or(0);
+    let current_name = creatable
+        .iter()
+        .find(|t| t.id == current && current != 0)
+        .map(|t| t.name.clone());
+    Ok(Some(NvidiaVgpu {
+        creatable,
+        current,
+        current_name,
+    }))
+}
+
+fn read_mdev(link: &Path, name: &str) -> Result<Option<MdevDevice>> {
+    let dir = match fs::canonicalize(link) {
+        Ok(d) => d,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io(link, e)),
+    };
+    let type_id = link_name(&dir.join("mdev_type"))?.ok_or_else(|| Error::Parse {
+        path: dir.join("mdev_type"),
+        reason: "mdev has no mdev_type link".into(),
+    })?;
+    let parent = dir
+        .parent()
+        .and_then(|p| p.file_name())
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| Error::Parse {
+            path: dir.clone(),
+            reason: "mdev has no parent directory".into(),
+        })?
+        .to_string();
+    Ok(Some(MdevDevice {
+        uuid: name.to_ascii_lowercase(),
+        type_name: read_opt(&dir.join("mdev_type/name")).ok().flatten(),
+        parent_pci: parent.parse().ok(),
+        parent,
+        iommu_group: link_number(&dir.join("iommu_group"))?,
+        driver: link_name(&dir.join("driver"))?,
+        type_id,
+    }))
+}

@@ -1,0 +1,335 @@
+//! `Inventory::read` against plain trees in a tempdir, including odd ones.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed setup step should panic
+
+use std::fs;
+use std::os::unix::fs::symlink;
+use std::path::{Path, PathBuf};
+
+use common::{HostPaths, Inventory, PciAddress, ReadOptions};
+
+struct Tree {
+    dir: tempfile::TempDir,
+}
+
+impl Tree {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        for d in [
+            "sys/bus/pci/devices",
+            "sys/bus/pci/drivers/nvidia",
+            "sys/bus/pci/drivers/vfio-pci",
+            "sys/kernel/iommu_groups",
+            "sys/bus/mdev/devices",
+            "sys/class/mdev_bus",
+            "dev/vfio",
+        ] {
+            fs::create_dir_all(dir.path().join(d)).unwrap();
+        }
+        Tree { dir }
+    }
+
+    fn root(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// A function under `parent` (a path below sys/devices), with the usual files.
+    fn device(
+        &self,
+        parent: &str,
+        bdf: &str,
+        ids: (&str, &str, &str),
+        driver: Option<&str>,
+        group: u32,
+    ) -> PathBuf {
+        let rel = format!("{parent}/{bdf}");
+        let d = self.root().join("sys/devices").join(&rel);
+        fs::create_dir_all(&d).unwrap();
+        fs::write(d.join("vendor"), format!("{}\n", ids.0)).unwrap();
+        fs::write(d.join("device"), format!("{}\n", ids.1)).unwrap();
+        fs::write(d.join("subsystem_vendor"), "0x10de\n").unwrap();
+        fs::write(d.join("subsystem_device"), "0x1482\n").unwrap();
+        fs::write(d.join("class"), format!("{}\n", ids.2)).unwrap();
+        fs::write(d.join("driver_override"), "(null)\n").unwrap();
+        fs::write(d.join("numa_node"), "1\n").unwrap();
+        let depth = rel.matches('/').count() + 2; // sys/devices/<rel>
+        let up = "../".repeat(depth);
+        if let Some(drv) = driver {
+            symlink(format!("{up}bus/pci/drivers/{drv}"), d.join("driver")).unwrap();
+        }
+        let g = self
+            .root()
+            .join(format!("sys/kernel/iommu_groups/{group}/devices"));
+        fs::create_dir_all(&g).unwrap();
+        symlink(
+            format!("{up}kernel/iommu_groups/{group}"),
+            d.join("iommu_group"),
+        )
+        .unwrap();
+        symlink(
+            format!("../../../devices/{rel}"),
+            self.root().join("sys/bus/pci/devices").join(bdf),
+        )
+        .unwrap();
+        d
+    }
+
+    fn paths(&self) -> HostPaths {
+        HostPaths::new(self.root())
+    }
+}
+
+fn a(s: &str) -> PciAddress {
+    s.parse().unwrap()
+}
+
+#[test]
+fn reads_functions_groups_and_bridges() {
+    let t = Tree::new();
+    t.device(
+        "pci0000:00/0000:00:01.0",
+        "0000:41:00.0",
+        ("0x10de", "0x2236", "0x030200"),
+        Some("nvidia"),
+        30,
+    );
+    t.device(
+        "pci0000:00/0000:00:01.0",
+        "0000:41:00.1",
+        ("0x10de", "0x1aef", "0x040300"),
+        None,
+        30,
+    );
+    t.device(
+        "pci0000:00/0000:00:02.0/0000:01:00.0/0000:02:08.0",
+        "0000:03:00.0",
+        ("0x10de", "0x2236", "0x030200"),
+        Some("vfio-pci"),
+        31,
+    );
+    fs::write(t.root().join("dev/vfio/31"), "").unwrap();
+    fs::write(t.root().join("dev/vfio/vfio"), "").unwrap();
+
+    let inv = Inventory::read(&t.paths()).unwrap();
+    assert!(inv.unreadable.is_empty(), "{:?}", inv.unreadable);
+    let gpu = inv.device(&a("0000:41:00.0")).unwrap();
+    assert_eq!(
+        (gpu.vendor, gpu.device, gpu.class),
+        (0x10de, 0x2236, 0x030200)
+    );
+    assert_eq!(gpu.subsystem_device, 0x1482);
+    assert_eq!(gpu.driver.as_deref(), Some("nvidia"));
+    assert_eq!(gpu.driver_override, None);
+    assert_eq!(gpu.iommu_group, Some(30));
+    assert_eq!(gpu.numa_node, Some(1));
+    assert_eq!(gpu.upstream_bridge, Some(a("0000:00:01.0")));
+    assert!(gpu.is_display() && !gpu.is_vf() && !gpu.is_bridge());
+    assert_eq!(
+        inv.group_members(30),
+        vec![a("0000:41:00.0"), a("0000:41:00.1")]
+    );
+    let deep = inv.device(&a("0000:03:00.0")).unwrap();
+    assert_eq!(
+        deep.bridges,
+        vec![a("0000:02:08.0"), a("0000:01:00.0"), a("0000:00:02.0")]
+    );
+    assert_eq!(inv.gpus(Some(0x10de)).len(), 2);
+    assert_eq!(inv.vfio_nodes.iter().copied().collect::<Vec<_>>(), vec![31]);
+}
+
+#[test]
+fn odd_devices_are_reported_and_the_rest_returned() {
+    let t = Tree::new();
+    t.device(
+        "pci0000:00",
+        "0000:41:00.0",
+        ("0x10de", "0x2236", "0x030200"),
+        Some("nvidia"),
+        30,
+    );
+    let garbage = t.device(
+        "pci0000:00",
+        "0000:42:00.0",
+        ("nonsense", "0x2236", "0x030200"),
+        None,
+        31,
+    );
+    let missing = t.device(
+        "pci0000:00",
+        "0000:43:00.0",
+        ("0x10de", "0x2236", "0x030200"),
+        None,
+        32,
+    );
+    fs::remove_file(missing.join("class")).unwrap();
+    symlink(
+        "../../../devices/pci0000:00/0000:44:00.0",
+        t.root().join("sys/bus/pci/devices/0000:44:00.0"),
+    )
+    .unwrap();
+    fs::create_dir_all(t.root().join("sys/bus/pci/devices/not-an-address")).unwrap();
+    let badgroup = t.device(
+        "pci0000:00",
+        "0000:45:00.0",
+        ("0x10de", "0x2236", "0x030200"),
+        None,
+        33,
+    );
+    fs::remove_file(badgroup.join("iommu_group")).unwrap();
+    symlink("../../kernel/iommu_groups/x", badgroup.join("iommu_group")).unwrap();
+    let _ = garbage;
+
+    let inv = Inventory::read(&t.paths()).unwrap();
+    assert_eq!(
+        inv.devices.keys().copied().collect::<Vec<_>>(),
+        vec![a("0000:41:00.0")]
+    );
+    let reasons: Vec<String> = inv
+        .unreadable
+        .iter()
+        .map(|u| format!("{}: {}", u.path.display(), u.reason))
+        .collect();
+    assert_eq!(reasons.len(), 5, "{reasons:#?}");
+    let has = |needle: &str| reasons.iter().any(|r| r.contains(needle));
+    assert!(has("0000:42:00.0/vendor: not a hex number"), "{reasons:#?}");
+    assert!(has("0000:43:00.0/class"), "{reasons:#?}");
+    assert!(has("0000:44:00.0: dangling link"), "{reasons:#?}");
+    assert!(has("not-an-address"), "{reasons:#?}");
+    assert!(has("0000:45:00.0/iommu_group"), "{reasons:#?}");
+}
+
+#[test]
+fn mdev_parents_types_and_instances() {
+    let t = Tree::new();
+    let pf = t.device(
+        "pci0000:00",
+        "0000:41:00.0",
+        ("0x10de", "0x2236", "0x030200"),
+        Some("nvidia"),
+        30,
+    );
+    fs::write(pf.join("sriov_totalvfs"), "32\n").unwrap();
+    fs::write(pf.join("sriov_numvfs"), "1\n").unwrap();
+    let vf = t.device(
+        "pci0000:00",
+        "0000:41:00.4",
+        ("0x10de", "0x2236", "0x030200"),
+        Some("nvidia"),
+        40,
+    );
+    symlink("../0000:41:00.0", vf.join("physfn")).unwrap();
+    symlink("../0000:41:00.4", pf.join("virtfn0")).unwrap();
+    for (id, name, avail) in [
+        ("nvidia-593", "NVIDIA A10-4Q", "0"),
+        ("nvidia-594", "NVIDIA A10-6Q", "0"),
+    ] {
+        let td = vf.join("mdev_supported_types").join(id);
+        fs::create_dir_all(td.join("devices")).unwrap();
+        fs::write(td.join("name"), format!("{name}\n")).unwrap();
+        fs::write(td.join("available_instances"), format!("{avail}\n")).unwrap();
+        fs::write(td.join("device_api"), "vfio-pci\n").unwrap();
+    }
+    symlink(
+        "../../devices/pci0000:00/0000:41:00.4",
+        t.root().join("sys/class/mdev_bus/0000:41:00.4"),
+    )
+    .unwrap();
+    let uuid = "3b1a9d2e-0a51-4c5e-9f0e-6c7a8d9e0f11";
+    let m = vf.join(uuid);
+    fs::create_dir_all(&m).unwrap();
+    symlink("../mdev_supported_types/nvidia-593", m.join("mdev_type")).unwrap();
+    fs::create_dir_all(t.root().join("sys/kernel/iommu_groups/120")).unwrap();
+    symlink("../../../../kernel/iommu_groups/120", m.join("iommu_group")).unwrap();
+    symlink(
+        format!("../../../devices/pci0000:00/0000:41:00.4/{uuid}"),
+        t.root().join("sys/bus/mdev/devices").join(uuid),
+    )
+    .unwrap();
+
+    let inv = Inventory::read(&t.paths()).unwrap();
+    assert!(inv.unreadable.is_empty(), "{:?}", inv.unreadable);
+    let pfd = inv.device(&a("0000:41:00.0")).unwrap();
+    assert_eq!(pfd.virtfns, vec![a("0000:41:00.4")]);
+    assert_eq!((pfd.sriov_totalvfs, pfd.sriov_numvfs), (Some(32), Some(1)));
+    let vfd = inv.device(&a("0000:41:00.4")).unwrap();
+    assert_eq!(vfd.physfn, Some(a("0000:41:00.0")));
+    assert!(vfd.is_vf());
+    assert_eq!(inv.gpus(None).len(), 1, "VFs are not GPUs");
+    let parent = &inv.mdev_parents["0000:41:00.4"];
+    assert_eq!(parent.pci, Some(a("0000:41:00.4")));
+    assert_eq!(parent.types.len(), 2);
+    assert_eq!(parent.types[0].name.as_deref(), Some("NVIDIA A10-4Q"));
+    assert_eq!(parent.types[0].description, None);
+    let mdev = &inv.mdevs[uuid];
+    assert_eq!(mdev.type_id, "nvidia-593");
+    assert_eq!(mdev.type_name.as_deref(), Some("NVIDIA A10-4Q"));
+    assert_eq!(mdev.parent, "0000:41:00.4");
+    assert_eq!(mdev.iommu_group, Some(120));
+
+    let light = Inventory::read_with(&t.paths(), &ReadOptions { mdev_types: false }).unwrap();
+    assert!(light.mdev_parents["0000:41:00.4"].types.is_empty());
+    assert_eq!(
+        light.mdevs[uuid].type_name.as_deref(),
+        Some("NVIDIA A10-4Q")
+    );
+}
+
+#[test]
+fn vendor_path_vgpu_vfs() {
+    let t = Tree::new();
+    let vf = t.device(
+        "pci0000:00",
+        "0000:59:00.4",
+        ("0x10de", "0x26b9", "0x030200"),
+        Some("nvidia"),
+        50,
+    );
+    let vf2 = t.device(
+        "pci0000:00",
+        "0000:59:00.5",
+        ("0x10de", "0x26b9", "0x030200"),
+        Some("nvidia"),
+        51,
+    );
+    fs::create_dir_all(vf.join("nvidia")).unwrap();
+    fs::create_dir_all(vf2.join("nvidia")).unwrap();
+    fs::write(
+        vf.join("nvidia/creatable_vgpu_types"),
+        "ID    : vGPU Name\n",
+    )
+    .unwrap();
+    fs::write(vf.join("nvidia/current_vgpu_type"), "1147\n").unwrap();
+    fs::write(
+        vf2.join("nvidia/creatable_vgpu_types"),
+        "ID    : vGPU Name\n1147  : NVIDIA L40S-1Q\n",
+    )
+    .unwrap();
+    fs::write(vf2.join("nvidia/current_vgpu_type"), "0\n").unwrap();
+    let inv = Inventory::read(&t.paths()).unwrap();
+    let v = inv
+        .device(&a("0000:59:00.4"))
+        .unwrap()
+        .nvidia_vgpu
+        .as_ref()
+        .unwrap();
+    assert_eq!(v.current, 1147);
+    assert!(v.creatable.is_empty());
+    assert_eq!(
+        v.current_name.as_deref(),
+        Some("NVIDIA L40S-1Q"),
+        "named from a sibling"
+    );
+    let v2 = inv
+        .device(&a("0000:59:00.5"))
+        .unwrap()
+        .nvidia_vgpu
+        .as_ref()
+        .unwrap();
+    assert_eq!(v2.creatable[0].id, 1147);
+}
+
+#[test]
+fn no_pci_tree_is_an_error_naming_the_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = Inventory::read(&HostPaths::new(dir.path())).unwrap_err();
+    assert!(e.to_string().contains("sys/bus/pci/devices"), "{e}");
+}

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Installs what building and testing gpu-vm-node needs on a Debian machine, when missing:
+# FUSE (node-sim), libudev (uevents), QEMU, busybox and systemd-analyze (VM tier, unit checks).
+# Idempotent and quiet when everything is there. Runs apt-get as root, or through sudo.
+set -euo pipefail
+
+pkgs=(fuse3 libudev-dev pkg-config qemu-system-x86 busybox-static systemd)
+missing=()
+for p in "${pkgs[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    echo "setup: installing ${missing[*]}"
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+if ! command -v cargo >/dev/null; then
+    echo "setup: cargo not found; install Rust (rustup) first" >&2
+    exit 1
+fi

@@ -113,6 +113,52 @@ pub fn group_holders(paths: &HostPaths, group: u32) -> Result<Vec<Holder>> {
     Ok(group_holders_in(&holders(paths)?, group, &[]))
 }
 
+/// The minor number of a GPU on the nvidia driver (its `/dev/nvidia<N>`), from the driver's
+/// `<root>/proc/driver/nvidia/gpus/<address>/information` (`Device Minor:  0`). `None` when the
+/// driver does not list the GPU (not on nvidia, or the driver is not loaded).
+pub fn nvidia_minor(paths: &HostPaths, address: &crate::PciAddress) -> Result<Option<u32>> {
+    let path = paths
+        .proc()
+        .join("driver/nvidia/gpus")
+        .join(address.to_string())
+        .join("information");
+    let text = match fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io(&path, e)),
+    };
+    for line in text.lines() {
+        if let Some((key, value)) = line.split_once(':')
+            && key.trim() == "Device Minor"
+        {
+            return value
+                .trim()
+                .parse::<u32>()
+                .map(Some)
+                .map_err(|_| Error::Parse {
+                    path: path.clone(),
+                    reason: format!("Device Minor is not a number: {:?}", value.trim()),
+                });
+        }
+    }
+    Err(Error::Parse {
+        path,
+        reason: "no Device Minor line".into(),
+    })
+}
+
+/// Processes holding the `/dev/nvidia<N>` of the GPU at `address` (a CUDA job,
+/// nvidia-persistenced): while any runs, unbinding the GPU from nvidia hangs. Empty when the
+/// GPU is not listed by the nvidia driver.
+pub fn nvidia_holders(paths: &HostPaths, address: &crate::PciAddress) -> Result<Vec<Holder>> {
+    let Some(minor) = nvidia_minor(paths, address)? else {
+        return Ok(Vec::new());
+    };
+    Ok(holders(paths)?
+        .remove(&format!("/dev/nvidia{minor}"))
+        .unwrap_or_default())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -142,5 +188,38 @@ mod tests {
         );
         assert!(group_holders(&p, 43).unwrap().is_empty());
         assert_eq!(h[0].to_string(), "pid 4242 (qemu-kvm) holds /dev/vfio/42");
+    }
+
+    #[test]
+    fn nvidia_holders_follow_the_device_minor() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = HostPaths::new(dir.path());
+        let a: crate::PciAddress = "0000:41:00.0".parse().unwrap();
+        let b: crate::PciAddress = "0000:61:00.0".parse().unwrap();
+        let c: crate::PciAddress = "0000:81:00.0".parse().unwrap();
+        for (addr, minor) in [(a, "1"), (b, "0"), (c, "x")] {
+            let info = dir.path().join(format!("proc/driver/nvidia/gpus/{addr}"));
+            fs::create_dir_all(&info).unwrap();
+            fs::write(
+                info.join("information"),
+                format!("Model: \t\t NVIDIA A10\nIRQ:   \t\t 88\nDevice Minor: \t {minor}\n"),
+            )
+            .unwrap();
+        }
+        let fd = dir.path().join("proc/77/fd");
+        fs::create_dir_all(&fd).unwrap();
+        fs::write(dir.path().join("proc/77/comm"), "python3\n").unwrap();
+        symlink("/dev/nvidia1", fd.join("5")).unwrap();
+        symlink("/dev/nvidiactl", fd.join("4")).unwrap();
+
+        assert_eq!(nvidia_minor(&p, &a).unwrap(), Some(1));
+        let h = nvidia_holders(&p, &a).unwrap();
+        assert_eq!(h.len(), 1);
+        assert_eq!(h[0].to_string(), "pid 77 (python3) holds /dev/nvidia1");
+        assert!(nvidia_holders(&p, &b).unwrap().is_empty());
+        let e = nvidia_holders(&p, &c).unwrap_err();
+        assert!(e.to_string().contains("0000:81:00.0/information"), "{e}");
+        let absent: crate::PciAddress = "0000:99:00.0".parse().unwrap();
+        assert_eq!(nvidia_minor(&p, &absent).unwrap(), None);
     }
 }

@@ -1,0 +1,267 @@
+//! `vfio-manager daemon`: bind, vouch for it with a readiness file, and keep binding.
+//!
+//! The daemon binds the selection, writes `<host-root>/run/nvidia/validations/vfio-pci-ready`
+//! once every selected function is on its VFIO driver, then reconciles again whenever udev
+//! reports a PCI device added, removed, bound or unbound (a hot-plugged GPU), and on a slow
+//! resync timer as a safety net. While any selected function is not bound the readiness file
+//! is absent. SIGTERM/SIGINT end it with the devices left bound (a rollout must not break
+//! running VMs); with `--unbind-on-exit` it gives them back first.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use common::{HostPaths, PciAddress, error_chain};
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::report::{Outcome, Report};
+use crate::{Config, run_bind, run_unbind};
+
+/// The readiness file's name under the validations directory.
+pub const READY_FILE: &str = "vfio-pci-ready";
+
+/// `daemon` settings.
+#[derive(Clone, Debug)]
+pub struct DaemonConfig {
+    /// Selection, driver and timeouts, as for `bind`.
+    pub config: Config,
+    /// How often to reconcile without an event (`--resync-interval`).
+    pub resync_interval: Duration,
+    /// Give the devices back on SIGTERM (`--unbind-on-exit`).
+    pub unbind_on_exit: bool,
+    /// Listen for udev events (off only where no netlink socket can be had).
+    pub udev: bool,
+}
+
+impl Default for DaemonConfig {
+    fn default() -> Self {
+        DaemonConfig {
+            config: Config::default(),
+            resync_interval: Duration::from_secs(60),
+            unbind_on_exit: false,
+            udev: true,
+        }
+    }
+}
+
+/// The readiness file's path.
+pub fn ready_path(paths: &HostPaths) -> PathBuf {
+    paths.validations_dir().join(READY_FILE)
+}
+
+/// A udev event on the pci subsystem: its action and the function's address.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct PciEvent {
+    action: String,
+    address: Option<PciAddress>,
+}
+
+/// Starts a thread that forwards pci uevents to `tx` until `shutdown`. Returns once the
+/// monitor socket is open (or could not be).
+fn start_udev(
+    tx: mpsc::UnboundedSender<PciEvent>,
+    shutdown: CancellationToken,
+) -> Result<(), String> {
+    let (opened_tx, opened_rx) = std::sync::mpsc::channel::<Result<(), String>>();
+    std::thread::Builder::new()
+        .name("udev-monitor".into())
+        .spawn(move || {
+            // The socket is not Send: it lives and dies on this thread.
+            let socket = match udev::MonitorBuilder::new().and_then(|b| b.listen()) {
+                Ok(s) => {
+                    let _ = opened_tx.send(Ok(()));
+                    s
+                }
+                Err(e) => {
+                    let _ = opened_tx.send(Err(format!("cannot open a udev monitor: {e}")));
+                    return;
+                }
+            };
+            use std::os::fd::AsFd;
+            while !shutdown.is_cancelled() {
+                let mut fds = [PollFd::new(socket.as_fd(), PollFlags::POLLIN)];
+                match poll(&mut fds, PollTimeout::from(200u16)) {
+                    Ok(0) => continue,
+                    Ok(_) => {}
+                    Err(nix::errno::Errno::EINTR) => continue,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "udev socket failed; resync only");
+                        return;
+                    }
+                }
+                for ev in socket.iter() {
+                    if ev.subsystem().and_then(|s| s.to_str()) != Some("pci") {
+                        continue;
+                    }
+                    let action = ev.event_type().to_string();
+                    let address = ev.sysname().to_str().and_then(|s| s.parse().ok());
+                    tracing::debug!(%action, device = ?address, "udev event");
+                    if tx.send(PciEvent { action, address }).is_err() {
+                        return;
+                    }
+                }
+            }
+        })
+        .map_err(|e| format!("cannot start the udev monitor thread: {e}"))?;
+    opened_rx
+        .recv()
+        .map_err(|_| "the udev monitor thread ended".to_string())?
+}
+
+/// Writes the readiness file (when `report` is clean) or removes it.
+fn set_ready(paths: &HostPaths, report: Option<&Report>) {
+    let path = ready_path(paths);
+    if let Some(report) = report.filter(|r| r.exit_code() == 0) {
+        let mut body = String::new();
+        for r in &report.results {
+            let driver = match &r.outcome {
+                Outcome::Changed { to, .. } => to.clone(),
+                Outcome::Unchanged { driver } => driver.clone(),
+                _ => None,
+            };
+            body.push_str(&format!(
+                "{} {} {}\n",
+                r.address,
+                driver.as_deref().unwrap_or("-"),
+                r.group.map(|g| g.to_string()).unwrap_or_else(|| "-".into())
+            ));
+        }
+        let dir = paths.validations_dir();
+        let tmp = dir.join(format!(".{READY_FILE}.tmp"));
+        let res = std::fs::create_dir_all(&dir)
+            .and_then(|_| std::fs::write(&tmp, body))
+            .and_then(|_| std::fs::rename(&tmp, &path));
+        match res {
+            Ok(()) => tracing::info!(path = %path.display(), "all selected devices bound; ready"),
+            Err(e) => {
+                tracing::error!(path = %path.display(), error = %e, "cannot write the readiness file")
+            }
+        }
+    } else {
+        match std::fs::remove_file(&path) {
+            Ok(()) => {
+                tracing::warn!(path = %path.display(), "not every selected device is bound; readiness withdrawn")
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::error!(path = %path.display(), error = %e, "cannot remove the readiness file")
+            }
+        }
+    }
+}
+
+/// Prints a report the way `bind` does (changes on stdout, failures on stderr).
+pub fn print_report(report: &Report, quiet_when_unchanged: bool) {
+    let changes = report.change_lines();
+    let failures = report.failure_lines();
+    for l in &changes {
+        println!("{l}");
+    }
+    for l in &failures {
+        eprintln!("{l}");
+    }
+    if !(quiet_when_unchanged && changes.is_empty() && failures.is_empty()) {
+        println!("{}", report.summary());
+    }
+}
+
+/// One bind pass on a blocking thread; `None` when the node could not be read.
+async fn reconcile(cfg: &Config, paths: &HostPaths) -> Option<Report> {
+    let (cfg, p) = (cfg.clone(), paths.clone());
+    match tokio::task::spawn_blocking(move || run_bind(&cfg, &p)).await {
+        Ok(Ok(r)) => Some(r),
+        Ok(Err(e)) => {
+            tracing::error!(error = %error_chain(&e), "reconcile failed");
+            None
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "reconcile worker failed");
+            None
+        }
+    }
+}
+
+/// Runs the daemon until `shutdown`; returns the exit status (0: clean shutdown).
+pub async fn run_daemon(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToken) -> i32 {
+    let (tx, mut rx) = mpsc::unbounded_channel::<PciEvent>();
+    let watcher = shutdown.child_token();
+    if cfg.udev {
+        if let Err(e) = start_udev(tx, watcher.clone()) {
+            tracing::warn!(error = %e, "udev events unavailable; relying on the resync interval");
+        }
+    } else {
+        drop(tx);
+    }
+    let mut ticker = tokio::time::interval(cfg.resync_interval.max(Duration::from_millis(100)));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut events_open = cfg.udev;
+    let mut first = true;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = ticker.tick() => {
+                if !first {
+                    tracing::debug!("resync");
+                }
+            }
+            ev = rx.recv(), if events_open => match ev {
+                Some(ev) => {
+                    tracing::debug!(action = %ev.action, device = ?ev.address, "change seen");
+                    // Let a burst of events (a driver's remove + add) settle.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    while rx.try_recv().is_ok() {}
+                }
+                None => events_open = false,
+            },
+        }
+        let mut again = true;
+        while again && !shutdown.is_cancelled() {
+            again = false;
+            let Some(report) = reconcile(&cfg.config, &paths).await else {
+                set_ready(&paths, None);
+                break;
+            };
+            print_report(&report, !first);
+            first = false;
+            set_ready(&paths, Some(&report));
+            // Our own writes raise events; one about a device we did not just touch means
+            // something else changed meanwhile.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let touched: BTreeSet<PciAddress> = report
+                .results
+                .iter()
+                .filter(|r| !matches!(r.outcome, Outcome::Unchanged { .. }))
+                .map(|r| r.address)
+                .collect();
+            while let Ok(ev) = rx.try_recv() {
+                if ev.address.is_none_or(|a| !touched.contains(&a)) {
+                    again = true;
+                }
+            }
+        }
+    }
+    watcher.cancel();
+    if cfg.unbind_on_exit {
+        tracing::info!("shutting down: giving the devices back (--unbind-on-exit)");
+        set_ready(&paths, None);
+        let (c, p) = (cfg.config.clone(), paths.clone());
+        match tokio::task::spawn_blocking(move || run_unbind(&c, &p)).await {
+            Ok(Ok(r)) => {
+                print_report(&r, false);
+                return r.exit_code();
+            }
+            Ok(Err(e)) => {
+                tracing::error!(error = %error_chain(&e), "unbind on exit failed");
+                return 1;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "unbind on exit failed");
+                return 1;
+            }
+        }
+    }
+    tracing::info!("shutting down; devices stay bound");
+    0
+}

@@ -1,0 +1,303 @@
+//! Moving selected functions onto their VFIO driver and back, one worker per IOMMU group.
+//!
+//! Within a group the functions are handled in address order (the GPU before its audio
+//! function); different groups run in parallel, so a node's bind takes about as long as its
+//! slowest GPU. A function already on its target driver is not written to at all.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use common::{Holder, HostPaths, Sysfs, error_chain, inuse};
+
+use crate::report::{DeviceResult, Outcome};
+use crate::select::{Selection, Target, is_vfio_driver};
+
+/// How the writes are made.
+#[derive(Clone, Debug)]
+pub struct OpOptions {
+    /// The most one function may take, all its writes and waits together.
+    pub timeout: Duration,
+    /// Unbind even when a process holds the group's `/dev/vfio/<group>` open.
+    pub force: bool,
+}
+
+impl Default for OpOptions {
+    fn default() -> Self {
+        OpOptions {
+            timeout: Duration::from_secs(30),
+            force: false,
+        }
+    }
+}
+
+/// Runs `per_group` on each group of `sel` in parallel (one thread per group) and returns every
+/// result, refusals included, in address order.
+fn for_each_group<F>(sel: &Selection, per_group: F) -> Vec<DeviceResult>
+where
+    F: Fn(&[Target]) -> Vec<DeviceResult> + Sync,
+{
+    let mut results: Vec<DeviceResult> = sel
+        .refused
+        .iter()
+        .map(|r| DeviceResult {
+            address: r.address,
+            group: r.group,
+            outcome: Outcome::Refused {
+                reason: r.reason.clone(),
+            },
+        })
+        .collect();
+    let per_group = &per_group;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = sel
+            .groups
+            .iter()
+            .map(|(g, targets)| {
+                let spawned = std::thread::Builder::new()
+                    .name(format!("group-{g}"))
+                    .spawn_scoped(scope, move || per_group(targets));
+                (targets, spawned)
+            })
+            .collect();
+        for (targets, h) in handles {
+            let joined = match h {
+                Ok(h) => h.join().map_err(|_| "worker panicked".to_string()),
+                // No thread to be had: do the group here.
+                Err(_) => Ok(per_group(targets)),
+            };
+            match joined {
+                Ok(r) => results.extend(r),
+                Err(e) => results.extend(targets.iter().map(|t| DeviceResult {
+                    address: t.address,
+                    group: Some(t.group),
+                    outcome: Outcome::Failed { error: e.clone() },
+                })),
+            }
+        }
+    });
+    results.sort_by_key(|r| r.address);
+    results
+}
+
+/// Binds every target of `sel` to its VFIO driver.
+pub fn bind_all(
+    paths: &HostPaths,
+    sel: &Selection,
+    opts: &OpOptions,
+    nvidia_holders: &(dyn Fn(&Target) -> Vec<Holder> + Sync),
+) -> Vec<DeviceResult> {
+    for_each_group(sel, |targets| {
+        let mut out = Vec::with_capacity(targets.len());
+        let mut failed: Option<String> = None;
+        for t in targets {
+            let span = tracing::info_span!("bind", device = %t.address, group = t.group);
+            let _g = span.enter();
+            let outcome = match &failed {
+                Some(first) => Outcome::Failed {
+                    error: format!(
+                        "not attempted: {first} in the same IOMMU group {} failed",
+                        t.group
+                    ),
+                },
+                None => bind_one(paths, t, opts, nvidia_holders),
+            };
+            if let Outcome::Failed { error } = &outcome {
+                tracing::warn!(%error, "bind failed");
+                if failed.is_none() {
+                    failed = Some(t.address.to_string());
+                }
+            }
+            out.push(DeviceResult {
+                address: t.address,
+                group: Some(t.group),
+                outcome,
+            });
+        }
+        out
+    })
+}
+
+fn fail(e: impl std::fmt::Display) -> Outcome {
+    Outcome::Failed {
+        error: e.to_string(),
+    }
+}
+
+/// Binds one function: `driver_override`, unbind, `drivers_probe`, verify the driver link and
+/// `/dev/vfio/<group>`; all within `opts.timeout`.
+pub fn bind_one(
+    paths: &HostPaths,
+    t: &Target,
+    opts: &OpOptions,
+    nvidia_holders: &(dyn Fn(&Target) -> Vec<Holder> + Sync),
+) -> Outcome {
+    let deadline = Instant::now() + opts.timeout;
+    let left = || deadline.saturating_duration_since(Instant::now());
+    let sysfs = || Sysfs::new(paths.clone()).with_timeout(left().max(Duration::from_millis(1)));
+    let a = &t.address;
+
+    let current = match sysfs().current_driver(a) {
+        Ok(c) => c,
+        Err(e) => return fail(error_chain(&e)),
+    };
+    if current.as_deref() == Some(t.target.as_str()) {
+        tracing::debug!(driver = %t.target, "already bound");
+        return Outcome::Unchanged { driver: current };
+    }
+    if current.as_deref() == Some("nvidia") {
+        let holders = nvidia_holders(t);
+        if !holders.is_empty() {
+            return fail(format!(
+                "{a} is in use on the nvidia driver ({}); unbinding it would hang until they \
+                 exit, so it is left on nvidia",
+                join_holders(&holders)
+            ));
+        }
+    }
+
+    if let Err(e) = sysfs().set_driver_override(a, Some(&t.target)) {
+        return fail(error_chain(&e));
+    }
+    let from = match sysfs().unbind(a) {
+        Ok(from) => from,
+        Err(e) => {
+            // Still on its old driver: put the override back so nothing is half-changed.
+            if let Err(e2) = sysfs().set_driver_override(a, t.driver_override.as_deref()) {
+                tracing::warn!(error = %error_chain(&e2), "could not restore driver_override");
+            }
+            return fail(error_chain(&e));
+        }
+    };
+    if let Err(e) = sysfs().drivers_probe(a) {
+        return fail(error_chain(&e));
+    }
+    if let Err(e) = sysfs().wait_for_driver(a, &t.target, left()) {
+        return fail(error_chain(&e));
+    }
+    let node = paths.vfio_group_node(t.group);
+    loop {
+        if node.exists() {
+            break;
+        }
+        if left().is_zero() {
+            return fail(format!(
+                "{a} is on {} but {} did not appear within {:?}",
+                t.target,
+                node.display(),
+                opts.timeout
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    tracing::info!(from = from.as_deref().unwrap_or("none"), to = %t.target, "bound");
+    Outcome::Changed {
+        from,
+        to: Some(t.target.clone()),
+    }
+}
+
+/// `pid 4242 (qemu-kvm) holds /dev/vfio/42, ...`.
+pub fn join_holders(h: &[Holder]) -> String {
+    h.iter()
+        .map(|h| h.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Gives every target of `sel` that is on a VFIO driver back to its default driver. A group
+/// whose `/dev/vfio/<group>` (or a member's VFIO cdev) is held open is refused unless
+/// `opts.force`.
+pub fn unbind_all(
+    paths: &HostPaths,
+    sel: &Selection,
+    opts: &OpOptions,
+    scan: &BTreeMap<String, Vec<Holder>>,
+) -> Vec<DeviceResult> {
+    for_each_group(sel, |targets| {
+        let Some(first) = targets.first() else {
+            return Vec::new();
+        };
+        let group = first.group;
+        let cdevs: Vec<&str> = targets
+            .iter()
+            .filter_map(|t| t.vfio_cdev.as_deref())
+            .collect();
+        let holders = inuse::group_holders_in(scan, group, &cdevs);
+        let on_vfio = targets
+            .iter()
+            .any(|t| t.driver.as_deref().is_some_and(is_vfio_driver));
+        if !holders.is_empty() && on_vfio && !opts.force {
+            let reason = format!(
+                "IOMMU group {group} is in use ({}): a VM is using it; not unbinding \
+                 (--force overrides)",
+                join_holders(&holders)
+            );
+            return targets
+                .iter()
+                .map(|t| DeviceResult {
+                    address: t.address,
+                    group: Some(group),
+                    outcome: Outcome::Refused {
+                        reason: reason.clone(),
+                    },
+                })
+                .collect();
+        }
+        if !holders.is_empty() && on_vfio {
+            tracing::warn!(group, holders = %join_holders(&holders), "unbinding a group in use (--force)");
+        }
+        targets
+            .iter()
+            .map(|t| {
+                let span = tracing::info_span!("unbind", device = %t.address, group);
+                let _g = span.enter();
+                DeviceResult {
+                    address: t.address,
+                    group: Some(group),
+                    outcome: unbind_one(paths, t, opts),
+                }
+            })
+            .collect()
+    })
+}
+
+/// Clears `driver_override`, unbinds from the VFIO driver and reprobes, so the default driver
+/// takes the function back. A function not on a VFIO driver is not written to.
+pub fn unbind_one(paths: &HostPaths, t: &Target, opts: &OpOptions) -> Outcome {
+    let deadline = Instant::now() + opts.timeout;
+    let left = || deadline.saturating_duration_since(Instant::now());
+    let sysfs = || Sysfs::new(paths.clone()).with_timeout(left().max(Duration::from_millis(1)));
+    let a = &t.address;
+    let current = match sysfs().current_driver(a) {
+        Ok(c) => c,
+        Err(e) => return fail(error_chain(&e)),
+    };
+    let on_vfio = current
+        .as_deref()
+        .is_some_and(|d| is_vfio_driver(d) || d == t.target);
+    if !on_vfio {
+        return Outcome::Unchanged { driver: current };
+    }
+    if let Err(e) = sysfs().set_driver_override(a, None) {
+        return fail(error_chain(&e));
+    }
+    let from = match sysfs().unbind(a) {
+        Ok(f) => f,
+        Err(e) => return fail(error_chain(&e)),
+    };
+    if let Err(e) = sysfs().drivers_probe(a) {
+        return fail(error_chain(&e));
+    }
+    let to = match sysfs().current_driver(a) {
+        Ok(d) => d,
+        Err(e) => return fail(error_chain(&e)),
+    };
+    if to.as_deref().is_some_and(is_vfio_driver) {
+        return fail(format!(
+            "{a}: still on {} after clearing driver_override and reprobing",
+            to.as_deref().unwrap_or_default()
+        ));
+    }
+    tracing::info!(to = to.as_deref().unwrap_or("none"), "released");
+    Outcome::Changed { from, to }
+}

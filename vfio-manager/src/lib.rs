@@ -9,6 +9,7 @@
 
 pub mod alias;
 pub mod daemon;
+pub mod memory;
 pub mod ops;
 pub mod report;
 pub mod select;
@@ -125,6 +126,18 @@ pub fn run_bind(cfg: &Config, paths: &HostPaths) -> Result<Report, NodeError> {
     let (_inv, sel) = read_and_select(cfg, paths)?;
     let holders = nvidia_holders_fn(paths);
     let results = ops::bind_all(paths, &sel, &cfg.op_options(), &holders);
+    let moved: Vec<_> = results
+        .iter()
+        .filter_map(|r| match &r.outcome {
+            Outcome::Changed { from, .. }
+                if !from.as_deref().is_some_and(select::is_vfio_driver) =>
+            {
+                Some((r.address, from.clone()))
+            }
+            _ => None,
+        })
+        .collect();
+    memory::update(paths, &moved, &[]);
     Ok(Report {
         action: Action::Bind,
         results,
@@ -144,7 +157,14 @@ pub fn run_unbind(cfg: &Config, paths: &HostPaths) -> Result<Report, NodeError> 
         tracing::warn!(error = %error_chain(&e), "cannot scan processes for open VFIO groups");
         Default::default()
     });
-    let results = ops::unbind_all(paths, &sel, &cfg.op_options(), &scan);
+    let originals = memory::load(paths);
+    let results = ops::unbind_all(paths, &sel, &cfg.op_options(), &scan, &originals);
+    let released: Vec<_> = results
+        .iter()
+        .filter(|r| matches!(r.outcome, Outcome::Changed { .. }))
+        .map(|r| r.address)
+        .collect();
+    memory::update(paths, &[], &released);
     Ok(Report {
         action: Action::Unbind,
         results,

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::{Holder, HostPaths, Sysfs, error_chain, inuse};
 
+use crate::memory::Originals;
 use crate::report::{DeviceResult, Outcome};
 use crate::select::{Selection, Target, is_vfio_driver};
 
@@ -212,6 +213,7 @@ pub fn unbind_all(
     sel: &Selection,
     opts: &OpOptions,
     scan: &BTreeMap<String, Vec<Holder>>,
+    originals: &Originals,
 ) -> Vec<DeviceResult> {
     for_each_group(sel, |targets| {
         let Some(first) = targets.first() else {
@@ -254,16 +256,23 @@ pub fn unbind_all(
                 DeviceResult {
                     address: t.address,
                     group: Some(group),
-                    outcome: unbind_one(paths, t, opts),
+                    outcome: unbind_one(paths, t, opts, originals.get(&t.address)),
                 }
             })
             .collect()
     })
 }
 
-/// Clears `driver_override`, unbinds from the VFIO driver and reprobes, so the default driver
-/// takes the function back. A function not on a VFIO driver is not written to.
-pub fn unbind_one(paths: &HostPaths, t: &Target, opts: &OpOptions) -> Outcome {
+/// Gives one function back: unbinds it from its VFIO driver and lets the driver it had before
+/// `bind` take it again (`original`: `Some(Some(d))` that driver, `Some(None)` no driver, `None`
+/// unknown: whichever driver probes, the default). `driver_override` ends cleared. A function
+/// not on a VFIO driver is not written to.
+pub fn unbind_one(
+    paths: &HostPaths,
+    t: &Target,
+    opts: &OpOptions,
+    original: Option<&Option<String>>,
+) -> Outcome {
     let deadline = Instant::now() + opts.timeout;
     let left = || deadline.saturating_duration_since(Instant::now());
     let sysfs = || Sysfs::new(paths.clone()).with_timeout(left().max(Duration::from_millis(1)));
@@ -278,15 +287,36 @@ pub fn unbind_one(paths: &HostPaths, t: &Target, opts: &OpOptions) -> Outcome {
     if !on_vfio {
         return Outcome::Unchanged { driver: current };
     }
-    if let Err(e) = sysfs().set_driver_override(a, None) {
+    let back_to = original
+        .cloned()
+        .flatten()
+        .filter(|d| !is_vfio_driver(d) && *d != t.target);
+    let leave_unbound = matches!(original, Some(None));
+    // With the original driver in driver_override, the probe binds exactly that driver.
+    if let Err(e) = sysfs().set_driver_override(a, back_to.as_deref()) {
         return fail(error_chain(&e));
     }
     let from = match sysfs().unbind(a) {
         Ok(f) => f,
         Err(e) => return fail(error_chain(&e)),
     };
-    if let Err(e) = sysfs().drivers_probe(a) {
-        return fail(error_chain(&e));
+    if !leave_unbound {
+        if let Err(e) = sysfs().drivers_probe(a) {
+            return fail(error_chain(&e));
+        }
+        if let Some(d) = &back_to {
+            if let Err(e) = sysfs().wait_for_driver(a, d, left()) {
+                tracing::warn!(error = %error_chain(&e), "original driver did not take the device; using the default");
+            }
+            if let Err(e) = sysfs().set_driver_override(a, None) {
+                return fail(error_chain(&e));
+            }
+            if let Ok(None) = sysfs().current_driver(a)
+                && let Err(e) = sysfs().drivers_probe(a)
+            {
+                return fail(error_chain(&e));
+            }
+        }
     }
     let to = match sysfs().current_driver(a) {
         Ok(d) => d,

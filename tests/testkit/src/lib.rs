@@ -1,1 +1,2 @@
 //! Shared test fakes.
+pub mod sim;

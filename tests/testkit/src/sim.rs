@@ -1,0 +1,89 @@
+//! A node-sim mount in a temporary directory, for tests.
+//!
+//! ```no_run
+//! let Some(sim) = testkit::sim::try_mount("2xA10") else { return };
+//! let root = sim.root(); // pass as --host-root
+//! ```
+
+use std::ops::Deref;
+use std::path::Path;
+
+pub use node_sim::{Op, Sim, Topology};
+
+/// A mounted simulated node and the temporary directory it lives in. Dropping it unmounts,
+/// then removes the directory.
+#[derive(Debug)]
+pub struct SimDir {
+    // Field order matters: the mount goes before the directory.
+    sim: Sim,
+    _dir: tempfile::TempDir,
+}
+
+impl SimDir {
+    /// The mounted node.
+    pub fn sim(&self) -> &Sim {
+        &self.sim
+    }
+
+    /// The host root (`DIR`).
+    pub fn root(&self) -> &Path {
+        self.sim.root()
+    }
+}
+
+impl Deref for SimDir {
+    type Target = Sim;
+
+    fn deref(&self) -> &Sim {
+        &self.sim
+    }
+}
+
+/// Why node-sim cannot run here, if it cannot: it needs root and `/dev/fuse`.
+pub fn unavailable() -> Option<String> {
+    if !nix::unistd::geteuid().is_root() {
+        return Some("not root".into());
+    }
+    if !Path::new("/dev/fuse").exists() {
+        return Some("no /dev/fuse".into());
+    }
+    None
+}
+
+/// Mounts the topology (a built-in name or a TOML file) in a new temporary directory. Returns
+/// `None` after printing `skipped: ...` when this machine cannot run node-sim; panics when it
+/// can but the mount fails (that is a test failure, not a skip).
+pub fn try_mount(topology: &str) -> Option<SimDir> {
+    if let Some(why) = unavailable() {
+        eprintln!("skipped: {why} (node-sim needs root and /dev/fuse)");
+        return None;
+    }
+    let topo = match node_sim::topology(topology) {
+        Ok(t) => t,
+        Err(e) => panic!("node-sim topology {topology}: {}", chain(&e)),
+    };
+    Some(mount_topology(&topo))
+}
+
+/// Mounts an already resolved topology (root and /dev/fuse must be there: see [`unavailable`]).
+pub fn mount_topology(topo: &Topology) -> SimDir {
+    let dir = match tempfile::Builder::new().prefix("node-sim-").tempdir() {
+        Ok(d) => d,
+        Err(e) => panic!("creating a temporary directory: {e}"),
+    };
+    match node_sim::mount(topo, dir.path()) {
+        Ok(sim) => SimDir { sim, _dir: dir },
+        Err(e) => panic!("mounting node-sim ({}): {}", topo.name, chain(&e)),
+    }
+}
+
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}

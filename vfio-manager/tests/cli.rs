@@ -1,5 +1,7 @@
 //! The command line itself: help text and usage errors (no node needed).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on setup failures
+
 use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_vfio-manager");

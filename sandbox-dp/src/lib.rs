@@ -1,7 +1,250 @@
-//! sandbox-dp: kubelet device plugin for passthrough GPUs and vGPUs.
+//! sandbox-dp: the kubelet device plugin for passthrough GPUs and vGPUs, compatible with the
+//! resource names and env vars of NVIDIA's kubevirt-gpu-device-plugin.
+//!
+//! [`run`] reads the node ([`common::Inventory`]), builds the resources ([`discovery`]), and
+//! for each resource serves the device-plugin API on `<kubelet-dir>/sandbox-dp-<name>.sock`
+//! ([`plugin`]) and registers it with kubelet. Any event ([`events`]: uevents, `/dev/vfio`, a
+//! slow resync) re-reads the node after a short debounce and pushes changed device lists to
+//! ListAndWatch through each resource's `watch` channel.
+
+pub mod alloc;
+pub mod discovery;
+pub mod events;
+pub mod metrics;
+pub mod plugin;
+pub mod report;
 
 /// The kubelet device-plugin API `v1beta1`.
 #[allow(missing_docs, missing_debug_implementations, clippy::all)]
 pub mod api {
     tonic::include_proto!("v1beta1");
+}
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use common::{HostPaths, Inventory};
+use tokio::sync::{Notify, watch};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::alloc::DevNodes;
+use crate::discovery::{DiscoverConfig, Resource, Snapshot};
+use crate::metrics::Metrics;
+use crate::plugin::{ResourceState, ResourceTask};
+
+/// The daemon's configuration.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// The kubelet plugin directory.
+    pub kubelet_dir: PathBuf,
+    /// Discovery settings.
+    pub discover: DiscoverConfig,
+    /// Where to serve Prometheus metrics.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Re-read the node this often even without events.
+    pub resync_interval: Duration,
+    /// Wait this long after an event before re-reading, to take a burst at once.
+    pub debounce: Duration,
+}
+
+/// One read of the node: inventory → resources, plus the iommufd device nodes.
+pub fn read_node(paths: &HostPaths, cfg: &DiscoverConfig) -> anyhow::Result<(Snapshot, DevNodes)> {
+    let inv = Inventory::read(paths)
+        .with_context(|| format!("reading the node under {}", paths.root().display()))?;
+    for u in &inv.unreadable {
+        tracing::debug!(path = %u.path.display(), reason = %u.reason, "unreadable");
+    }
+    Ok((discovery::discover(&inv, cfg), DevNodes::read(paths)))
+}
+
+async fn read_node_async(
+    paths: &HostPaths,
+    cfg: &DiscoverConfig,
+) -> anyhow::Result<(Snapshot, DevNodes)> {
+    let (p, c) = (paths.clone(), cfg.clone());
+    tokio::task::spawn_blocking(move || read_node(&p, &c))
+        .await
+        .context("inventory task")?
+}
+
+struct Manager {
+    config: Config,
+    metrics: Arc<Metrics>,
+    resources: BTreeMap<String, watch::Sender<Arc<ResourceState>>>,
+    reported: BTreeSet<String>,
+    wake: Arc<watch::Sender<u64>>,
+    kubelet_generation: Arc<AtomicU64>,
+    shutdown: CancellationToken,
+}
+
+impl Manager {
+    /// Pushes a new snapshot: changed resources get a new list, new ones get a server, vanished
+    /// ones stay with zero devices.
+    fn apply(&mut self, snap: Snapshot, nodes: DevNodes, tasks: &mut JoinSet<anyhow::Result<()>>) {
+        for p in &snap.problems {
+            if self.reported.insert(p.clone()) {
+                tracing::warn!("{p}");
+            }
+        }
+        let mut seen = BTreeSet::new();
+        for (name, res) in snap.resources {
+            seen.insert(name.clone());
+            self.push(name, res, &nodes, tasks);
+        }
+        let gone: Vec<(String, Resource)> = self
+            .resources
+            .iter()
+            .filter(|(n, _)| !seen.contains(*n))
+            .map(|(n, tx)| {
+                let mut r = tx.borrow().resource.clone();
+                r.devices.clear();
+                (n.clone(), r)
+            })
+            .collect();
+        for (name, r) in gone {
+            self.push(name, r, &nodes, tasks);
+        }
+    }
+
+    fn push(
+        &mut self,
+        name: String,
+        resource: Resource,
+        nodes: &DevNodes,
+        tasks: &mut JoinSet<anyhow::Result<()>>,
+    ) {
+        let healthy = resource.devices.values().filter(|d| d.healthy).count();
+        self.metrics
+            .set_devices(&name, healthy, resource.devices.len() - healthy);
+        let state = ResourceState {
+            resource,
+            nodes: nodes.clone(),
+        };
+        if let Some(tx) = self.resources.get(&name) {
+            tx.send_if_modified(|cur| {
+                if **cur == state {
+                    return false;
+                }
+                tracing::info!(
+                    resource = %name,
+                    devices = state.resource.devices.len(),
+                    healthy,
+                    "device list changed"
+                );
+                *cur = Arc::new(state);
+                true
+            });
+            return;
+        }
+        tracing::info!(
+            resource = %name,
+            kind = ?state.resource.kind,
+            devices = state.resource.devices.len(),
+            healthy,
+            "new resource"
+        );
+        let (tx, rx) = watch::channel(Arc::new(state));
+        self.resources.insert(name.clone(), tx);
+        let task = ResourceTask {
+            name,
+            kubelet_dir: self.config.kubelet_dir.clone(),
+            state: rx,
+            metrics: self.metrics.clone(),
+            wake: self.wake.subscribe(),
+            kubelet_generation: self.kubelet_generation.clone(),
+            shutdown: self.shutdown.clone(),
+        };
+        tasks.spawn(task.run());
+    }
+}
+
+/// Runs the device plugin until `shutdown`; returns an error when any of its tasks fails.
+pub async fn run(
+    config: Config,
+    paths: HostPaths,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let metrics = Arc::new(Metrics::default());
+    std::fs::create_dir_all(&config.kubelet_dir)
+        .with_context(|| format!("creating {}", config.kubelet_dir.display()))?;
+    let changes = Arc::new(Notify::new());
+    let (wake_tx, _) = watch::channel(0u64);
+    let wake = Arc::new(wake_tx);
+    let kubelet_generation = Arc::new(AtomicU64::new(0));
+    let mut files = events::FileWatch::start(
+        &config.kubelet_dir,
+        &paths.dev(),
+        &paths.dev_vfio(),
+        changes.clone(),
+        wake.clone(),
+        kubelet_generation.clone(),
+    )?;
+    events::spawn_udev(changes.clone());
+
+    let (snap, nodes) = read_node_async(&paths, &config.discover).await?;
+    let mut tasks: JoinSet<anyhow::Result<()>> = JoinSet::new();
+    let task_stop = shutdown.child_token();
+    if let Some(addr) = config.metrics_addr {
+        tasks.spawn(metrics::serve(addr, metrics.clone(), task_stop.clone()));
+    }
+    let mut mgr = Manager {
+        config: config.clone(),
+        metrics,
+        resources: BTreeMap::new(),
+        reported: BTreeSet::new(),
+        wake: wake.clone(),
+        kubelet_generation,
+        shutdown: task_stop.clone(),
+    };
+    if snap.resources.is_empty() {
+        tracing::info!("no devices to advertise yet; watching for them");
+    }
+    mgr.apply(snap, nodes, &mut tasks);
+
+    let mut resync = tokio::time::interval(config.resync_interval);
+    resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    resync.tick().await;
+    let result = loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break Ok(()),
+            _ = changes.notified() => {
+                tokio::time::sleep(config.debounce).await;
+            }
+            _ = resync.tick() => {
+                wake.send_modify(|c| *c += 1);
+            }
+            Some(done) = tasks.join_next() => {
+                let err = match done {
+                    Ok(Ok(())) if shutdown.is_cancelled() => break Ok(()),
+                    Ok(Ok(())) => anyhow::anyhow!("a task stopped unexpectedly"),
+                    Ok(Err(e)) => e,
+                    Err(e) => anyhow::Error::new(e).context("a task panicked"),
+                };
+                break Err(err);
+            }
+        }
+        files.refresh();
+        match read_node_async(&paths, &config.discover).await {
+            Ok((snap, nodes)) => mgr.apply(snap, nodes, &mut tasks),
+            Err(e) => tracing::warn!(
+                error = format!("{e:#}"),
+                "cannot re-read the node; keeping the last state"
+            ),
+        }
+    };
+    task_stop.cancel();
+    while let Some(done) = tasks.join_next().await {
+        match done {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = format!("{e:#}"), "task ended with an error"),
+            Err(e) => tracing::warn!(error = %e, "task failed"),
+        }
+    }
+    result
 }

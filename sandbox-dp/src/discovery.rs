@@ -1,0 +1,411 @@
+//! From one [`Inventory`] snapshot to the resources sandbox-dp advertises.
+//!
+//! Three kinds of device, each identified the way KubeVirt expects:
+//! - passthrough: a function of `--vendor` bound to `vfio-pci` or a variant VFIO driver
+//!   (`nvgrace_gpu_vfio_pci`); ID = PCI address; resource named from `pci.ids`.
+//! - mdev: a mediated device whose parent is a function of `--vendor`; ID = UUID; resource named
+//!   from the vGPU type name.
+//! - SR-IOV vGPU: a VF of `--vendor` on driver `nvidia` with `nvidia/current_vgpu_type` ≠ 0;
+//!   ID = the VF's PCI address; resource named from the vGPU type name.
+//!
+//! A device is Healthy while its `/dev/vfio/<group>` node exists.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use common::{Inventory, PciAddress, PciDevice, PciIds};
+use serde::Serialize;
+
+/// The kubelet's health strings.
+pub const HEALTHY: &str = "Healthy";
+/// The kubelet's health strings.
+pub const UNHEALTHY: &str = "Unhealthy";
+
+/// Longest name part (after `/`) kubelet accepts in an extended resource name.
+pub const MAX_NAME_LEN: usize = 63;
+
+/// What kind of device a resource holds; decides the env var prefix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Kind {
+    /// A whole PCI function on a VFIO driver.
+    Passthrough,
+    /// A mediated device.
+    Mdev,
+    /// An NVIDIA SR-IOV vGPU VF (vendor-specific VFIO path).
+    SriovVgpu,
+}
+
+impl Kind {
+    /// The KubeVirt env var prefix for this kind.
+    pub fn env_prefix(self) -> &'static str {
+        match self {
+            Kind::Passthrough | Kind::SriovVgpu => "PCI_RESOURCE",
+            Kind::Mdev => "MDEV_PCI_RESOURCE",
+        }
+    }
+}
+
+/// One advertised device.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DeviceInfo {
+    /// PCI address or mdev UUID.
+    pub id: String,
+    /// `/dev/vfio/<group>` exists.
+    pub healthy: bool,
+    /// NUMA node of the device (of the parent GPU for mdevs).
+    pub numa_node: Option<i32>,
+    /// IOMMU group.
+    pub iommu_group: Option<u32>,
+    /// VFIO cdev name (`vfio3`), when the kernel has VFIO cdevs.
+    pub vfio_cdev: Option<String>,
+    /// The physical GPU this device lives on (itself for passthrough).
+    pub gpu: Option<String>,
+    /// The PCIe switch (its upstream port) above the GPU, or the root port when there is none.
+    pub switch: Option<String>,
+    /// Bound driver.
+    pub driver: Option<String>,
+}
+
+/// One extended resource.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Resource {
+    /// `nvidia.com/GA102GL_A10`.
+    pub name: String,
+    /// Kind of its devices.
+    pub kind: Kind,
+    /// `VVVV:DDDD` ids of its PCI devices (passthrough, SR-IOV vGPU), upper-case.
+    pub pci_selectors: BTreeSet<String>,
+    /// vGPU type names (mdev, SR-IOV vGPU).
+    pub type_names: BTreeSet<String>,
+    /// Devices by ID.
+    pub devices: BTreeMap<String, DeviceInfo>,
+}
+
+impl Resource {
+    fn new(name: String, kind: Kind) -> Self {
+        Resource {
+            name,
+            kind,
+            pci_selectors: BTreeSet::new(),
+            type_names: BTreeSet::new(),
+            devices: BTreeMap::new(),
+        }
+    }
+
+    /// The env var KubeVirt reads for this resource.
+    pub fn env_var(&self) -> String {
+        common::env_var_name(self.kind.env_prefix(), &self.name)
+    }
+}
+
+/// What discovery needs from the configuration.
+#[derive(Clone, Debug)]
+pub struct DiscoverConfig {
+    /// Vendor whose devices are advertised; `None` = any (also non-PCI mdev parents).
+    pub vendor: Option<u16>,
+    /// Device names.
+    pub pci_ids: PciIds,
+    /// `--resource-alias OLD=NEW`: OLD is a resource name or a `VVVV:DDDD` id.
+    pub aliases: BTreeMap<String, String>,
+}
+
+/// Everything discovered in one pass.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Snapshot {
+    /// Resources by name (only those that can be registered).
+    pub resources: BTreeMap<String, Resource>,
+    /// Problems an operator should fix: names too long, collisions.
+    pub problems: Vec<String>,
+}
+
+/// A variant VFIO driver (`nvgrace_gpu_vfio_pci`, `mlx5_vfio_pci`) or vfio-pci itself.
+pub fn is_vfio_driver(driver: &str) -> bool {
+    driver == "vfio-pci" || driver == "vfio_pci" || driver.ends_with("_vfio_pci")
+}
+
+/// The switch a device sits under: the bridge above its downstream port (`bridges[1]`), or
+/// the only bridge (a root port) when it is attached directly.
+fn switch_of(dev: &PciDevice) -> Option<String> {
+    dev.bridges
+        .get(1)
+        .or(dev.bridges.first())
+        .map(|a| a.to_string())
+}
+
+fn vendor_ok(cfg: &DiscoverConfig, vendor: u16) -> bool {
+    cfg.vendor.is_none_or(|v| v == vendor)
+}
+
+/// Resolves a name through the aliases: by `VVVV:DDDD` first, then by resource name.
+fn alias(cfg: &DiscoverConfig, name: String, pci_id: Option<&str>) -> String {
+    let renamed = pci_id
+        .and_then(|id| cfg.aliases.get(id))
+        .or_else(|| cfg.aliases.get(&name));
+    match renamed {
+        Some(n) if n.contains('/') => n.clone(),
+        Some(n) => format!("{}{n}", common::naming::RESOURCE_PREFIX),
+        None => name,
+    }
+}
+
+/// Why a resource name cannot be registered, if it cannot.
+pub fn name_problem(name: &str) -> Option<String> {
+    let Some((prefix, part)) = name.split_once('/') else {
+        return Some(format!("resource name {name:?} has no domain prefix"));
+    };
+    if prefix.is_empty() || part.is_empty() {
+        return Some(format!("resource name {name:?} is not domain/name"));
+    }
+    if part.len() > MAX_NAME_LEN {
+        return Some(format!(
+            "resource name {name:?} is {} characters after the prefix, over kubelet's {MAX_NAME_LEN}; rename it with --resource-alias",
+            part.len()
+        ));
+    }
+    let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    let first_last = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric());
+    if !part.chars().all(ok) || !first_last(part.chars().next()) || !first_last(part.chars().last())
+    {
+        return Some(format!(
+            "resource name {name:?} is not a valid qualified name; rename it with --resource-alias"
+        ));
+    }
+    None
+}
+
+/// Builds the resources of one inventory snapshot.
+pub fn discover(inv: &Inventory, cfg: &DiscoverConfig) -> Snapshot {
+    let mut resources: BTreeMap<String, Resource> = BTreeMap::new();
+    // resource name -> the sources (pci id or type name) that produced it, for collisions
+    let mut sources: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let healthy = |g: Option<u32>| g.is_some_and(|g| inv.vfio_nodes.contains(&g));
+    let gpu_of = |d: &PciDevice| d.physfn.unwrap_or(d.address);
+
+    // Display functions on VFIO drivers, to leave out their group companions (HDMI audio).
+    let passthrough: Vec<&PciDevice> = inv
+        .devices
+        .values()
+        .filter(|d| {
+            vendor_ok(cfg, d.vendor)
+                && !d.is_bridge()
+                && d.nvidia_vgpu.as_ref().is_none_or(|v| v.current == 0)
+                && d.driver.as_deref().is_some_and(is_vfio_driver)
+        })
+        .collect();
+    let display_groups: BTreeSet<u32> = passthrough
+        .iter()
+        .filter(|d| d.is_display())
+        .filter_map(|d| d.iommu_group)
+        .collect();
+    for d in passthrough {
+        if !d.is_display() && d.iommu_group.is_some_and(|g| display_groups.contains(&g)) {
+            continue; // travels with its GPU's group
+        }
+        let pci_id = d.id_string();
+        let base = common::passthrough_resource_name(&cfg.pci_ids, d.vendor, d.device);
+        let name = alias(cfg, base, Some(&pci_id));
+        sources.entry(name.clone()).or_default().insert(pci_id);
+        let r = resources
+            .entry(name.clone())
+            .or_insert_with(|| Resource::new(name, Kind::Passthrough));
+        r.pci_selectors.insert(selector(d));
+        r.devices.insert(
+            d.address.to_string(),
+            DeviceInfo {
+                id: d.address.to_string(),
+                healthy: healthy(d.iommu_group),
+                numa_node: d.numa_node,
+                iommu_group: d.iommu_group,
+                vfio_cdev: d.vfio_cdev.clone(),
+                gpu: Some(gpu_of(d).to_string()),
+                switch: switch_of(d),
+                driver: d.driver.clone(),
+            },
+        );
+    }
+
+    // SR-IOV vGPU VFs.
+    for d in inv.devices.values() {
+        let Some(v) = &d.nvidia_vgpu else { continue };
+        if v.current == 0
+            || !d.is_vf()
+            || !vendor_ok(cfg, d.vendor)
+            || d.driver.as_deref() != Some("nvidia")
+        {
+            continue;
+        }
+        let type_name = v
+            .current_name
+            .clone()
+            .unwrap_or_else(|| v.current.to_string());
+        let name = alias(cfg, common::vgpu_resource_name(&type_name), None);
+        sources
+            .entry(name.clone())
+            .or_default()
+            .insert(type_name.clone());
+        let parent = d.physfn.and_then(|p| inv.device(&p));
+        let r = resources
+            .entry(name.clone())
+            .or_insert_with(|| Resource::new(name, Kind::SriovVgpu));
+        r.pci_selectors.insert(selector(d));
+        r.type_names.insert(type_name);
+        r.devices.insert(
+            d.address.to_string(),
+            DeviceInfo {
+                id: d.address.to_string(),
+                healthy: healthy(d.iommu_group),
+                numa_node: d.numa_node.or(parent.and_then(|p| p.numa_node)),
+                iommu_group: d.iommu_group,
+                vfio_cdev: d.vfio_cdev.clone(),
+                gpu: Some(gpu_of(d).to_string()),
+                switch: parent.and_then(switch_of).or_else(|| switch_of(d)),
+                driver: d.driver.clone(),
+            },
+        );
+    }
+
+    // mdevs.
+    for m in inv.mdevs.values() {
+        let parent = m.parent_pci.and_then(|p| inv.device(&p));
+        match parent {
+            Some(p) if !vendor_ok(cfg, p.vendor) => continue,
+            None if cfg.vendor.is_some() => continue,
+            _ => {}
+        }
+        let type_name = m.type_name.clone().unwrap_or_else(|| m.type_id.clone());
+        let name = alias(cfg, common::vgpu_resource_name(&type_name), None);
+        sources
+            .entry(name.clone())
+            .or_default()
+            .insert(type_name.clone());
+        let gpu = parent.map(|p| p.physfn.and_then(|pf| inv.device(&pf)).unwrap_or(p));
+        let r = resources
+            .entry(name.clone())
+            .or_insert_with(|| Resource::new(name, Kind::Mdev));
+        r.type_names.insert(type_name);
+        r.devices.insert(
+            m.uuid.clone(),
+            DeviceInfo {
+                id: m.uuid.clone(),
+                healthy: healthy(m.iommu_group),
+                numa_node: parent
+                    .and_then(|p| p.numa_node)
+                    .or(gpu.and_then(|g| g.numa_node)),
+                iommu_group: m.iommu_group,
+                vfio_cdev: None,
+                gpu: Some(
+                    gpu.map(|g| g.address.to_string())
+                        .unwrap_or_else(|| m.parent.clone()),
+                ),
+                switch: gpu.and_then(switch_of),
+                driver: m.driver.clone(),
+            },
+        );
+    }
+
+    let mut problems = Vec::new();
+    for (name, srcs) in &sources {
+        if srcs.len() > 1 {
+            let list: Vec<&str> = srcs.iter().map(String::as_str).collect();
+            problems.push(format!(
+                "resource name {name:?} is shared by {}; their devices are advertised together (rename one with --resource-alias)",
+                list.join(", ")
+            ));
+        }
+    }
+    resources.retain(|name, _| match name_problem(name) {
+        Some(p) => {
+            problems.push(format!("{p}; not advertised"));
+            false
+        }
+        None => true,
+    });
+    Snapshot {
+        resources,
+        problems,
+    }
+}
+
+fn selector(d: &PciDevice) -> String {
+    format!("{:04X}:{:04X}", d.vendor, d.device)
+}
+
+/// Parses `--vendor`: hex (`10de`, `0x10de`) or `any`.
+pub fn parse_vendor(s: &str) -> Result<Option<u16>, String> {
+    if s.eq_ignore_ascii_case("any") {
+        return Ok(None);
+    }
+    let digits = s.strip_prefix("0x").unwrap_or(s);
+    u16::from_str_radix(digits, 16)
+        .map(Some)
+        .map_err(|_| format!("not a hex vendor id or \"any\": {s:?}"))
+}
+
+/// Parses one `--resource-alias OLD=NEW`.
+pub fn parse_alias(s: &str) -> Result<(String, String), String> {
+    let (old, new) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected OLD=NEW, got {s:?}"))?;
+    let (old, new) = (old.trim(), new.trim());
+    if old.is_empty() || new.is_empty() {
+        return Err(format!("expected OLD=NEW, got {s:?}"));
+    }
+    // A `VVVV:DDDD` key is matched in lower case, like PciDevice::id_string.
+    let old = if old.len() == 9 && old.as_bytes()[4] == b':' {
+        old.to_ascii_lowercase()
+    } else {
+        old.to_string()
+    };
+    Ok((old, new.to_string()))
+}
+
+/// Parses a PCI address, for callers holding device IDs.
+pub fn parse_address(id: &str) -> Option<PciAddress> {
+    id.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_over_63_chars_are_refused() {
+        let long = format!("nvidia.com/{}", "A".repeat(64));
+        assert!(name_problem(&long).is_some_and(|p| p.contains("64 characters")));
+        assert_eq!(
+            name_problem(&format!("nvidia.com/{}", "A".repeat(63))),
+            None
+        );
+        assert_eq!(name_problem("nvidia.com/NVIDIA_A10-4Q"), None);
+        assert!(name_problem("nvidia.com/A B").is_some());
+    }
+
+    #[test]
+    fn aliases_parse() {
+        assert_eq!(
+            parse_alias("10DE:2236=nvidia.com/A10"),
+            Ok(("10de:2236".into(), "nvidia.com/A10".into()))
+        );
+        assert_eq!(
+            parse_alias("nvidia.com/X=Y"),
+            Ok(("nvidia.com/X".into(), "Y".into()))
+        );
+        assert!(parse_alias("nope").is_err());
+        assert!(parse_alias("=x").is_err());
+    }
+
+    #[test]
+    fn vendor_parses() {
+        assert_eq!(parse_vendor("10de"), Ok(Some(0x10de)));
+        assert_eq!(parse_vendor("0x1234"), Ok(Some(0x1234)));
+        assert_eq!(parse_vendor("any"), Ok(None));
+        assert!(parse_vendor("zz").is_err());
+    }
+
+    #[test]
+    fn variant_drivers_count_as_vfio() {
+        assert!(is_vfio_driver("vfio-pci"));
+        assert!(is_vfio_driver("nvgrace_gpu_vfio_pci"));
+        assert!(!is_vfio_driver("nvidia"));
+    }
+}

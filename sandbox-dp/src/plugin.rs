@@ -1,0 +1,390 @@
+//! One gRPC device-plugin server per resource, its socket and its registration with kubelet.
+
+use std::os::unix::fs::MetadataExt as _;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use hyper_util::rt::TokioIo;
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::watch;
+use tokio_stream::wrappers::{UnixListenerStream, WatchStream};
+use tokio_stream::{Stream, StreamExt as _};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint, Server, Uri};
+use tonic::{Request, Response, Status};
+use tower::service_fn;
+
+use crate::alloc::{self, DevNodes};
+use crate::api::device_plugin_client::DevicePluginClient;
+use crate::api::device_plugin_server::{DevicePlugin, DevicePluginServer};
+use crate::api::registration_client::RegistrationClient;
+use crate::api::{
+    AllocateRequest, AllocateResponse, ContainerPreferredAllocationResponse, Device,
+    DevicePluginOptions, Empty, ListAndWatchResponse, NumaNode, PreStartContainerRequest,
+    PreStartContainerResponse, PreferredAllocationRequest, PreferredAllocationResponse,
+    RegisterRequest, TopologyInfo,
+};
+use crate::discovery::{HEALTHY, Resource, UNHEALTHY};
+use crate::metrics::Metrics;
+
+/// The device-plugin API version we implement.
+pub const API_VERSION: &str = "v1beta1";
+/// kubelet's registration socket in the plugin directory.
+pub const KUBELET_SOCKET: &str = "kubelet.sock";
+
+/// How long a connect or a call to kubelet (or our own socket) may take.
+const RPC_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What a resource's server answers from: its devices and the host's iommufd nodes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResourceState {
+    /// The resource.
+    pub resource: Resource,
+    /// iommufd nodes present on the host.
+    pub nodes: DevNodes,
+}
+
+/// The socket file name for a resource: `sandbox-dp-nvidia.com_GA102GL_A10.sock`.
+pub fn socket_name(resource: &str) -> String {
+    format!("sandbox-dp-{}.sock", resource.replace('/', "_"))
+}
+
+/// The ListAndWatch message for a state.
+pub fn list_response(state: &ResourceState) -> ListAndWatchResponse {
+    ListAndWatchResponse {
+        devices: state
+            .resource
+            .devices
+            .values()
+            .map(|d| Device {
+                id: d.id.clone(),
+                health: if d.healthy { HEALTHY } else { UNHEALTHY }.to_string(),
+                topology: d.numa_node.map(|n| TopologyInfo {
+                    nodes: vec![NumaNode { id: i64::from(n) }],
+                }),
+            })
+            .collect(),
+    }
+}
+
+/// The gRPC service of one resource.
+#[derive(Clone, Debug)]
+pub struct Plugin {
+    name: String,
+    state: watch::Receiver<Arc<ResourceState>>,
+    metrics: Arc<Metrics>,
+}
+
+impl Plugin {
+    /// A service answering from `state`.
+    pub fn new(
+        name: String,
+        state: watch::Receiver<Arc<ResourceState>>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Plugin {
+            name,
+            state,
+            metrics,
+        }
+    }
+
+    fn options() -> DevicePluginOptions {
+        DevicePluginOptions {
+            pre_start_required: false,
+            get_preferred_allocation_available: true,
+        }
+    }
+}
+
+type ListStream = Pin<Box<dyn Stream<Item = Result<ListAndWatchResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl DevicePlugin for Plugin {
+    type ListAndWatchStream = ListStream;
+
+    async fn get_device_plugin_options(
+        &self,
+        _: Request<Empty>,
+    ) -> Result<Response<DevicePluginOptions>, Status> {
+        Ok(Response::new(Self::options()))
+    }
+
+    async fn list_and_watch(
+        &self,
+        _: Request<Empty>,
+    ) -> Result<Response<Self::ListAndWatchStream>, Status> {
+        tracing::debug!(resource = %self.name, "ListAndWatch opened");
+        let s = WatchStream::new(self.state.clone()).map(|st| Ok(list_response(&st)));
+        Ok(Response::new(Box::pin(s)))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        req: Request<PreferredAllocationRequest>,
+    ) -> Result<Response<PreferredAllocationResponse>, Status> {
+        let state = self.state.borrow().clone();
+        let mut out = Vec::new();
+        for c in req.into_inner().container_requests {
+            let size = usize::try_from(c.allocation_size).unwrap_or(0);
+            let ids = alloc::preferred(
+                &state.resource,
+                &c.available_device_i_ds,
+                &c.must_include_device_i_ds,
+                size,
+            );
+            out.push(ContainerPreferredAllocationResponse { device_i_ds: ids });
+        }
+        Ok(Response::new(PreferredAllocationResponse {
+            container_responses: out,
+        }))
+    }
+
+    async fn allocate(
+        &self,
+        req: Request<AllocateRequest>,
+    ) -> Result<Response<AllocateResponse>, Status> {
+        let state = self.state.borrow().clone();
+        let mut out = Vec::new();
+        for c in req.into_inner().container_requests {
+            match alloc::allocate(&state.resource, &c.devices_ids, &state.nodes) {
+                Ok(r) => {
+                    self.metrics.allocation(&self.name, true);
+                    tracing::info!(resource = %self.name, devices = %c.devices_ids.join(","), "allocated");
+                    out.push(r);
+                }
+                Err(e) => {
+                    self.metrics.allocation(&self.name, false);
+                    tracing::warn!(error = %e, "allocation refused");
+                    return Err(Status::invalid_argument(e.to_string()));
+                }
+            }
+        }
+        Ok(Response::new(AllocateResponse {
+            container_responses: out,
+        }))
+    }
+
+    async fn pre_start_container(
+        &self,
+        _: Request<PreStartContainerRequest>,
+    ) -> Result<Response<PreStartContainerResponse>, Status> {
+        Ok(Response::new(PreStartContainerResponse {}))
+    }
+}
+
+/// A gRPC channel over a Unix socket.
+pub async fn unix_channel(path: &Path) -> anyhow::Result<Channel> {
+    let p = path.to_path_buf();
+    let ch = Endpoint::try_from("http://[::1]:50051")?
+        .connect_timeout(RPC_TIMEOUT)
+        .timeout(RPC_TIMEOUT)
+        .connect_with_connector(service_fn(move |_: Uri| {
+            let p = p.clone();
+            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(p).await?)) }
+        }))
+        .await
+        .with_context(|| format!("connecting to {}", path.display()))?;
+    Ok(ch)
+}
+
+/// Identity of a socket file: (device, inode, change time); `None` when it is absent.
+fn file_identity(path: &Path) -> Option<(u64, u64, i64, i64)> {
+    std::fs::metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino(), m.ctime(), m.ctime_nsec()))
+}
+
+/// Everything one resource task needs.
+#[derive(Debug)]
+pub struct ResourceTask {
+    /// Resource name.
+    pub name: String,
+    /// The plugin directory.
+    pub kubelet_dir: PathBuf,
+    /// The resource's devices.
+    pub state: watch::Receiver<Arc<ResourceState>>,
+    /// Shared metrics.
+    pub metrics: Arc<Metrics>,
+    /// Bumped on any event in the plugin directory (and on resync).
+    pub wake: watch::Receiver<u64>,
+    /// Bumped each time `kubelet.sock` is created.
+    pub kubelet_generation: Arc<AtomicU64>,
+    /// Stops the task; it removes its socket.
+    pub shutdown: CancellationToken,
+}
+
+enum Registered {
+    No,
+    /// Registered with the kubelet socket of this identity and generation.
+    Yes(Option<(u64, u64, i64, i64)>, u64),
+}
+
+impl ResourceTask {
+    /// Serves and registers until shutdown; serves again when the socket is removed and
+    /// registers again when kubelet restarts. Returns an error when the server fails or kubelet
+    /// refuses the registration.
+    pub async fn run(mut self) -> anyhow::Result<()> {
+        let endpoint = socket_name(&self.name);
+        let path = self.kubelet_dir.join(&endpoint);
+        loop {
+            match std::fs::remove_file(&path) {
+                Ok(()) => tracing::debug!(socket = %path.display(), "removed a stale socket"),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(e).with_context(|| format!("removing {}", path.display()));
+                }
+            }
+            let listener = UnixListener::bind(&path)
+                .with_context(|| format!("binding {} for {}", path.display(), self.name))?;
+            let own = file_identity(&path);
+            let stop = self.shutdown.child_token();
+            let svc = DevicePluginServer::new(Plugin::new(
+                self.name.clone(),
+                self.state.clone(),
+                self.metrics.clone(),
+            ));
+            let stop2 = stop.clone();
+            let mut server = tokio::spawn(async move {
+                Server::builder()
+                    .add_service(svc)
+                    .serve_with_incoming_shutdown(
+                        UnixListenerStream::new(listener),
+                        stop2.cancelled_owned(),
+                    )
+                    .await
+            });
+            self.check_answers(&path).await?;
+            tracing::info!(resource = %self.name, socket = %path.display(), "serving");
+            let mut registered = Registered::No;
+            let rebind = loop {
+                self.register_if_needed(&endpoint, &mut registered).await?;
+                let retry = matches!(registered, Registered::No)
+                    && file_identity(&self.kubelet_dir.join(KUBELET_SOCKET)).is_some();
+                tokio::select! {
+                    _ = self.shutdown.cancelled() => break false,
+                    res = &mut server => {
+                        let res = res.with_context(|| format!("server task of {}", self.name))?;
+                        res.with_context(|| format!("gRPC server of {} on {}", self.name, path.display()))?;
+                        if self.shutdown.is_cancelled() { break false; }
+                        bail!("gRPC server of {} on {} stopped", self.name, path.display());
+                    }
+                    ch = self.wake.changed() => {
+                        if ch.is_err() { break false; }
+                    }
+                    _ = tokio::time::sleep(Duration::from_secs(1)), if retry => {}
+                }
+                if file_identity(&path) != own {
+                    tracing::info!(resource = %self.name, socket = %path.display(), "our socket was removed; serving again");
+                    break true;
+                }
+            };
+            stop.cancel();
+            match server.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(resource = %self.name, error = %e, "server ended with an error")
+                }
+                Err(e) => tracing::warn!(resource = %self.name, error = %e, "server task failed"),
+            }
+            if !rebind {
+                if file_identity(&path) == own {
+                    let _ = std::fs::remove_file(&path);
+                }
+                tracing::info!(resource = %self.name, "stopped");
+                return Ok(());
+            }
+        }
+    }
+
+    /// Our own socket must answer before kubelet is told about it.
+    async fn check_answers(&self, path: &Path) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + RPC_TIMEOUT;
+        loop {
+            let attempt = async {
+                let ch = unix_channel(path).await?;
+                DevicePluginClient::new(ch)
+                    .get_device_plugin_options(Empty {})
+                    .await
+                    .with_context(|| {
+                        format!("calling GetDevicePluginOptions on {}", path.display())
+                    })?;
+                anyhow::Ok(())
+            };
+            match attempt.await {
+                Ok(()) => return Ok(()),
+                Err(e) if tokio::time::Instant::now() >= deadline => {
+                    return Err(e.context(format!("our socket for {} does not answer", self.name)));
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    }
+
+    async fn register_if_needed(
+        &self,
+        endpoint: &str,
+        registered: &mut Registered,
+    ) -> anyhow::Result<()> {
+        let ksock = self.kubelet_dir.join(KUBELET_SOCKET);
+        let ident = file_identity(&ksock);
+        if ident.is_none() {
+            if matches!(registered, Registered::Yes(..)) {
+                tracing::info!(resource = %self.name, "kubelet socket gone; waiting for kubelet");
+            }
+            *registered = Registered::No;
+            return Ok(());
+        }
+        let generation = self.kubelet_generation.load(Ordering::SeqCst);
+        if let Registered::Yes(id, g) = registered
+            && *id == ident
+            && *g == generation
+        {
+            return Ok(());
+        }
+        let ch = match unix_channel(&ksock).await {
+            Ok(ch) => ch,
+            Err(e) => {
+                tracing::warn!(resource = %self.name, error = format!("{e:#}"), "kubelet does not answer; will retry");
+                *registered = Registered::No;
+                return Ok(());
+            }
+        };
+        let req = RegisterRequest {
+            version: API_VERSION.to_string(),
+            endpoint: endpoint.to_string(),
+            resource_name: self.name.clone(),
+            options: Some(Plugin::options()),
+        };
+        match RegistrationClient::new(ch).register(req).await {
+            Ok(_) => {
+                self.metrics.registration(&self.name);
+                tracing::info!(resource = %self.name, endpoint, "registered with kubelet");
+                *registered = Registered::Yes(ident, generation);
+                Ok(())
+            }
+            Err(s)
+                if matches!(
+                    s.code(),
+                    tonic::Code::Unavailable
+                        | tonic::Code::DeadlineExceeded
+                        | tonic::Code::Cancelled
+                ) =>
+            {
+                tracing::warn!(resource = %self.name, error = %s, "kubelet does not answer; will retry");
+                *registered = Registered::No;
+                Ok(())
+            }
+            Err(s) => Err(anyhow::anyhow!(
+                "kubelet refused the registration of {} ({}): {}",
+                self.name,
+                ksock.display(),
+                s.message()
+            )),
+        }
+    }
+}

@@ -1,2 +1,3 @@
 //! Shared test fakes.
+pub mod kubelet;
 pub mod sim;

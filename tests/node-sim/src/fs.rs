@@ -359,10 +359,17 @@ impl Filesystem for SimFs {
         &self,
         _req: &Request,
         _ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
+        // close() sends FLUSH and waits for it; RELEASE comes later, asynchronously. The kernel
+        // drops a VFIO group holder at close, so forget the holder here (a descriptor shared
+        // with a forked child is the case this gets wrong).
+        let mut inner = self.shared.lock();
+        if inner.state.release_node(fh.0) {
+            inner.dirty();
+        }
         reply.ok();
     }
 

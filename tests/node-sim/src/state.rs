@@ -1066,6 +1066,15 @@ impl State {
             }
             OpenKind::Nvidia(n) => (format!("/dev/nvidia{n}"), None),
         };
+        // FUSE reports the thread; /proc lists processes.
+        let pid = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("Tgid:"))
+                    .and_then(|v| v.trim().parse().ok())
+            })
+            .unwrap_or(pid);
         let comm = std::fs::read_to_string(format!("/proc/{pid}/comm"))
             .map(|s| s.trim().to_string())
             .unwrap_or_else(|_| "?".into());

@@ -198,7 +198,11 @@ mod tests {
         let n = filters.len();
         filters.sort();
         filters.dedup();
-        assert_eq!(filters.len(), n, "two models share a device id: {filters:?}");
+        assert_eq!(
+            filters.len(),
+            n,
+            "two models share a device id: {filters:?}"
+        );
     }
 
     #[test]
@@ -207,7 +211,11 @@ mod tests {
         assert!(cm.contains("kind: ConfigMap\n"));
         assert!(cm.contains("\n  name: vgpu-config\n"));
         assert!(cm.contains("\n  config.yaml: |\n    version: v1\n    vgpu-configs:\n"));
-        for line in cm.lines().skip_while(|l| !l.starts_with("  config.yaml: |")).skip(1) {
+        for line in cm
+            .lines()
+            .skip_while(|l| !l.starts_with("  config.yaml: |"))
+            .skip(1)
+        {
             assert!(line.starts_with("    "), "not indented: {line:?}");
         }
     }

@@ -11,6 +11,7 @@
 //! (every write, in order). See `tests/node-sim/README.md`.
 
 pub mod catalogue;
+pub mod configmap;
 mod fs;
 mod state;
 pub mod topology;

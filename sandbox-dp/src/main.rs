@@ -34,8 +34,8 @@ struct Cli {
 
     /// PCI vendor id (hex) whose devices are advertised, or "any" (also admits mdevs on
     /// non-PCI parents such as the kernel's mtty sample).
-    #[arg(long, default_value = "10de", value_parser = parse_vendor, global = true)]
-    vendor: Option<u16>,
+    #[arg(long, default_value = "10de", value_parser = parse_vendor_arg, global = true)]
+    vendor: Vendor,
 
     /// A pci.ids file to name passthrough resources from, instead of the embedded NVIDIA list.
     #[arg(long, value_name = "FILE", global = true)]
@@ -47,11 +47,11 @@ struct Cli {
     resource_alias: Vec<(String, String)>,
 
     /// Serve Prometheus metrics on this address (for example 0.0.0.0:9400), at /metrics.
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", global = true)]
     metrics_addr: Option<SocketAddr>,
 
     /// Re-read the node this often even without events (a safety net; events drive updates).
-    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, default_value = "30s", value_parser = parse_duration, global = true)]
     resync_interval: Duration,
 
     /// Log format.
@@ -77,6 +77,14 @@ enum Command {
 enum LogFormat {
     Text,
     Json,
+}
+
+/// `--vendor`: a PCI vendor id, or `None` for any.
+#[derive(Clone, Copy, Debug)]
+struct Vendor(Option<u16>);
+
+fn parse_vendor_arg(s: &str) -> Result<Vendor, String> {
+    parse_vendor(s).map(Vendor)
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -136,7 +144,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         None => PciIds::embedded(),
     };
     let discover = DiscoverConfig {
-        vendor: cli.vendor,
+        vendor: cli.vendor.0,
         pci_ids,
         aliases: cli
             .resource_alias

@@ -36,6 +36,8 @@ pub const API_VERSION: &str = "v1beta1";
 /// kubelet's registration socket in the plugin directory.
 pub const KUBELET_SOCKET: &str = "kubelet.sock";
 
+/// How long a server may take to finish its calls when stopping.
+const SERVER_STOP_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a connect or a call to kubelet (or our own socket) may take.
 const RPC_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -77,19 +79,23 @@ pub struct Plugin {
     name: String,
     state: watch::Receiver<Arc<ResourceState>>,
     metrics: Arc<Metrics>,
+    stop: CancellationToken,
 }
 
 impl Plugin {
-    /// A service answering from `state`.
+    /// A service answering from `state`; its ListAndWatch streams end when `stop` fires, so
+    /// that the server can shut down.
     pub fn new(
         name: String,
         state: watch::Receiver<Arc<ResourceState>>,
         metrics: Arc<Metrics>,
+        stop: CancellationToken,
     ) -> Self {
         Plugin {
             name,
             state,
             metrics,
+            stop,
         }
     }
 
@@ -120,6 +126,7 @@ impl DevicePlugin for Plugin {
     ) -> Result<Response<Self::ListAndWatchStream>, Status> {
         tracing::debug!(resource = %self.name, "ListAndWatch opened");
         let s = WatchStream::new(self.state.clone()).map(|st| Ok(list_response(&st)));
+        let s = futures::StreamExt::take_until(s, self.stop.clone().cancelled_owned());
         Ok(Response::new(Box::pin(s)))
     }
 
@@ -247,6 +254,7 @@ impl ResourceTask {
                 self.name.clone(),
                 self.state.clone(),
                 self.metrics.clone(),
+                stop.clone(),
             ));
             let stop2 = stop.clone();
             let mut server = tokio::spawn(async move {
@@ -270,7 +278,12 @@ impl ResourceTask {
                     res = &mut server => {
                         let res = res.with_context(|| format!("server task of {}", self.name))?;
                         res.with_context(|| format!("gRPC server of {} on {}", self.name, path.display()))?;
-                        if self.shutdown.is_cancelled() { break false; }
+                        if self.shutdown.is_cancelled() {
+                            if file_identity(&path) == own {
+                                let _ = std::fs::remove_file(&path);
+                            }
+                            return Ok(());
+                        }
                         bail!("gRPC server of {} on {} stopped", self.name, path.display());
                     }
                     ch = self.wake.changed() => {
@@ -284,12 +297,18 @@ impl ResourceTask {
                 }
             };
             stop.cancel();
-            match server.await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
+            match tokio::time::timeout(SERVER_STOP_TIMEOUT, &mut server).await {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(e))) => {
                     tracing::warn!(resource = %self.name, error = %e, "server ended with an error")
                 }
-                Err(e) => tracing::warn!(resource = %self.name, error = %e, "server task failed"),
+                Ok(Err(e)) => {
+                    tracing::warn!(resource = %self.name, error = %e, "server task failed")
+                }
+                Err(_) => {
+                    tracing::warn!(resource = %self.name, "server did not stop in time; dropping its connections");
+                    server.abort();
+                }
             }
             if !rebind {
                 if file_identity(&path) == own {
@@ -365,26 +384,19 @@ impl ResourceTask {
                 self.metrics.registration(&self.name);
                 tracing::info!(resource = %self.name, endpoint, "registered with kubelet");
                 *registered = Registered::Yes(ident, generation);
-                Ok(())
             }
-            Err(s)
-                if matches!(
-                    s.code(),
-                    tonic::Code::Unavailable
-                        | tonic::Code::DeadlineExceeded
-                        | tonic::Code::Cancelled
-                ) =>
-            {
-                tracing::warn!(resource = %self.name, error = %s, "kubelet does not answer; will retry");
+            Err(s) => {
+                // kubelet answers refusals with code Unknown, like transport failures: retry
+                // both (every second) rather than crash-loop.
+                tracing::error!(
+                    resource = %self.name,
+                    kubelet = %ksock.display(),
+                    error = %s.message(),
+                    "registration failed; will retry"
+                );
                 *registered = Registered::No;
-                Ok(())
             }
-            Err(s) => Err(anyhow::anyhow!(
-                "kubelet refused the registration of {} ({}): {}",
-                self.name,
-                ksock.display(),
-                s.message()
-            )),
         }
+        Ok(())
     }
 }

@@ -6,7 +6,7 @@
 #   expect_eq NAME WANT GOT   pass if equal, else fail saying both
 #   try_write FILE VALUE      write VALUE (no newline added) to FILE in one write(2); prints
 #                             "ok" or the errno name (ENODEV, EINVAL, ...)
-#   wait_for SECONDS CMD...   retry CMD every 0.1 s until it succeeds or SECONDS pass
+#   wait_for SECONDS CMD...   retry CMD every 0.1 s until it succeeds or SECONDS (wall clock) pass
 # Results go to $VMTIER_RESULTS/results as "PASS <name>" / "FAIL <name>: <detail>".
 
 : "${VMTIER_RESULTS:=.}"
@@ -68,11 +68,10 @@ try_read() {
 }
 
 wait_for() {
-    local secs="$1" i=0
+    local deadline=$((SECONDS + $1))
     shift
     while ! "$@" >/dev/null 2>&1; do
-        i=$((i + 1))
-        [ "$i" -ge $((secs * 10)) ] && return 1
+        [ "$SECONDS" -ge "$deadline" ] && return 1
         sleep 0.1
     done
 }

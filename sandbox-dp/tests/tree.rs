@@ -1,0 +1,431 @@
+//! sandbox-dp as a process against plain sysfs-like trees built in a tempdir: cases node-sim
+//! does not model (a `/dev/vfio/<group>` node removed and back, iommufd nodes, odd names).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
+mod support;
+
+use std::io::{Read as _, Write as _};
+use std::os::unix::fs::symlink;
+use std::path::PathBuf;
+
+use support::*;
+use testkit::kubelet::FakeKubelet;
+
+/// A host root with sys, dev and nothing else.
+struct Tree {
+    _dir: tempfile::TempDir,
+    root: PathBuf,
+}
+
+struct Func<'a> {
+    bdf: &'a str,
+    /// Bridges from the root port down.
+    bridges: &'a [&'a str],
+    vendor: u16,
+    device: u16,
+    class: u32,
+    driver: Option<&'a str>,
+    group: u32,
+    numa: i32,
+}
+
+impl Tree {
+    fn new() -> Tree {
+        let dir = tempfile::Builder::new()
+            .prefix("sdp-tree-")
+            .tempdir()
+            .unwrap();
+        let root = dir.path().to_path_buf();
+        for d in [
+            "sys/bus/pci/devices",
+            "sys/bus/pci/drivers/vfio-pci",
+            "sys/bus/pci/drivers/nvidia",
+            "sys/kernel/iommu_groups",
+            "dev/vfio",
+        ] {
+            std::fs::create_dir_all(root.join(d)).unwrap();
+        }
+        std::fs::write(root.join("dev/vfio/vfio"), "").unwrap();
+        Tree { _dir: dir, root }
+    }
+
+    fn func_dir(&self, f: &Func) -> PathBuf {
+        let mut dir = self.root.join("sys/devices/pci0000:00");
+        for b in f.bridges {
+            dir = dir.join(b);
+        }
+        dir.join(f.bdf)
+    }
+
+    fn add(&self, f: &Func) -> PathBuf {
+        let dir = self.func_dir(f);
+        std::fs::create_dir_all(&dir).unwrap();
+        let put = |name: &str, v: String| std::fs::write(dir.join(name), v + "\n").unwrap();
+        put("vendor", format!("0x{:04x}", f.vendor));
+        put("device", format!("0x{:04x}", f.device));
+        put("class", format!("0x{:06x}", f.class));
+        put("numa_node", f.numa.to_string());
+        put("driver_override", "(null)".into());
+        if let Some(d) = f.driver {
+            std::fs::create_dir_all(self.root.join("sys/bus/pci/drivers").join(d)).unwrap();
+            symlink(
+                self.root.join("sys/bus/pci/drivers").join(d),
+                dir.join("driver"),
+            )
+            .unwrap();
+        }
+        let g = self
+            .root
+            .join(format!("sys/kernel/iommu_groups/{}", f.group));
+        std::fs::create_dir_all(&g).unwrap();
+        symlink(&g, dir.join("iommu_group")).unwrap();
+        symlink(&dir, self.root.join("sys/bus/pci/devices").join(f.bdf)).unwrap();
+        dir
+    }
+
+    fn vfio_node(&self, group: u32) -> PathBuf {
+        self.root.join(format!("dev/vfio/{group}"))
+    }
+}
+
+fn a10<'a>(bdf: &'a str, group: u32) -> Func<'a> {
+    Func {
+        bdf,
+        bridges: &["0000:00:01.0"],
+        vendor: 0x10de,
+        device: 0x2236,
+        class: 0x030200,
+        driver: Some("vfio-pci"),
+        group,
+        numa: 1,
+    }
+}
+
+/// Passthrough A10 on vfio-pci, with its node.
+fn one_a10() -> Tree {
+    let t = Tree::new();
+    t.add(&a10("0000:01:00.0", 21));
+    std::fs::write(t.vfio_node(21), "").unwrap();
+    t
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn group_node_removed_is_unhealthy_and_back_is_healthy() {
+    let t = one_a10();
+    let (_k, kdir) = kubelet_dir();
+    let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
+    let _d = Daemon::start(&t.root, &kdir, &[]);
+    let reg = kubelet.next_registration(DEADLINE).await.unwrap();
+    assert_eq!(reg.resource_name, "nvidia.com/GA102GL_A10");
+    let mut plugin = kubelet.plugin(&reg.endpoint).await.unwrap();
+    let mut lw = plugin.list_and_watch().await.unwrap();
+    let list = lw.next(DEADLINE).await.unwrap();
+    assert_eq!(ids(&list), ["0000:01:00.0"]);
+    assert_eq!(list[0].health, "Healthy");
+    assert_eq!(numa(&list[0]), [1]);
+
+    // Specs are host paths, never under the host root.
+    let resp = plugin.allocate(&[&["0000:01:00.0"]]).await.unwrap();
+    assert_eq!(
+        host_paths(&resp.container_responses[0]),
+        ["/dev/vfio/vfio", "/dev/vfio/21"]
+    );
+
+    std::fs::remove_file(t.vfio_node(21)).unwrap();
+    lw.wait_until(DEADLINE, |l| l.len() == 1 && l[0].health == "Unhealthy")
+        .await
+        .unwrap();
+    let e = plugin.allocate(&[&["0000:01:00.0"]]).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(e.message().contains("unhealthy"), "{}", e.message());
+    assert!(e.message().contains("0000:01:00.0"), "{}", e.message());
+
+    std::fs::write(t.vfio_node(21), "").unwrap();
+    lw.wait_until(DEADLINE, |l| l.len() == 1 && l[0].health == "Healthy")
+        .await
+        .unwrap();
+    plugin.allocate(&[&["0000:01:00.0"]]).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn iommufd_nodes_are_handed_over_when_present() {
+    let t = Tree::new();
+    let dir = t.add(&a10("0000:01:00.0", 21));
+    std::fs::create_dir_all(dir.join("vfio-dev/vfio3")).unwrap();
+    std::fs::write(t.vfio_node(21), "").unwrap();
+    std::fs::write(t.root.join("dev/iommu"), "").unwrap();
+    std::fs::create_dir_all(t.root.join("dev/vfio/devices")).unwrap();
+    std::fs::write(t.root.join("dev/vfio/devices/vfio3"), "").unwrap();
+    let (_k, kdir) = kubelet_dir();
+    let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
+    let _d = Daemon::start(&t.root, &kdir, &[]);
+    let reg = kubelet.next_registration(DEADLINE).await.unwrap();
+    let mut plugin = kubelet.plugin(&reg.endpoint).await.unwrap();
+    let resp = plugin.allocate(&[&["0000:01:00.0"]]).await.unwrap();
+    assert_eq!(
+        host_paths(&resp.container_responses[0]),
+        [
+            "/dev/vfio/vfio",
+            "/dev/vfio/21",
+            "/dev/iommu",
+            "/dev/vfio/devices/vfio3"
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sriov_vgpu_vf_with_group_node_allocates_as_pci() {
+    let t = Tree::new();
+    let pf = t.add(&Func {
+        driver: Some("nvidia"),
+        device: 0x2330,
+        ..a10("0000:13:00.0", 100)
+    });
+    for (vf, group, current, creatable) in [
+        ("0000:13:00.4", 130, "1000", "ID    : vGPU Name\n"),
+        (
+            "0000:13:00.5",
+            131,
+            "0",
+            "ID    : vGPU Name\n1000  : NVIDIA H100XM-4C\n",
+        ),
+    ] {
+        let dir = t.add(&Func {
+            driver: Some("nvidia"),
+            device: 0x2330,
+            bridges: &["0000:00:01.0", "0000:13:00.0"],
+            ..a10(vf, group)
+        });
+        // A VF sits beside its PF in the real tree; the nesting here only fakes the bridges.
+        symlink(&pf, dir.join("physfn")).unwrap();
+        std::fs::create_dir_all(dir.join("nvidia")).unwrap();
+        std::fs::write(dir.join("nvidia/current_vgpu_type"), format!("{current}\n")).unwrap();
+        std::fs::write(dir.join("nvidia/creatable_vgpu_types"), creatable).unwrap();
+    }
+    std::fs::write(t.vfio_node(130), "").unwrap();
+    let (_k, kdir) = kubelet_dir();
+    let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
+    let _d = Daemon::start(&t.root, &kdir, &[]);
+    let name = "nvidia.com/NVIDIA_H100XM-4C";
+    let reg = kubelet.wait_for(&[name], DEADLINE).await.unwrap()[name].clone();
+    let mut plugin = kubelet.plugin(&reg.endpoint).await.unwrap();
+    let list = plugin
+        .list_and_watch()
+        .await
+        .unwrap()
+        .next(DEADLINE)
+        .await
+        .unwrap();
+    assert_eq!(ids(&list), ["0000:13:00.4"]);
+    assert_eq!(list[0].health, "Healthy");
+    let resp = plugin.allocate(&[&["0000:13:00.4"]]).await.unwrap();
+    let c = &resp.container_responses[0];
+    assert_eq!(
+        c.envs
+            .get("PCI_RESOURCE_NVIDIA_COM_NVIDIA_H100XM-4C")
+            .map(String::as_str),
+        Some("0000:13:00.4")
+    );
+    assert_eq!(host_paths(c), ["/dev/vfio/vfio", "/dev/vfio/130"]);
+}
+
+#[test]
+fn long_and_colliding_names_are_reported_and_aliases_rename() {
+    let t = Tree::new();
+    t.add(&a10("0000:01:00.0", 21));
+    t.add(&Func {
+        device: 0x2237,
+        ..a10("0000:02:00.0", 22)
+    });
+    // 2236 gets a 70-character name; 2237 and 2238 share one.
+    let long = "X".repeat(70);
+    let ids_file = t.root.join("pci.ids");
+    std::fs::write(
+        &ids_file,
+        format!("10de  NVIDIA Corporation\n\t2236  {long}\n\t2237  Twin\n\t2238  Twin\n"),
+    )
+    .unwrap();
+    t.add(&Func {
+        device: 0x2238,
+        ..a10("0000:03:00.0", 23)
+    });
+    let ids_arg = ids_file.to_str().unwrap();
+
+    let out = run(&["list", "--json", "--pci-ids", ids_arg], &t.root);
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&str> = v["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["nvidia.com/TWIN"]);
+    let problems = v["problems"].to_string();
+    assert!(problems.contains("70 characters"), "{problems}");
+    assert!(problems.contains("10de:2237, 10de:2238"), "{problems}");
+
+    let out = run(
+        &[
+            "list",
+            "--json",
+            "--pci-ids",
+            ids_arg,
+            "--resource-alias",
+            "10de:2236=A10",
+            "--resource-alias",
+            "10DE:2238=nvidia.com/TWIN_B",
+        ],
+        &t.root,
+    );
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&str> = v["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["nvidia.com/A10", "nvidia.com/TWIN", "nvidia.com/TWIN_B"]
+    );
+    assert_eq!(
+        v["problems"].as_array().unwrap().len(),
+        0,
+        "{}",
+        v["problems"]
+    );
+
+    let out = run(&["list", "--resource-alias", "nonsense"], &t.root);
+    assert!(!out.status.success());
+}
+
+#[test]
+fn companions_and_other_vendors_are_left_out() {
+    let t = Tree::new();
+    t.add(&a10("0000:01:00.0", 21));
+    // HDMI audio of the same GPU, same group, on vfio-pci too.
+    t.add(&Func {
+        device: 0x1aef,
+        class: 0x040300,
+        ..a10("0000:01:00.1", 21)
+    });
+    // Another vendor's device on vfio-pci.
+    t.add(&Func {
+        vendor: 0x8086,
+        device: 0x1572,
+        class: 0x020000,
+        ..a10("0000:05:00.0", 40)
+    });
+    // An NVIDIA GPU still on nvidia.
+    t.add(&Func {
+        driver: Some("nvidia"),
+        ..a10("0000:06:00.0", 41)
+    });
+    let out = run(&["list", "--json"], &t.root);
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let res = v["resources"].as_array().unwrap();
+    assert_eq!(res.len(), 1, "{v}");
+    let devs: Vec<&str> = res[0]["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(devs, ["0000:01:00.0"]);
+    // Unhealthy: no /dev/vfio/21 in this tree.
+    assert_eq!(res[0]["devices"][0]["health"], "Unhealthy");
+
+    let out = run(&["list", "--json", "--vendor", "8086"], &t.root);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["resources"][0]["name"], "nvidia.com/1572");
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn http_get(addr: &str, path: &str) -> String {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_devices_allocations_and_registrations() {
+    let t = one_a10();
+    let (_k, kdir) = kubelet_dir();
+    let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
+    let addr = format!("127.0.0.1:{}", free_port());
+    let _d = Daemon::start(&t.root, &kdir, &["--metrics-addr", &addr]);
+    let reg = kubelet.next_registration(DEADLINE).await.unwrap();
+    let mut plugin = kubelet.plugin(&reg.endpoint).await.unwrap();
+    plugin.allocate(&[&["0000:01:00.0"]]).await.unwrap();
+    plugin.allocate(&[&["0000:09:00.0"]]).await.unwrap_err();
+    let a = addr.clone();
+    let body = tokio::task::spawn_blocking(move || http_get(&a, "/metrics"))
+        .await
+        .unwrap();
+    assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
+    let r = "resource=\"nvidia.com/GA102GL_A10\"";
+    assert!(
+        body.contains(&format!("sandbox_dp_devices{{{r},health=\"Healthy\"}} 1")),
+        "{body}"
+    );
+    assert!(
+        body.contains(&format!("sandbox_dp_allocations_total{{{r}}} 1")),
+        "{body}"
+    );
+    assert!(
+        body.contains(&format!("sandbox_dp_allocation_errors_total{{{r}}} 1")),
+        "{body}"
+    );
+    assert!(
+        body.contains(&format!("sandbox_dp_registrations_total{{{r}}} 1")),
+        "{body}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_task_ends_the_process_non_zero() {
+    let t = one_a10();
+    let (_k, kdir) = kubelet_dir();
+    let _kubelet = FakeKubelet::start(&kdir).await.unwrap();
+    // The metrics address is taken: that task fails, the process must exit with an error.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let mut d = Daemon::start(&t.root, &kdir, &["--metrics-addr", &addr]);
+    let status = d.wait(DEADLINE).expect("sandbox-dp kept running");
+    assert!(!status.success(), "{status:?}");
+}
+
+#[test]
+fn help_explains_flags() {
+    let out = std::process::Command::new(BIN)
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    for flag in [
+        "--host-root",
+        "--kubelet-dir",
+        "--vendor",
+        "--pci-ids",
+        "--resource-alias",
+        "--metrics-addr",
+        "--resync-interval",
+        "--log-format",
+        "permitted-devices",
+        "list",
+    ] {
+        assert!(help.contains(flag), "--help lacks {flag}:\n{help}");
+    }
+}

@@ -118,9 +118,7 @@ impl<'de> Deserialize<'de> for Devices {
                 let mut v = Vec::new();
                 while let Some(i) = seq.next_element::<usize>()? {
                     if v.contains(&i) {
-                        return Err(de::Error::custom(format!(
-                            "GPU index {i} is listed twice"
-                        )));
+                        return Err(de::Error::custom(format!("GPU index {i} is listed twice")));
                     }
                     v.push(i);
                 }
@@ -259,7 +257,8 @@ impl TypeKey {
     pub fn parse(s: &str) -> Result<TypeKey, String> {
         let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
         let digits = !s.is_empty() && s.chars().all(|c| c.is_ascii_digit());
-        let named = s.contains('-') && s.chars().all(allowed) && s.split('-').all(|p| !p.is_empty());
+        let named =
+            s.contains('-') && s.chars().all(allowed) && s.split('-').all(|p| !p.is_empty());
         if digits || named {
             Ok(TypeKey(s.to_string()))
         } else {
@@ -318,7 +317,9 @@ impl Config {
         }
         for (name, entries) in &c.vgpu_configs {
             if entries.is_empty() {
-                return Err(ConfigError::Empty(format!("profile {name:?} has no entries")));
+                return Err(ConfigError::Empty(format!(
+                    "profile {name:?} has no entries"
+                )));
             }
         }
         Ok(c)
@@ -398,31 +399,46 @@ vgpu-configs:
 
     #[test]
     fn errors_name_the_place_and_line() {
-        let e = err("version: v1\nvgpu-configs:\n  A10-4Q:\n    - devices: all\n      colour: red\n      vgpu-devices: {A10-4Q: 6}\n");
+        let e = err(
+            "version: v1\nvgpu-configs:\n  A10-4Q:\n    - devices: all\n      colour: red\n      vgpu-devices: {A10-4Q: 6}\n",
+        );
         assert!(e.contains("vgpu-configs.A10-4Q[0]"), "{e}");
         assert!(e.contains("unknown field `colour`"), "{e}");
         assert!(e.contains("line 5"), "{e}");
 
-        let e = err("version: v1\nvgpu-configs:\n  p:\n    - devices: all\n      vgpu-devices: {A10-4Q: 0}\n");
+        let e = err(
+            "version: v1\nvgpu-configs:\n  p:\n    - devices: all\n      vgpu-devices: {A10-4Q: 0}\n",
+        );
         assert!(e.contains("vgpu-configs.p[0].vgpu-devices"), "{e}");
         assert!(e.contains("at least 1"), "{e}");
         assert!(e.contains("line 5"), "{e}");
 
-        let e = err("version: v1\nvgpu-configs:\n  p:\n    - devices: all\n      vgpu-devices: {\"A10 4Q\": 1}\n");
+        let e = err(
+            "version: v1\nvgpu-configs:\n  p:\n    - devices: all\n      vgpu-devices: {\"A10 4Q\": 1}\n",
+        );
         assert!(e.contains("\"A10 4Q\" is not a vGPU type"), "{e}");
         assert!(e.contains("vgpu-configs.p[0]"), "{e}");
 
-        let e = err("version: v1\nvgpu-configs:\n  p:\n    - devices: some\n      vgpu-devices: {A10-4Q: 1}\n");
+        let e = err(
+            "version: v1\nvgpu-configs:\n  p:\n    - devices: some\n      vgpu-devices: {A10-4Q: 1}\n",
+        );
         assert!(e.contains("devices must be"), "{e}");
 
-        let e = err("version: v1\nvgpu-configs:\n  p:\n    - devices: all\n      device-filter: A10\n      vgpu-devices: {A10-4Q: 1}\n");
+        let e = err(
+            "version: v1\nvgpu-configs:\n  p:\n    - devices: all\n      device-filter: A10\n      vgpu-devices: {A10-4Q: 1}\n",
+        );
         assert!(e.contains("device-filter \"A10\""), "{e}");
 
         let e = err("version: v1\nvgpu-configs:\n  p:\n    - vgpu-devices: {A10-4Q: 1}\n");
         assert!(e.contains("missing field `devices`"), "{e}");
 
-        assert!(err("version: v2\nvgpu-configs:\n  p:\n    - devices: all\n      vgpu-devices: {}\n").contains("v2"));
-        assert!(err("version: v1\nvgpu-configs:\n  p: []\n").contains("profile \"p\" has no entries"));
+        assert!(
+            err("version: v2\nvgpu-configs:\n  p:\n    - devices: all\n      vgpu-devices: {}\n")
+                .contains("v2")
+        );
+        assert!(
+            err("version: v1\nvgpu-configs:\n  p: []\n").contains("profile \"p\" has no entries")
+        );
         assert!(err("version: v1\nextra: 1\nvgpu-configs: {}\n").contains("unknown field `extra`"));
     }
 
@@ -436,10 +452,26 @@ vgpu-configs:
 
     #[test]
     fn type_key_syntax() {
-        for good in ["A10-4Q", "A100DX-1-10C", "nvidia-558", "mtty-2", "1145", "T4-2B4"] {
+        for good in [
+            "A10-4Q",
+            "A100DX-1-10C",
+            "nvidia-558",
+            "mtty-2",
+            "1145",
+            "T4-2B4",
+        ] {
             assert!(TypeKey::parse(good).is_ok(), "{good}");
         }
-        for bad in ["", "A10", "A10 4Q", "-4Q", "A10-", "A10--4Q", "A10/4Q", "nvidia-5:58"] {
+        for bad in [
+            "",
+            "A10",
+            "A10 4Q",
+            "-4Q",
+            "A10-",
+            "A10--4Q",
+            "A10/4Q",
+            "nvidia-5:58",
+        ] {
             assert!(TypeKey::parse(bad).is_err(), "{bad}");
         }
     }

@@ -1,2 +1,35 @@
-//! vgpu-device-manager: make the node's vGPUs match a named profile.
+//! vgpu-device-manager: make the node's vGPUs match a named profile of a
+//! `version: v1` / `vgpu-configs` file (NVIDIA vgpu-device-manager's format).
+//!
+//! - [`config`] parses and checks the file.
+//! - [`plan`] turns the node's inventory into per-GPU state and plans a profile against it
+//!   (a pure function).
+//! - [`apply`] reads, plans and executes, GPUs in parallel.
+//! - [`daemon`] keeps the node on the profile named by a node label or a flag.
+
+pub mod apply;
 pub mod config;
+pub mod daemon;
+pub mod plan;
+
+use std::io::Read;
+use std::path::Path;
+
+pub use apply::{Options, Report, apply, export, make_plan};
+pub use config::Config;
+
+/// Reads the config file (`-` is stdin).
+pub fn read_config(path: &Path) -> anyhow::Result<Config> {
+    use anyhow::Context;
+    let text = if path == Path::new("-") {
+        let mut s = String::new();
+        std::io::stdin()
+            .read_to_string(&mut s)
+            .context("cannot read the config from stdin")?;
+        s
+    } else {
+        std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read config file {}", path.display()))?
+    };
+    Config::parse(&text).with_context(|| format!("config file {}", path.display()))
+}

@@ -1,0 +1,436 @@
+//! Apply = read the node, plan, execute. Independent GPUs are changed in parallel; each GPU's
+//! changes run in order (removals first). Nothing is remembered between runs except learnt
+//! vendor-path type names: the plan is always derived from sysfs, so a run killed at any point
+//! is repaired by the next one.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::{HostPaths, Inventory, Sysfs, error_chain};
+use serde::Serialize;
+
+use crate::config::{Config, ConfigError, Count, Devices, Entry, TypeKey};
+use crate::plan::{self, Action, Gpu, Plan, PlanError, VendorSel};
+
+/// Where and how to work.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// The host root.
+    pub paths: HostPaths,
+    /// Which devices `devices:` counts.
+    pub vendor: VendorSel,
+    /// Longest a single sysfs write may take.
+    pub write_timeout: Duration,
+    /// Longest to wait for newly enabled VFs to offer vGPU types.
+    pub vf_wait: Duration,
+}
+
+impl Options {
+    /// Defaults for a host root.
+    pub fn new(paths: HostPaths) -> Self {
+        Options {
+            paths,
+            vendor: VendorSel::Pci(0x10de),
+            write_timeout: Duration::from_secs(30),
+            vf_wait: Duration::from_secs(20),
+        }
+    }
+}
+
+/// Why an apply did not start, or could not finish reading the node.
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    /// The config file is wrong or does not have the profile.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The profile does not fit this node; nothing was changed (except enabling VFs, when the
+    /// profile needed them to read the types).
+    #[error("{}", .0.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n"))]
+    Invalid(Vec<PlanError>),
+    /// The node could not be read.
+    #[error("cannot read the node")]
+    Read(#[source] common::Error),
+}
+
+impl ApplyError {
+    /// The exit status for this error: 2 for a config or profile that does not fit, 1 for a
+    /// node that cannot be read.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            ApplyError::Config(_) | ApplyError::Invalid(_) => 2,
+            ApplyError::Read(_) => 1,
+        }
+    }
+}
+
+/// What happened to one GPU.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case", tag = "result")]
+pub enum Outcome {
+    /// Matches the profile now.
+    Applied {
+        /// vGPUs created.
+        created: usize,
+        /// vGPUs removed.
+        removed: usize,
+        /// vGPUs kept.
+        kept: usize,
+    },
+    /// Left as it was: a vGPU that must go is in use.
+    Blocked {
+        /// Which vGPUs and who holds them.
+        reasons: Vec<String>,
+    },
+    /// A write failed; the GPU may be part-way (a rerun repairs it).
+    Failed {
+        /// The error.
+        error: String,
+        /// Writes done before it.
+        done: usize,
+    },
+}
+
+/// The result of an apply.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    /// The profile.
+    pub profile: String,
+    /// Per selected GPU: its label and what happened.
+    pub gpus: Vec<(String, Outcome)>,
+    /// Sysfs writes made.
+    pub writes: usize,
+}
+
+impl Report {
+    /// Every selected GPU matches the profile.
+    pub fn success(&self) -> bool {
+        self.gpus
+            .iter()
+            .all(|(_, o)| matches!(o, Outcome::Applied { .. }))
+    }
+
+    /// One line per GPU that is not applied, for a label annotation or a log.
+    pub fn failure_reason(&self) -> String {
+        self.gpus
+            .iter()
+            .filter_map(|(g, o)| match o {
+                Outcome::Applied { .. } => None,
+                Outcome::Blocked { reasons } => Some(format!("{g}: {}", reasons.join("; "))),
+                Outcome::Failed { error, .. } => Some(format!("{g}: {error}")),
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Human-readable summary.
+    pub fn render(&self) -> String {
+        let mut s = String::new();
+        if self.gpus.is_empty() {
+            s.push_str(&format!(
+                "profile {:?} selects no GPU on this node\n",
+                self.profile
+            ));
+        }
+        for (g, o) in &self.gpus {
+            match o {
+                Outcome::Applied {
+                    created,
+                    removed,
+                    kept,
+                } => s.push_str(&format!(
+                    "{g}: applied (kept {kept}, removed {removed}, created {created})\n"
+                )),
+                Outcome::Blocked { reasons } => {
+                    s.push_str(&format!("{g}: left unchanged, in use\n"));
+                    for r in reasons {
+                        s.push_str(&format!("  {r}\n"));
+                    }
+                }
+                Outcome::Failed { error, done } => {
+                    s.push_str(&format!("{g}: FAILED after {done} change(s): {error}\n"))
+                }
+            }
+        }
+        s
+    }
+}
+
+/// The learnt vendor-path type names: a VF stops listing its own type, and a full card lists
+/// none, so names seen earlier are kept under `<root>/run/nvidia/vgpu-device-manager/`
+/// (gone at reboot, with the vGPUs).
+fn names_file(paths: &HostPaths) -> PathBuf {
+    paths
+        .root()
+        .join("run/nvidia/vgpu-device-manager/vgpu-type-names.json")
+}
+
+fn load_names(paths: &HostPaths) -> BTreeMap<u32, String> {
+    std::fs::read_to_string(names_file(paths))
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok())
+        .unwrap_or_default()
+}
+
+fn save_names(paths: &HostPaths, inv: &Inventory, old: &BTreeMap<u32, String>) {
+    let mut names = old.clone();
+    for d in inv.devices.values() {
+        if let Some(nv) = &d.nvidia_vgpu {
+            for t in &nv.creatable {
+                names.insert(t.id, t.name.clone());
+            }
+        }
+    }
+    if &names == old {
+        return;
+    }
+    let path = names_file(paths);
+    let write = || -> std::io::Result<()> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, serde_json::to_vec(&names).unwrap_or_default())?;
+        std::fs::rename(&tmp, &path)
+    };
+    if let Err(e) = write() {
+        tracing::warn!(path = %path.display(), "cannot record vGPU type names: {e}");
+    }
+}
+
+/// Reads the node's candidate GPUs.
+pub fn snapshot(opts: &Options) -> Result<Vec<Gpu>, ApplyError> {
+    let inv = Inventory::read(&opts.paths).map_err(ApplyError::Read)?;
+    for u in &inv.unreadable {
+        tracing::warn!(path = %u.path.display(), "skipped: {}", u.reason);
+    }
+    let scan = match common::inuse::holders(&opts.paths) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!("cannot scan processes for open vGPUs: {}", error_chain(&e));
+            BTreeMap::new()
+        }
+    };
+    let names = load_names(&opts.paths);
+    save_names(&opts.paths, &inv, &names);
+    let names = load_names(&opts.paths);
+    Ok(plan::discover(&inv, opts.vendor, &scan, &names))
+}
+
+/// Plans `profile` of `config` against the node as it is now. Writes nothing.
+pub fn make_plan(opts: &Options, config: &Config, profile: &str) -> Result<Plan, ApplyError> {
+    let entries = config.profile(profile)?;
+    let gpus = snapshot(opts)?;
+    plan::plan(&gpus, profile, entries).map_err(ApplyError::Invalid)
+}
+
+/// Makes the node match `profile`.
+pub fn apply(opts: &Options, config: &Config, profile: &str) -> Result<Report, ApplyError> {
+    let entries = config.profile(profile)?;
+    let sysfs = Sysfs::new(opts.paths.clone()).with_timeout(opts.write_timeout);
+    let mut writes = 0;
+    let mut p = plan::plan(&snapshot(opts)?, profile, entries).map_err(ApplyError::Invalid)?;
+    let mut failed: BTreeMap<usize, Outcome> = BTreeMap::new();
+    if p.gpus.iter().any(|g| g.after_vfs) {
+        let mut enabled = Vec::new();
+        for g in p.gpus.iter().filter(|g| g.after_vfs) {
+            for a in &g.actions {
+                if let Action::EnableVfs { pf, count } = a {
+                    tracing::info!(gpu = %g.gpu, "enabling {count} VFs to read its vGPU types");
+                    writes += 1;
+                    match sysfs.set_sriov_numvfs(pf, *count) {
+                        Ok(()) => enabled.push(*pf),
+                        Err(e) => {
+                            failed.insert(
+                                g.index,
+                                Outcome::Failed {
+                                    error: error_chain(&e),
+                                    done: 0,
+                                },
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        wait_for_vf_types(opts, &enabled);
+        p = plan::plan(&snapshot(opts)?, profile, entries).map_err(ApplyError::Invalid)?;
+    }
+    let results: Vec<(String, Outcome, usize)> = std::thread::scope(|s| {
+        let handles: Vec<_> = p
+            .gpus
+            .iter()
+            .map(|g| {
+                let sysfs = &sysfs;
+                let pre = failed.get(&g.index).cloned();
+                s.spawn(move || {
+                    if let Some(o) = pre {
+                        return (g.gpu.clone(), o, 0);
+                    }
+                    run_gpu(sysfs, g)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .zip(&p.gpus)
+            .map(|(h, g)| {
+                h.join().unwrap_or_else(|_| {
+                    (
+                        g.gpu.clone(),
+                        Outcome::Failed {
+                            error: "the worker for this GPU panicked".into(),
+                            done: 0,
+                        },
+                        0,
+                    )
+                })
+            })
+            .collect()
+    });
+    let mut report = Report {
+        profile: profile.to_string(),
+        gpus: Vec::new(),
+        writes,
+    };
+    for (g, o, w) in results {
+        report.writes += w;
+        report.gpus.push((g, o));
+    }
+    Ok(report)
+}
+
+fn run_gpu(sysfs: &Sysfs, g: &plan::GpuPlan) -> (String, Outcome, usize) {
+    let span = tracing::info_span!("gpu", gpu = %g.gpu);
+    let _e = span.enter();
+    if !g.blocked.is_empty() {
+        for b in &g.blocked {
+            tracing::warn!("left unchanged: {b}");
+        }
+        return (
+            g.gpu.clone(),
+            Outcome::Blocked {
+                reasons: g.blocked.clone(),
+            },
+            0,
+        );
+    }
+    if g.after_vfs {
+        return (
+            g.gpu.clone(),
+            Outcome::Failed {
+                error: "its VFs were enabled but offer no vGPU types".into(),
+                done: 0,
+            },
+            0,
+        );
+    }
+    let (mut created, mut removed) = (0, 0);
+    for (i, a) in g.actions.iter().enumerate() {
+        let r = match a {
+            Action::EnableVfs { pf, count } => sysfs.set_sriov_numvfs(pf, *count),
+            Action::RemoveMdev { uuid, .. } => sysfs.mdev_remove(uuid),
+            Action::ClearVf { vf, .. } => sysfs.set_current_vgpu_type(vf, 0),
+            Action::CreateMdev {
+                parent, type_id, ..
+            } => sysfs.mdev_create(parent, type_id, &uuid::Uuid::new_v4().to_string()),
+            Action::SetVf { vf, type_id, .. } => sysfs.set_current_vgpu_type(vf, *type_id),
+        };
+        match r {
+            Ok(()) => {
+                if a.is_removal() {
+                    removed += 1;
+                } else {
+                    created += 1;
+                }
+            }
+            Err(e) => {
+                let error = format!("{a}: {}", error_chain(&e));
+                tracing::error!("{error}");
+                return (g.gpu.clone(), Outcome::Failed { error, done: i }, i + 1);
+            }
+        }
+    }
+    if created + removed > 0 {
+        tracing::info!(created, removed, kept = g.keep.len(), "applied");
+    }
+    (
+        g.gpu.clone(),
+        Outcome::Applied {
+            created,
+            removed,
+            kept: g.keep.len(),
+        },
+        g.actions.len(),
+    )
+}
+
+/// A VF's driver may probe after `sriov_numvfs` returns: wait until each new VF shows its
+/// vGPU types (mdev types or the vendor `nvidia/` directory), or until `vf_wait`.
+fn wait_for_vf_types(opts: &Options, pfs: &[common::PciAddress]) {
+    if pfs.is_empty() {
+        return;
+    }
+    let start = Instant::now();
+    loop {
+        let ready =
+            match Inventory::read_with(&opts.paths, &common::ReadOptions { mdev_types: false }) {
+                Ok(inv) => pfs.iter().all(|pf| {
+                    inv.device(pf).is_some_and(|d| {
+                        !d.virtfns.is_empty()
+                            && d.virtfns.iter().all(|v| {
+                                inv.device(v)
+                                    .is_some_and(|v| v.mdev_parent || v.nvidia_vgpu.is_some())
+                            })
+                    })
+                }),
+                Err(_) => false,
+            };
+        if ready || start.elapsed() >= opts.vf_wait {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The node's current vGPUs as a config with one profile, `name`.
+pub fn export(opts: &Options, name: &str) -> Result<Config, ApplyError> {
+    let gpus = snapshot(opts)?;
+    let mut groups: Vec<(BTreeMap<TypeKey, Count>, Vec<usize>)> = Vec::new();
+    for g in &gpus {
+        if matches!(g.backend, plan::Backend::Unsupported { .. }) && g.vgpus.is_empty() {
+            continue;
+        }
+        let mut m: BTreeMap<TypeKey, Count> = BTreeMap::new();
+        for v in &g.vgpus {
+            let key = TypeKey(plan::type_key_of(v.type_name.as_deref(), &v.type_id));
+            m.entry(key).or_insert(Count(0)).0 += 1;
+        }
+        match groups.iter_mut().find(|(k, _)| *k == m) {
+            Some((_, ix)) => ix.push(g.index),
+            None => groups.push((m, vec![g.index])),
+        }
+    }
+    let all = groups.len() == 1 && groups[0].1.len() == gpus.len();
+    if groups.is_empty() {
+        groups.push((BTreeMap::new(), Vec::new()));
+    }
+    let entries: Vec<Entry> = groups
+        .into_iter()
+        .map(|(m, ix)| Entry {
+            devices: if all || ix.is_empty() {
+                Devices::All
+            } else {
+                Devices::Indices(ix)
+            },
+            device_filter: None,
+            vgpu_devices: m,
+        })
+        .collect();
+    let mut vgpu_configs = BTreeMap::new();
+    vgpu_configs.insert(name.to_string(), entries);
+    Ok(Config {
+        version: "v1".into(),
+        vgpu_configs,
+    })
+}

@@ -1,0 +1,317 @@
+//! The daemon: keep the node on a profile.
+//!
+//! The profile comes from the node label `nvidia.com/vgpu.config` (a metadata watch of the one
+//! Node; `--default-config` when the label is absent) or, without Kubernetes, from
+//! `--selected-config`. It applies at start (vGPUs do not survive a reboot), whenever the label
+//! or the config file changes (the file's directory is watched: a ConfigMap update swaps a
+//! symlink), and retries a failed or blocked apply with backoff. In Kubernetes it reports
+//! through `nvidia.com/vgpu.config.state` (`pending`, `success`, `failed`) and the annotation
+//! `nvidia.com/vgpu.config.state.reason`. After a successful apply it writes
+//! `<host-root>/run/nvidia/validations/vgpu-devices-ready`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, Patch, PatchParams};
+use kube::core::PartialObjectMeta;
+use kube::runtime::{WatchStreamExt, watcher};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::apply::{ApplyError, Options, apply};
+use crate::config::Config;
+
+/// The label that names the profile.
+pub const CONFIG_LABEL: &str = "nvidia.com/vgpu.config";
+/// The label the daemon reports its state in.
+pub const STATE_LABEL: &str = "nvidia.com/vgpu.config.state";
+/// The annotation with the reason of a failure.
+pub const REASON_ANNOTATION: &str = "nvidia.com/vgpu.config.state.reason";
+/// The readiness file's name under the validations directory.
+pub const READY_FILE: &str = "vgpu-devices-ready";
+
+/// Where the profile name comes from.
+#[derive(Clone, Debug)]
+pub enum Source {
+    /// The node label, through the Kubernetes API.
+    Kube {
+        /// The node.
+        node_name: String,
+        /// A kubeconfig; in-cluster (or `$KUBECONFIG`) when absent.
+        kubeconfig: Option<PathBuf>,
+        /// The profile when the label is absent.
+        default_config: String,
+    },
+    /// A fixed profile, no Kubernetes.
+    Fixed(String),
+}
+
+/// Everything the daemon needs.
+#[derive(Clone, Debug)]
+pub struct DaemonConfig {
+    /// Paths and device selection.
+    pub opts: Options,
+    /// The config file.
+    pub config_file: PathBuf,
+    /// Where the profile name comes from.
+    pub source: Source,
+    /// First retry delay after a failed or blocked apply; doubles up to `retry_max`.
+    pub retry_min: Duration,
+    /// Longest retry delay.
+    pub retry_max: Duration,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum State {
+    Pending,
+    Success,
+    Failed(String),
+}
+
+struct Reporter {
+    api: Option<(Api<Node>, String)>,
+}
+
+impl Reporter {
+    async fn set(&self, state: &State) {
+        let Some((api, node)) = &self.api else {
+            return;
+        };
+        let (value, reason) = match state {
+            State::Pending => ("pending", None),
+            State::Success => ("success", None),
+            State::Failed(r) => ("failed", Some(r.as_str())),
+        };
+        let mut ann = serde_json::Map::new();
+        if !matches!(state, State::Pending) {
+            ann.insert(
+                REASON_ANNOTATION.into(),
+                reason.map_or(serde_json::Value::Null, |r| r.into()),
+            );
+        }
+        let patch = serde_json::json!({
+            "metadata": {
+                "labels": { STATE_LABEL: value },
+                "annotations": ann,
+            }
+        });
+        for attempt in 0..3 {
+            match api
+                .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(_) => return,
+                Err(e) => {
+                    tracing::warn!(node, attempt, "cannot set {STATE_LABEL}={value}: {e}");
+                    tokio::time::sleep(Duration::from_millis(200 << attempt)).await;
+                }
+            }
+        }
+    }
+}
+
+/// Runs until `shutdown`; an error means the daemon cannot go on (its watch ended).
+pub async fn run(cfg: DaemonConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let (profile_tx, mut profile_rx) = watch::channel::<Option<String>>(None);
+    let mut tasks = tokio::task::JoinSet::new();
+    let reporter = match &cfg.source {
+        Source::Fixed(name) => {
+            profile_tx.send_replace(Some(name.clone()));
+            Reporter { api: None }
+        }
+        Source::Kube {
+            node_name,
+            kubeconfig,
+            default_config,
+        } => {
+            let client = kube_client(kubeconfig.as_deref()).await?;
+            let meta: Api<PartialObjectMeta<Node>> = Api::all(client.clone());
+            let (node, default) = (node_name.clone(), default_config.clone());
+            let stop = shutdown.clone();
+            tasks.spawn(async move {
+                let wc = watcher::Config::default().fields(&format!("metadata.name={node}"));
+                let mut stream = watcher(meta, wc).default_backoff().boxed();
+                loop {
+                    let ev = tokio::select! {
+                        _ = stop.cancelled() => return Ok(()),
+                        ev = stream.next() => ev,
+                    };
+                    let Some(ev) = ev else {
+                        anyhow::bail!("the watch of node {node} ended");
+                    };
+                    let obj = match ev {
+                        Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => o,
+                        Ok(_) => continue,
+                        Err(e) => {
+                            tracing::warn!(node, "watching the node: {e}");
+                            continue;
+                        }
+                    };
+                    let want = obj
+                        .metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get(CONFIG_LABEL))
+                        .filter(|v| !v.is_empty())
+                        .cloned()
+                        .unwrap_or_else(|| default.clone());
+                    profile_tx.send_if_modified(|cur| {
+                        if cur.as_deref() == Some(want.as_str()) {
+                            false
+                        } else {
+                            tracing::info!(node, profile = want, "selected profile");
+                            *cur = Some(want.clone());
+                            true
+                        }
+                    });
+                }
+            });
+            Reporter {
+                api: Some((Api::all(client), node_name.clone())),
+            }
+        }
+    };
+
+    // The config file: watch its directory (a ConfigMap swaps the `..data` symlink).
+    let (file_tx, mut file_rx) = mpsc::channel::<()>(8);
+    let _watcher = watch_file(&cfg.config_file, file_tx)?;
+
+    let ready = cfg.opts.paths.validations_dir().join(READY_FILE);
+    let mut last_text: Option<String> = None;
+    let mut retry: Option<tokio::time::Instant> = None;
+    let mut delay = cfg.retry_min;
+    let mut run_now = true;
+    loop {
+        if !run_now || profile_rx.borrow().is_none() {
+            let retry_sleep = async {
+                match retry {
+                    Some(t) => tokio::time::sleep_until(t).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                r = tasks.join_next(), if !tasks.is_empty() => {
+                    match r {
+                        Some(Ok(Err(e))) => return Err(e),
+                        Some(Err(e)) => anyhow::bail!("a daemon task failed: {e}"),
+                        _ => {}
+                    }
+                    continue;
+                }
+                c = profile_rx.changed() => {
+                    if c.is_err() { anyhow::bail!("the profile source ended"); }
+                    delay = cfg.retry_min;
+                }
+                Some(()) = file_rx.recv() => {
+                    // Coalesce a burst of events (a symlink swap is several).
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    while file_rx.try_recv().is_ok() {}
+                    let now = std::fs::read_to_string(&cfg.config_file).ok();
+                    if now == last_text {
+                        continue;
+                    }
+                    tracing::info!(file = %cfg.config_file.display(), "config file changed");
+                    delay = cfg.retry_min;
+                }
+                _ = retry_sleep => {}
+            }
+        }
+        run_now = false;
+        let Some(profile) = profile_rx.borrow_and_update().clone() else {
+            continue;
+        };
+        retry = None;
+        reporter.set(&State::Pending).await;
+        let text = std::fs::read_to_string(&cfg.config_file);
+        last_text = text.as_ref().ok().cloned();
+        let outcome = match text {
+            Err(e) => Err((
+                format!("cannot read config file {}: {e}", cfg.config_file.display()),
+                false,
+            )),
+            Ok(text) => match Config::parse(&text) {
+                Err(e) => Err((
+                    format!("config file {}: {e}", cfg.config_file.display()),
+                    false,
+                )),
+                Ok(config) => {
+                    let opts = cfg.opts.clone();
+                    let p = profile.clone();
+                    match tokio::task::spawn_blocking(move || apply(&opts, &config, &p)).await {
+                        Err(e) => Err((format!("the apply task failed: {e}"), true)),
+                        Ok(Err(e @ ApplyError::Read(_))) => Err((format!("{e:#}"), true)),
+                        Ok(Err(e)) => Err((e.to_string(), false)),
+                        Ok(Ok(report)) if report.success() => Ok(report),
+                        Ok(Ok(report)) => Err((report.failure_reason(), true)),
+                    }
+                }
+            },
+        };
+        match outcome {
+            Ok(report) => {
+                tracing::info!(profile, writes = report.writes, "profile applied");
+                if let Err(e) = write_ready(&ready) {
+                    tracing::warn!(path = %ready.display(), "cannot write the readiness file: {e}");
+                }
+                reporter.set(&State::Success).await;
+                delay = cfg.retry_min;
+            }
+            Err((reason, retryable)) => {
+                let _ = std::fs::remove_file(&ready);
+                tracing::error!(profile, "profile not applied: {reason}");
+                reporter.set(&State::Failed(reason)).await;
+                if retryable {
+                    tracing::info!("retrying in {delay:?}");
+                    retry = Some(tokio::time::Instant::now() + delay);
+                    delay = (delay * 2).min(cfg.retry_max);
+                }
+            }
+        }
+    }
+    tasks.shutdown().await;
+    Ok(())
+}
+
+async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
+    let config = match kubeconfig {
+        Some(p) => {
+            let kc = kube::config::Kubeconfig::read_from(p)
+                .with_context(|| format!("cannot read kubeconfig {}", p.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("kubeconfig {}", p.display()))?
+        }
+        None => kube::Config::infer()
+            .await
+            .context("no in-cluster config and no kubeconfig")?,
+    };
+    kube::Client::try_from(config).context("cannot make a Kubernetes client")
+}
+
+fn write_ready(path: &Path) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(path, b"")
+}
+
+fn watch_file(file: &Path, tx: mpsc::Sender<()>) -> anyhow::Result<notify::RecommendedWatcher> {
+    use notify::{RecursiveMode, Watcher};
+    let dir = match file.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let mut w = notify::recommended_watcher(move |ev: notify::Result<notify::Event>| {
+        if ev.is_ok_and(|e| !e.kind.is_access()) {
+            let _ = tx.try_send(());
+        }
+    })
+    .context("cannot start watching files")?;
+    w.watch(&dir, RecursiveMode::NonRecursive)
+        .with_context(|| format!("cannot watch {}", dir.display()))?;
+    Ok(w)
+}

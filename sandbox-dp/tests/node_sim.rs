@@ -409,6 +409,8 @@ fn list_and_permitted_devices_on_2xa10() {
     assert_eq!(res[0]["devices"][0]["iommu_group"], 21);
     assert_eq!(res[0]["env"], "PCI_RESOURCE_NVIDIA_COM_GA102GL_A10");
     assert_eq!(res[1]["devices"][0]["id"], u);
+    // An mdev on a VF belongs to the VF's physical GPU.
+    assert_eq!(res[1]["devices"][0]["gpu"], GPU_B);
     assert_eq!(res[1]["env"], "MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q");
 
     let out = run(&["list"], root);
@@ -426,4 +428,59 @@ fn list_and_permitted_devices_on_2xa10() {
         yaml,
         "permittedHostDevices:\n  pciHostDevices:\n    - pciVendorSelector: \"10DE:2236\"\n      resourceName: \"nvidia.com/GA102GL_A10\"\n      externalResourceProvider: true\n  mediatedDevices:\n    - mdevNameSelector: \"NVIDIA A10-4Q\"\n      resourceName: \"nvidia.com/NVIDIA_A10-4Q\"\n      externalResourceProvider: true\n"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preferred_allocation_packs_vgpus_onto_fewest_gpus_on_8xa100() {
+    let Some(sim) = testkit::sim::try_mount("8xA100") else {
+        return;
+    };
+    let root = sim.root();
+    // Three A100DX-4C on GPU 13, two on GPU 14 (same switch, NUMA 0), one on GPU 93 (NUMA 1).
+    let mut made: Vec<(String, &str)> = Vec::new();
+    for (pf, vf_prefix, n) in [
+        ("0000:13:00.0", "0000:13:00", 3),
+        ("0000:14:00.0", "0000:14:00", 2),
+        ("0000:93:00.0", "0000:93:00", 1),
+    ] {
+        write(root, &format!("sys/bus/pci/devices/{pf}/sriov_numvfs"), "4");
+        for i in 0..n {
+            let vf = format!("{vf_prefix}.{}", 4 + i);
+            let uuid = format!("00000000-0000-4000-8000-{}{i:02}", &pf[5..7].repeat(5));
+            create_mdev(root, &vf, "nvidia-615", &uuid);
+            made.push((uuid, pf));
+        }
+    }
+    let name = "nvidia.com/GRID_A100DX-4C";
+    let on = |pf: &str| -> Vec<String> {
+        made.iter()
+            .filter(|(_, p)| *p == pf)
+            .map(|(u, _)| u.clone())
+            .collect()
+    };
+    let (_k, kdir) = kubelet_dir();
+    let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
+    let _d = Daemon::start(root, &kdir, &[]);
+    let reg = kubelet.wait_for(&[name], DEADLINE).await.unwrap()[name].clone();
+    let mut plugin = kubelet.plugin(&reg.endpoint).await.unwrap();
+    let list = plugin
+        .list_and_watch()
+        .await
+        .unwrap()
+        .next(DEADLINE)
+        .await
+        .unwrap();
+    assert_eq!(list.len(), 6);
+    let all: Vec<&str> = made.iter().map(|(u, _)| u.as_str()).collect();
+
+    // Two: the GPU with exactly two free, not one from each.
+    let got = plugin.preferred(&all, &[], 2).await.unwrap();
+    assert_eq!(got, on("0000:14:00.0"));
+    // Three: all on GPU 13.
+    let got = plugin.preferred(&all, &[], 3).await.unwrap();
+    assert_eq!(got, on("0000:13:00.0"));
+    // Must-include one of GPU 13's: the rest from GPU 13 too.
+    let first13 = on("0000:13:00.0")[0].clone();
+    let got = plugin.preferred(&all, &[&first13], 3).await.unwrap();
+    assert_eq!(got, on("0000:13:00.0"));
 }

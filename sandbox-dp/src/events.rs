@@ -120,6 +120,10 @@ impl FileWatch {
                         return;
                     }
                 };
+                // Our own reads open these directories: access events would loop.
+                if matches!(ev.kind, EventKind::Access(_)) {
+                    return;
+                }
                 let in_kdir = ev.paths.iter().any(|p| p.parent() == Some(kdir.as_path()));
                 if in_kdir {
                     let kubelet = ev

@@ -1,0 +1,813 @@
+#!/usr/bin/env python3
+"""Offline checks of the deployment files; run by tests/check-manifests.sh.
+
+  check.py manifests            render every kustomization under deploy/ (resources,
+                                components, namespace, images: the subset of kustomize this
+                                project uses) and validate each object against the Kubernetes
+                                API schemas of 1.30 and later (kubernetes-validate, strict), then
+                                check the project's own rules (selectors, mounts, RBAC, ...)
+  check.py render DIR           print the rendered kustomization DIR as YAML
+  check.py containerfile        every COPY source exists and is not excluded by .dockerignore,
+                                every file the cargo build reads is in the build context, stages
+                                and binaries agree with the workspace and the manifests
+  check.py cli BINDIR           the commands the DaemonSets and systemd units run parse with the
+                                built binaries in BINDIR (`<command> --help` exits 0)
+
+Every check prints what it checked; any failure prints `FAIL: ...` and exits 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import glob
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+
+import yaml
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+# CHECK_DEPLOY_DIR points the manifest checks at a copy (tests/check-manifests.sh breaks a copy
+# on purpose to show that a broken manifest fails).
+DEPLOY = os.path.abspath(os.environ.get("CHECK_DEPLOY_DIR") or os.path.join(REPO, "deploy"))
+MIN_K8S = (1, 30)
+
+# The kinds this project ships; a kind outside this list is an error (a typo would otherwise
+# only be a "schema not found" warning).
+KNOWN_KINDS = {
+    "Namespace",
+    "ServiceAccount",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "Role",
+    "RoleBinding",
+    "ConfigMap",
+    "DaemonSet",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+}
+CLUSTER_SCOPED = {
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+}
+KUSTOMIZATION_KEYS = {"apiVersion", "kind", "namespace", "resources", "components", "images"}
+
+failures: list[str] = []
+
+
+def fail(msg: str) -> None:
+    failures.append(msg)
+    print(f"FAIL: {msg}")
+
+
+def ok(msg: str) -> None:
+    print(f"ok: {msg}")
+
+
+def rel(path: str) -> str:
+    return os.path.relpath(path, REPO)
+
+
+# --- kustomize subset ----------------------------------------------------------------------------
+
+
+def load_yaml_docs(path: str) -> list[dict]:
+    with open(path) as f:
+        docs = [d for d in yaml.safe_load_all(f) if d is not None]
+    for d in docs:
+        if not isinstance(d, dict):
+            raise ValueError(f"{rel(path)}: a document is not a mapping")
+    return docs
+
+
+def kustomization_file(d: str) -> str | None:
+    for name in ("kustomization.yaml", "kustomization.yml", "Kustomization"):
+        p = os.path.join(d, name)
+        if os.path.isfile(p):
+            return p
+    return None
+
+
+def render(d: str, seen: set[str] | None = None, used: set[str] | None = None) -> list[dict]:
+    """Renders the kustomization in directory d. `used` collects every file it reads."""
+    seen = set() if seen is None else seen
+    used = set() if used is None else used
+    d = os.path.abspath(d)
+    if d in seen:
+        raise ValueError(f"{rel(d)}: kustomization cycle")
+    seen = seen | {d}
+    kf = kustomization_file(d)
+    if kf is None:
+        raise ValueError(f"{rel(d)}: no kustomization.yaml")
+    used.add(kf)
+    [k] = load_yaml_docs(kf)
+    unknown = set(k) - KUSTOMIZATION_KEYS
+    if unknown:
+        raise ValueError(
+            f"{rel(kf)}: fields {sorted(unknown)} are not supported by this renderer "
+            f"(supported: {sorted(KUSTOMIZATION_KEYS)}); extend deploy/tools/check.py"
+        )
+    objs: list[dict] = []
+    for key in ("resources", "components"):
+        for entry in k.get(key) or []:
+            p = os.path.normpath(os.path.join(d, entry))
+            if os.path.isdir(p):
+                objs.extend(render(p, seen, used))
+            elif os.path.isfile(p):
+                used.add(p)
+                objs.extend(load_yaml_docs(p))
+            else:
+                raise ValueError(f"{rel(kf)}: {key} entry {entry!r} does not exist")
+    ns = k.get("namespace")
+    if ns:
+        for o in objs:
+            if o.get("kind") not in CLUSTER_SCOPED:
+                o.setdefault("metadata", {})["namespace"] = ns
+            if o.get("kind") in ("RoleBinding", "ClusterRoleBinding"):
+                for s in o.get("subjects") or []:
+                    if s.get("kind") == "ServiceAccount":
+                        s["namespace"] = ns
+    for img in k.get("images") or []:
+        for o in objs:
+            for c in pod_containers(o):
+                name, tag = split_image(c.get("image", ""))
+                if name != img["name"]:
+                    continue
+                new = img.get("newName", name)
+                if "digest" in img:
+                    c["image"] = f"{new}@{img['digest']}"
+                else:
+                    c["image"] = f"{new}:{img.get('newTag', tag or 'latest')}"
+    return objs
+
+
+def split_image(image: str) -> tuple[str, str | None]:
+    if "@" in image:
+        return image.split("@", 1)[0], None
+    last = image.rsplit("/", 1)[-1]
+    if ":" in last:
+        return image.rsplit(":", 1)[0], image.rsplit(":", 1)[1]
+    return image, None
+
+
+def pod_spec(o: dict) -> dict | None:
+    if o.get("kind") == "DaemonSet":
+        return o.get("spec", {}).get("template", {}).get("spec")
+    return None
+
+
+def pod_containers(o: dict) -> list[dict]:
+    spec = pod_spec(o)
+    if not spec:
+        return []
+    return list(spec.get("initContainers") or []) + list(spec.get("containers") or [])
+
+
+def kustomization_dirs() -> list[str]:
+    out = []
+    for root, _dirs, files in os.walk(DEPLOY):
+        if any(f in files for f in ("kustomization.yaml", "kustomization.yml", "Kustomization")):
+            out.append(root)
+    return sorted(out)
+
+
+def is_component(d: str) -> bool:
+    kf = kustomization_file(d)
+    return bool(kf) and load_yaml_docs(kf)[0].get("kind") == "Component"
+
+
+# --- schema validation ---------------------------------------------------------------------------
+
+
+def schema_versions() -> list[str]:
+    import kubernetes_validate.utils as kvu
+
+    vs = []
+    for v in kvu.all_versions():
+        parts = tuple(int(x) for x in v.split(".")[:2])
+        if parts >= MIN_K8S and v not in vs:
+            vs.append(v)
+    return vs
+
+
+def validate_schemas(objs: list[dict], where: str) -> None:
+    import kubernetes_validate.utils as kvu
+
+    versions = schema_versions()
+    if not versions:
+        fail("kubernetes-validate has no schemas for Kubernetes 1.30 or later")
+        return
+    for o in objs:
+        name = f"{o.get('kind')}/{o.get('metadata', {}).get('name')}"
+        if o.get("kind") not in KNOWN_KINDS:
+            fail(f"{where}: {name}: kind not expected in this project (typo?)")
+            continue
+        bad = []
+        for v in versions:
+            try:
+                kvu.validate(copy.deepcopy(o), v, strict=True)
+            except kvu.ValidationError as e:
+                path = ".".join(str(p) for p in e.path)
+                bad.append(f"{v}: {path}: {e.message}")
+            except Exception as e:  # schema not found, version not supported
+                bad.append(f"{v}: {type(e).__name__}: {e}")
+        if bad:
+            fail(f"{where}: {name} does not validate: " + "; ".join(bad[:3]))
+        else:
+            ok(f"{where}: {name} validates against Kubernetes {versions[0]}..{versions[-1]} (strict)")
+
+
+# --- project rules -------------------------------------------------------------------------------
+
+WORKLOAD_LABEL = "nvidia.com/gpu.workload.config"
+EXPECTED_WORKLOADS = {
+    "vfio-manager": {"vm-passthrough"},
+    "vgpu-device-manager": {"vm-vgpu"},
+    "sandbox-dp": {"vm-passthrough", "vm-vgpu"},
+}
+# What each daemon may mount from the host, and whether writable. Everything lives under
+# HOST_ROOT=/host at its host path.
+ALLOWED_HOST_MOUNTS = {
+    "vfio-manager": {
+        "/sys": True,
+        "/dev": False,
+        "/proc": False,
+        "/lib/modules": False,
+        "/run/nvidia/validations": True,
+    },
+    "vgpu-device-manager": {
+        "/sys": True,
+        "/dev": False,
+        "/proc": False,
+        "/run/nvidia/validations": True,
+    },
+    "sandbox-dp": {
+        "/sys": False,
+        "/dev": False,
+        "/var/lib/kubelet/device-plugins": True,
+        "/run/nvidia/validations": False,
+    },
+}
+NEEDS_API = {"vgpu-device-manager"}
+NEEDS_UEVENTS = {"vfio-manager", "sandbox-dp"}
+NEEDS_PRIVILEGED = {"vfio-manager", "vgpu-device-manager"}
+NEEDS_HOSTPID = {"vfio-manager", "vgpu-device-manager"}
+READY_FILES = {
+    "vfio-manager": "/host/run/nvidia/validations/vfio-pci-ready",
+    "vgpu-device-manager": "/host/run/nvidia/validations/vgpu-devices-ready",
+}
+
+
+def env_of(c: dict) -> dict:
+    return {e["name"]: e for e in c.get("env") or []}
+
+
+def check_rules(objs: list[dict], where: str) -> None:
+    by_kind: dict[str, dict[str, dict]] = {}
+    for o in objs:
+        key = (o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"])
+        if any(
+            (x["kind"], x["metadata"].get("namespace"), x["metadata"]["name"]) == key
+            for x in objs
+            if x is not o
+        ):
+            fail(f"{where}: {key} is defined twice")
+        by_kind.setdefault(o["kind"], {})[o["metadata"]["name"]] = o
+
+    dss = by_kind.get("DaemonSet", {})
+    if set(dss) != set(EXPECTED_WORKLOADS):
+        fail(f"{where}: DaemonSets are {sorted(dss)}, expected {sorted(EXPECTED_WORKLOADS)}")
+    for name, ds in dss.items():
+        spec = pod_spec(ds) or {}
+        tag = f"{where}: DaemonSet/{name}"
+        # Selection by the workload label.
+        terms = (
+            spec.get("affinity", {})
+            .get("nodeAffinity", {})
+            .get("requiredDuringSchedulingIgnoredDuringExecution", {})
+            .get("nodeSelectorTerms", [])
+        )
+        values = set()
+        for t in terms:
+            for e in t.get("matchExpressions") or []:
+                if e.get("key") == WORKLOAD_LABEL and e.get("operator") == "In":
+                    values |= set(e.get("values") or [])
+        if values != EXPECTED_WORKLOADS.get(name, set()):
+            fail(f"{tag}: scheduled on {WORKLOAD_LABEL} in {sorted(values)}, "
+                 f"expected {sorted(EXPECTED_WORKLOADS.get(name, set()))}")
+        else:
+            ok(f"{tag}: scheduled on {WORKLOAD_LABEL} in {sorted(values)}")
+        sel = ds["spec"]["selector"].get("matchLabels", {})
+        labels = ds["spec"]["template"]["metadata"].get("labels", {})
+        if not sel or any(labels.get(k) != v for k, v in sel.items()):
+            fail(f"{tag}: selector {sel} does not match the template labels {labels}")
+        # Service account and API access.
+        sa_name = spec.get("serviceAccountName")
+        sa = by_kind.get("ServiceAccount", {}).get(sa_name)
+        if sa is None:
+            fail(f"{tag}: ServiceAccount {sa_name!r} is not defined")
+        automount = spec.get("automountServiceAccountToken", (sa or {}).get(
+            "automountServiceAccountToken", True))
+        if (name in NEEDS_API) != bool(automount):
+            fail(f"{tag}: API token mounted = {automount}, expected {name in NEEDS_API}")
+        # Host namespaces and privileges.
+        for field, need in (("hostNetwork", NEEDS_UEVENTS), ("hostPID", NEEDS_HOSTPID)):
+            if bool(spec.get(field)) != (name in need):
+                fail(f"{tag}: {field} = {bool(spec.get(field))}, expected {name in need}")
+        for c in pod_containers(ds):
+            priv = bool((c.get("securityContext") or {}).get("privileged"))
+            expect = name in NEEDS_PRIVILEGED and c in (spec.get("containers") or [])
+            if priv != expect:
+                fail(f"{tag}: container {c['name']} privileged = {priv}, expected {expect}")
+        # Host paths: only the allowed ones, each at /host<path>, writable only where needed.
+        vols = {v["name"]: v for v in spec.get("volumes") or []}
+        allowed = ALLOWED_HOST_MOUNTS.get(name, {})
+        for c in pod_containers(ds):
+            for m in c.get("volumeMounts") or []:
+                v = vols.get(m["name"])
+                if v is None:
+                    fail(f"{tag}: {c['name']} mounts undefined volume {m['name']}")
+                    continue
+                if "subPath" in m or "subPathExpr" in m:
+                    fail(f"{tag}: {c['name']} mounts {m['name']} with subPath (no live updates)")
+                hp = (v.get("hostPath") or {}).get("path")
+                if hp is None:
+                    continue
+                if hp not in allowed:
+                    fail(f"{tag}: mounts host {hp}, not in its allowed set {sorted(allowed)}")
+                    continue
+                if m["mountPath"] != "/host" + hp:
+                    fail(f"{tag}: host {hp} mounted at {m['mountPath']}, expected /host{hp}")
+                writable = not m.get("readOnly", False)
+                if writable and not allowed[hp]:
+                    fail(f"{tag}: host {hp} is mounted writable but only needs reading")
+        used_vols = {m["name"] for c in pod_containers(ds) for m in c.get("volumeMounts") or []}
+        for vn in set(vols) - used_vols:
+            fail(f"{tag}: volume {vn} is never mounted")
+        for c in spec.get("containers") or []:
+            env = env_of(c)
+            if env.get("HOST_ROOT", {}).get("value") != "/host":
+                fail(f"{tag}: {c['name']} lacks HOST_ROOT=/host")
+            nn = env.get("NODE_NAME", {}).get("valueFrom", {}).get("fieldRef", {})
+            if nn.get("fieldPath") != "spec.nodeName":
+                fail(f"{tag}: {c['name']} lacks NODE_NAME from spec.nodeName")
+            cmd = c.get("command") or []
+            if cmd != [f"/usr/local/bin/{name}"]:
+                fail(f"{tag}: {c['name']} runs {cmd}, expected [/usr/local/bin/{name}]")
+            ready = READY_FILES.get(name)
+            probe = (c.get("readinessProbe") or {}).get("exec", {}).get("command") or []
+            if ready and ready not in probe:
+                fail(f"{tag}: readiness probe {probe} does not test {ready}")
+        ok(f"{tag}: service account, host namespaces, privileges and host mounts as required")
+    # The init containers of sandbox-dp wait for the readiness files the others write.
+    sdp = dss.get("sandbox-dp")
+    if sdp:
+        inits = " ".join(
+            " ".join(c.get("command") or []) + " " + " ".join(c.get("args") or [])
+            for c in (pod_spec(sdp) or {}).get("initContainers") or []
+        )
+        for f in READY_FILES.values():
+            if os.path.basename(f) not in inits:
+                fail(f"{where}: sandbox-dp's init containers do not wait for {os.path.basename(f)}")
+        ok(f"{where}: sandbox-dp waits for {sorted(os.path.basename(f) for f in READY_FILES.values())}")
+    # RBAC: only vgpu-device-manager, only nodes, only get/list/watch/patch.
+    for kind in ("ClusterRole", "Role"):
+        for rn, r in by_kind.get(kind, {}).items():
+            for rule in r.get("rules") or []:
+                if rule.get("apiGroups") != [""] or rule.get("resources") != ["nodes"] or set(
+                    rule.get("verbs") or []
+                ) - {"get", "list", "watch", "patch"}:
+                    fail(f"{where}: {kind}/{rn} grants more than get/list/watch/patch on nodes: {rule}")
+    bound_sas = set()
+    for kind in ("ClusterRoleBinding", "RoleBinding"):
+        for bn, b in by_kind.get(kind, {}).items():
+            if b["roleRef"]["name"] not in by_kind.get(b["roleRef"]["kind"], {}):
+                fail(f"{where}: {kind}/{bn} refers to missing {b['roleRef']['kind']}/{b['roleRef']['name']}")
+            for s in b.get("subjects") or []:
+                if s.get("kind") == "ServiceAccount":
+                    bound_sas.add(s["name"])
+                    sa = by_kind.get("ServiceAccount", {}).get(s["name"])
+                    if sa is None or sa["metadata"].get("namespace") != s.get("namespace"):
+                        fail(f"{where}: {kind}/{bn} binds ServiceAccount {s.get('namespace')}/{s['name']}, not defined")
+    if bound_sas - NEEDS_API:
+        fail(f"{where}: API access granted to {sorted(bound_sas - NEEDS_API)}")
+    ok(f"{where}: RBAC grants get/list/watch/patch on nodes to {sorted(bound_sas)} only")
+    # The vGPU ConfigMap: present, referenced, and a well-formed vgpu-configs file.
+    cms = by_kind.get("ConfigMap", {})
+    for name, ds in dss.items():
+        for v in (pod_spec(ds) or {}).get("volumes") or []:
+            ref = (v.get("configMap") or {}).get("name")
+            if ref and ref not in cms:
+                fail(f"{where}: DaemonSet/{name} mounts missing ConfigMap {ref}")
+    cm = cms.get("vgpu-config")
+    if cm is None:
+        fail(f"{where}: ConfigMap vgpu-config missing")
+    else:
+        check_vgpu_config(cm.get("data", {}).get("config.yaml", ""), where)
+
+
+TYPE_KEY = re.compile(r"^[A-Za-z0-9]+[A-Za-z0-9-]*-[0-9A-Za-z-]+$|^nvidia-[0-9]+$|^[a-z]+-[0-9]+$")
+FILTER = re.compile(r"^0x[0-9A-Fa-f]{8}(:0x[0-9A-Fa-f]{8})?$")
+
+
+def check_vgpu_config(text: str, where: str) -> None:
+    tag = f"{where}: ConfigMap/vgpu-config config.yaml"
+    try:
+        cfg = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        fail(f"{tag}: not YAML: {e}")
+        return
+    if not isinstance(cfg, dict) or cfg.get("version") != "v1" or set(cfg) != {"version", "vgpu-configs"}:
+        fail(f"{tag}: expected exactly version: v1 and vgpu-configs")
+        return
+    profiles = cfg["vgpu-configs"]
+    if "default" not in profiles:
+        fail(f"{tag}: no default profile")
+    n = 0
+    for pname, entries in profiles.items():
+        if not isinstance(entries, list) or not entries:
+            fail(f"{tag}: profile {pname}: not a list of entries")
+            continue
+        for i, e in enumerate(entries):
+            if set(e) - {"devices", "device-filter", "vgpu-devices"} or "devices" not in e or "vgpu-devices" not in e:
+                fail(f"{tag}: profile {pname} entry {i}: fields {sorted(e)}")
+                continue
+            if e["devices"] != "all" and not (isinstance(e["devices"], list) and all(isinstance(x, int) and x >= 0 for x in e["devices"])):
+                fail(f"{tag}: profile {pname} entry {i}: devices {e['devices']!r}")
+            f = e.get("device-filter")
+            for fv in ([f] if isinstance(f, str) else f or []):
+                if not FILTER.match(fv):
+                    fail(f"{tag}: profile {pname} entry {i}: device-filter {fv!r}")
+            for t, count in (e["vgpu-devices"] or {}).items():
+                if not TYPE_KEY.match(str(t)) or not isinstance(count, int) or count < 1:
+                    fail(f"{tag}: profile {pname} entry {i}: vgpu-devices {t!r}: {count!r}")
+            n += 1
+    ok(f"{tag}: {len(profiles)} profiles, {n} entries, well-formed")
+
+
+def cmd_manifests() -> None:
+    try:
+        import kubernetes_validate  # noqa: F401
+    except ImportError:
+        fail("the Python package kubernetes-validate is not installed (tests/check-manifests.sh installs it)")
+        return
+    dirs = kustomization_dirs()
+    if not dirs:
+        fail("no kustomization under deploy/")
+    used: set[str] = set()
+    for d in dirs:
+        where = rel(d)
+        try:
+            objs = render(d, used=used)
+        except (ValueError, OSError, yaml.YAMLError, KeyError) as e:
+            fail(f"{where}: cannot render: {e}")
+            continue
+        ok(f"{where}: renders {len(objs)} objects")
+        validate_schemas(objs, where)
+        if not is_component(d):
+            check_rules(objs, where)
+    # Every manifest file is part of some kustomization (a file nobody renders is never checked
+    # or applied).
+    for p in sorted(glob.glob(os.path.join(DEPLOY, "**", "*.y*ml"), recursive=True)):
+        if os.path.basename(p).startswith("kustomization."):
+            continue
+        if os.path.abspath(p) not in used:
+            fail(f"{rel(p)} is not listed in any kustomization")
+
+
+def cmd_render(d: str) -> None:
+    objs = render(d)
+    sys.stdout.write(yaml.safe_dump_all(objs, sort_keys=True))
+
+
+# --- Containerfile -------------------------------------------------------------------------------
+
+
+def containerfile_instructions(path: str) -> list[tuple[int, str, str]]:
+    """(line number, INSTRUCTION, arguments) with continuations joined and comments dropped."""
+    out = []
+    with open(path) as f:
+        lines = f.read().split("\n")
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        start = i + 1
+        i += 1
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        text = line
+        while text.rstrip().endswith("\\") and i < len(lines):
+            text = text.rstrip()[:-1] + " "
+            nxt = lines[i]
+            i += 1
+            if nxt.lstrip().startswith("#"):
+                continue
+            text += nxt
+        parts = text.strip().split(None, 1)
+        out.append((start, parts[0].upper(), parts[1] if len(parts) > 1 else ""))
+    return out
+
+
+def dockerignore_patterns(path: str) -> list[tuple[bool, re.Pattern]]:
+    pats = []
+    if not os.path.exists(path):
+        return pats
+    with open(path) as f:
+        for raw in f:
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            neg = line.startswith("!")
+            if neg:
+                line = line[1:].strip()
+            line = os.path.normpath(line).lstrip("/")
+            pats.append((neg, re.compile(glob_to_regex(line))))
+    return pats
+
+
+def glob_to_regex(pat: str) -> str:
+    """Docker's .dockerignore syntax: Go filepath.Match plus `**` for any number of dirs."""
+    out = ""
+    i = 0
+    while i < len(pat):
+        c = pat[i]
+        if pat.startswith("**", i):
+            i += 2
+            if pat.startswith("/", i):
+                i += 1
+                out += "(?:.*/)?"
+            else:
+                out += ".*"
+            continue
+        if c == "*":
+            out += "[^/]*"
+        elif c == "?":
+            out += "[^/]"
+        elif c == "[":
+            j = pat.find("]", i)
+            if j == -1:
+                out += re.escape(c)
+            else:
+                cls = pat[i + 1 : j]
+                if cls.startswith("^"):
+                    cls = "!" + cls[1:]
+                out += "[" + ("^" + cls[1:] if cls.startswith("!") else cls) + "]"
+                i = j
+        elif c == "\\" and i + 1 < len(pat):
+            i += 1
+            out += re.escape(pat[i])
+        else:
+            out += re.escape(c)
+        i += 1
+    return "^" + out + "$"
+
+
+def ignored(relpath: str, pats: list[tuple[bool, re.Pattern]]) -> bool:
+    """Docker's rule: the last pattern matching the path or one of its parents decides."""
+    parts = relpath.split("/")
+    candidates = ["/".join(parts[: k + 1]) for k in range(len(parts))]
+    result = False
+    for neg, rx in pats:
+        if any(rx.match(c) for c in candidates):
+            result = not neg
+    return result
+
+
+def tracked_files() -> list[str]:
+    try:
+        out = subprocess.run(
+            ["git", "-C", REPO, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            check=True,
+            capture_output=True,
+        ).stdout
+        return [p for p in out.decode().split("\0") if p]
+    except (OSError, subprocess.CalledProcessError):
+        files = []
+        for root, dirs, names in os.walk(REPO):
+            dirs[:] = [d for d in dirs if d not in (".git", "target")]
+            files += [os.path.relpath(os.path.join(root, n), REPO) for n in names]
+        return files
+
+
+def workspace() -> dict:
+    with open(os.path.join(REPO, "Cargo.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def bin_targets(pkg_dir: str) -> list[str]:
+    with open(os.path.join(REPO, pkg_dir, "Cargo.toml"), "rb") as f:
+        manifest = tomllib.load(f)
+    bins = [b["name"] for b in manifest.get("bin", [])]
+    if not bins and os.path.exists(os.path.join(REPO, pkg_dir, "src", "main.rs")):
+        bins = [manifest["package"]["name"]]
+    return bins
+
+
+DAEMONS = ["vfio-manager", "vgpu-device-manager", "sandbox-dp"]
+
+
+def cmd_containerfile() -> None:
+    cf = os.path.join(REPO, "Containerfile")
+    if not os.path.exists(cf):
+        fail("Containerfile missing")
+        return
+    pats = dockerignore_patterns(os.path.join(REPO, ".dockerignore"))
+    files = tracked_files()
+    in_context = [f for f in files if not ignored(f, pats)]
+    stages: list[str] = []
+    text = open(cf).read()
+    for lineno, instr, args in containerfile_instructions(cf):
+        where = f"Containerfile:{lineno}"
+        if instr == "FROM":
+            m = re.match(r"^(?:--platform=\S+\s+)?(\S+)(?:\s+AS\s+(\S+))?\s*$", args, re.I)
+            if not m:
+                fail(f"{where}: cannot parse FROM {args!r}")
+                continue
+            stages.append((m.group(2) or str(len(stages))).lower())
+        elif instr in ("COPY", "ADD"):
+            if args.lstrip().startswith("["):
+                words = json.loads(args)
+            else:
+                words = shlex.split(args)
+            flags = [w for w in words if w.startswith("--")]
+            paths = [w for w in words if not w.startswith("--")]
+            if len(paths) < 2:
+                fail(f"{where}: {instr} needs a source and a destination")
+                continue
+            frm = [f.split("=", 1)[1] for f in flags if f.startswith("--from=")]
+            if frm:
+                if frm[0].lower() not in stages[:-1] and not re.search(r"[/:]", frm[0]):
+                    fail(f"{where}: COPY --from={frm[0]}: no earlier stage of that name")
+                else:
+                    ok(f"{where}: COPY --from={frm[0]} names an earlier stage")
+                continue
+            for src in paths[:-1]:
+                src_n = os.path.normpath(src).lstrip("/")
+                if src_n == ".":
+                    ok(f"{where}: {instr} {src}: the whole context ({len(in_context)} of {len(files)} files)")
+                    continue
+                hits = [f for f in in_context if fnmatch.fnmatch(f, src_n) or f.startswith(src_n.rstrip("/") + "/")]
+                if not hits:
+                    exists = any(fnmatch.fnmatch(f, src_n) or f.startswith(src_n + "/") for f in files)
+                    fail(f"{where}: {instr} {src}: " + (
+                        "excluded by .dockerignore" if exists else "does not exist in the build context"))
+                else:
+                    ok(f"{where}: {instr} {src}: {len(hits)} files in the build context")
+    # Everything the cargo build reads is in the context.
+    ws = workspace()
+    members = ws.get("workspace", {}).get("members", [])
+    need_prefixes = [m.rstrip("/") + "/" for m in members]
+    needed = ["Cargo.toml", "Cargo.lock"] + [
+        f for f in files if any(f.startswith(p) for p in need_prefixes)
+    ]
+    # Files outside the members pulled in by include_str!/include_bytes!/#[path].
+    inc = re.compile(r'(?:include_str!|include_bytes!)\s*\(\s*"([^"]+)"|#\[path\s*=\s*"([^"]+)"\]')
+    for f in list(needed):
+        if f.endswith(".rs") and os.path.exists(os.path.join(REPO, f)):
+            for m in inc.finditer(open(os.path.join(REPO, f), errors="replace").read()):
+                target = os.path.normpath(os.path.join(os.path.dirname(f), m.group(1) or m.group(2)))
+                if not target.startswith(".."):
+                    needed.append(target)
+    missing = sorted({f for f in needed if f not in files or ignored(f, pats)})
+    if missing:
+        fail(f".dockerignore excludes, or the context lacks, files the build reads: {missing[:10]}")
+    else:
+        ok(f"build context holds the {len(set(needed))} files the cargo build reads "
+           f"(workspace members {', '.join(members)})")
+    # The image builds and installs the three daemons the manifests and units run.
+    for d in DAEMONS:
+        if not os.path.isdir(os.path.join(REPO, d)):
+            fail(f"workspace member {d} missing")
+            continue
+        if d not in [m.rstrip("/") for m in members]:
+            fail(f"{d} is not a workspace member")
+        if not re.search(rf"cargo build[^\n]*-p {re.escape(d)}\b", text):
+            fail(f"Containerfile does not build package {d} (cargo build -p {d})")
+        for b in bin_targets(d):
+            if b not in text:
+                fail(f"Containerfile does not install binary {b}")
+        ok(f"Containerfile builds and installs {d}")
+    for u in glob.glob(os.path.join(REPO, "systemd", "*.service")):
+        for m in re.finditer(r"^ExecStart=-?(\S+)", open(u).read(), re.M):
+            if os.path.basename(m.group(1)) not in DAEMONS:
+                fail(f"{rel(u)}: runs {m.group(1)}, not one of {DAEMONS}")
+    for d in kustomization_dirs():
+        if is_component(d):
+            continue
+        for o in render(d):
+            for c in pod_containers(o):
+                cmd = (c.get("command") or [""])[0]
+                if cmd.startswith("/usr/local/bin/") and os.path.basename(cmd) not in DAEMONS:
+                    fail(f"{rel(d)}: {c['name']} runs {cmd}, not installed by the Containerfile")
+                if cmd == "/bin/busybox" and "/bin/busybox" not in text:
+                    fail(f"{rel(d)}: {c['name']} runs /bin/busybox, not installed by the Containerfile")
+                for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                    pc = ((c.get(probe) or {}).get("exec") or {}).get("command") or [""]
+                    if pc[0] == "/bin/busybox" and "/bin/busybox" not in text:
+                        fail(f"{rel(d)}: {c['name']} {probe} runs /bin/busybox, not in the image")
+
+
+# --- CLI consistency -----------------------------------------------------------------------------
+
+
+def run_help(argv: list[str], where: str) -> None:
+    try:
+        r = subprocess.run(argv + ["--help"], capture_output=True, text=True, timeout=30)
+    except OSError as e:
+        fail(f"{where}: cannot run {argv[0]}: {e}")
+        return
+    if r.returncode != 0:
+        err = (r.stderr or r.stdout).strip().splitlines()
+        fail(f"{where}: `{' '.join(argv)}` is rejected by the binary: {err[:3]}")
+    elif "Usage:" not in r.stdout:
+        fail(f"{where}: `{' '.join(argv)} --help` printed no usage: is {argv[0]} built from its CLI?")
+    else:
+        ok(f"{where}: `{' '.join(argv[1:])}` parses")
+
+
+def env_examples(path: str) -> dict[str, list[str]]:
+    """VAR -> example values, from `VAR=...` and `#VAR=...` lines of the env file."""
+    out: dict[str, list[str]] = {}
+    for line in open(path):
+        m = re.match(r"^#?([A-Z_][A-Z0-9_]*)=(.*)$", line.strip())
+        if m:
+            val = m.group(2)
+            if len(val) >= 2 and val[0] == val[-1] and val[0] in "\"'":
+                val = val[1:-1]
+            out.setdefault(m.group(1), []).append(val)
+    return out
+
+
+def cmd_cli(bindir: str) -> None:
+    def binpath(cmd: str) -> str:
+        return os.path.join(bindir, os.path.basename(cmd))
+
+    for d in kustomization_dirs():
+        if is_component(d):
+            continue
+        for o in render(d):
+            for c in (pod_spec(o) or {}).get("containers") or []:
+                cmd = c.get("command") or []
+                if not cmd or os.path.basename(cmd[0]) not in DAEMONS:
+                    continue
+                args = [re.sub(r"\$\((\w+)\)", "node-1", a) for a in c.get("args") or []]
+                run_help([binpath(cmd[0])] + args, f"{rel(d)}: {o['kind']}/{o['metadata']['name']}")
+    env_file = os.path.join(REPO, "systemd", "gpu-vm-node.env")
+    examples = env_examples(env_file) if os.path.exists(env_file) else {}
+    for u in sorted(glob.glob(os.path.join(REPO, "systemd", "*.service"))):
+        unit = open(u).read()
+        defaults = dict(re.findall(r"^Environment=([A-Z_][A-Z0-9_]*)=(\S*)$", unit, re.M))
+        for m in re.finditer(r"^ExecStart=-?(.*)$", unit, re.M):
+            words = shlex.split(m.group(1))
+            vars_used = [w for w in words if re.fullmatch(r"\$\{?\w+\}?", w)]
+            # Run once with every variable at its default (unset: nothing), then once per
+            # example value of each variable from the env file.
+            variants = [{}]
+            for w in vars_used:
+                name = w.strip("${}")
+                variants += [{name: v} for v in examples.get(name, [])]
+            for var in variants:
+                argv = []
+                for w in words:
+                    if re.fullmatch(r"\$\{?\w+\}?", w):
+                        name = w.strip("${}")
+                        val = var.get(name, defaults.get(name, ""))
+                        argv += [val] if w.startswith("${") else shlex.split(val)
+                    else:
+                        argv.append(w)
+                argv[0] = binpath(argv[0])
+                run_help(argv, rel(u))
+
+
+def main() -> int:
+    if len(sys.argv) < 2:
+        print(__doc__)
+        return 2
+    cmd = sys.argv[1]
+    if cmd == "manifests":
+        cmd_manifests()
+    elif cmd == "render" and len(sys.argv) == 3:
+        cmd_render(sys.argv[2])
+    elif cmd == "containerfile":
+        cmd_containerfile()
+    elif cmd == "cli" and len(sys.argv) == 3:
+        cmd_cli(sys.argv[2])
+    else:
+        print(__doc__)
+        return 2
+    if failures:
+        print(f"{len(failures)} check(s) failed")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -401,6 +401,7 @@ fn pci_gpu(
                 add(&mut types, *id, Some(name.clone()));
             }
         }
+        g.types = types;
         g.slots = vfs
             .iter()
             .filter(|v| v.nvidia_vgpu.is_some())

@@ -14,6 +14,12 @@ const A10_4Q: &str = "nvidia.com/NVIDIA_A10-4Q";
 const GPU_A: &str = "0000:41:00.0";
 const GPU_B: &str = "0000:61:00.0";
 
+/// The resync for tests that change node-sim while the daemon runs. node-sim's change signal is
+/// a uevent on the udev netlink group (its README), and its sender is still a stub, so these
+/// tests lean on a short resync; with uevents flowing, `Daemon::start` (an hour) is the
+/// stricter check. The plain-tree tests (`tree.rs`) cover the event path through inotify.
+const NODE_SIM_RESYNC: &str = "2s";
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn passthrough_a10s_register_list_and_allocate() {
     let Some(sim) = testkit::sim::try_mount("2xA10") else {
@@ -24,7 +30,7 @@ async fn passthrough_a10s_register_list_and_allocate() {
     bind_vfio(root, GPU_B);
     let (_k, kdir) = kubelet_dir();
     let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
-    let mut d = Daemon::start(root, &kdir, &[]);
+    let mut d = Daemon::start_with_resync(root, &kdir, NODE_SIM_RESYNC, &[]);
 
     let reg = kubelet.next_registration(DEADLINE).await.unwrap();
     assert_eq!(reg.resource_name, A10);
@@ -138,7 +144,7 @@ async fn mdevs_created_and_removed_while_running() {
     let root = sim.root();
     let (_k, kdir) = kubelet_dir();
     let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
-    let _d = Daemon::start(root, &kdir, &[]);
+    let _d = Daemon::start_with_resync(root, &kdir, NODE_SIM_RESYNC, &[]);
 
     // Nothing to advertise yet; vgpu-device-manager then creates two A10-4Q on GPU B.
     write(

@@ -18,15 +18,25 @@ pub struct Daemon {
 }
 
 impl Daemon {
+    /// With a resync of an hour: events, not the resync, must drive every update a test waits
+    /// for.
     pub fn start(root: &Path, kubelet_dir: &Path, extra: &[&str]) -> Daemon {
+        Self::start_with_resync(root, kubelet_dir, "1h", extra)
+    }
+
+    pub fn start_with_resync(
+        root: &Path,
+        kubelet_dir: &Path,
+        resync: &str,
+        extra: &[&str],
+    ) -> Daemon {
         let child = Command::new(BIN)
             .arg("serve")
             .arg("--host-root")
             .arg(root)
             .arg("--kubelet-dir")
             .arg(kubelet_dir)
-            // Events, not the resync, must drive every update the tests wait for.
-            .args(["--resync-interval", "1h"])
+            .args(["--resync-interval", resync])
             .args(extra)
             .env("RUST_LOG", "sandbox_dp=debug")
             .stdin(Stdio::null())

@@ -12,6 +12,12 @@ use tokio::sync::{Notify, watch};
 
 use crate::plugin::KUBELET_SOCKET;
 
+/// Uevent subsystems that can change what sandbox-dp advertises (events without a subsystem
+/// count too).
+const RELEVANT_SUBSYSTEMS: &[&str] = &[
+    "pci", "mdev", "vfio", "vfio-dev", "iommu", "mdev_bus", "drivers",
+];
+
 /// Starts a thread listening to uevents on both netlink groups (the kernel's and udevd's).
 /// Failing to open either is logged, not fatal: `notify` and the resync still run.
 pub fn spawn_udev(changes: Arc<Notify>) {
@@ -72,6 +78,13 @@ async fn listen(changes: Arc<Notify>) {
         };
         let mut any = false;
         for ev in guard.get_inner().iter() {
+            let relevant = ev
+                .subsystem()
+                .and_then(|s| s.to_str())
+                .is_none_or(|s| RELEVANT_SUBSYSTEMS.contains(&s));
+            if !relevant {
+                continue;
+            }
             tracing::debug!(
                 socket = idx,
                 action = ?ev.event_type(),

@@ -1,0 +1,175 @@
+//! Every validation error: exit status 2, a message naming the profile, the entry and the GPU,
+//! and not one write in node-sim's operation log.
+
+mod common;
+
+use common::*;
+
+const BAD: &str = r#"
+version: v1
+vgpu-configs:
+  A10-4Q:
+    - devices: all
+      vgpu-devices: {"A10-4Q": 6}
+  wrong-type:
+    - devices: all
+      vgpu-devices: {"T4-4Q": 4}
+  too-many:
+    - devices: [0]
+      vgpu-devices: {"A10-4Q": 7}
+    - devices: [1]
+      vgpu-devices: {"A10-4Q": 6}
+  mixed-sizes:
+    - devices: [1]
+      vgpu-devices: {"A10-4Q": 3, "A10-8Q": 1}
+  same-size-over:
+    - devices: [1]
+      vgpu-devices: {"A10-4Q": 4, "A10-4C": 3}
+  twice:
+    - devices: all
+      vgpu-devices: {"A10-4Q": 6}
+    - devices: [1]
+      device-filter: "0x223610DE"
+      vgpu-devices: {"A10-8Q": 3}
+"#;
+
+#[test]
+fn validation_errors_change_nothing() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    // VFs enabled and the first GPU configured, so the types can be read and some vGPUs exist.
+    let good = config_file(BAD);
+    let f = good.path.to_str().unwrap();
+    let o = run(
+        root,
+        &["apply", "-f", f, "-c", "A10-4Q"],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let before = mdevs(root);
+
+    let cases: &[(&str, &[&str])] = &[
+        (
+            "wrong-type",
+            &[
+                "profile \"wrong-type\" entry 0",
+                "GPU 0 (0000:41:00.0, 10de:2236) cannot make \"T4-4Q\"",
+                "A10-4Q",
+            ],
+        ),
+        (
+            "too-many",
+            &[
+                "profile \"too-many\" entry 0",
+                "GPU 0 (0000:41:00.0",
+                "at most 6 A10-4Q vGPUs, the entry asks for 7",
+            ],
+        ),
+        (
+            "mixed-sizes",
+            &[
+                "profile \"mixed-sizes\" entry 0",
+                "GPU 1 (0000:61:00.0",
+                "cannot mix A10-4Q and A10-8Q",
+                "same framebuffer size",
+            ],
+        ),
+        (
+            "same-size-over",
+            &["profile \"same-size-over\" entry 0", "GPU 1", "at most 6", "asks for 7"],
+        ),
+        (
+            "twice",
+            &["profile \"twice\"", "GPU 1 (0000:61:00.0", "entry 0 and entry 1"],
+        ),
+        ("no-such-profile", &["no profile named \"no-such-profile\"", "A10-4Q, mixed-sizes"]),
+    ];
+    for (profile, want) in cases {
+        sim.clear_ops();
+        for cmd in ["apply", "plan", "assert"] {
+            let o = run(root, &[cmd, "-f", f, "-c", profile]);
+            assert_eq!(o.status.code(), Some(2), "{cmd} {profile}: {}", text(&o));
+            let err = String::from_utf8_lossy(&o.stderr);
+            for w in *want {
+                assert!(err.contains(w), "{cmd} {profile}: missing {w:?} in\n{err}");
+            }
+        }
+        assert!(sim.ops().is_empty(), "{profile}: {:?}", sim.ops());
+        assert_eq!(mdevs(root), before, "{profile}");
+    }
+
+    // File-level errors: the YAML path and line.
+    let files: &[(&str, &[&str])] = &[
+        (
+            "version: v1\nvgpu-configs:\n  p:\n    - devices: all\n      vgpu-device: {A10-4Q: 6}\n",
+            &["vgpu-configs.p[0]", "unknown field `vgpu-device`", "line 5"],
+        ),
+        (
+            "version: v1\nvgpu-configs:\n  p:\n    - devices: all\n      vgpu-devices: {\"A10 4Q\": 6}\n",
+            &["vgpu-configs.p[0].vgpu-devices", "\"A10 4Q\" is not a vGPU type", "line 5"],
+        ),
+        (
+            "version: v1\nvgpu-configs:\n  p:\n    - devices: all\n      vgpu-devices:\n        A10-4Q: 0\n",
+            &["vgpu-configs.p[0].vgpu-devices", "at least 1", "line 6"],
+        ),
+        (
+            "version: v1\nvgpu-configs:\n  p:\n    - devices: all\n      device-filter: 10DE\n      vgpu-devices: {A10-4Q: 6}\n",
+            &["vgpu-configs.p[0].device-filter", "\"10DE\""],
+        ),
+    ];
+    for (body, want) in files {
+        sim.clear_ops();
+        let c = config_file(body);
+        let o = run(root, &["apply", "-f", c.path.to_str().unwrap(), "-c", "p"]);
+        assert_eq!(o.status.code(), Some(2), "{body}: {}", text(&o));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(c.path.to_str().unwrap()), "{err}");
+        for w in *want {
+            assert!(err.contains(w), "missing {w:?} in\n{err}");
+        }
+        assert!(sim.ops().is_empty(), "{body}: {:?}", sim.ops());
+    }
+    assert_eq!(mdevs(root), before);
+}
+
+#[test]
+fn t4_holds_one_type_at_a_time() {
+    let Some(sim) = testkit::sim::try_mount("4xT4") else {
+        return;
+    };
+    let root = sim.root();
+    let c = config_file(
+        "version: v1\nvgpu-configs:\n  p:\n    - devices: [2]\n      vgpu-devices: {T4-4Q: 2, T4-4A: 2}\n",
+    );
+    let o = run(root, &["apply", "-f", c.path.to_str().unwrap(), "-c", "p"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("profile \"p\" entry 0"), "{err}");
+    assert!(err.contains("GPU 2 (0000:86:00.0"), "{err}");
+    assert!(err.contains("one vGPU type at a time"), "{err}");
+    assert!(sim.ops().is_empty(), "{:?}", sim.ops());
+}
+
+#[test]
+fn a_fresh_gpu_only_gets_its_vfs_enabled_before_a_type_error() {
+    // Types are only visible once the VFs exist: enabling them is the one write made before a
+    // type error can be seen; no vGPU is created.
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let c = config_file(BAD);
+    let o = run(root, &["apply", "-f", c.path.to_str().unwrap(), "-c", "wrong-type"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let ops = sim.ops();
+    assert_eq!(ops.len(), 2, "{ops:?}");
+    assert!(ops.iter().all(|o| o.path.ends_with("/sriov_numvfs")), "{ops:?}");
+    assert!(mdevs(root).is_empty());
+    // `plan` shows the VF step and writes nothing at all.
+    let fresh = testkit::sim::try_mount("2xA10").unwrap();
+    let o = run(fresh.root(), &["plan", "-f", c.path.to_str().unwrap(), "-c", "wrong-type"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("enable 32 VFs on 0000:41:00.0"));
+    assert!(fresh.ops().is_empty());
+}

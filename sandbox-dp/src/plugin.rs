@@ -36,6 +36,10 @@ pub const API_VERSION: &str = "v1beta1";
 /// kubelet's registration socket in the plugin directory.
 pub const KUBELET_SOCKET: &str = "kubelet.sock";
 
+/// First and longest wait before registering again after a failure (any plugin-directory
+/// event, such as kubelet.sock being created, retries at once).
+const RETRY_MIN: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(30);
 /// How long a server may take to finish its calls when stopping.
 const SERVER_STOP_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a connect or a call to kubelet (or our own socket) may take.
@@ -269,10 +273,19 @@ impl ResourceTask {
             self.check_answers(&path).await?;
             tracing::info!(resource = %self.name, socket = %path.display(), "serving");
             let mut registered = Registered::No;
+            let mut backoff = RETRY_MIN;
             let rebind = loop {
                 self.register_if_needed(&endpoint, &mut registered).await?;
                 let retry = matches!(registered, Registered::No)
                     && file_identity(&self.kubelet_dir.join(KUBELET_SOCKET)).is_some();
+                let delay = if retry {
+                    let d = backoff;
+                    backoff = (backoff * 2).min(RETRY_MAX);
+                    d
+                } else {
+                    backoff = RETRY_MIN;
+                    RETRY_MAX
+                };
                 tokio::select! {
                     _ = self.shutdown.cancelled() => break false,
                     res = &mut server => {
@@ -289,7 +302,7 @@ impl ResourceTask {
                     ch = self.wake.changed() => {
                         if ch.is_err() { break false; }
                     }
-                    _ = tokio::time::sleep(Duration::from_secs(1)), if retry => {}
+                    _ = tokio::time::sleep(delay), if retry => {}
                 }
                 if file_identity(&path) != own {
                     tracing::info!(resource = %self.name, socket = %path.display(), "our socket was removed; serving again");

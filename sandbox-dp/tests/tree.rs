@@ -466,3 +466,26 @@ async fn in_process_run_registers_and_stops_cleanly() {
     // The open ListAndWatch stream ended with the server.
     assert!(lw.next(DEADLINE).await.is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_registration_is_retried() {
+    let t = one_a10();
+    let (_k, kdir) = kubelet_dir();
+    let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
+    kubelet.reject_with(Some("resource name taken"));
+    let mut d = Daemon::start(&t.root, &kdir, &[]);
+    let end = std::time::Instant::now() + DEADLINE;
+    while kubelet.rejected() == 0 && std::time::Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(kubelet.rejected() > 0, "no registration attempt");
+    assert!(
+        d.wait(Duration::from_millis(0)).is_none(),
+        "exited on a refusal"
+    );
+    kubelet.reject_with(None);
+    kubelet
+        .wait_for(&["nvidia.com/GA102GL_A10"], DEADLINE)
+        .await
+        .unwrap();
+}

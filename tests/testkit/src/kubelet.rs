@@ -14,6 +14,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -61,6 +62,7 @@ pub struct Registration {
 struct Svc {
     tx: mpsc::UnboundedSender<Registration>,
     reject: Arc<Mutex<Option<String>>>,
+    rejected: Arc<AtomicUsize>,
 }
 
 #[tonic::async_trait]
@@ -69,6 +71,7 @@ impl RegistrationSvc for Svc {
         let r = req.into_inner();
         let reject = self.reject.lock().map(|g| g.clone()).unwrap_or(None);
         if let Some(msg) = reject {
+            self.rejected.fetch_add(1, Ordering::SeqCst);
             return Err(Status::invalid_argument(msg));
         }
         let _ = self.tx.send(Registration {
@@ -88,6 +91,7 @@ pub struct FakeKubelet {
     tx: mpsc::UnboundedSender<Registration>,
     rx: mpsc::UnboundedReceiver<Registration>,
     reject: Arc<Mutex<Option<String>>>,
+    rejected: Arc<AtomicUsize>,
     server: Option<(oneshot::Sender<()>, JoinHandle<()>)>,
 }
 
@@ -101,6 +105,7 @@ impl FakeKubelet {
             tx,
             rx,
             reject: Arc::new(Mutex::new(None)),
+            rejected: Arc::new(AtomicUsize::new(0)),
             server: None,
         };
         k.serve()?;
@@ -115,6 +120,7 @@ impl FakeKubelet {
         let svc = RegistrationServer::new(Svc {
             tx: self.tx.clone(),
             reject: self.reject.clone(),
+            rejected: self.rejected.clone(),
         });
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let handle = tokio::spawn(async move {
@@ -159,6 +165,11 @@ impl FakeKubelet {
         if let Ok(mut g) = self.reject.lock() {
             *g = message.map(str::to_string);
         }
+    }
+
+    /// How many registrations were refused (see [`FakeKubelet::reject_with`]).
+    pub fn rejected(&self) -> usize {
+        self.rejected.load(Ordering::SeqCst)
     }
 
     /// The next registration, waiting at most `timeout`.

@@ -237,8 +237,8 @@ enum Registered {
 
 impl ResourceTask {
     /// Serves and registers until shutdown; serves again when the socket is removed and
-    /// registers again when kubelet restarts. Returns an error when the server fails or kubelet
-    /// refuses the registration.
+    /// registers again when kubelet restarts; retries failed registrations with a backoff.
+    /// Returns an error when the socket cannot be bound, does not answer, or the server fails.
     pub async fn run(mut self) -> anyhow::Result<()> {
         let endpoint = socket_name(&self.name);
         let path = self.kubelet_dir.join(&endpoint);

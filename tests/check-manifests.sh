@@ -13,7 +13,8 @@
 #   4. The commands the DaemonSets and units run (with the env file's examples) parse with the
 #      built binaries (`--help`). SKIP_CLI_CHECK=1 skips this step (it builds the binaries).
 #   5. The generated vGPU ConfigMap applied by vgpu-device-manager on node-sim topologies (the
-#      `default` profile on each vGPU topology, A10-4Q on 2xA10), then listed by sandbox-dp;
+#      `default` profile on each vGPU topology, A10-4Q on 2xA10), then listed by sandbox-dp,
+#      then `all-disabled` removing them;
 #      skipped without root and /dev/fuse.
 #   6. Self-tests: a broken copy of a manifest and of a unit must make steps 1 and 2 fail.
 # Python packages go to a virtualenv under target/ (pinned versions, installed once).
@@ -189,6 +190,12 @@ else
         resources="$(HOST_ROOT="$node" "$bin/sandbox-dp" list 2>/dev/null | grep -v '^ ' || true)"
         [ -n "$resources" ] || die "$topo: sandbox-dp advertises nothing after apply -c $profile"
         echo "ok: $topo, profile $profile: applied; sandbox-dp advertises ${resources//$'\n'/; }"
+        HOST_ROOT="$node" "$bin/vgpu-device-manager" apply -f "$scratch/vgpu-config.yaml" -c all-disabled \
+            >"$scratch/apply.log" 2>&1 || { cat "$scratch/apply.log"; die "$topo: apply -c all-disabled failed"; }
+        if HOST_ROOT="$node" "$bin/sandbox-dp" list --json 2>/dev/null | grep -q '"id"'; then
+            die "$topo: devices still advertised after apply -c all-disabled"
+        fi
+        echo "ok: $topo: profile all-disabled removes them"
         stop_sim
     done
 fi

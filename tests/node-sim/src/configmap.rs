@@ -7,6 +7,7 @@
 //!   (`0xDDDDVVVV`), making as many vGPUs as fit of the Q-series type with half the GPU's memory
 //!   (the largest one not above half, when no type is exactly half). A model without Q-series
 //!   types (A100, H100, H200) gets the C-series type chosen the same way.
+//! - `all-disabled`: no vGPUs on any GPU (the name NVIDIA's configs use).
 //! - one profile per vGPU type, named by its key (`A10-4Q`): every GPU of that model filled with
 //!   that type (`max` instances). MIG-backed types are left out: they need MIG mode and GPU
 //!   instances first, which the profile alone cannot give.
@@ -72,6 +73,11 @@ pub fn default_vgpu_config(cat: &Catalogue) -> String {
             push_entry(&mut out, model, t);
         }
     }
+
+    // No vGPUs at all: what a node is set to before it leaves vGPU duty (as in NVIDIA's configs).
+    out.push_str(
+        "  # No vGPUs on any GPU.\n  all-disabled:\n    - devices: all\n      vgpu-devices: {}\n",
+    );
 
     // Profiles keyed by type key, in first-seen order; each gathers every model offering it.
     let mut profiles: Vec<(&str, Vec<(&GpuModel, &VgpuTypeDef)>)> = Vec::new();
@@ -188,6 +194,7 @@ mod tests {
                 assert_eq!(cfg.contains(&header), !t.mig, "{}", t.key);
             }
         }
+        assert!(cfg.contains("\n  all-disabled:\n    - devices: all\n      vgpu-devices: {}\n"));
         assert!(!cfg.contains("RTX4090"));
         assert!(!cfg.contains("0x268410DE"));
     }

@@ -489,3 +489,77 @@ async fn a_refused_registration_is_retried() {
         .await
         .unwrap();
 }
+
+/// Broadcasts a libudev-format uevent on the udev netlink group, as udevd (and node-sim) do.
+fn send_udev_event(action: &str, devpath: &str, subsystem: &str) {
+    use nix::sys::socket::{
+        AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, bind, sendto,
+        socket,
+    };
+    use std::os::fd::AsRawFd;
+    let props = format!("ACTION={action}\0DEVPATH={devpath}\0SUBSYSTEM={subsystem}\0SEQNUM=1\0");
+    let mut msg = b"libudev\0".to_vec();
+    msg.extend_from_slice(&0xfeed_cafe_u32.to_be_bytes()); // magic
+    for v in [40u32, 40, props.len() as u32, 0, 0, 0, 0] {
+        // header size, properties offset and length, filter hashes (none)
+        msg.extend_from_slice(&v.to_ne_bytes());
+    }
+    msg.extend_from_slice(props.as_bytes());
+    let fd = socket(
+        AddressFamily::Netlink,
+        SockType::Raw,
+        SockFlag::empty(),
+        SockProtocol::NetlinkKObjectUEvent,
+    )
+    .unwrap();
+    bind(fd.as_raw_fd(), &NetlinkAddr::new(0, 0)).unwrap();
+    sendto(
+        fd.as_raw_fd(),
+        &msg,
+        &NetlinkAddr::new(0, 2),
+        MsgFlags::empty(),
+    )
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_udev_event_makes_a_sysfs_only_change_visible() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: not root (sending a uevent needs CAP_NET_ADMIN)");
+        return;
+    }
+    // The GPU is on nvidia and its group node exists: nothing to advertise.
+    let t = Tree::new();
+    let dir = t.add(&Func {
+        driver: Some("nvidia"),
+        ..a10("0000:01:00.0", 21)
+    });
+    std::fs::write(t.vfio_node(21), "").unwrap();
+    let (_k, kdir) = kubelet_dir();
+    let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
+    let _d = Daemon::start(&t.root, &kdir, &[]);
+    // Let it start (its socket directory exists once it runs), then change only sysfs, which
+    // no file watch sees: the driver link moves to vfio-pci.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    std::fs::remove_file(dir.join("driver")).unwrap();
+    symlink(
+        t.root.join("sys/bus/pci/drivers/vfio-pci"),
+        dir.join("driver"),
+    )
+    .unwrap();
+    // Keep announcing the bind until it is seen (the first may go out before the listener).
+    let name = "nvidia.com/GA102GL_A10";
+    let end = std::time::Instant::now() + DEADLINE;
+    loop {
+        send_udev_event(
+            "bind",
+            "/devices/pci0000:00/0000:00:01.0/0000:01:00.0",
+            "pci",
+        );
+        match kubelet.wait_for(&[name], Duration::from_millis(500)).await {
+            Ok(_) => break,
+            Err(e) if std::time::Instant::now() > end => panic!("{e:#}"),
+            Err(_) => {}
+        }
+    }
+}

@@ -237,6 +237,18 @@ async fn kubelet_restarts_and_deleted_socket_are_followed() {
         .unwrap();
     assert_eq!(ids(&list), [GPU_A]);
 
+    // kubelet's own restart also removes the plugin sockets: served and registered again.
+    for i in 0..3 {
+        kubelet.restart_clearing_dir().await.unwrap();
+        let got = kubelet.wait_for(&[A10], DEADLINE).await;
+        assert!(got.is_ok(), "restart {i}: {:#}", got.unwrap_err());
+        let end = std::time::Instant::now() + DEADLINE;
+        while !sock.exists() && std::time::Instant::now() < end {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(sock.exists());
+    }
+
     // kubelet gone for a while, then back: registered again.
     kubelet.stop().await;
     tokio::time::sleep(Duration::from_millis(200)).await;

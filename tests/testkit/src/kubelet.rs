@@ -160,6 +160,18 @@ impl FakeKubelet {
         self.serve()
     }
 
+    /// A restart as kubelet's device manager does it: it also removes every other file in the
+    /// plugin directory (the plugins' sockets), then serves on a new `kubelet.sock`.
+    pub async fn restart_clearing_dir(&mut self) -> anyhow::Result<()> {
+        self.stop().await;
+        let entries = std::fs::read_dir(&self.dir)
+            .with_context(|| format!("listing {}", self.dir.display()))?;
+        for e in entries.flatten() {
+            let _ = std::fs::remove_file(e.path());
+        }
+        self.serve()
+    }
+
     /// Makes every following `Register` fail with `message` (`None`: accept again).
     pub fn reject_with(&self, message: Option<&str>) {
         if let Ok(mut g) = self.reject.lock() {

@@ -125,11 +125,16 @@ fn init_logging(format: LogFormat) {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);
+    let serving = matches!(cli.command, None | Some(Command::Serve));
     match real_main(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!("{e:#}");
-            eprintln!("sandbox-dp: {e:#}");
+            // The daemon reports through its log (text or JSON); the one-shot commands plainly.
+            if serving {
+                tracing::error!("{e:#}");
+            } else {
+                eprintln!("sandbox-dp: {e:#}");
+            }
             ExitCode::FAILURE
         }
     }

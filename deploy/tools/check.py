@@ -12,6 +12,8 @@
                                 and binaries agree with the workspace and the manifests
   check.py cli BINDIR           the commands the DaemonSets and systemd units run parse with the
                                 built binaries in BINDIR (`<command> --help` exits 0)
+  check.py docs BINDIR          every command and flag of the binaries' --help is described in
+                                docs/configuration.md
 
 Every check prints what it checked; any failure prints `FAIL: ...` and exits 1.
 """
@@ -787,6 +789,56 @@ def cmd_cli(bindir: str) -> None:
                 run_help(argv, rel(u))
 
 
+def help_text(argv: list[str]) -> str:
+    r = subprocess.run(argv + ["--help"], capture_output=True, text=True, timeout=30)
+    return r.stdout if r.returncode == 0 else ""
+
+
+def subcommands(help_out: str) -> list[str]:
+    out, inside = [], False
+    for line in help_out.splitlines():
+        if line.startswith("Commands:"):
+            inside = True
+            continue
+        if inside:
+            m = re.match(r"^  (\S+)\s", line + " ")
+            if m and m.group(1) != "help":
+                out.append(m.group(1))
+            elif line and not line.startswith(" "):
+                break
+    return out
+
+
+def cmd_docs(bindir: str) -> None:
+    """Every subcommand and long flag the binaries' --help lists appears in the configuration
+    reference."""
+    doc_path = os.path.join(REPO, "docs", "configuration.md")
+    if not os.path.exists(doc_path):
+        fail("docs/configuration.md missing")
+        return
+    doc = open(doc_path).read()
+    for b in DAEMONS:
+        exe = os.path.join(bindir, b)
+        top = help_text([exe])
+        if "Usage:" not in top:
+            fail(f"{b} --help printed no usage")
+            continue
+        missing = []
+        for sub in [None] + subcommands(top):
+            argv = [exe] + ([sub] if sub else [])
+            if sub and f"`{sub}" not in doc:
+                missing.append(f"command {sub}")
+            for flag in re.findall(r"^\s+(?:-\w, )?(--[a-z][a-z0-9-]*)", help_text(argv), re.M):
+                if flag in ("--help", "--version"):
+                    continue
+                if f"`{flag}" not in doc and f", {flag}" not in doc:
+                    missing.append(f"{' '.join([b] + ([sub] if sub else []))} {flag}")
+        if missing:
+            fail(f"docs/configuration.md does not describe: {sorted(set(missing))}")
+        else:
+            ok(f"docs/configuration.md describes every command and flag of {b}")
+
+
 def main() -> int:
     if len(sys.argv) < 2:
         print(__doc__)
@@ -800,6 +852,8 @@ def main() -> int:
         cmd_containerfile()
     elif cmd == "cli" and len(sys.argv) == 3:
         cmd_cli(sys.argv[2])
+    elif cmd == "docs" and len(sys.argv) == 3:
+        cmd_docs(sys.argv[2])
     else:
         print(__doc__)
         return 2

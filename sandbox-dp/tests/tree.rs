@@ -563,3 +563,29 @@ async fn a_udev_event_makes_a_sysfs_only_change_visible() {
         }
     }
 }
+
+#[test]
+fn json_logs_are_json_and_a_bad_root_fails_naming_the_path() {
+    let (_k, kdir) = kubelet_dir();
+    let out = std::process::Command::new(BIN)
+        .args(["--log-format", "json", "--host-root", "/nonexistent-root"])
+        .arg("--kubelet-dir")
+        .arg(&kdir)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<serde_json::Value> = stderr
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let err = lines
+        .iter()
+        .find(|v| v["level"] == "ERROR")
+        .expect("an ERROR line");
+    let msg = err["fields"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("/nonexistent-root/sys/bus/pci/devices"),
+        "{msg}"
+    );
+}

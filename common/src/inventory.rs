@@ -570,6 +570,12 @@ fn opt_hex16(path: &Path) -> Result<u16> {
     }
 }
 
+/// Reads one mdev parent's supported types (`<mdev_bus>/<parent>/mdev_supported_types/*`), for
+/// readers that skip types in [`Inventory::read_with`] and need them for a few parents only.
+pub fn read_parent_mdev_types(paths: &HostPaths, parent: &str) -> Result<Vec<MdevType>> {
+    read_mdev_types(&paths.mdev_bus().join(parent))
+}
+
 fn read_mdev_types(parent_dir: &Path) -> Result<Vec<MdevType>> {
     let dir = parent_dir.join("mdev_supported_types");
     let mut types = Vec::new();

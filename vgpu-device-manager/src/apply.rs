@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::{HostPaths, Inventory, Sysfs, error_chain};
+use common::{HostPaths, Inventory, PciAddress, ReadOptions, Sysfs, error_chain};
 use serde::Serialize;
 
 use crate::config::{Config, ConfigError, Count, Devices, Entry, TypeKey};
@@ -198,9 +198,80 @@ fn save_names(paths: &HostPaths, inv: &Inventory, old: &BTreeMap<u32, String>) {
     }
 }
 
+fn read_types_of_one_parent_per_gpu(paths: &HostPaths, inv: &mut Inventory) {
+    let mut wanted: Vec<PciAddress> = Vec::new();
+    for d in inv
+        .devices
+        .values()
+        .filter(|d| d.is_display() && !d.is_vf())
+    {
+        if d.mdev_parent {
+            wanted.push(d.address);
+        } else if let Some(vf) = d
+            .virtfns
+            .iter()
+            .find(|v| inv.device(v).is_some_and(|v| v.mdev_parent))
+        {
+            wanted.push(*vf);
+        }
+    }
+    for a in wanted {
+        match common::inventory::read_parent_mdev_types(paths, &a.to_string()) {
+            Ok(types) => {
+                if let Some(p) = inv.mdev_parents.get_mut(&a.to_string()) {
+                    p.types = types.clone();
+                }
+                if let Some(d) = inv.devices.get_mut(&a) {
+                    d.mdev_types = types;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(parent = %a, "cannot read its mdev types: {}", error_chain(&e))
+            }
+        }
+    }
+    // Non-PCI parents (mtty): few, read them all.
+    let virtual_parents: Vec<String> = inv
+        .mdev_parents
+        .values()
+        .filter(|p| p.pci.is_none())
+        .map(|p| p.name.clone())
+        .collect();
+    for name in virtual_parents {
+        match common::inventory::read_parent_mdev_types(paths, &name) {
+            Ok(types) => {
+                if let Some(p) = inv.mdev_parents.get_mut(&name) {
+                    p.types = types;
+                }
+            }
+            Err(e) => tracing::warn!(
+                parent = name,
+                "cannot read its mdev types: {}",
+                error_chain(&e)
+            ),
+        }
+    }
+    // Instances read without types carry no type name when the driver has no `name` link
+    // target; fill it from the types read.
+    for m in inv.mdevs.values_mut() {
+        if m.type_name.is_none() {
+            m.type_name = inv
+                .mdev_parents
+                .values()
+                .flat_map(|p| &p.types)
+                .find(|t| t.id == m.type_id)
+                .and_then(|t| t.name.clone());
+        }
+    }
+}
+
 /// Reads the node's candidate GPUs.
 pub fn snapshot(opts: &Options) -> Result<Vec<Gpu>, ApplyError> {
-    let inv = Inventory::read(&opts.paths).map_err(ApplyError::Read)?;
+    // Types are read for one parent per GPU: every VF of a GPU lists the same types, and a
+    // GPU has up to 32 VFs of ~25 types each.
+    let mut inv = Inventory::read_with(&opts.paths, &ReadOptions { mdev_types: false })
+        .map_err(ApplyError::Read)?;
+    read_types_of_one_parent_per_gpu(&opts.paths, &mut inv);
     for u in &inv.unreadable {
         tracing::warn!(path = %u.path.display(), "skipped: {}", u.reason);
     }

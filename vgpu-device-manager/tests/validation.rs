@@ -42,10 +42,7 @@ fn validation_errors_change_nothing() {
     // VFs enabled and the first GPU configured, so the types can be read and some vGPUs exist.
     let good = config_file(BAD);
     let f = good.path.to_str().unwrap();
-    let o = run(
-        root,
-        &["apply", "-f", f, "-c", "A10-4Q"],
-    );
+    let o = run(root, &["apply", "-f", f, "-c", "A10-4Q"]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let before = mdevs(root);
 
@@ -77,13 +74,28 @@ fn validation_errors_change_nothing() {
         ),
         (
             "same-size-over",
-            &["profile \"same-size-over\" entry 0", "GPU 1", "at most 6", "asks for 7"],
+            &[
+                "profile \"same-size-over\" entry 0",
+                "GPU 1",
+                "at most 6",
+                "asks for 7",
+            ],
         ),
         (
             "twice",
-            &["profile \"twice\"", "GPU 1 (0000:61:00.0", "entry 0 and entry 1"],
+            &[
+                "profile \"twice\"",
+                "GPU 1 (0000:61:00.0",
+                "entry 0 and entry 1",
+            ],
         ),
-        ("no-such-profile", &["no profile named \"no-such-profile\"", "A10-4Q, mixed-sizes"]),
+        (
+            "no-such-profile",
+            &[
+                "no profile named \"no-such-profile\"",
+                "A10-4Q, mixed-sizes",
+            ],
+        ),
     ];
     for (profile, want) in cases {
         sim.clear_ops();
@@ -107,7 +119,11 @@ fn validation_errors_change_nothing() {
         ),
         (
             "version: v1\nvgpu-configs:\n  p:\n    - devices: all\n      vgpu-devices: {\"A10 4Q\": 6}\n",
-            &["vgpu-configs.p[0].vgpu-devices", "\"A10 4Q\" is not a vGPU type", "line 5"],
+            &[
+                "vgpu-configs.p[0].vgpu-devices",
+                "\"A10 4Q\" is not a vGPU type",
+                "line 5",
+            ],
         ),
         (
             "version: v1\nvgpu-configs:\n  p:\n    - devices: all\n      vgpu-devices:\n        A10-4Q: 0\n",
@@ -160,15 +176,24 @@ fn a_fresh_gpu_only_gets_its_vfs_enabled_before_a_type_error() {
     };
     let root = sim.root();
     let c = config_file(BAD);
-    let o = run(root, &["apply", "-f", c.path.to_str().unwrap(), "-c", "wrong-type"]);
+    let o = run(
+        root,
+        &["apply", "-f", c.path.to_str().unwrap(), "-c", "wrong-type"],
+    );
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     let ops = sim.ops();
     assert_eq!(ops.len(), 2, "{ops:?}");
-    assert!(ops.iter().all(|o| o.path.ends_with("/sriov_numvfs")), "{ops:?}");
+    assert!(
+        ops.iter().all(|o| o.path.ends_with("/sriov_numvfs")),
+        "{ops:?}"
+    );
     assert!(mdevs(root).is_empty());
     // `plan` shows the VF step and writes nothing at all.
     let fresh = testkit::sim::try_mount("2xA10").unwrap();
-    let o = run(fresh.root(), &["plan", "-f", c.path.to_str().unwrap(), "-c", "wrong-type"]);
+    let o = run(
+        fresh.root(),
+        &["plan", "-f", c.path.to_str().unwrap(), "-c", "wrong-type"],
+    );
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("enable 32 VFs on 0000:41:00.0"));
     assert!(fresh.ops().is_empty());

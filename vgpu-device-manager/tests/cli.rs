@@ -239,8 +239,7 @@ fn shrinking_keeps_the_vgpu_in_use() {
     // Hold the last vGPU (in UUID order) of the first GPU.
     let held = mdevs(root)
         .into_iter()
-        .filter(|m| m.2 == "0000:41:00.0")
-        .last()
+        .rfind(|m| m.2 == "0000:41:00.0")
         .unwrap();
     let group =
         std::fs::read_link(root.join(format!("sys/bus/mdev/devices/{}/iommu_group", held.0)))

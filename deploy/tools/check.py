@@ -705,20 +705,24 @@ def cmd_containerfile() -> None:
         for m in re.finditer(r"^ExecStart=-?(\S+)", open(u).read(), re.M):
             if os.path.basename(m.group(1)) not in DAEMONS:
                 fail(f"{rel(u)}: runs {m.group(1)}, not one of {DAEMONS}")
+    # Every program a container or probe runs is installed by the Containerfile (at /out<path>
+    # in the builder stage, copied to / in the runtime image).
+    installed = set(re.findall(r"/out(/[\w./${}-]*[\w}])", text))
+    if "/usr/local/bin" in installed or any(p.startswith("/usr/local/bin/") for p in installed):
+        installed |= {f"/usr/local/bin/{d}" for d in DAEMONS if d in text}
     for d in kustomization_dirs():
         if is_component(d):
             continue
         for o in render(d):
             for c in pod_containers(o):
-                cmd = (c.get("command") or [""])[0]
-                if cmd.startswith("/usr/local/bin/") and os.path.basename(cmd) not in DAEMONS:
-                    fail(f"{rel(d)}: {c['name']} runs {cmd}, not installed by the Containerfile")
-                if cmd == "/bin/busybox" and "/bin/busybox" not in text:
-                    fail(f"{rel(d)}: {c['name']} runs /bin/busybox, not installed by the Containerfile")
+                progs = [(c.get("command") or [""])[0]]
                 for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-                    pc = ((c.get(probe) or {}).get("exec") or {}).get("command") or [""]
-                    if pc[0] == "/bin/busybox" and "/bin/busybox" not in text:
-                        fail(f"{rel(d)}: {c['name']} {probe} runs /bin/busybox, not in the image")
+                    progs.append((((c.get(probe) or {}).get("exec") or {}).get("command") or [""])[0])
+                for prog in progs:
+                    if prog.startswith("/") and prog not in installed:
+                        fail(f"{rel(d)}: {o['metadata']['name']}/{c['name']} runs {prog}, "
+                             f"which the Containerfile does not install ({sorted(installed)})")
+    ok("the image installs every program the manifests run")
 
 
 # --- CLI consistency -----------------------------------------------------------------------------

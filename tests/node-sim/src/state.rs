@@ -1238,10 +1238,13 @@ impl State {
             t.link(&f("driver"), &format!("sys/bus/pci/drivers/{drv}"));
             t.link(&format!("sys/bus/pci/drivers/{drv}/{}", d.addr), &dir);
         }
-        if let Some(n) = d.vfio_dev
-            && self.topo.iommufd
-        {
-            t.ro(&f(&format!("vfio-dev/vfio{n}/dev")), format!("511:{n}\n"));
+        if let Some(n) = d.vfio_dev {
+            // Linux 6.1 already has the vfio-dev class device (no cdev, no `dev`): the VM
+            // tier's conformance run shows `vfio-dev/vfio0` without iommufd.
+            t.dir(&f(&format!("vfio-dev/vfio{n}")));
+            if self.topo.iommufd {
+                t.ro(&f(&format!("vfio-dev/vfio{n}/dev")), format!("511:{n}\n"));
+            }
         }
         if let Some(pf) = d.physfn.as_ref().and_then(|p| self.devs.get(p)) {
             t.link(&f("physfn"), &pf.dir());

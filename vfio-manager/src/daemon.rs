@@ -198,6 +198,10 @@ pub async fn run_daemon(cfg: DaemonConfig, paths: HostPaths, shutdown: Cancellat
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut events_open = cfg.udev;
     let mut first = true;
+    // After a pass with failures, event-triggered retries wait this long, so a device that
+    // keeps failing (and whose failed writes raise events) is not retried in a tight loop.
+    const RETRY_GAP: Duration = Duration::from_secs(1);
+    let mut retry_not_before = tokio::time::Instant::now();
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -210,7 +214,11 @@ pub async fn run_daemon(cfg: DaemonConfig, paths: HostPaths, shutdown: Cancellat
                 Some(ev) => {
                     tracing::debug!(action = %ev.action, device = ?ev.address, "change seen");
                     // Let a burst of events (a driver's remove + add) settle.
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    let settle = tokio::time::Instant::now() + Duration::from_millis(100);
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep_until(settle.max(retry_not_before)) => {}
+                    }
                     while rx.try_recv().is_ok() {}
                 }
                 None => events_open = false,
@@ -221,13 +229,19 @@ pub async fn run_daemon(cfg: DaemonConfig, paths: HostPaths, shutdown: Cancellat
             again = false;
             let Some(report) = reconcile(&cfg.config, &paths).await else {
                 set_ready(&paths, None);
+                retry_not_before = tokio::time::Instant::now() + RETRY_GAP;
                 break;
             };
             print_report(&report, !first);
             first = false;
             set_ready(&paths, Some(&report));
-            // Our own writes raise events; one about a device we did not just touch means
-            // something else changed meanwhile.
+            let failed = report.exit_code() != 0;
+            if failed {
+                retry_not_before = tokio::time::Instant::now() + RETRY_GAP;
+            }
+            // Our own writes raise events. After a clean pass any event is worth another
+            // (cheap, write-free when nothing changed) pass; after a failed one only events
+            // about devices this pass did not touch are, the rest waits for the retry gap.
             tokio::time::sleep(Duration::from_millis(50)).await;
             let touched: BTreeSet<PciAddress> = report
                 .results
@@ -236,7 +250,7 @@ pub async fn run_daemon(cfg: DaemonConfig, paths: HostPaths, shutdown: Cancellat
                 .map(|r| r.address)
                 .collect();
             while let Ok(ev) = rx.try_recv() {
-                if ev.address.is_none_or(|a| !touched.contains(&a)) {
+                if !failed || ev.address.is_none_or(|a| !touched.contains(&a)) {
                     again = true;
                 }
             }

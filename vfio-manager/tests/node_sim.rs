@@ -1,0 +1,547 @@
+//! vfio-manager as a process against simulated nodes (node-sim): driver links, `/dev/vfio`
+//! nodes, the readiness file and node-sim's operation log are what is checked.
+//!
+//! Each test mounts its own node and prints `skipped: ...` when FUSE or root is missing.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on setup failures
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use testkit::sim::try_mount;
+
+const BIN: &str = env!("CARGO_BIN_EXE_vfio-manager");
+/// How long a test waits for something that should happen promptly before it calls it lost.
+const PATIENCE: Duration = Duration::from_secs(30);
+
+fn cmd(root: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(BIN);
+    c.arg("--host-root")
+        .arg(root)
+        .args(args)
+        .env("RUST_LOG", "info")
+        .env_remove("HOST_ROOT");
+    c
+}
+
+fn run(root: &Path, args: &[&str]) -> Output {
+    cmd(root, args).output().expect("run vfio-manager")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn show(o: &Output) -> String {
+    format!(
+        "status {:?}\n--- stdout\n{}--- stderr\n{}",
+        o.status.code(),
+        text(&o.stdout),
+        text(&o.stderr)
+    )
+}
+
+fn dev_dir(root: &Path, bdf: &str) -> PathBuf {
+    root.join("sys/bus/pci/devices").join(bdf)
+}
+
+fn driver(root: &Path, bdf: &str) -> Option<String> {
+    std::fs::read_link(dev_dir(root, bdf).join("driver"))
+        .ok()
+        .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
+}
+
+fn group(root: &Path, bdf: &str) -> u32 {
+    std::fs::read_link(dev_dir(root, bdf).join("iommu_group"))
+        .unwrap()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+fn vfio_node(root: &Path, g: u32) -> bool {
+    root.join("dev/vfio").join(g.to_string()).exists()
+}
+
+fn control(root: &Path, command: &str) {
+    std::fs::write(root.join("sys/kernel/node-sim/control"), command)
+        .unwrap_or_else(|e| panic!("node-sim control {command:?}: {e}"));
+}
+
+/// node-sim's op log: `(path, value, result)` of every write, control writes left out.
+fn ops(root: &Path) -> Vec<(String, String, String)> {
+    let log = std::fs::read_to_string(root.join("sys/kernel/node-sim/ops")).unwrap();
+    log.lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            let _seq = w.next()?;
+            let path = w.next()?.to_string();
+            let rest: Vec<&str> = w.collect();
+            let (result, value) = rest.split_last()?;
+            Some((path, value.join(" "), result.to_string()))
+        })
+        .filter(|(p, _, _)| !p.contains("node-sim/"))
+        .collect()
+}
+
+/// Writes that concern `bdf` (its own files, or its address written to a driver file).
+fn ops_for(root: &Path, bdf: &str) -> Vec<(String, String, String)> {
+    ops(root)
+        .into_iter()
+        .filter(|(p, v, _)| p.contains(bdf) || v.contains(bdf))
+        .collect()
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < PATIENCE, "gave up waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn two_a10_bind_then_a_second_bind_writes_nothing() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let o = run(root, &["bind"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let out = text(&o.stdout);
+    for bdf in ["0000:41:00.0", "0000:61:00.0"] {
+        assert_eq!(driver(root, bdf).as_deref(), Some("vfio-pci"), "{bdf}");
+        let g = group(root, bdf);
+        assert!(vfio_node(root, g), "dev/vfio/{g}");
+        assert!(
+            out.contains(&format!("{bdf} nvidia → vfio-pci (group {g})")),
+            "{}",
+            show(&o)
+        );
+    }
+    assert!(out.contains("bind: 2 selected, 2 changed"), "{}", show(&o));
+
+    control(root, "clear-ops");
+    let o = run(root, &["bind"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(text(&o.stdout).contains("2 already bound"), "{}", show(&o));
+    assert_eq!(ops(root), Vec::new(), "a second bind must not write");
+}
+
+#[test]
+fn rtx_workstation_gpu_and_audio_are_bound_together() {
+    let Some(sim) = try_mount("rtx-workstation") else {
+        return;
+    };
+    let root = sim.root();
+    let o = run(root, &["bind"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver(root, "0000:01:00.0").as_deref(), Some("vfio-pci"));
+    assert_eq!(driver(root, "0000:01:00.1").as_deref(), Some("vfio-pci"));
+    assert!(vfio_node(root, group(root, "0000:01:00.0")));
+    // The GPU first, then its audio function.
+    let probes: Vec<String> = ops(root)
+        .into_iter()
+        .filter(|(p, _, _)| p.ends_with("drivers_probe"))
+        .map(|(_, v, _)| v)
+        .collect();
+    assert_eq!(probes, ["0000:01:00.0", "0000:01:00.1"]);
+
+    let st = run(root, &["status", "--json"]);
+    assert_eq!(st.status.code(), Some(0), "{}", show(&st));
+    let v: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+    let devs = v["devices"].as_array().unwrap();
+    assert_eq!(devs.len(), 2);
+    assert_eq!(devs[0]["driver"], "vfio-pci");
+    assert_eq!(devs[0]["viable"], true);
+    assert_eq!(devs[0]["members"].as_array().unwrap().len(), 2);
+    assert_eq!(devs[0]["in_use"].as_array().unwrap().len(), 0);
+}
+
+#[test]
+fn foreign_group_is_refused_and_nothing_in_it_is_written() {
+    let Some(sim) = try_mount("foreign-group") else {
+        return;
+    };
+    let root = sim.root();
+    let o = run(root, &["bind"]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let err = text(&o.stderr);
+    assert!(err.contains("0000:41:00.0 refused"), "{}", show(&o));
+    assert!(
+        err.contains("0000:42:00.0"),
+        "the NIC is named: {}",
+        show(&o)
+    );
+    assert_eq!(ops_for(root, "0000:41:00.0"), Vec::new());
+    assert_eq!(ops_for(root, "0000:42:00.0"), Vec::new());
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("nvidia"));
+    assert_eq!(driver(root, "0000:42:00.0").as_deref(), Some("i40e"));
+    // The other GPU, alone in its group, is bound.
+    assert_eq!(driver(root, "0000:61:00.0").as_deref(), Some("vfio-pci"));
+
+    let o = run(root, &["bind", "--allow-foreign-in-group"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    assert_eq!(driver(root, "0000:42:00.0").as_deref(), Some("vfio-pci"));
+}
+
+#[test]
+fn mixed_starting_drivers_all_end_on_vfio_pci() {
+    let Some(sim) = try_mount("mixed") else {
+        return;
+    };
+    let root = sim.root();
+    let before: Vec<_> = [
+        "0000:1a:00.0",
+        "0000:1b:00.0",
+        "0000:1c:00.0",
+        "0000:1d:00.0",
+    ]
+    .iter()
+    .map(|b| driver(root, b))
+    .collect();
+    assert_eq!(
+        before,
+        [
+            Some("nvidia".into()),
+            Some("nouveau".into()),
+            Some("vfio-pci".into()),
+            None
+        ]
+    );
+    let o = run(root, &["bind"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let out = text(&o.stdout);
+    assert!(
+        out.contains("0000:1b:00.0 nouveau → vfio-pci"),
+        "{}",
+        show(&o)
+    );
+    assert!(
+        out.contains("0000:1d:00.0 (no driver) → vfio-pci"),
+        "{}",
+        show(&o)
+    );
+    for b in [
+        "0000:1a:00.0",
+        "0000:1b:00.0",
+        "0000:1c:00.0",
+        "0000:1d:00.0",
+    ] {
+        assert_eq!(driver(root, b).as_deref(), Some("vfio-pci"), "{b}");
+        assert!(vfio_node(root, group(root, b)), "{b}");
+    }
+    // The one already on vfio-pci was not written to.
+    assert_eq!(ops_for(root, "0000:1c:00.0"), Vec::new());
+
+    // Unbind gives each back to the driver it came from (none for the one that had none).
+    let o = run(root, &["unbind"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver(root, "0000:1a:00.0").as_deref(), Some("nvidia"));
+    assert_eq!(driver(root, "0000:1b:00.0").as_deref(), Some("nouveau"));
+    assert_eq!(driver(root, "0000:1d:00.0"), None);
+    for b in ["0000:1a:00.0", "0000:1b:00.0", "0000:1d:00.0"] {
+        let o = std::fs::read_to_string(dev_dir(root, b).join("driver_override")).unwrap();
+        assert_eq!(o.trim(), "(null)", "{b}");
+    }
+}
+
+#[test]
+fn ebusy_on_one_unbind_fails_that_gpu_only() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    control(root, "fault unbind 0000:41:00.0 EBUSY");
+    let o = run(root, &["bind"]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let err = text(&o.stderr);
+    assert!(err.contains("0000:41:00.0 failed"), "{}", show(&o));
+    assert!(err.contains("unbind"), "the file is named: {}", show(&o));
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("nvidia"));
+    assert_eq!(driver(root, "0000:61:00.0").as_deref(), Some("vfio-pci"));
+    // Left as it was: driver_override put back.
+    let ov = std::fs::read_to_string(dev_dir(root, "0000:41:00.0").join("driver_override"));
+    assert_eq!(ov.unwrap().trim(), "(null)");
+    assert!(text(&o.stdout).contains("1 failed"), "{}", show(&o));
+}
+
+#[test]
+fn a_write_that_hangs_is_cut_off_by_the_timeout() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    control(root, "fault unbind 0000:41:00.0 delay=10000");
+    let o = run(root, &["bind", "--timeout", "0.5"]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let err = text(&o.stderr);
+    assert!(err.contains("0000:41:00.0 failed"), "{}", show(&o));
+    assert!(err.contains("did not finish within"), "{}", show(&o));
+    assert_eq!(driver(root, "0000:61:00.0").as_deref(), Some("vfio-pci"));
+}
+
+#[test]
+fn a_device_that_disappears_mid_run_is_a_clear_error() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root().to_path_buf();
+    control(&root, "fault unbind 0000:41:00.0 delay=1500");
+    let child = cmd(&root, &["bind", "--address", "0000:41:00.0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Once its driver_override is written the bind is under way: pull the device.
+    wait_until("the bind to start", || {
+        ops_for(&root, "0000:41:00.0")
+            .iter()
+            .any(|(p, _, _)| p.ends_with("driver_override"))
+    });
+    control(&root, "unplug 0000:41:00.0");
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let err = text(&o.stderr);
+    assert!(err.contains("0000:41:00.0 failed"), "{}", show(&o));
+    assert!(!err.contains("panicked"), "{}", show(&o));
+}
+
+#[test]
+fn unbind_restores_the_driver_and_refuses_a_group_in_use() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let o = run(root, &["bind"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let g = group(root, "0000:41:00.0");
+    control(root, &format!("hold {g} pid=4242 comm=qemu-kvm"));
+    control(root, "clear-ops");
+
+    let o = run(root, &["unbind"]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let err = text(&o.stderr);
+    assert!(err.contains("0000:41:00.0 refused"), "{}", show(&o));
+    assert!(
+        err.contains("4242") && err.contains("qemu-kvm"),
+        "{}",
+        show(&o)
+    );
+    assert_eq!(ops_for(root, "0000:41:00.0"), Vec::new(), "nothing written");
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    assert!(vfio_node(root, g));
+    // The group nobody uses went back to nvidia.
+    assert_eq!(driver(root, "0000:61:00.0").as_deref(), Some("nvidia"));
+    assert!(
+        text(&o.stdout).contains("0000:61:00.0 vfio-pci → nvidia"),
+        "{}",
+        show(&o)
+    );
+
+    // status shows who holds it.
+    let st = run(root, &["status", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+    assert_eq!(v["devices"][0]["in_use"][0]["pid"], 4242, "{}", show(&st));
+    assert_eq!(st.status.code(), Some(1), "not everything is bound");
+
+    let o = run(root, &["unbind", "--force"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("nvidia"));
+}
+
+/// A daemon process, killed when the test ends however it ends.
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn daemon(root: &Path, args: &[&str]) -> Daemon {
+    let mut all = vec!["daemon"];
+    all.extend_from_slice(args);
+    Daemon(
+        cmd(root, &all)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+/// Lines of a child's stdout, as they come.
+fn lines_of(child: &mut Child) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+fn next_summary(rx: &mpsc::Receiver<String>) -> String {
+    let start = Instant::now();
+    loop {
+        let left = PATIENCE.saturating_sub(start.elapsed());
+        let l = rx
+            .recv_timeout(left)
+            .expect("the daemon printed no bind summary");
+        if l.starts_with("bind: ") {
+            return l;
+        }
+    }
+}
+
+fn sigterm(child: &Child) {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+}
+
+#[test]
+fn daemon_vouches_only_when_all_are_bound_binds_hotplug_and_leaves_devices_on_sigterm() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root().to_path_buf();
+    let ready = root.join("run/nvidia/validations/vfio-pci-ready");
+    control(&root, "fault unbind 0000:41:00.0 EBUSY count=1");
+    let mut d = daemon(&root, &["--resync-interval", "1"]);
+    let rx = lines_of(&mut d.0);
+    let first = next_summary(&rx);
+    assert!(first.contains("1 failed"), "{first}");
+    assert!(!ready.exists(), "ready while 0000:41:00.0 is not bound");
+
+    // The fault was for one write: a later pass binds it, and the daemon vouches.
+    wait_until("the readiness file", || ready.exists());
+    assert_eq!(driver(&root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    assert_eq!(driver(&root, "0000:61:00.0").as_deref(), Some("vfio-pci"));
+
+    // A GPU that appears later is bound.
+    control(&root, "hotplug 0000:81:00.0 A10");
+    wait_until("the hot-plugged GPU on vfio-pci", || {
+        driver(&root, "0000:81:00.0").as_deref() == Some("vfio-pci")
+    });
+    wait_until("the readiness file to list the new GPU", || {
+        std::fs::read_to_string(&ready).is_ok_and(|s| s.contains("0000:81:00.0"))
+    });
+
+    sigterm(&d.0);
+    let status = d.0.wait().unwrap();
+    assert_eq!(status.code(), Some(0));
+    for b in ["0000:41:00.0", "0000:61:00.0", "0000:81:00.0"] {
+        assert_eq!(
+            driver(&root, b).as_deref(),
+            Some("vfio-pci"),
+            "{b} left bound"
+        );
+    }
+    assert!(
+        ready.exists(),
+        "devices are still bound: the file still holds"
+    );
+}
+
+#[test]
+fn daemon_withdraws_readiness_when_a_device_is_unbound_behind_its_back() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root().to_path_buf();
+    let ready = root.join("run/nvidia/validations/vfio-pci-ready");
+    let mut d = daemon(&root, &["--resync-interval", "1"]);
+    let rx = lines_of(&mut d.0);
+    let first = next_summary(&rx);
+    assert!(first.contains("0 failed"), "{first}");
+    wait_until("the readiness file", || ready.exists());
+
+    // Someone takes a GPU off vfio-pci and it cannot go back: the daemon must not vouch.
+    control(&root, "fault driver_override 0000:41:00.0 EBUSY");
+    std::fs::write(
+        root.join("sys/bus/pci/drivers/vfio-pci/unbind"),
+        "0000:41:00.0",
+    )
+    .unwrap();
+    wait_until("the readiness file to be withdrawn", || !ready.exists());
+
+    // Once it can go back, the daemon binds it and vouches again.
+    control(&root, "clear-faults");
+    wait_until("the readiness file again", || ready.exists());
+    assert_eq!(driver(&root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+
+    sigterm(&d.0);
+    assert_eq!(d.0.wait().unwrap().code(), Some(0));
+}
+
+/// Whether node-sim's changes reach a udev monitor: hot-plugs `bdf` and watches for its `add`.
+fn uevent_seen_for_hotplug(root: &Path, bdf: &str) -> bool {
+    let Ok(socket) = udev::MonitorBuilder::new().and_then(|b| b.listen()) else {
+        return false;
+    };
+    control(root, &format!("hotplug {bdf} A10"));
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(5) {
+        for ev in socket.iter() {
+            if ev.sysname().to_str() == Some(bdf) {
+                return true;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+#[test]
+fn daemon_binds_a_hotplugged_gpu_on_its_udev_event_alone() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root().to_path_buf();
+    // No resync for an hour: only the udev event can get the new GPU bound.
+    let mut d = daemon(&root, &["--resync-interval", "3600"]);
+    let rx = lines_of(&mut d.0);
+    next_summary(&rx);
+    if !uevent_seen_for_hotplug(&root, "0000:81:00.0") {
+        eprintln!("skipped: node-sim broadcast no uevent for a hot-plug; udev path not tested");
+        return;
+    }
+    wait_until("the hot-plugged GPU on vfio-pci", || {
+        driver(&root, "0000:81:00.0").as_deref() == Some("vfio-pci")
+    });
+    sigterm(&d.0);
+    assert_eq!(d.0.wait().unwrap().code(), Some(0));
+}
+
+#[test]
+fn daemon_unbind_on_exit_gives_devices_back() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root().to_path_buf();
+    let ready = root.join("run/nvidia/validations/vfio-pci-ready");
+    let mut d = daemon(&root, &["--unbind-on-exit"]);
+    let rx = lines_of(&mut d.0);
+    next_summary(&rx);
+    wait_until("the readiness file", || ready.exists());
+    sigterm(&d.0);
+    assert_eq!(d.0.wait().unwrap().code(), Some(0));
+    assert!(!ready.exists());
+    assert_eq!(driver(&root, "0000:41:00.0").as_deref(), Some("nvidia"));
+    assert_eq!(driver(&root, "0000:61:00.0").as_deref(), Some("nvidia"));
+}

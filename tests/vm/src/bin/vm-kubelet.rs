@@ -1,0 +1,260 @@
+//! `vm-kubelet`: the test kubelet scenario 3 runs in the VM guest, next to sandbox-dp.
+//!
+//! Serves kubelet's `Registration` service in `--dir` (testkit's fake kubelet), waits for each
+//! `--resource NAME=ID,ID…` to register, then checks what kubelet would see: ListAndWatch lists
+//! exactly those IDs, healthy; Allocate returns the env var and the real `/dev/vfio` group nodes
+//! (read from sysfs); an unknown ID is refused. With `--remove-mdev UUID` it removes that mdev
+//! through sysfs and waits for ListAndWatch to drop it (or mark it unhealthy), printing how long
+//! that took. Prints `PASS <check>` / `FAIL <check>: <detail>` lines on stdout (the VM tier's
+//! results format); exit status 0 when every check passed.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use testkit::kubelet::{FakeKubelet, summary};
+
+#[derive(Debug)]
+struct Args {
+    dir: PathBuf,
+    sys: PathBuf,
+    resources: Vec<(String, Vec<String>)>,
+    remove_mdev: Option<String>,
+    timeout: Duration,
+}
+
+fn parse_args() -> anyhow::Result<Args> {
+    let mut args = Args {
+        dir: PathBuf::new(),
+        sys: PathBuf::from("/sys"),
+        resources: Vec::new(),
+        remove_mdev: None,
+        timeout: Duration::from_secs(30),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--dir" => args.dir = PathBuf::from(value()?),
+            "--sys" => args.sys = PathBuf::from(value()?),
+            "--resource" => {
+                let v = value()?;
+                let (name, ids) = v
+                    .split_once('=')
+                    .with_context(|| format!("--resource {v}: expected NAME=ID,ID"))?;
+                let ids = ids.split(',').filter(|s| !s.is_empty()).map(String::from);
+                args.resources.push((name.to_string(), ids.collect()));
+            }
+            "--remove-mdev" => args.remove_mdev = Some(value()?),
+            "--timeout" => {
+                let v = value()?;
+                args.timeout =
+                    Duration::from_secs(v.parse().with_context(|| format!("--timeout {v}"))?);
+            }
+            other => bail!("unknown argument {other}"),
+        }
+    }
+    if args.dir.as_os_str().is_empty() || args.resources.is_empty() {
+        bail!(
+            "usage: vm-kubelet --dir DIR --resource NAME=ID,ID... [--remove-mdev UUID] [--timeout SECS] [--sys DIR]"
+        );
+    }
+    Ok(args)
+}
+
+#[derive(Debug, Default)]
+struct Report {
+    failed: usize,
+}
+
+impl Report {
+    fn check(&mut self, name: &str, result: anyhow::Result<()>) {
+        match result {
+            Ok(()) => println!("PASS {name}"),
+            Err(e) => {
+                self.failed += 1;
+                let detail = format!("{e:#}").replace('\n', " ");
+                println!("FAIL {name}: {detail}");
+            }
+        }
+    }
+}
+
+fn is_uuid(id: &str) -> bool {
+    id.len() == 36 && id.bytes().filter(|b| *b == b'-').count() == 4
+}
+
+/// The IOMMU group of a PCI address or an mdev UUID, from sysfs.
+fn group_of(sys: &Path, id: &str) -> anyhow::Result<String> {
+    let link = if is_uuid(id) {
+        sys.join("bus/mdev/devices").join(id).join("iommu_group")
+    } else {
+        sys.join("bus/pci/devices").join(id).join("iommu_group")
+    };
+    let target = std::fs::read_link(&link).with_context(|| format!("{}", link.display()))?;
+    target
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .with_context(|| format!("{}: no group in {}", link.display(), target.display()))
+}
+
+/// `PCI_RESOURCE_NVIDIA_COM_X` / `MDEV_PCI_RESOURCE_NVIDIA_COM_X`.
+fn env_name(resource: &str, mdev: bool) -> String {
+    let r: String = resource
+        .to_uppercase()
+        .chars()
+        .map(|c| if c == '/' || c == '.' { '_' } else { c })
+        .collect();
+    if mdev {
+        format!("MDEV_PCI_RESOURCE_{r}")
+    } else {
+        format!("PCI_RESOURCE_{r}")
+    }
+}
+
+fn slug(resource: &str) -> String {
+    resource.replace('/', "-")
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> std::process::ExitCode {
+    match run().await {
+        Ok(0) => std::process::ExitCode::SUCCESS,
+        Ok(_) => std::process::ExitCode::from(1),
+        Err(e) => {
+            println!("FAIL vm-kubelet: {}", format!("{e:#}").replace('\n', " "));
+            std::process::ExitCode::from(2)
+        }
+    }
+}
+
+async fn run() -> anyhow::Result<usize> {
+    let args = parse_args()?;
+    let mut report = Report::default();
+    let mut kubelet = FakeKubelet::start(&args.dir).await?;
+    let names: Vec<&str> = args.resources.iter().map(|(n, _)| n.as_str()).collect();
+    let regs = kubelet.wait_for(&names, args.timeout).await;
+    let regs = match regs {
+        Ok(r) => r,
+        Err(e) => {
+            report.check("kubelet-registrations", Err(e));
+            return Ok(report.failed);
+        }
+    };
+    for (name, ids) in &args.resources {
+        let s = slug(name);
+        let Some(reg) = regs.get(name) else { continue };
+        report.check(&format!("registered-{s}"), {
+            if reg.version == "v1beta1" {
+                Ok(())
+            } else {
+                Err(anyhow::anyhow!("API version {:?}", reg.version))
+            }
+        });
+        let mut plugin = match kubelet.plugin(&reg.endpoint).await {
+            Ok(p) => p,
+            Err(e) => {
+                report.check(&format!("connect-{s}"), Err(e));
+                continue;
+            }
+        };
+        // ListAndWatch: exactly the expected IDs, all healthy.
+        let want: BTreeSet<&str> = ids.iter().map(String::as_str).collect();
+        let listed = async {
+            let mut lw = plugin.list_and_watch().await?;
+            lw.wait_until(args.timeout, |l| {
+                l.iter().map(|d| d.id.as_str()).collect::<BTreeSet<_>>() == want
+                    && l.iter().all(|d| d.health == "Healthy")
+            })
+            .await
+            .map(|_| ())
+        };
+        report.check(&format!("listandwatch-{s}"), listed.await);
+
+        // Allocate all of them in one container.
+        let id_refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        match plugin.allocate(&[&id_refs]).await {
+            Err(status) => report.check(&format!("allocate-{s}"), Err(anyhow::anyhow!("{status}"))),
+            Ok(resp) => {
+                let c = resp
+                    .container_responses
+                    .into_iter()
+                    .next()
+                    .unwrap_or_default();
+                let mdev = ids.iter().all(|i| is_uuid(i));
+                let key = env_name(name, mdev);
+                let want_env = ids.join(",");
+                report.check(
+                    &format!("allocate-{s}-env"),
+                    match c.envs.get(&key) {
+                        Some(v) if *v == want_env => Ok(()),
+                        other => Err(anyhow::anyhow!(
+                            "{key}={other:?}, want {want_env:?}; envs {:?}",
+                            c.envs
+                        )),
+                    },
+                );
+                let specs = (|| -> anyhow::Result<()> {
+                    let mut want_paths: BTreeSet<String> =
+                        BTreeSet::from(["/dev/vfio/vfio".to_string()]);
+                    for id in ids {
+                        want_paths.insert(format!("/dev/vfio/{}", group_of(&args.sys, id)?));
+                    }
+                    let got: BTreeSet<String> =
+                        c.devices.iter().map(|d| d.host_path.clone()).collect();
+                    if got != want_paths {
+                        bail!("device specs {got:?}, want {want_paths:?}");
+                    }
+                    for d in &c.devices {
+                        if d.permissions != "mrw" {
+                            bail!("{} has permissions {:?}", d.host_path, d.permissions);
+                        }
+                        if !Path::new(&d.host_path).exists() {
+                            bail!("{} does not exist", d.host_path);
+                        }
+                    }
+                    Ok(())
+                })();
+                report.check(&format!("allocate-{s}-vfio-nodes"), specs);
+            }
+        }
+        report.check(
+            &format!("allocate-{s}-unknown-id-refused"),
+            match plugin.allocate(&[&["no-such-device"]]).await {
+                Ok(r) => Err(anyhow::anyhow!("accepted: {r:?}")),
+                Err(_) => Ok(()),
+            },
+        );
+    }
+
+    if let Some(uuid) = &args.remove_mdev {
+        let owner = args.resources.iter().find(|(_, ids)| ids.contains(uuid));
+        let result = async {
+            let (name, _) = owner.with_context(|| format!("{uuid} is in no --resource"))?;
+            let reg = regs
+                .get(name)
+                .with_context(|| format!("{name} did not register"))?;
+            let mut plugin = kubelet.plugin(&reg.endpoint).await?;
+            let mut lw = plugin.list_and_watch().await?;
+            lw.next(args.timeout).await?;
+            let remove = args.sys.join("bus/mdev/devices").join(uuid).join("remove");
+            let started = Instant::now();
+            std::fs::write(&remove, "1").with_context(|| format!("{}", remove.display()))?;
+            let l = lw
+                .wait_until(args.timeout, |l| {
+                    l.iter().all(|d| d.id != *uuid || d.health != "Healthy")
+                })
+                .await?;
+            eprintln!(
+                "vm-kubelet: ListAndWatch dropped {uuid} {} ms after its removal: {:?}",
+                started.elapsed().as_millis(),
+                summary(&l)
+            );
+            Ok(())
+        };
+        report.check("listandwatch-drops-removed-mdev", result.await);
+    }
+    kubelet.stop().await;
+    Ok(report.failed)
+}

@@ -331,3 +331,95 @@ pub fn unbind_one(
     tracing::info!(to = to.as_deref().unwrap_or("none"), "released");
     Outcome::Changed { from, to }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs;
+
+    /// A plain tree with one GPU on nvidia: enough to see whether anything is written.
+    fn tree() -> (tempfile::TempDir, HostPaths, Target) {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = dir.path().join("sys/devices/pci0000:00/0000:41:00.0");
+        fs::create_dir_all(&dev).unwrap();
+        fs::create_dir_all(dir.path().join("sys/bus/pci/devices")).unwrap();
+        fs::create_dir_all(dir.path().join("sys/bus/pci/drivers/nvidia")).unwrap();
+        std::os::unix::fs::symlink(
+            "../../../devices/pci0000:00/0000:41:00.0",
+            dir.path().join("sys/bus/pci/devices/0000:41:00.0"),
+        )
+        .unwrap();
+        std::os::unix::fs::symlink("../../../../bus/pci/drivers/nvidia", dev.join("driver"))
+            .unwrap();
+        fs::write(dev.join("driver_override"), "(null)\n").unwrap();
+        fs::write(dir.path().join("sys/bus/pci/drivers/nvidia/unbind"), "").unwrap();
+        let t = Target {
+            address: "0000:41:00.0".parse().unwrap(),
+            id: "10de:2236".into(),
+            group: 21,
+            driver: Some("nvidia".into()),
+            driver_override: None,
+            target: "vfio-pci".into(),
+            primary: true,
+            vfio_cdev: None,
+        };
+        let p = HostPaths::new(dir.path());
+        (dir, p, t)
+    }
+
+    #[test]
+    fn a_gpu_held_on_nvidia_is_left_alone_and_the_holder_named() {
+        let (dir, p, t) = tree();
+        let holder = |_: &Target| {
+            vec![Holder {
+                pid: 77,
+                comm: "nvidia-persiste".into(),
+                path: "/dev/nvidia0".into(),
+            }]
+        };
+        let out = bind_one(&p, &t, &OpOptions::default(), &holder);
+        let Outcome::Failed { error } = out else {
+            panic!("{out:?}")
+        };
+        assert!(error.contains("0000:41:00.0"), "{error}");
+        assert!(error.contains("pid 77 (nvidia-persiste)"), "{error}");
+        let ov = dir
+            .path()
+            .join("sys/devices/pci0000:00/0000:41:00.0/driver_override");
+        assert_eq!(
+            fs::read_to_string(ov).unwrap(),
+            "(null)\n",
+            "nothing written"
+        );
+        let unbind = dir.path().join("sys/bus/pci/drivers/nvidia/unbind");
+        assert_eq!(fs::read_to_string(unbind).unwrap(), "");
+    }
+
+    #[test]
+    fn a_device_already_on_its_target_is_not_written() {
+        let (dir, p, mut t) = tree();
+        t.target = "nvidia".into();
+        let out = bind_one(&p, &t, &OpOptions::default(), &|_: &Target| Vec::new());
+        assert_eq!(
+            out,
+            Outcome::Unchanged {
+                driver: Some("nvidia".into())
+            }
+        );
+        let ov = dir
+            .path()
+            .join("sys/devices/pci0000:00/0000:41:00.0/driver_override");
+        assert_eq!(fs::read_to_string(ov).unwrap(), "(null)\n");
+    }
+
+    #[test]
+    fn a_missing_device_is_a_named_failure() {
+        let (_dir, p, mut t) = tree();
+        t.address = "0000:99:00.0".parse().unwrap();
+        let out = bind_one(&p, &t, &OpOptions::default(), &|_: &Target| Vec::new());
+        let Outcome::Failed { error } = out else {
+            panic!("{out:?}")
+        };
+        assert!(error.contains("0000:99:00.0"), "{error}");
+    }
+}

@@ -47,9 +47,11 @@ enum Command {
     /// Functions already on it are not written to. IOMMU groups are done in parallel. Prints
     /// one line per device changed and a summary with the elapsed time.
     Bind(BindArgs),
-    /// Give every selected function on a VFIO driver back to its default driver: clear
-    /// driver_override, unbind, reprobe. A group whose /dev/vfio/<group> is open (a VM is using
-    /// it) is refused unless --force.
+    /// Give every selected function on a VFIO driver back: unbind, reprobe, clear
+    /// driver_override. It returns to the driver it had before `bind` (remembered under
+    /// <host-root>/run/vfio-manager), or else to whichever driver the kernel probes. A group
+    /// whose /dev/vfio/<group> is open (a VM is using it) is refused, naming the holders, and
+    /// nothing in it is written, unless --force.
     Unbind(UnbindArgs),
     /// Show each selected function: driver, IOMMU group, group members, whether the group is
     /// viable for a VM (all endpoints on VFIO, /dev/vfio/<group> present) and who holds it.

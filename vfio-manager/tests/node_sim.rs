@@ -545,3 +545,62 @@ fn daemon_unbind_on_exit_gives_devices_back() {
     assert_eq!(driver(&root, "0000:41:00.0").as_deref(), Some("nvidia"));
     assert_eq!(driver(&root, "0000:61:00.0").as_deref(), Some("nvidia"));
 }
+
+#[test]
+fn a_variant_vfio_driver_named_in_modules_alias_is_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = dir.path().join("grace.toml");
+    std::fs::write(
+        &topo,
+        r#"name = "grace"
+vfio_drivers = ["nvgrace_gpu_vfio_pci"]
+modules_alias = [
+    "alias vfio_pci:v*d*sv*sd*bc*sc*i* vfio_pci",
+    "alias vfio_pci:v000010DEd00002941sv*sd*bc*sc*i* nvgrace_gpu_vfio_pci",
+]
+
+[[bridge]]
+address = "0000:00:01.0"
+
+[[device]]
+address = "0009:01:00.0"
+vendor = 0x10de
+device = 0x2941
+subsystem_vendor = 0x10de
+subsystem_device = 0x2046
+class = 0x030200
+bridge = "0000:00:01.0"
+group = 9
+
+[[device]]
+address = "0000:41:00.0"
+model = "A10"
+bridge = "0000:00:01.0"
+group = 21
+"#,
+    )
+    .unwrap();
+    let Some(sim) = try_mount(topo.to_str().unwrap()) else {
+        return;
+    };
+    let root = sim.root();
+    let o = run(root, &["bind"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(
+        driver(root, "0009:01:00.0").as_deref(),
+        Some("nvgrace_gpu_vfio_pci")
+    );
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    assert!(
+        text(&o.stdout).contains("0009:01:00.0 nvidia → nvgrace_gpu_vfio_pci (group 9)"),
+        "{}",
+        show(&o)
+    );
+
+    // --driver overrides the table.
+    let o = run(root, &["unbind"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let o = run(root, &["bind", "--driver", "vfio-pci"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver(root, "0009:01:00.0").as_deref(), Some("vfio-pci"));
+}

@@ -1,6 +1,8 @@
 //! Crash safety: `kill -9` after the k-th sysfs write of a large apply, for every k; the next
 //! run converges and leaves nothing behind.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::process::{Command, Stdio};

@@ -124,6 +124,9 @@ fn nvidia_holders_fn(paths: &HostPaths) -> impl Fn(&Target) -> Vec<Holder> + Syn
 pub fn run_bind(cfg: &Config, paths: &HostPaths) -> Result<Report, NodeError> {
     let start = Instant::now();
     let (_inv, sel) = read_and_select(cfg, paths)?;
+    if sel.is_empty() {
+        tracing::warn!("no devices match the selection; nothing to bind");
+    }
     let holders = nvidia_holders_fn(paths);
     let results = ops::bind_all(paths, &sel, &cfg.op_options(), &holders);
     let moved: Vec<_> = results

@@ -279,7 +279,10 @@ fn a_write_that_hangs_is_cut_off_by_the_timeout() {
         return;
     };
     let root = sim.root();
-    control(root, "fault unbind 0000:41:00.0 delay=10000");
+    // A per-device file: node-sim's FUSE mount serialises writes to one file (the kernel's
+    // inode lock), so a hang in the shared drivers/nvidia/unbind would stall the other GPU too,
+    // which real sysfs does not do.
+    control(root, "fault driver_override 0000:41:00.0 delay=10000");
     let o = run(root, &["bind", "--timeout", "0.5"]);
     assert_eq!(o.status.code(), Some(1), "{}", show(&o));
     let err = text(&o.stderr);

@@ -91,3 +91,28 @@ expect_eq assert-exported-exit-0 0 "$(vdm_run assert-exported assert -f "$VMTIER
 
 expect_eq apply-empty-exit-0 0 "$(vdm_run apply-empty apply -f "$cfg" -c empty)"
 expect_eq apply-empty-removes-all 0 "$(total)"
+
+# Daemon without Kubernetes (-c): applies at start, re-applies when the config file changes,
+# exits 0 on SIGTERM.
+dcfg=/tmp/vgpu-daemon/config.yaml
+mkdir -p /tmp/vgpu-daemon
+cp "$cfg" "$dcfg"
+"$vdm" --vendor any daemon -f "$dcfg" -c samples >"$VMTIER_RESULTS/daemon.log" 2>&1 &
+daemon=$!
+layout_is() { [ "$(layout)" = "$1" ]; }
+if wait_for 30 layout_is "mtty-1=0 mtty-2=2 mbochs-small=3 total=5"; then
+    pass daemon-applies-at-start
+else
+    fail daemon-applies-at-start "layout after 30 s: $(layout)"
+fi
+sed -e 's/{"mtty-2": 2}/{"mtty-2": 1}/' -e 's/{"mbochs-small": 3}/{"mbochs-small": 1}/' "$cfg" >/tmp/vgpu-daemon/new.yaml
+mv /tmp/vgpu-daemon/new.yaml "$dcfg"
+if wait_for 30 layout_is "mtty-1=0 mtty-2=1 mbochs-small=1 total=2"; then
+    pass daemon-reapplies-on-config-change
+else
+    fail daemon-reapplies-on-config-change "layout 30 s after the change: $(layout)"
+fi
+kill -TERM "$daemon"
+wait "$daemon"
+expect_eq daemon-sigterm-exit-0 0 "$?"
+"$vdm" --vendor any apply -f "$cfg" -c empty >>"$VMTIER_RESULTS/apply-empty.log" 2>&1

@@ -4,7 +4,7 @@
 # must return the real group nodes, and removing an mdev must drop it from ListAndWatch (the
 # uevent path, no udevd in the guest).
 sdp="$VMTIER_BIN/sandbox-dp"
-kubelet_tool="$VMTIER_BIN/vm-kubelet"
+kubelet_tool="$VMTIER_KUBELET"
 vga=0000:00:02.0
 dev=/sys/bus/pci/devices/$vga
 types=/sys/class/mdev_bus

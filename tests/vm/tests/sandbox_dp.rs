@@ -7,7 +7,8 @@ use vm_tier::{Job, build_binaries, require_or_skip, run};
 fn sandbox_dp_serves_real_devices_to_the_test_kubelet() {
     let Some(p) = require_or_skip() else { return };
     build_binaries("sandbox-dp").unwrap_or_else(|e| panic!("VM tier: {e}"));
-    build_binaries("vm-tier").unwrap_or_else(|e| panic!("VM tier: {e}"));
-    let outcome = run(&p, &Job::scenario("sandbox-dp", "3-sandbox-dp.sh")).unwrap();
+    let job = Job::scenario("sandbox-dp", "3-sandbox-dp.sh")
+        .env("VMTIER_KUBELET", env!("CARGO_BIN_EXE_vm-kubelet"));
+    let outcome = run(&p, &job).unwrap();
     outcome.assert_all_passed();
 }

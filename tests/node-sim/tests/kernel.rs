@@ -1,4 +1,5 @@
 //! Each kernel effect of node-sim, by plain file operations on the mount.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 use support::*;

@@ -1,3 +1,4 @@
 //! Shared test fakes.
 pub mod kubelet;
+pub mod apiserver;
 pub mod sim;

@@ -93,14 +93,17 @@ pub fn text(o: &Output) -> String {
     )
 }
 
-/// The node's mdevs: (uuid, parent VF, its PF, type name).
+/// The node's mdevs: (uuid, parent VF, its PF, type name). An mdev removed while this reads
+/// (a daemon at work) is left out.
 pub fn mdevs(root: &Path) -> Vec<(String, String, String, String)> {
     let dir = root.join("sys/bus/mdev/devices");
     let mut out = Vec::new();
     for e in std::fs::read_dir(&dir).unwrap() {
         let e = e.unwrap();
         let uuid = e.file_name().to_string_lossy().to_string();
-        let real = std::fs::canonicalize(e.path()).unwrap();
+        let Ok(real) = std::fs::canonicalize(e.path()) else {
+            continue;
+        };
         let parent_dir = real.parent().unwrap().to_path_buf();
         let parent = parent_dir
             .file_name()
@@ -111,10 +114,10 @@ pub fn mdevs(root: &Path) -> Vec<(String, String, String, String)> {
             Ok(p) => p.file_name().unwrap().to_string_lossy().to_string(),
             Err(_) => parent.clone(),
         };
-        let name = std::fs::read_to_string(e.path().join("mdev_type/name"))
-            .unwrap()
-            .trim()
-            .to_string();
+        let Ok(name) = std::fs::read_to_string(e.path().join("mdev_type/name")) else {
+            continue;
+        };
+        let name = name.trim().to_string();
         out.push((uuid, parent, pf, name));
     }
     out.sort();

@@ -1,0 +1,421 @@
+//! A fake Kubernetes API server holding one Node, for daemons that watch their node's labels
+//! and patch its state.
+//!
+//! Plain HTTP/1.1 on `127.0.0.1`, a thread per connection. It serves what kube-rs's metadata
+//! watch of one node and a merge patch need:
+//!
+//! - `GET /api/v1/nodes[?fieldSelector=…]` — a `NodeList` with the node (`resourceVersion` set);
+//! - `GET /api/v1/nodes?watch=true&resourceVersion=RV` — a chunked stream of `MODIFIED` events,
+//!   one for every change after `RV`, until the server stops;
+//! - `GET /api/v1/nodes/NAME`;
+//! - `PATCH /api/v1/nodes/NAME` — a JSON merge patch of `metadata.labels` and
+//!   `metadata.annotations` (`null` deletes).
+//!
+//! Tests change labels with [`FakeApiServer::set_label`] and read what the daemon wrote with
+//! [`FakeApiServer::label`], [`FakeApiServer::annotation`] and
+//! [`FakeApiServer::label_history`]. [`FakeApiServer::kubeconfig`] is a file pointing at it.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+#[derive(Debug)]
+struct Inner {
+    name: String,
+    labels: BTreeMap<String, String>,
+    annotations: BTreeMap<String, String>,
+    version: u64,
+    /// Every (key, value) a PATCH set, in order (`None` = deleted).
+    patched: Vec<(String, Option<String>)>,
+    requests: Vec<String>,
+}
+
+impl Inner {
+    fn node(&self) -> Value {
+        json!({
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": self.name,
+                "uid": "00000000-0000-4000-8000-000000000001",
+                "resourceVersion": self.version.to_string(),
+                "labels": self.labels,
+                "annotations": self.annotations,
+            },
+            "spec": {},
+            "status": {},
+        })
+    }
+}
+
+#[derive(Debug)]
+struct Shared {
+    inner: Mutex<Inner>,
+    changed: Condvar,
+    stop: AtomicBool,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The server. Dropping it stops it (open watches end).
+#[derive(Debug)]
+pub struct FakeApiServer {
+    shared: Arc<Shared>,
+    addr: std::net::SocketAddr,
+    kubeconfig: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl FakeApiServer {
+    /// Starts a server with one node named `name` carrying `labels`.
+    pub fn start(name: &str, labels: &[(&str, &str)]) -> anyhow::Result<FakeApiServer> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let addr = listener.local_addr()?;
+        let dir = tempfile::tempdir()?;
+        let kubeconfig = dir.path().join("kubeconfig");
+        std::fs::write(
+            &kubeconfig,
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: http://{addr}\n\
+                 contexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n\
+                 current-context: fake\nusers:\n- name: fake\n  user: {{}}\n"
+            ),
+        )?;
+        let shared = Arc::new(Shared {
+            inner: Mutex::new(Inner {
+                name: name.to_string(),
+                labels: labels
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+                annotations: BTreeMap::new(),
+                version: 1,
+                patched: Vec::new(),
+                requests: Vec::new(),
+            }),
+            changed: Condvar::new(),
+            stop: AtomicBool::new(false),
+        });
+        let s = shared.clone();
+        std::thread::Builder::new()
+            .name("fake-apiserver".into())
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    if s.stop.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    let Ok(conn) = conn else { continue };
+                    let s = s.clone();
+                    let _ = std::thread::Builder::new()
+                        .name("fake-apiserver-conn".into())
+                        .spawn(move || {
+                            let _ = serve(&s, conn);
+                        });
+                }
+            })?;
+        Ok(FakeApiServer {
+            shared,
+            addr,
+            kubeconfig,
+            _dir: dir,
+        })
+    }
+
+    /// A kubeconfig file for this server.
+    pub fn kubeconfig(&self) -> &Path {
+        &self.kubeconfig
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Sets (`Some`) or removes (`None`) a label, as `kubectl label` would.
+    pub fn set_label(&self, key: &str, value: Option<&str>) {
+        let mut i = self.shared.lock();
+        match value {
+            Some(v) => i.labels.insert(key.into(), v.into()),
+            None => i.labels.remove(key),
+        };
+        i.version += 1;
+        self.shared.changed.notify_all();
+    }
+
+    /// A label's value now.
+    pub fn label(&self, key: &str) -> Option<String> {
+        self.shared.lock().labels.get(key).cloned()
+    }
+
+    /// An annotation's value now.
+    pub fn annotation(&self, key: &str) -> Option<String> {
+        self.shared.lock().annotations.get(key).cloned()
+    }
+
+    /// Every value PATCH requests gave `key`, in order (`None` = deleted).
+    pub fn label_history(&self, key: &str) -> Vec<Option<String>> {
+        self.shared
+            .lock()
+            .patched
+            .iter()
+            .filter(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+            .collect()
+    }
+
+    /// Forgets the PATCH history.
+    pub fn clear_history(&self) {
+        self.shared.lock().patched.clear();
+    }
+
+    /// Request lines received (`GET /api/v1/nodes?…`), in order.
+    pub fn requests(&self) -> Vec<String> {
+        self.shared.lock().requests.clone()
+    }
+
+    /// Waits until `f` holds for the label `key` (polling), up to `timeout`. Returns whether it
+    /// did.
+    pub fn wait_for(&self, key: &str, timeout: Duration, f: impl Fn(Option<&str>) -> bool) -> bool {
+        let start = Instant::now();
+        loop {
+            if f(self.label(key).as_deref()) {
+                return true;
+            }
+            if start.elapsed() >= timeout {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for FakeApiServer {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.shared.changed.notify_all();
+        let _ = TcpStream::connect(self.addr);
+    }
+}
+
+struct Request {
+    method: String,
+    path: String,
+    query: BTreeMap<String, String>,
+    body: Vec<u8>,
+}
+
+fn read_request(r: &mut BufReader<TcpStream>) -> std::io::Result<Option<Request>> {
+    let mut line = String::new();
+    if r.read_line(&mut line)? == 0 {
+        return Ok(None);
+    }
+    let mut parts = line.split_whitespace();
+    let method = parts.next().unwrap_or_default().to_string();
+    let target = parts.next().unwrap_or_default().to_string();
+    let mut len = 0usize;
+    loop {
+        let mut h = String::new();
+        if r.read_line(&mut h)? == 0 {
+            return Ok(None);
+        }
+        let h = h.trim_end();
+        if h.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = h.split_once(':')
+            && k.eq_ignore_ascii_case("content-length")
+        {
+            len = v.trim().parse().unwrap_or(0);
+        }
+    }
+    let mut body = vec![0; len];
+    r.read_exact(&mut body)?;
+    let (path, q) = target.split_once('?').unwrap_or((target.as_str(), ""));
+    let query = q
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), unescape(v)))
+        .collect();
+    Ok(Some(Request {
+        method,
+        path: path.to_string(),
+        query,
+        body,
+    }))
+}
+
+fn unescape(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%'
+            && i + 2 < b.len()
+            && let Ok(v) = u8::from_str_radix(&s[i + 1..i + 3], 16)
+        {
+            out.push(v);
+            i += 3;
+        } else {
+            out.push(if b[i] == b'+' { b' ' } else { b[i] });
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn respond(w: &mut TcpStream, code: u16, body: &Value) -> std::io::Result<()> {
+    let text = body.to_string();
+    let reason = match code {
+        200 => "OK",
+        404 => "Not Found",
+        _ => "Error",
+    };
+    write!(
+        w,
+        "HTTP/1.1 {code} {reason}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{text}",
+        text.len()
+    )?;
+    w.flush()
+}
+
+fn status(code: u16, msg: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": msg, "code": code})
+}
+
+fn serve(s: &Shared, conn: TcpStream) -> std::io::Result<()> {
+    let mut w = conn.try_clone()?;
+    let mut r = BufReader::new(conn);
+    while let Some(req) = read_request(&mut r)? {
+        let name = s.lock().name.clone();
+        s.lock()
+            .requests
+            .push(format!("{} {}?{:?}", req.method, req.path, req.query));
+        let node_path = format!("/api/v1/nodes/{name}");
+        match (req.method.as_str(), req.path.as_str()) {
+            ("GET", "/api/v1/nodes") => {
+                let watch = req
+                    .query
+                    .get("watch")
+                    .is_some_and(|v| v == "true" || v == "1");
+                let selected = req
+                    .query
+                    .get("fieldSelector")
+                    .is_none_or(|f| *f == format!("metadata.name={name}"));
+                if watch {
+                    let from: u64 = req
+                        .query
+                        .get("resourceVersion")
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(0);
+                    return stream_watch(s, &mut w, from, selected);
+                }
+                let i = s.lock();
+                let items = if selected { vec![i.node()] } else { vec![] };
+                let list = json!({
+                    "kind": "NodeList", "apiVersion": "v1",
+                    "metadata": {"resourceVersion": i.version.to_string()},
+                    "items": items,
+                });
+                drop(i);
+                respond(&mut w, 200, &list)?;
+            }
+            ("GET", p) if p == node_path => {
+                let n = s.lock().node();
+                respond(&mut w, 200, &n)?;
+            }
+            ("PATCH", p) if p == node_path => {
+                let patch: Value = match serde_json::from_slice(&req.body) {
+                    Ok(v) => v,
+                    Err(e) => {
+                        respond(&mut w, 400, &status(400, &format!("bad patch: {e}")))?;
+                        continue;
+                    }
+                };
+                let mut i = s.lock();
+                let meta = patch.get("metadata").cloned().unwrap_or(Value::Null);
+                let mut changes = Vec::new();
+                for (field, is_label) in [("labels", true), ("annotations", false)] {
+                    if let Some(Value::Object(m)) = meta.get(field) {
+                        for (k, v) in m {
+                            let target = if is_label {
+                                &mut i.labels
+                            } else {
+                                &mut i.annotations
+                            };
+                            let v = match v {
+                                Value::String(v) => {
+                                    target.insert(k.clone(), v.clone());
+                                    Some(v.clone())
+                                }
+                                _ => {
+                                    target.remove(k);
+                                    None
+                                }
+                            };
+                            changes.push((k.clone(), v));
+                        }
+                    }
+                }
+                i.patched.extend(changes);
+                i.version += 1;
+                let n = i.node();
+                drop(i);
+                s.changed.notify_all();
+                respond(&mut w, 200, &n)?;
+            }
+            _ => respond(&mut w, 404, &status(404, "not found"))?,
+        }
+    }
+    Ok(())
+}
+
+fn chunk(w: &mut TcpStream, data: &str) -> std::io::Result<()> {
+    write!(w, "{:x}\r\n{data}\r\n", data.len())?;
+    w.flush()
+}
+
+fn stream_watch(s: &Shared, w: &mut TcpStream, from: u64, selected: bool) -> std::io::Result<()> {
+    write!(
+        w,
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )?;
+    w.flush()?;
+    let mut sent = from;
+    let mut i = s.lock();
+    loop {
+        if s.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        if i.version > sent {
+            sent = i.version;
+            if selected {
+                let ev = json!({"type": "MODIFIED", "object": i.node()});
+                let mut line = ev.to_string();
+                line.push('\n');
+                drop(i);
+                chunk(w, &line)?;
+                i = s.lock();
+            }
+            continue;
+        }
+        i = s
+            .changed
+            .wait_timeout(i, Duration::from_millis(200))
+            .map(|(g, _)| g)
+            .unwrap_or_else(|e| e.into_inner().0);
+    }
+    drop(i);
+    let _ = w.write_all(b"0\r\n\r\n");
+    let _ = w.shutdown(Shutdown::Both);
+    Ok(())
+}

@@ -1,0 +1,277 @@
+//! `vgpu-device-manager daemon` as a process against node-sim and a fake API server.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+use testkit::apiserver::FakeApiServer;
+
+const CONFIG_LABEL: &str = "nvidia.com/vgpu.config";
+const STATE: &str = "nvidia.com/vgpu.config.state";
+const REASON: &str = "nvidia.com/vgpu.config.state.reason";
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A daemon that is stopped with SIGTERM when dropped.
+struct Daemon(Child);
+
+impl Daemon {
+    fn stop(mut self) -> Option<i32> {
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.0.id().to_string())
+            .status();
+        self.0.wait().unwrap().code()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn daemon(root: &Path, args: &[&str]) -> Daemon {
+    let log = std::env::temp_dir().join(format!("vgpu-dm-daemon-{}.log", std::process::id()));
+    Daemon(
+        Command::new(BIN)
+            .arg("daemon")
+            .args(args)
+            .args([
+                "--retry-min-ms",
+                "200",
+                "--retry-max-ms",
+                "1000",
+                "--host-root",
+            ])
+            .arg(root)
+            .env_remove("NODE_NAME")
+            .env_remove("KUBECONFIG")
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(log).map_or(Stdio::null(), Stdio::from))
+            .spawn()
+            .unwrap(),
+    )
+}
+
+fn wait_until(what: &str, f: impl Fn() -> bool) {
+    let start = std::time::Instant::now();
+    while !f() {
+        assert!(start.elapsed() < WAIT, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A ConfigMap-style directory: `config.yaml -> ..data/config.yaml`, `..data -> ..vN`.
+struct ConfigMapDir {
+    dir: tempfile::TempDir,
+    n: u32,
+}
+
+impl ConfigMapDir {
+    fn new(text: &str) -> Self {
+        let mut c = ConfigMapDir {
+            dir: tempfile::tempdir().unwrap(),
+            n: 0,
+        };
+        c.update(text);
+        std::os::unix::fs::symlink("..data/config.yaml", c.dir.path().join("config.yaml")).unwrap();
+        c
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.path().join("config.yaml")
+    }
+
+    /// What the kubelet does on a ConfigMap update: a new directory, then an atomic swap of
+    /// the `..data` link.
+    fn update(&mut self, text: &str) {
+        self.n += 1;
+        let v = format!("..v{}", self.n);
+        std::fs::create_dir(self.dir.path().join(&v)).unwrap();
+        std::fs::write(self.dir.path().join(&v).join("config.yaml"), text).unwrap();
+        let tmp = self.dir.path().join("..data_tmp");
+        std::os::unix::fs::symlink(&v, &tmp).unwrap();
+        std::fs::rename(&tmp, self.dir.path().join("..data")).unwrap();
+    }
+}
+
+fn ready_file(root: &Path) -> PathBuf {
+    root.join("run/nvidia/validations/vgpu-devices-ready")
+}
+
+fn counts(root: &Path) -> Vec<((String, String), usize)> {
+    mdev_counts(root).into_iter().collect()
+}
+
+fn each(name: &str, n: usize) -> Vec<((String, String), usize)> {
+    vec![
+        (("0000:41:00.0".into(), name.into()), n),
+        (("0000:61:00.0".into(), name.into()), n),
+    ]
+}
+
+#[test]
+fn daemon_follows_the_label_and_the_config_file() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start("node-a", &[(CONFIG_LABEL, "A10-4Q")]).unwrap();
+    let mut cm = ConfigMapDir::new(CONFIG);
+    let kc = api.kubeconfig().to_str().unwrap().to_string();
+    let file = cm.path();
+    let d = daemon(
+        root,
+        &[
+            "--node-name",
+            "node-a",
+            "--kubeconfig",
+            &kc,
+            "-f",
+            file.to_str().unwrap(),
+        ],
+    );
+
+    // Label set at start: pending, then success, with the vGPUs and the readiness file.
+    assert!(
+        api.wait_for(STATE, WAIT, |v| v == Some("success")),
+        "{:?}",
+        api.label(STATE)
+    );
+    assert_eq!(counts(root), each("NVIDIA A10-4Q", 6));
+    let h = api.label_history(STATE);
+    assert_eq!(h.first(), Some(&Some("pending".to_string())), "{h:?}");
+    assert!(ready_file(root).exists());
+
+    // Label changed: reconfigured.
+    api.clear_history();
+    api.set_label(CONFIG_LABEL, Some("A10-8Q"));
+    wait_until("A10-8Q applied", || {
+        api.label_history(STATE).last() == Some(&Some("success".into()))
+    });
+    assert_eq!(counts(root), each("NVIDIA A10-8Q", 3));
+    assert_eq!(
+        api.label_history(STATE),
+        vec![Some("pending".into()), Some("success".into())]
+    );
+
+    // A profile the file does not have: failed, with the reason; the vGPUs stay.
+    api.set_label(CONFIG_LABEL, Some("no-such-profile"));
+    assert!(api.wait_for(STATE, WAIT, |v| v == Some("failed")));
+    let reason = api.annotation(REASON).unwrap_or_default();
+    assert!(
+        reason.contains("no profile named \"no-such-profile\""),
+        "{reason}"
+    );
+    assert!(!ready_file(root).exists());
+    assert_eq!(counts(root), each("NVIDIA A10-8Q", 3));
+
+    // Back to a good profile: the reason goes away.
+    api.set_label(CONFIG_LABEL, Some("A10-4Q"));
+    assert!(api.wait_for(STATE, WAIT, |v| v == Some("success")));
+    assert_eq!(api.annotation(REASON), None);
+    assert_eq!(counts(root), each("NVIDIA A10-4Q", 6));
+
+    // The config file changes (ConfigMap symlink swap): re-applied.
+    api.clear_history();
+    cm.update(&CONFIG.replace("{\"A10-4Q\": 6}", "{\"A10-4Q\": 2}"));
+    wait_until("the edited profile", || {
+        counts(root) == each("NVIDIA A10-4Q", 2)
+    });
+    assert!(api.wait_for(STATE, WAIT, |v| v == Some("success")));
+    assert!(api.label_history(STATE).contains(&Some("pending".into())));
+
+    assert_eq!(d.stop(), Some(0));
+}
+
+#[test]
+fn node_without_label_gets_the_default_profile() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start("node-b", &[]).unwrap();
+    let cfg = config_file(CONFIG);
+    let kc = api.kubeconfig().to_str().unwrap().to_string();
+    let d = daemon(
+        root,
+        &[
+            "--node-name",
+            "node-b",
+            "--kubeconfig",
+            &kc,
+            "-f",
+            cfg.path.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        api.wait_for(STATE, WAIT, |v| v == Some("success")),
+        "{:?}",
+        api.label(STATE)
+    );
+    assert_eq!(counts(root), each("NVIDIA A10-12Q", 2));
+    assert_eq!(d.stop(), Some(0));
+}
+
+#[test]
+fn blocked_apply_fails_then_retries_to_success() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let cfg = config_file(CONFIG);
+    let f = cfg.path.to_str().unwrap();
+    let o = run(root, &["apply", "-f", f, "-c", "A10-4Q"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let (uuid, ..) = mdevs(root).into_iter().next().unwrap();
+    let group =
+        std::fs::read_link(root.join(format!("sys/bus/mdev/devices/{uuid}/iommu_group"))).unwrap();
+    let group = group.file_name().unwrap().to_str().unwrap().to_string();
+    sim.control(&format!("hold {group} pid=777 comm=virt-launcher"))
+        .unwrap();
+
+    let api = FakeApiServer::start("node-c", &[(CONFIG_LABEL, "A10-8Q")]).unwrap();
+    let kc = api.kubeconfig().to_str().unwrap().to_string();
+    let d = daemon(
+        root,
+        &["--node-name", "node-c", "--kubeconfig", &kc, "-f", f],
+    );
+    assert!(api.wait_for(STATE, WAIT, |v| v == Some("failed")));
+    let reason = api.annotation(REASON).unwrap_or_default();
+    assert!(reason.contains("pid 777 (virt-launcher)"), "{reason}");
+    // The VM goes away; a retry applies the rest.
+    sim.control(&format!("release {group}")).unwrap();
+    assert!(api.wait_for(STATE, WAIT, |v| v == Some("success")));
+    assert_eq!(counts(root), each("NVIDIA A10-8Q", 3));
+    assert_eq!(api.annotation(REASON), None);
+    assert_eq!(d.stop(), Some(0));
+}
+
+#[test]
+fn selected_config_runs_without_kubernetes() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let cfg = config_file(CONFIG);
+    let d = daemon(root, &["-c", "A10-8Q", "-f", cfg.path.to_str().unwrap()]);
+    wait_until("the readiness file", || ready_file(root).exists());
+    assert_eq!(counts(root), each("NVIDIA A10-8Q", 3));
+    // vGPUs lost (a reboot, someone removing them): a restart re-applies.
+    assert_eq!(d.stop(), Some(0));
+    for pf in ["0000:41:00.0", "0000:61:00.0"] {
+        write(root, &format!("sys/bus/pci/devices/{pf}/sriov_numvfs"), "0");
+    }
+    std::fs::remove_file(ready_file(root)).unwrap();
+    let d = daemon(root, &["-c", "A10-8Q", "-f", cfg.path.to_str().unwrap()]);
+    wait_until("the readiness file again", || ready_file(root).exists());
+    assert_eq!(counts(root), each("NVIDIA A10-8Q", 3));
+    assert_eq!(d.stop(), Some(0));
+}

@@ -13,7 +13,8 @@ fn fault_errno_fails_the_write_and_changes_nothing() {
     assert_eq!(m.w("sys/bus/pci/drivers/nvidia/unbind", GPU), Err(EBUSY));
     assert_eq!(m.driver(GPU).as_deref(), Some("nvidia"));
     // Other devices are not affected.
-    m.w("sys/bus/pci/drivers/nvidia/unbind", "0000:61:00.0").unwrap();
+    m.w("sys/bus/pci/drivers/nvidia/unbind", "0000:61:00.0")
+        .unwrap();
     // Persistent until cleared.
     assert_eq!(m.w("sys/bus/pci/drivers/nvidia/unbind", GPU), Err(EBUSY));
     m.ctl("clear-faults");
@@ -73,7 +74,11 @@ fn bad_control_commands_fail_with_einval() {
         "hotplug 0000:81:00.0 NOPE",
         "unplug 0000:99:00.0",
     ] {
-        assert_eq!(m.w("sys/kernel/node-sim/control", bad), Err(EINVAL), "{bad}");
+        assert_eq!(
+            m.w("sys/kernel/node-sim/control", bad),
+            Err(EINVAL),
+            "{bad}"
+        );
         assert!(m.sim.control(bad).is_err(), "{bad}");
     }
     // Control writes are not kernel writes: not in the op log.
@@ -83,12 +88,18 @@ fn bad_control_commands_fail_with_einval() {
 #[test]
 fn hold_shows_a_synthetic_vm_in_proc_and_blocks_opens() {
     let Some(m) = mount("2xA10") else { return };
-    m.w(&format!("sys/bus/pci/devices/{GPU}/driver_override"), "vfio-pci")
-        .unwrap();
+    m.w(
+        &format!("sys/bus/pci/devices/{GPU}/driver_override"),
+        "vfio-pci",
+    )
+    .unwrap();
     m.w("sys/bus/pci/drivers/nvidia/unbind", GPU).unwrap();
     m.w("sys/bus/pci/drivers_probe", GPU).unwrap();
-    m.w("sys/kernel/node-sim/control", "hold 21 pid=4242 comm=virt-launcher")
-        .unwrap();
+    m.w(
+        "sys/kernel/node-sim/control",
+        "hold 21 pid=4242 comm=virt-launcher",
+    )
+    .unwrap();
     assert_eq!(m.r("proc/4242/comm"), "virt-launcher");
     let fds = m.ls("proc/4242/fd");
     assert_eq!(fds.len(), 1);
@@ -124,11 +135,15 @@ fn hotplug_and_unplug() {
     assert_eq!(m.r(&format!("{d}/device")), "0x26b9");
     assert_eq!(m.r(&format!("{d}/numa_node")), "1");
     assert_eq!(m.driver("0000:81:00.0").as_deref(), Some("nvidia"));
-    assert!(m.link(&format!("{d}/iommu_group")).ends_with("iommu_groups/90"));
+    assert!(
+        m.link(&format!("{d}/iommu_group"))
+            .ends_with("iommu_groups/90")
+    );
     assert!(m.exists("dev/nvidia2"));
 
     // Unplug a GPU on vfio-pci with VFs: everything about it goes.
-    m.w(&format!("sys/bus/pci/devices/{GPU}/sriov_numvfs"), "2").unwrap();
+    m.w(&format!("sys/bus/pci/devices/{GPU}/sriov_numvfs"), "2")
+        .unwrap();
     let driver_override = std::fs::OpenOptions::new()
         .write(true)
         .open(m.p(&format!("sys/bus/pci/devices/{GPU}/driver_override")))
@@ -149,8 +164,11 @@ fn hotplug_and_unplug() {
 #[test]
 fn op_log_lists_every_write_in_order() {
     let Some(m) = mount("2xA10") else { return };
-    m.w(&format!("sys/bus/pci/devices/{GPU}/driver_override"), "vfio-pci")
-        .unwrap();
+    m.w(
+        &format!("sys/bus/pci/devices/{GPU}/driver_override"),
+        "vfio-pci",
+    )
+    .unwrap();
     m.w("sys/bus/pci/drivers/nvidia/unbind", GPU).unwrap();
     m.w("sys/bus/pci/drivers_probe", GPU).unwrap();
     let _ = m.w("sys/bus/pci/drivers/vfio-pci/unbind", "0000:61:00.0");
@@ -167,7 +185,10 @@ fn op_log_lists_every_write_in_order() {
     );
     let ops = m.sim.ops();
     assert_eq!(ops.len(), 5);
-    assert_eq!(ops.iter().filter(|o| o.path.ends_with("/unbind")).count(), 2);
+    assert_eq!(
+        ops.iter().filter(|o| o.path.ends_with("/unbind")).count(),
+        2
+    );
     assert!(!ops[3].is_ok());
     assert_eq!(ops[3].result, "ENODEV");
     m.ctl("clear-ops");

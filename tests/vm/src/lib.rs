@@ -137,6 +137,22 @@ pub fn prerequisites() -> Result<Prereqs, String> {
             dir.display()
         ));
     }
+    // The stamp records the hash of the guest init baked into the initramfs.
+    let stamp = fs::read_to_string(dir.join("stamp")).unwrap_or_default();
+    let init = repo_root().join("tests/vm/guest/init");
+    if let Ok(out) = Command::new("sha256sum").arg(&init).output()
+        && out.status.success()
+    {
+        let text = String::from_utf8_lossy(&out.stdout);
+        let hash = text.split_whitespace().next().unwrap_or_default();
+        if !stamp.lines().any(|l| l == format!("init={hash}")) {
+            return Err(format!(
+                "kernel assets in {} are stale: {} changed since they were built",
+                dir.display(),
+                init.display()
+            ));
+        }
+    }
     let vars: BTreeMap<&str, &str> = text
         .lines()
         .filter_map(|l| l.split_once('='))

@@ -962,6 +962,7 @@ def cmd_docs(bindir: str) -> None:
         fail("docs/configuration.md missing")
         return
     doc = open(doc_path).read()
+    all_flags: set[str] = {"--help", "--version"}
     for b in DAEMONS:
         exe = os.path.join(bindir, b)
         top = help_text([exe])
@@ -974,6 +975,7 @@ def cmd_docs(bindir: str) -> None:
             if sub and f"`{sub}" not in doc:
                 missing.append(f"command {sub}")
             for flag in re.findall(r"^\s+(?:-\w, )?(--[a-z][a-z0-9-]*)", help_text(argv), re.M):
+                all_flags.add(flag)
                 if flag in ("--help", "--version"):
                     continue
                 if f"`{flag}" not in doc and f", {flag}" not in doc:
@@ -982,6 +984,11 @@ def cmd_docs(bindir: str) -> None:
             fail(f"docs/configuration.md does not describe: {sorted(set(missing))}")
         else:
             ok(f"docs/configuration.md describes every command and flag of {b}")
+    stale = sorted(set(re.findall(r"`(--[a-z][a-z0-9-]*)", doc)) - all_flags)
+    if stale:
+        fail(f"docs/configuration.md names flags no binary has: {stale}")
+    else:
+        ok("docs/configuration.md names no flag the binaries lack")
 
 
 def main() -> int:

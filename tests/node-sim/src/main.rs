@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+mod demo;
+
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use nix::sys::signal::{SigSet, Signal};
@@ -31,17 +33,40 @@ enum Cmd {
     Topologies,
     /// Print the vGPU type catalogue.
     Catalogue,
+    /// Two simulated nodes with the real daemons run against them: a passthrough node
+    /// (vfio-manager, then sandbox-dp) and a vGPU node (vgpu-device-manager, then sandbox-dp),
+    /// each with a test kubelet. Prints what `kubectl describe node` would show under
+    /// Capacity/Allocatable, what a VM's virt-launcher receives on Allocate, and KubeVirt's
+    /// permittedHostDevices block. Cleans up after itself, also on Ctrl-C. The daemons are
+    /// looked for beside this binary (build them with `cargo build --release --bins`).
+    Demo {
+        /// The topology of both nodes: a built-in name or a TOML file.
+        #[arg(long, short, default_value = "2xA10")]
+        topology: String,
+        /// The vGPU profile of the second node [default: A10-4Q on A10 nodes, else `default`].
+        #[arg(long)]
+        profile: Option<String>,
+        /// Where the daemons' binaries are [default: beside node-sim].
+        #[arg(long)]
+        bin_dir: Option<PathBuf>,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    // The demo speaks for itself on stdout; only problems go to the log.
+    let default_filter = if matches!(cli.cmd, Cmd::Demo { .. }) {
+        "warn,fuser=error"
+    } else {
+        "info,fuser=error"
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,fuser=error")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     match cli.cmd {
         Cmd::Mount { topology, dir } => {
             let topo = node_sim::topology(&topology)?;
@@ -56,6 +81,23 @@ fn main() -> anyhow::Result<()> {
             let sig = set.wait().context("waiting for a signal")?;
             tracing::info!("{sig:?}: unmounting");
             sim.unmount()?;
+        }
+        Cmd::Demo {
+            topology,
+            profile,
+            bin_dir,
+        } => {
+            if let Err(e) = demo::run(demo::DemoArgs {
+                topology,
+                profile,
+                bin_dir,
+            }) {
+                if e.downcast_ref::<demo::Interrupted>().is_some() {
+                    eprintln!("{e}");
+                    std::process::exit(130);
+                }
+                return Err(e);
+            }
         }
         Cmd::Topologies => {
             for name in node_sim::topology::BUILTINS {

@@ -1,4 +1,5 @@
 //! Shared test fakes.
-pub mod kubelet;
+/// The fake kubelet (its own crate, so that node-sim's demo can use it too).
+pub use fake_kubelet as kubelet;
 pub mod apiserver;
 pub mod sim;

@@ -4,7 +4,7 @@
 //! ```no_run
 //! # async fn f() -> anyhow::Result<()> {
 //! let dir = tempfile::tempdir()?;
-//! let mut kubelet = testkit::kubelet::FakeKubelet::start(dir.path()).await?;
+//! let mut kubelet = fake_kubelet::FakeKubelet::start(dir.path()).await?;
 //! // start the plugin with --kubelet-dir dir ...
 //! let reg = kubelet.next_registration(std::time::Duration::from_secs(10)).await?;
 //! let mut plugin = kubelet.plugin(&reg.endpoint).await?;

@@ -260,3 +260,44 @@ fn shrinking_keeps_the_vgpu_in_use() {
         "the held vGPU was removed: {m:?}"
     );
 }
+
+/// The deployed default ConfigMap (GPU Operator shape: per-model `device-filter` entries).
+fn deployed_config() -> String {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/base/vgpu-config.yaml");
+    let cm: yaml_serde::Value =
+        yaml_serde::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    cm["data"]["config.yaml"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn the_deployed_configmap_parses_and_applies() {
+    let text = deployed_config();
+    let cfg = config_file(&text);
+    let f = cfg.path.to_str().unwrap();
+    for (topology, profile, expect) in [
+        ("2xA10", "default", "NVIDIA A10-12Q"),
+        ("2xA10", "A10-4Q", "NVIDIA A10-4Q"),
+        ("4xT4", "default", "GRID T4-8Q"),
+        ("8xA100", "default", "GRID A100DX-40C"),
+    ] {
+        let Some(sim) = testkit::sim::try_mount(topology) else {
+            return;
+        };
+        let root = sim.root();
+        ok(&run(root, &["apply", "-f", f, "-c", profile]));
+        ok(&run(root, &["assert", "-f", f, "-c", profile]));
+        let c = mdev_counts(root);
+        assert!(!c.is_empty(), "{topology} {profile}");
+        assert!(
+            c.keys().all(|(_, n)| n == expect),
+            "{topology} {profile}: {c:?}"
+        );
+    }
+    let Some(sim) = testkit::sim::try_mount("8xH100-sriov") else {
+        return;
+    };
+    ok(&run(sim.root(), &["apply", "-f", f, "-c", "default"]));
+    ok(&run(sim.root(), &["assert", "-f", f, "-c", "default"]));
+    assert_eq!(vendor_vgpus(sim.root()).len(), 16);
+}

@@ -1,5 +1,7 @@
 //! `vgpu-device-manager` as a process against node-sim.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use common::*;

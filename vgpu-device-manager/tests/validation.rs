@@ -1,6 +1,8 @@
 //! Every validation error: exit status 2, a message naming the profile, the entry and the GPU,
 //! and not one write in node-sim's operation log.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use common::*;

@@ -1,17 +1,161 @@
-//! Uevents for kernel-like changes (filled in below).
+//! Uevents for kernel-like changes, sent as libudev-format messages on the NETLINK_KOBJECT_UEVENT
+//! "udev" multicast group (2): the group `udev::MonitorBuilder::new()` listens on, where udevd
+//! re-broadcasts the kernel's events after processing them.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use nix::sys::socket::{
+    AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, bind, sendto, socket,
+};
 
 use crate::state::Uevent;
 
+/// The udev multicast group.
+const UDEV_GROUP: u32 = 2;
+/// `UDEV_MONITOR_MAGIC` of libudev/sd-device.
+const MAGIC: u32 = 0xfeed_cafe;
+/// Size of libudev's `monitor_netlink_header`.
+const HEADER_SIZE: usize = 40;
+
 /// Broadcasts uevents.
 #[derive(Debug)]
-pub(crate) struct UeventSender {}
-
-impl UeventSender {
-    pub fn new() -> Option<UeventSender> {
-        None
-    }
+pub(crate) struct UeventSender {
+    fd: OwnedFd,
+    seq: AtomicU64,
 }
 
 impl UeventSender {
-    pub fn send(&self, _e: &Uevent) {}
+    /// A socket that can send to the udev group, or `None` (with a log line) when this process
+    /// may not (it needs CAP_NET_ADMIN).
+    pub fn new() -> Option<UeventSender> {
+        let fd = match socket(
+            AddressFamily::Netlink,
+            SockType::Raw,
+            SockFlag::SOCK_CLOEXEC,
+            SockProtocol::NetlinkKObjectUEvent,
+        ) {
+            Ok(fd) => fd,
+            Err(e) => {
+                tracing::warn!("no uevents: cannot open a NETLINK_KOBJECT_UEVENT socket: {e}");
+                return None;
+            }
+        };
+        if let Err(e) = bind(fd.as_raw_fd(), &NetlinkAddr::new(0, 0)) {
+            tracing::warn!("no uevents: cannot bind the netlink socket: {e}");
+            return None;
+        }
+        Some(UeventSender {
+            fd,
+            seq: AtomicU64::new(1),
+        })
+    }
+
+    /// Sends one event; failures are logged, never fatal (nobody may be listening).
+    pub fn send(&self, e: &Uevent) {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let msg = encode(e, seq);
+        if let Err(err) = sendto(
+            self.fd.as_raw_fd(),
+            &msg,
+            &NetlinkAddr::new(0, UDEV_GROUP),
+            MsgFlags::empty(),
+        ) {
+            // ECONNREFUSED/ESRCH: no listener in the group.
+            tracing::debug!(devpath = %e.devpath, "uevent not sent: {err}");
+        }
+    }
+}
+
+/// The properties of an event, `KEY=VALUE` pairs in order.
+pub(crate) fn properties(e: &Uevent, seq: u64) -> Vec<(String, String)> {
+    let mut p = vec![
+        ("ACTION".to_string(), e.action.to_string()),
+        ("DEVPATH".to_string(), e.devpath.clone()),
+        ("SUBSYSTEM".to_string(), e.subsystem.to_string()),
+    ];
+    if let Some(d) = &e.driver {
+        p.push(("DRIVER".to_string(), d.clone()));
+    }
+    p.extend(e.extra.iter().cloned());
+    p.push(("SEQNUM".to_string(), seq.to_string()));
+    p
+}
+
+/// A libudev monitor message: the 40-byte header, then `KEY=VALUE\0` properties.
+pub(crate) fn encode(e: &Uevent, seq: u64) -> Vec<u8> {
+    let mut props = Vec::new();
+    for (k, v) in properties(e, seq) {
+        props.extend_from_slice(k.as_bytes());
+        props.push(b'=');
+        props.extend_from_slice(v.as_bytes());
+        props.push(0);
+    }
+    let mut m = Vec::with_capacity(HEADER_SIZE + props.len());
+    m.extend_from_slice(b"libudev\0");
+    m.extend_from_slice(&MAGIC.to_be_bytes());
+    m.extend_from_slice(&(HEADER_SIZE as u32).to_ne_bytes());
+    m.extend_from_slice(&(HEADER_SIZE as u32).to_ne_bytes()); // properties_off
+    m.extend_from_slice(&(props.len() as u32).to_ne_bytes()); // properties_len
+    m.extend_from_slice(&murmur2(e.subsystem.as_bytes()).to_be_bytes()); // subsystem hash
+    m.extend_from_slice(&0u32.to_be_bytes()); // devtype hash: no devtype
+    m.extend_from_slice(&0u32.to_be_bytes()); // tag bloom hi
+    m.extend_from_slice(&0u32.to_be_bytes()); // tag bloom lo
+    m.extend_from_slice(&props);
+    m
+}
+
+/// MurmurHash2 with seed 0, as libudev hashes the subsystem for its socket filter.
+fn murmur2(data: &[u8]) -> u32 {
+    const M: u32 = 0x5bd1_e995;
+    let mut h: u32 = data.len() as u32;
+    let mut chunks = data.chunks_exact(4);
+    for c in &mut chunks {
+        let mut k = u32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
+        k = k.wrapping_mul(M);
+        k ^= k >> 24;
+        k = k.wrapping_mul(M);
+        h = h.wrapping_mul(M);
+        h ^= k;
+    }
+    let rest = chunks.remainder();
+    if rest.len() >= 3 {
+        h ^= u32::from(rest[2]) << 16;
+    }
+    if rest.len() >= 2 {
+        h ^= u32::from(rest[1]) << 8;
+    }
+    if !rest.is_empty() {
+        h ^= u32::from(rest[0]);
+        h = h.wrapping_mul(M);
+    }
+    h ^= h >> 13;
+    h = h.wrapping_mul(M);
+    h ^= h >> 15;
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn message_has_the_libudev_header_and_properties() {
+        let e = Uevent {
+            action: "bind",
+            devpath: "/devices/pci0000:40/0000:40:01.1/0000:41:00.0".into(),
+            subsystem: "pci",
+            driver: Some("vfio-pci".into()),
+            extra: vec![("PCI_SLOT_NAME".into(), "0000:41:00.0".into())],
+        };
+        let m = encode(&e, 7);
+        assert_eq!(&m[..8], b"libudev\0");
+        assert_eq!(&m[8..12], &[0xfe, 0xed, 0xca, 0xfe]);
+        let props = std::str::from_utf8(&m[HEADER_SIZE..]).unwrap();
+        assert_eq!(
+            props,
+            "ACTION=bind\0DEVPATH=/devices/pci0000:40/0000:40:01.1/0000:41:00.0\0SUBSYSTEM=pci\0\
+             DRIVER=vfio-pci\0PCI_SLOT_NAME=0000:41:00.0\0SEQNUM=7\0"
+        );
+    }
 }

@@ -1,0 +1,83 @@
+//! node-sim's uevents reach a libudev monitor (`udev::MonitorBuilder::new()`, the udev group).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+use support::*;
+
+use std::time::{Duration, Instant};
+
+/// Waits for an event matching `f` (other sims may broadcast in parallel).
+fn wait_event(sock: &udev::MonitorSocket, mut f: impl FnMut(&udev::Event) -> bool) -> udev::Event {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        for ev in sock.iter() {
+            if f(&ev) {
+                return ev;
+            }
+        }
+        assert!(Instant::now() < deadline, "no matching uevent");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn prop(ev: &udev::Event, k: &str) -> Option<String> {
+    ev.property_value(k)
+        .map(|v| v.to_string_lossy().into_owned())
+}
+
+#[test]
+fn bind_unbind_and_mdev_events_reach_a_udev_monitor() {
+    let Some(m) = mount("2xA10") else { return };
+    let pci = udev::MonitorBuilder::new()
+        .unwrap()
+        .match_subsystem("pci")
+        .unwrap()
+        .listen()
+        .unwrap();
+    let mdev = udev::MonitorBuilder::new()
+        .unwrap()
+        .match_subsystem("mdev")
+        .unwrap()
+        .listen()
+        .unwrap();
+    let gpu = "0000:41:00.0";
+    m.w(
+        &format!("sys/bus/pci/devices/{gpu}/driver_override"),
+        "vfio-pci",
+    )
+    .unwrap();
+    m.w("sys/bus/pci/drivers/nvidia/unbind", gpu).unwrap();
+    m.w("sys/bus/pci/drivers_probe", gpu).unwrap();
+    let mine = |ev: &udev::Event| {
+        prop(ev, "PCI_SLOT_NAME").as_deref() == Some(gpu)
+            && ev.devpath().to_string_lossy() == "/devices/pci0000:40/0000:40:01.1/0000:41:00.0"
+    };
+    let ev = wait_event(&pci, |e| mine(e));
+    assert_eq!(ev.event_type(), udev::EventType::Unbind);
+    let ev = wait_event(&pci, |e| mine(e));
+    assert_eq!(ev.event_type(), udev::EventType::Bind);
+    assert_eq!(prop(&ev, "DRIVER").as_deref(), Some("vfio-pci"));
+    assert_eq!(
+        ev.subsystem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .as_deref(),
+        Some("pci")
+    );
+
+    // VFs appear with add events, an mdev with add + MDEV_TYPE.
+    m.w("sys/bus/pci/devices/0000:61:00.0/sriov_numvfs", "1")
+        .unwrap();
+    let ev = wait_event(&pci, |e| {
+        prop(e, "PCI_SLOT_NAME").as_deref() == Some("0000:61:00.4")
+    });
+    assert_eq!(ev.event_type(), udev::EventType::Add);
+    let uuid = "77777777-0000-4000-8000-000000000000";
+    m.w(
+        "sys/class/mdev_bus/0000:61:00.4/mdev_supported_types/nvidia-593/create",
+        uuid,
+    )
+    .unwrap();
+    let ev = wait_event(&mdev, |e| e.devpath().to_string_lossy().ends_with(uuid));
+    assert_eq!(ev.event_type(), udev::EventType::Add);
+    assert_eq!(prop(&ev, "MDEV_TYPE").as_deref(), Some("nvidia-593"));
+}

@@ -224,7 +224,7 @@ impl Inventory {
         }
         inv.read_mdev_parents(paths, opts);
         inv.read_mdevs(paths);
-        inv.fill_vendor_vgpu_names();
+        inv.fill_vendor_vgpu_names(paths);
         match list_dir(&paths.dev_vfio()) {
             Ok(names) => inv.vfio_nodes = names.iter().filter_map(|n| n.parse().ok()).collect(),
             Err(e) if is_not_found(&e) => {}
@@ -334,9 +334,11 @@ impl Inventory {
         }
     }
 
-    /// A VF's creatable list stops naming its own type once it is set; name it from a sibling.
-    fn fill_vendor_vgpu_names(&mut self) {
+    /// A VF's creatable list stops naming its own type once it is set; name it from a sibling,
+    /// else from the names remembered when the types were set ([`crate::vgpu_names`]).
+    fn fill_vendor_vgpu_names(&mut self, paths: &HostPaths) {
         let mut names: BTreeMap<u32, String> = BTreeMap::new();
+        let mut remembered: Option<BTreeMap<u32, String>> = None;
         for d in self.devices.values() {
             if let Some(v) = &d.nvidia_vgpu {
                 for t in &v.creatable {
@@ -349,7 +351,12 @@ impl Inventory {
                 && v.current != 0
                 && v.current_name.is_none()
             {
-                v.current_name = names.get(&v.current).cloned();
+                v.current_name = names.get(&v.current).cloned().or_else(|| {
+                    remembered
+                        .get_or_insert_with(|| crate::vgpu_names::load(paths))
+                        .get(&v.current)
+                        .cloned()
+                });
             }
         }
     }

@@ -48,6 +48,7 @@ pub mod naming;
 pub mod ops;
 pub mod paths;
 pub mod pci;
+pub mod vgpu_names;
 
 pub use error::{Error, Result};
 pub use inuse::Holder;

@@ -5,6 +5,7 @@
 #   ROOT             "" in the guest, node-sim's mount directory on the host
 #   PCI_DEV          a function bound to DEFAULT_DRIVER, with no other device in its group
 #   DEFAULT_DRIVER   the driver it starts on and returns to after a reprobe
+#   NODRV_DEV        a function no driver claims (no driver bound)
 #   MDEV_PARENT      a name in class/mdev_bus with no mdevs yet
 #   MDEV_TYPE        one of its types with >= 2 instances; MDEV_OTHER_TYPE another type
 # Values that differ by nature (group numbers, UUIDs, parent and type names) are normalised.
@@ -69,6 +70,19 @@ obs "driver_override after unbind" "$(try_read "$dev/driver_override")"
 obs "clear driver_override" "$(try_write "$dev/driver_override" $'\n')"
 obs "reprobe" "$(try_write "$sys/bus/pci/drivers_probe" "$PCI_DEV")"
 obs "driver after reprobe" "$(drv | sed "s/^$DEFAULT_DRIVER\$/<default>/")"
+
+# --- A function no driver claims (NODRV_DEV) ---
+nd="$sys/bus/pci/devices/$NODRV_DEV"
+ndrv() { local l; l="$(readlink "$nd/driver" 2>/dev/null)" && basename "$l" || echo none; }
+obs "unclaimed: driver" "$(ndrv)"
+obs "unclaimed: drivers_probe" "$(try_write "$sys/bus/pci/drivers_probe" "$NODRV_DEV")"
+obs "unclaimed: driver after probe" "$(ndrv)"
+obs "unclaimed: set override vfio-pci" "$(try_write "$nd/driver_override" vfio-pci)"
+obs "unclaimed: vfio-pci/bind with override" "$(try_write "$sys/bus/pci/drivers/vfio-pci/bind" "$NODRV_DEV")"
+obs "unclaimed: driver after bind" "$(ndrv)"
+obs "unclaimed: vfio-pci/unbind" "$(try_write "$sys/bus/pci/drivers/vfio-pci/unbind" "$NODRV_DEV")"
+obs "unclaimed: clear override" "$(try_write "$nd/driver_override" $'\n')"
+obs "unclaimed: driver at the end" "$(ndrv)"
 
 # --- Mediated devices ---
 parent="$sys/class/mdev_bus/$MDEV_PARENT"

@@ -103,6 +103,7 @@ fn node_sim_answers_like_the_kernel() {
         .env("ROOT", &dir)
         .env("PCI_DEV", "0000:00:02.0")
         .env("DEFAULT_DRIVER", "bochs-drm")
+        .env("NODRV_DEV", "0000:00:04.0")
         .env("MDEV_PARENT", "0000:00:05.0")
         .env("MDEV_TYPE", "nvidia-232")
         .env("MDEV_OTHER_TYPE", "nvidia-231")

@@ -90,7 +90,9 @@ fn node_sim_answers_like_the_kernel() {
     let kernel = outcome.file("observations").unwrap();
 
     // node-sim.
-    let dir = outcome.run_dir.join("node-sim");
+    // Outside the run directory, which the next run deletes: node-sim itself clears a stale
+    // mount left here by a killed run.
+    let dir = vm_tier::target_dir().join("vm-runs/conformance-node-sim");
     let sim = mount_sim(&bin, &repo.join("tests/vm/guest-like.toml"), &dir)
         .unwrap_or_else(|e| panic!("VM tier: {e}"));
     let script = format!(

@@ -4,7 +4,7 @@
 # reconfigures with minimal change, a process holding an mdev's /dev/vfio/<g> blocks its
 # removal while the rest still applies.
 vdm="$VMTIER_BIN/vgpu-device-manager"
-cfg=/tmp/vgpu.yaml
+cfg=$VMTIER_SCRATCH/vgpu.yaml
 cat >"$cfg" <<'YAML'
 version: v1
 vgpu-configs:
@@ -94,8 +94,8 @@ expect_eq apply-empty-removes-all 0 "$(total)"
 
 # Daemon without Kubernetes (-c): applies at start, re-applies when the config file changes,
 # exits 0 on SIGTERM.
-dcfg=/tmp/vgpu-daemon/config.yaml
-mkdir -p /tmp/vgpu-daemon
+dcfg=$VMTIER_SCRATCH/vgpu-daemon/config.yaml
+mkdir -p $VMTIER_SCRATCH/vgpu-daemon
 cp "$cfg" "$dcfg"
 "$vdm" --vendor any daemon -f "$dcfg" -c samples >"$VMTIER_RESULTS/daemon.log" 2>&1 &
 daemon=$!
@@ -105,8 +105,8 @@ if wait_for 30 layout_is "mtty-1=0 mtty-2=2 mbochs-small=3 total=5"; then
 else
     fail daemon-applies-at-start "layout after 30 s: $(layout)"
 fi
-sed -e 's/{"mtty-2": 2}/{"mtty-2": 1}/' -e 's/{"mbochs-small": 3}/{"mbochs-small": 1}/' "$cfg" >/tmp/vgpu-daemon/new.yaml
-mv /tmp/vgpu-daemon/new.yaml "$dcfg"
+sed -e 's/{"mtty-2": 2}/{"mtty-2": 1}/' -e 's/{"mbochs-small": 3}/{"mbochs-small": 1}/' "$cfg" >$VMTIER_SCRATCH/vgpu-daemon/new.yaml
+mv $VMTIER_SCRATCH/vgpu-daemon/new.yaml "$dcfg"
 if wait_for 30 layout_is "mtty-1=0 mtty-2=1 mbochs-small=1 total=2"; then
     pass daemon-reapplies-on-config-change
 else

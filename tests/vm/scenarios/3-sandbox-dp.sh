@@ -41,7 +41,7 @@ want="$(printf '%s\n' "$r_vga=$vga:Healthy" "$r_mtty=$m1:Healthy,$m2:Healthy" "$
 expect_eq list-vendor-any-advertises-vga-and-mdevs-by-type-name "$want" "$(resources_in "$VMTIER_RESULTS/list-any.json")"
 
 # Serve, with the test kubelet.
-kdir=/tmp/device-plugins
+kdir=$VMTIER_SCRATCH/device-plugins
 mkdir -p "$kdir"
 "$kubelet_tool" --dir "$kdir" --timeout 30 \
     --resource "$r_vga=$vga" --resource "$r_mtty=$m1,$m2" --resource "$r_mbochs=$m3" \

@@ -470,14 +470,16 @@ pub fn run(p: &Prereqs, job: &Job) -> Result<Outcome, Error> {
             "PATH".to_string(),
             "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string(),
         ),
-        ("HOME".to_string(), "/tmp".to_string()),
+        // A tmpfs in the guest (the guest init mounts one on /run): sockets work there.
+        ("VMTIER_SCRATCH".to_string(), "/run/vmtier".to_string()),
+        ("HOME".to_string(), "/run/vmtier".to_string()),
     ];
     vars.extend(job.env.iter().cloned());
     for (k, v) in &vars {
         job_sh.push_str(&format!("export {k}={}\n", shell_quote(v)));
     }
     job_sh.push_str(&format!(
-        ": >\"$VMTIER_RESULTS/results\"\nexec /bin/bash -c '. \"$VMTIER_REPO/tests/vm/guest/lib.sh\" && . \"$0\"' {} >\"$VMTIER_RESULTS/output\" 2>&1\n",
+        "mkdir -p \"$VMTIER_SCRATCH\"\n: >\"$VMTIER_RESULTS/results\"\nexec /bin/bash -c '. \"$VMTIER_REPO/tests/vm/guest/lib.sh\" && . \"$0\"' {} >\"$VMTIER_RESULTS/output\" 2>&1\n",
         shell_quote(&job.script.display().to_string())
     ));
     let job_path = run_dir.join("job.sh");

@@ -32,9 +32,9 @@ apt_install() {
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$@" >/dev/null
 }
 
-# Tools of the tier itself.
+# Tools of the tier itself; strace and jq are run by the scenarios (from the host root).
 missing=()
-for p in qemu-system-x86 busybox-static cpio make gcc; do
+for p in qemu-system-x86 busybox-static cpio make gcc strace jq; do
     installed "$p" || missing+=("$p")
 done
 ((${#missing[@]} == 0)) || apt_install "${missing[@]}"

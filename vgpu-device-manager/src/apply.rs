@@ -324,8 +324,26 @@ pub fn apply(opts: &Options, config: &Config, profile: &str) -> Result<Report, A
                 }
             }
         }
-        wait_for_vf_types(opts, &enabled);
-        p = plan::plan(&snapshot(opts)?, profile, entries).map_err(ApplyError::Invalid)?;
+        // A VF's driver may probe after `sriov_numvfs` returns: read until every new VF shows
+        // its vGPU types (mdev types or the vendor `nvidia/` directory), or until `vf_wait`.
+        let start = Instant::now();
+        let gpus = loop {
+            let gpus = snapshot(opts)?;
+            let ready = enabled.iter().all(|pf| {
+                gpus.iter().any(|g| {
+                    g.pci == Some(*pf)
+                        && !matches!(
+                            g.backend,
+                            plan::Backend::NeedsVfs { .. } | plan::Backend::Unsupported { .. }
+                        )
+                })
+            });
+            if ready || start.elapsed() >= opts.vf_wait {
+                break gpus;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        p = plan::plan(&gpus, profile, entries).map_err(ApplyError::Invalid)?;
     }
     let results: Vec<(String, Outcome, usize)> = std::thread::scope(|s| {
         let handles: Vec<_> = p
@@ -434,34 +452,6 @@ fn run_gpu(sysfs: &Sysfs, g: &plan::GpuPlan) -> (String, Outcome, usize) {
         },
         g.actions.len(),
     )
-}
-
-/// A VF's driver may probe after `sriov_numvfs` returns: wait until each new VF shows its
-/// vGPU types (mdev types or the vendor `nvidia/` directory), or until `vf_wait`.
-fn wait_for_vf_types(opts: &Options, pfs: &[common::PciAddress]) {
-    if pfs.is_empty() {
-        return;
-    }
-    let start = Instant::now();
-    loop {
-        let ready =
-            match Inventory::read_with(&opts.paths, &common::ReadOptions { mdev_types: false }) {
-                Ok(inv) => pfs.iter().all(|pf| {
-                    inv.device(pf).is_some_and(|d| {
-                        !d.virtfns.is_empty()
-                            && d.virtfns.iter().all(|v| {
-                                inv.device(v)
-                                    .is_some_and(|v| v.mdev_parent || v.nvidia_vgpu.is_some())
-                            })
-                    })
-                }),
-                Err(_) => false,
-            };
-        if ready || start.elapsed() >= opts.vf_wait {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// The node's current vGPUs as a config with one profile, `name`.

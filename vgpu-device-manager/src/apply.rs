@@ -285,7 +285,58 @@ pub fn snapshot(opts: &Options) -> Result<Vec<Gpu>, ApplyError> {
     let names = load_names(&opts.paths);
     save_names(&opts.paths, &inv, &names);
     let names = load_names(&opts.paths);
-    Ok(plan::discover(&inv, opts.vendor, &scan, &names))
+    let mut gpus = plan::discover(&inv, opts.vendor, &scan, &names);
+    let allocated = kubelet_allocations(&opts.paths);
+    for v in gpus.iter_mut().flat_map(|g| g.vgpus.iter_mut()) {
+        v.allocated = allocated
+            .get(&v.handle.to_string().to_ascii_lowercase())
+            .cloned();
+    }
+    Ok(gpus)
+}
+
+/// Device IDs kubelet has allocated to pods (`<kubelet-dir>/kubelet_internal_checkpoint`):
+/// mdev UUIDs and VF addresses, the IDs sandbox-dp advertises → `pod <uid> container <name>`.
+/// A missing or unreadable checkpoint means no allocations.
+pub fn kubelet_allocations(paths: &HostPaths) -> BTreeMap<String, String> {
+    let path = paths.kubelet_dir().join("kubelet_internal_checkpoint");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return BTreeMap::new();
+    };
+    let v: serde_json::Value = match serde_json::from_str(&text) {
+        Ok(v) => v,
+        Err(e) => {
+            tracing::warn!(path = %path.display(), "cannot parse kubelet's checkpoint: {e}");
+            return BTreeMap::new();
+        }
+    };
+    fn ids(v: &serde_json::Value, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::String(s) => out.push(s.to_ascii_lowercase()),
+            serde_json::Value::Array(a) => a.iter().for_each(|x| ids(x, out)),
+            // Newer kubelets key the IDs by NUMA node.
+            serde_json::Value::Object(m) => m.values().for_each(|x| ids(x, out)),
+            _ => {}
+        }
+    }
+    let mut out = BTreeMap::new();
+    let entries = v["Data"]["PodDeviceEntries"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    for e in entries {
+        let who = format!(
+            "pod {} container {}",
+            e["PodUID"].as_str().unwrap_or("?"),
+            e["ContainerName"].as_str().unwrap_or("?")
+        );
+        let mut list = Vec::new();
+        ids(&e["DeviceIDs"], &mut list);
+        for id in list {
+            out.insert(id, who.clone());
+        }
+    }
+    out
 }
 
 /// Plans `profile` of `config` against the node as it is now. Writes nothing.

@@ -132,9 +132,16 @@ pub struct Vgpu {
     pub type_name: Option<String>,
     /// Processes holding it open (a running VM).
     pub holders: Vec<Holder>,
+    /// Allocated by kubelet to a pod (`pod <uid> container <name>`), from its checkpoint.
+    pub allocated: Option<String>,
 }
 
 impl Vgpu {
+    /// In use: held open, or allocated to a pod.
+    pub fn in_use(&self) -> bool {
+        !self.holders.is_empty() || self.allocated.is_some()
+    }
+
     /// What to show.
     pub fn label(&self) -> String {
         self.type_name
@@ -278,6 +285,7 @@ fn mdev_vgpus(
                 .iommu_group
                 .map(|g| common::inuse::group_holders_in(scan, g, &[]))
                 .unwrap_or_default(),
+            allocated: None,
         })
         .collect()
 }
@@ -425,6 +433,7 @@ fn pci_gpu(
                     .iommu_group
                     .map(|grp| common::inuse::group_holders_in(scan, grp, &cdevs))
                     .unwrap_or_default(),
+                allocated: None,
             });
         }
         return g;
@@ -918,7 +927,7 @@ fn plan_gpu(g: &Gpu, profile: &str, ei: usize, e: &Entry) -> Result<GpuPlan, Vec
     }
     // Keep what matches (in-use ones first), remove the rest, create what is missing.
     let mut existing: Vec<&Vgpu> = g.vgpus.iter().collect();
-    existing.sort_by_key(|v| v.holders.is_empty());
+    existing.sort_by_key(|v| !v.in_use());
     let mut kept_per_type: BTreeMap<&str, u32> = BTreeMap::new();
     let mut removals: Vec<&Vgpu> = Vec::new();
     for v in existing {
@@ -932,17 +941,18 @@ fn plan_gpu(g: &Gpu, profile: &str, ei: usize, e: &Entry) -> Result<GpuPlan, Vec
         }
     }
     p.keep.sort();
-    let busy: Vec<&Vgpu> = removals
-        .iter()
-        .copied()
-        .filter(|v| !v.holders.is_empty())
-        .collect();
+    let busy: Vec<&Vgpu> = removals.iter().copied().filter(|v| v.in_use()).collect();
     if !busy.is_empty() {
         for v in busy {
             let who = v
                 .holders
                 .iter()
                 .map(|h| h.to_string())
+                .chain(
+                    v.allocated
+                        .iter()
+                        .map(|a| format!("kubelet allocated it to {a}")),
+                )
                 .collect::<Vec<_>>()
                 .join("; ");
             p.blocked.push(format!(

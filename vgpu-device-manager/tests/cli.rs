@@ -303,3 +303,51 @@ fn the_deployed_configmap_parses_and_applies() {
     ok(&run(sim.root(), &["assert", "-f", f, "-c", "default"]));
     assert_eq!(vendor_vgpus(sim.root()).len(), 16);
 }
+
+#[test]
+fn a_vgpu_kubelet_allocated_to_a_pod_blocks_its_gpu() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let cfg = config_file(CONFIG);
+    let f = cfg.path.to_str().unwrap();
+    ok(&run(root, &["apply", "-f", f, "-c", "A10-4Q"]));
+    let (uuid, ..) = mdevs(root)
+        .into_iter()
+        .find(|m| m.2 == "0000:61:00.0")
+        .unwrap();
+    // The pod has the vGPU but its VM has not opened it yet.
+    let checkpoint = serde_json::json!({
+        "Data": {
+            "PodDeviceEntries": [{
+                "PodUID": "6f1c-pod",
+                "ContainerName": "compute",
+                "ResourceName": "nvidia.com/NVIDIA_A10-4Q",
+                "DeviceIDs": {"0": [uuid.to_uppercase()]},
+                "AllocResp": ""
+            }],
+            "RegisteredDevices": {}
+        },
+        "Checksum": 1
+    });
+    std::fs::write(
+        root.join("var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"),
+        checkpoint.to_string(),
+    )
+    .unwrap();
+    let o = run(root, &["apply", "-f", f, "-c", "A10-8Q"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("kubelet allocated it to pod 6f1c-pod container compute"),
+        "{out}"
+    );
+    assert_eq!(
+        mdev_counts(root).into_iter().collect::<Vec<_>>(),
+        vec![
+            (("0000:41:00.0".into(), "NVIDIA A10-8Q".into()), 3),
+            (("0000:61:00.0".into(), "NVIDIA A10-4Q".into()), 6),
+        ]
+    );
+}

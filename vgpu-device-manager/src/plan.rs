@@ -1024,3 +1024,233 @@ fn plan_gpu(g: &Gpu, profile: &str, ei: usize, e: &Entry) -> Result<GpuPlan, Vec
     }
     Ok(p)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn a10_type(id: u32, key: &str, max: u32, fb: u64) -> TypeInfo {
+        TypeInfo {
+            id: format!("nvidia-{id}"),
+            name: Some(format!("NVIDIA {key}")),
+            max: Some(max),
+            framebuffer_mb: Some(fb),
+        }
+    }
+
+    /// An A10 with `vfs` VFs (mdev on VFs) and the given vGPUs: (VF index, type id, held).
+    fn a10(index: usize, bus: u8, vgpus: &[(usize, u32, bool)]) -> Gpu {
+        let vf = |i: usize| format!("0000:{bus:02x}:{:02x}.{}", (4 + i) / 8, (4 + i) % 8);
+        Gpu {
+            index,
+            name: format!("0000:{bus:02x}:00.0"),
+            pci: Some(format!("0000:{bus:02x}:00.0").parse().unwrap()),
+            ids: (0x10de, 0x2236, 0x10de, 0x1482),
+            backend: Backend::MdevVf,
+            types: vec![
+                a10_type(593, "A10-4Q", 6, 4096),
+                a10_type(610, "A10-4C", 6, 4096),
+                a10_type(595, "A10-8Q", 3, 8192),
+            ],
+            vgpus: vgpus
+                .iter()
+                .map(|(i, t, held)| Vgpu {
+                    handle: Handle::Mdev(format!(
+                        "00000000-0000-4000-8000-{bus:02x}00000000{i:02}"
+                    )),
+                    parent: vf(*i),
+                    type_id: format!("nvidia-{t}"),
+                    type_name: None,
+                    holders: if *held {
+                        vec![Holder {
+                            pid: 42,
+                            comm: "qemu-kvm".into(),
+                            path: "/dev/vfio/99".into(),
+                        }]
+                    } else {
+                        vec![]
+                    },
+                    allocated: None,
+                })
+                .collect(),
+            slots: (0..32).map(vf).collect(),
+        }
+    }
+
+    fn profile(yaml_entries: &str) -> Config {
+        Config::parse(&format!("version: v1\nvgpu-configs:\n  p:\n{yaml_entries}")).unwrap()
+    }
+
+    fn run(gpus: &[Gpu], yaml_entries: &str) -> Result<Plan, Vec<PlanError>> {
+        let c = profile(yaml_entries);
+        plan(gpus, "p", c.profile("p").unwrap())
+    }
+
+    #[test]
+    fn keeps_matching_removes_extras_creates_missing() {
+        let gpus = [a10(
+            0,
+            0x41,
+            &[(0, 593, false), (1, 595, false), (2, 593, false)],
+        )];
+        let p = run(
+            &gpus,
+            "    - devices: all\n      vgpu-devices: {A10-4Q: 4}\n",
+        )
+        .unwrap();
+        let g = &p.gpus[0];
+        assert_eq!(g.keep.len(), 2);
+        assert_eq!(
+            g.actions.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
+            vec![
+                "remove nvidia-595 00000000-0000-4000-8000-410000000001 (on 0000:41:00.5)",
+                "create NVIDIA A10-4Q on 0000:41:00.5",
+                "create NVIDIA A10-4Q on 0000:41:00.7",
+            ]
+        );
+    }
+
+    #[test]
+    fn an_applied_gpu_plans_nothing() {
+        let v: Vec<(usize, u32, bool)> = (0..6).map(|i| (i, 593, false)).collect();
+        let gpus = [a10(0, 0x41, &v)];
+        let p = run(
+            &gpus,
+            "    - devices: all\n      vgpu-devices: {A10-4Q: 6}\n",
+        )
+        .unwrap();
+        assert!(p.is_applied());
+    }
+
+    #[test]
+    fn shrinking_keeps_the_held_one_and_removing_it_blocks() {
+        let gpus = [a10(0, 0x41, &[(0, 593, false), (1, 593, true)])];
+        let p = run(
+            &gpus,
+            "    - devices: all\n      vgpu-devices: {A10-4Q: 1}\n",
+        )
+        .unwrap();
+        let g = &p.gpus[0];
+        assert!(g.blocked.is_empty());
+        assert_eq!(
+            g.keep,
+            vec!["nvidia-593 00000000-0000-4000-8000-410000000001"]
+        );
+        assert_eq!(g.actions.len(), 1);
+        let p = run(
+            &gpus,
+            "    - devices: all\n      vgpu-devices: {A10-8Q: 1}\n",
+        )
+        .unwrap();
+        let g = &p.gpus[0];
+        assert!(g.actions.is_empty());
+        assert_eq!(g.blocked.len(), 1);
+        assert!(
+            g.blocked[0].contains("pid 42 (qemu-kvm) holds /dev/vfio/99"),
+            "{g:?}"
+        );
+    }
+
+    #[test]
+    fn errors_name_profile_entry_and_gpu() {
+        let gpus = [a10(0, 0x41, &[]), a10(1, 0x61, &[])];
+        let e = run(
+            &gpus,
+            "    - devices: [1]\n      vgpu-devices: {T4-4Q: 1}\n",
+        )
+        .unwrap_err();
+        assert_eq!(
+            e[0].to_string(),
+            "profile \"p\" entry 0: GPU 1 (0000:61:00.0, 10de:2236) cannot make \"T4-4Q\"; it offers A10-4C, A10-4Q, A10-8Q"
+        );
+        let e = run(
+            &gpus,
+            "    - devices: all\n      vgpu-devices: {A10-8Q: 4}\n",
+        )
+        .unwrap_err();
+        assert_eq!(e.len(), 2);
+        assert!(
+            e[0].to_string()
+                .contains("at most 3 A10-8Q vGPUs, the entry asks for 4")
+        );
+        let e = run(
+            &gpus,
+            "    - devices: all\n      vgpu-devices: {A10-4Q: 1, A10-8Q: 1}\n",
+        )
+        .unwrap_err();
+        assert!(
+            e[0].to_string().contains("cannot mix A10-4Q and A10-8Q"),
+            "{e:?}"
+        );
+        // Same size mixes, within the shared maximum.
+        assert!(
+            run(
+                &gpus,
+                "    - devices: all\n      vgpu-devices: {A10-4Q: 3, A10-4C: 3}\n"
+            )
+            .is_ok()
+        );
+        let e = run(
+            &gpus,
+            "    - devices: all\n      vgpu-devices: {A10-4Q: 4, A10-4C: 3}\n",
+        )
+        .unwrap_err();
+        assert!(
+            e[0].to_string()
+                .contains("at most 6 vGPUs of this size in all"),
+            "{e:?}"
+        );
+        let e = run(
+            &gpus,
+            "    - devices: all\n      vgpu-devices: {A10-4Q: 1}\n    - devices: [0]\n      vgpu-devices: {A10-8Q: 1}\n",
+        )
+        .unwrap_err();
+        assert!(
+            e[0].to_string().contains("selected by entry 0 and entry 1"),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn filters_and_missing_indices() {
+        let gpus = [a10(0, 0x41, &[]), a10(1, 0x61, &[])];
+        let p = run(
+            &gpus,
+            "    - devices: all\n      device-filter: \"0x1EB810DE\"\n      vgpu-devices: {T4-4Q: 1}\n",
+        )
+        .unwrap();
+        assert!(p.gpus.is_empty());
+        let p = run(
+            &gpus,
+            "    - devices: [1, 5]\n      vgpu-devices: {A10-8Q: 1}\n",
+        )
+        .unwrap();
+        assert_eq!(p.gpus.len(), 1);
+        assert_eq!(p.gpus[0].index, 1);
+        assert!(p.warnings[0].contains("GPU index 5"), "{:?}", p.warnings);
+    }
+
+    #[test]
+    fn type_ids_and_names_from_sysfs_text() {
+        assert_eq!(
+            framebuffer_from_description(Some(
+                "num_heads=4, frl_config=60, framebuffer=4096M, max_resolution=7680x4320, max_instance=6"
+            )),
+            Some(4096)
+        );
+        assert_eq!(
+            framebuffer_from_name(Some("GRID A100DX-1-10C")),
+            Some(10240)
+        );
+        assert_eq!(framebuffer_from_name(Some("NVIDIA L40S-48Q")), Some(49152));
+        assert_eq!(framebuffer_from_name(Some("mtty-2")), None);
+        let t = a10_type(593, "A10-4Q", 6, 4096);
+        assert!(t.matches(&TypeKey("A10-4Q".into())));
+        assert!(t.matches(&TypeKey("nvidia-593".into())));
+        assert!(!t.matches(&TypeKey("A10-4C".into())));
+        assert_eq!("any".parse::<VendorSel>(), Ok(VendorSel::Any));
+        assert_eq!("0x10DE".parse::<VendorSel>(), Ok(VendorSel::Pci(0x10de)));
+        assert!("nvidia".parse::<VendorSel>().is_err());
+    }
+}

@@ -1253,4 +1253,58 @@ mod tests {
         assert_eq!("0x10DE".parse::<VendorSel>(), Ok(VendorSel::Pci(0x10de)));
         assert!("nvidia".parse::<VendorSel>().is_err());
     }
+
+    #[test]
+    fn vendor_any_admits_virtual_mdev_parents() {
+        let mut inv = Inventory::default();
+        let ty = |id: &str, avail: u32| common::MdevType {
+            id: id.into(),
+            name: None,
+            available_instances: avail,
+            device_api: Some("vfio-pci".into()),
+            description: None,
+            devices: vec![],
+        };
+        inv.mdev_parents.insert(
+            "mtty".into(),
+            common::MdevParent {
+                name: "mtty".into(),
+                pci: None,
+                types: vec![ty("mtty-1", 4), ty("mtty-2", 2)],
+            },
+        );
+        inv.mdevs.insert(
+            "83b8f4f2-509f-382f-3c1e-e6bfe0fa1001".into(),
+            common::MdevDevice {
+                uuid: "83b8f4f2-509f-382f-3c1e-e6bfe0fa1001".into(),
+                type_id: "mtty-1".into(),
+                type_name: None,
+                parent: "mtty".into(),
+                parent_pci: None,
+                iommu_group: Some(3),
+                driver: None,
+            },
+        );
+        let (none, names) = (BTreeMap::new(), BTreeMap::new());
+        assert!(discover(&inv, VendorSel::Pci(0x10de), &none, &names).is_empty());
+        let gpus = discover(&inv, VendorSel::Any, &none, &names);
+        assert_eq!(gpus.len(), 1);
+        assert_eq!(gpus[0].label(), "GPU 0 (mtty)");
+        let p = run(
+            &gpus,
+            "    - devices: [0]\n      vgpu-devices: {mtty-2: 1}\n",
+        )
+        .unwrap();
+        assert_eq!(
+            p.gpus[0]
+                .actions
+                .iter()
+                .map(|a| a.to_string())
+                .collect::<Vec<_>>(),
+            vec![
+                "remove mtty-1 83b8f4f2-509f-382f-3c1e-e6bfe0fa1001 (on mtty)",
+                "create mtty-2 on mtty"
+            ]
+        );
+    }
 }

@@ -439,12 +439,23 @@ fn pci_gpu(
         return g;
     }
     match (dev.sriov_totalvfs, dev.sriov_numvfs) {
-        (Some(total), Some(0) | None) if total > 0 && dev.virtfns.is_empty() => {
+        // NVIDIA's VFs offer vGPU types only under the nvidia driver (not nouveau or vfio-pci).
+        (Some(total), Some(0) | None)
+            if total > 0
+                && dev.virtfns.is_empty()
+                && match dev.driver.as_deref() {
+                    Some(d) => dev.vendor != 0x10de || d == "nvidia",
+                    None => false,
+                } =>
+        {
             g.backend = Backend::NeedsVfs { total };
         }
         _ => {
             g.backend = Backend::Unsupported {
                 why: match &dev.driver {
+                    Some(d) if dev.vendor == 0x10de && d != "nvidia" => {
+                        format!("it is bound to {d}; vGPUs need the nvidia driver (vGPU manager)")
+                    }
                     Some(d) => format!("it offers no vGPU types (driver {d})"),
                     None => "it offers no vGPU types (no driver bound)".into(),
                 },

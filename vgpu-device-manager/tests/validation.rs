@@ -200,3 +200,22 @@ fn a_fresh_gpu_only_gets_its_vfs_enabled_before_a_type_error() {
     assert!(String::from_utf8_lossy(&o.stdout).contains("enable 32 VFs on 0000:41:00.0"));
     assert!(fresh.ops().is_empty());
 }
+
+#[test]
+fn a_gpu_on_another_driver_is_named() {
+    let Some(sim) = testkit::sim::try_mount("mixed") else {
+        return;
+    };
+    let root = sim.root();
+    let c = config_file(
+        "version: v1\nvgpu-configs:\n  p:\n    - devices: all\n      device-filter: \"0x223610DE\"\n      vgpu-devices: {A10-4Q: 6}\n",
+    );
+    let o = run(root, &["apply", "-f", c.path.to_str().unwrap(), "-c", "p"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("profile \"p\" entry 0: GPU 1 (0000:1b:00.0, 10de:2236) cannot make vGPUs: it is bound to nouveau"),
+        "{err}"
+    );
+    assert!(sim.ops().is_empty(), "{:?}", sim.ops());
+}

@@ -68,38 +68,61 @@ fn start_udev(
     std::thread::Builder::new()
         .name("udev-monitor".into())
         .spawn(move || {
-            // The socket is not Send: it lives and dies on this thread.
-            let socket = match udev::MonitorBuilder::new().and_then(|b| b.listen()) {
-                Ok(s) => {
-                    let _ = opened_tx.send(Ok(()));
-                    s
+            // The sockets are not Send: they live and die on this thread. Two monitors: the
+            // kernel's own uevents (heard with no udevd: minimal hosts, the VM tier) and udevd's
+            // re-broadcasts (what containers without the host network namespace's kernel
+            // group, and node-sim, send). A device may be heard twice; a resync is idempotent.
+            let mut sockets = Vec::new();
+            let mut errors = Vec::new();
+            for (kernel, name) in [(true, "kernel"), (false, "udev")] {
+                let b = if kernel {
+                    udev::MonitorBuilder::new_kernel()
+                } else {
+                    udev::MonitorBuilder::new()
+                };
+                match b.and_then(|b| b.listen()) {
+                    Ok(s) => sockets.push(s),
+                    Err(e) => errors.push(format!("{name} group: {e}")),
                 }
-                Err(e) => {
-                    let _ = opened_tx.send(Err(format!("cannot open a udev monitor: {e}")));
-                    return;
-                }
-            };
+            }
+            if sockets.is_empty() {
+                let _ = opened_tx.send(Err(format!(
+                    "cannot open a udev monitor ({})",
+                    errors.join("; ")
+                )));
+                return;
+            }
+            for e in &errors {
+                tracing::debug!("udev monitor not available: {e}");
+            }
+            let _ = opened_tx.send(Ok(()));
             use std::os::fd::AsFd;
             while !shutdown.is_cancelled() {
-                let mut fds = [PollFd::new(socket.as_fd(), PollFlags::POLLIN)];
+                let mut fds: Vec<PollFd> = sockets
+                    .iter()
+                    .map(|s| PollFd::new(s.as_fd(), PollFlags::POLLIN))
+                    .collect();
                 match poll(&mut fds, PollTimeout::from(200u16)) {
                     Ok(0) => continue,
                     Ok(_) => {}
                     Err(nix::errno::Errno::EINTR) => continue,
                     Err(e) => {
-                        tracing::warn!(error = %e, "udev socket failed; resync only");
+                        tracing::warn!(error = %e, "udev sockets failed; resync only");
                         return;
                     }
                 }
-                for ev in socket.iter() {
-                    if ev.subsystem().and_then(|s| s.to_str()) != Some("pci") {
-                        continue;
-                    }
-                    let action = ev.event_type().to_string();
-                    let address = ev.sysname().to_str().and_then(|s| s.parse().ok());
-                    tracing::debug!(%action, device = ?address, "udev event");
-                    if tx.send(PciEvent { action, address }).is_err() {
-                        return;
+                drop(fds);
+                for socket in &sockets {
+                    for ev in socket.iter() {
+                        if ev.subsystem().and_then(|s| s.to_str()) != Some("pci") {
+                            continue;
+                        }
+                        let action = ev.event_type().to_string();
+                        let address = ev.sysname().to_str().and_then(|s| s.parse().ok());
+                        tracing::debug!(%action, device = ?address, "udev event");
+                        if tx.send(PciEvent { action, address }).is_err() {
+                            return;
+                        }
                     }
                 }
             }

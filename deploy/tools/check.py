@@ -254,6 +254,7 @@ ALLOWED_HOST_MOUNTS = {
         "/dev": False,
         "/proc": False,
         "/run/nvidia/validations": True,
+        "/var/lib/kubelet/device-plugins": False,
     },
     "sandbox-dp": {
         "/sys": False,

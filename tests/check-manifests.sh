@@ -201,6 +201,9 @@ else
             >/dev/null 2>&1 || die "$topo: assert -c $profile fails after apply"
         resources="$(HOST_ROOT="$node" "$bin/sandbox-dp" list 2>/dev/null | grep -v '^ ' || true)"
         [ -n "$resources" ] || die "$topo: sandbox-dp advertises nothing after apply -c $profile"
+        if grep -qE '^nvidia\.com/[0-9]+ ' <<<"$resources"; then
+            die "$topo: a vGPU resource is named by a bare type id, not its type name: $resources"
+        fi
         echo "ok: $topo, profile $profile: applied; sandbox-dp advertises ${resources//$'\n'/; }"
         HOST_ROOT="$node" "$bin/vgpu-device-manager" apply -f "$scratch/vgpu-config.yaml" -c all-disabled \
             >"$scratch/apply.log" 2>&1 || { cat "$scratch/apply.log"; die "$topo: apply -c all-disabled failed"; }

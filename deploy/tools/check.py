@@ -248,6 +248,7 @@ ALLOWED_HOST_MOUNTS = {
         "/proc": False,
         "/lib/modules": False,
         "/run/nvidia/validations": True,
+        "/run/vfio-manager": True,
     },
     "vgpu-device-manager": {
         "/sys": True,
@@ -255,12 +256,14 @@ ALLOWED_HOST_MOUNTS = {
         "/proc": False,
         "/run/nvidia/validations": True,
         "/var/lib/kubelet/device-plugins": False,
+        "/run/gpu-vm-node": True,
     },
     "sandbox-dp": {
         "/sys": False,
         "/dev": False,
         "/var/lib/kubelet/device-plugins": True,
         "/run/nvidia/validations": False,
+        "/run/gpu-vm-node": False,
     },
 }
 NEEDS_API = {"vgpu-device-manager"}

@@ -35,14 +35,24 @@ pub fn load(paths: &HostPaths) -> BTreeMap<u32, String> {
         .collect()
 }
 
-/// Records `id → name`, keeping the others. Written to a temporary file and renamed, so a
-/// reader never sees half a file.
+/// Records `id → name`, keeping the others.
 pub fn remember(paths: &HostPaths, id: u32, name: &str) -> Result<()> {
-    let mut all = load(paths);
-    if all.get(&id).map(String::as_str) == Some(name) {
+    remember_all(paths, [(id, name.to_string())])
+}
+
+/// Records every name in `seen` (for example every type the node's creatable lists show now),
+/// keeping the others; writes nothing when nothing is new. Written to a temporary file and
+/// renamed, so a reader never sees half a file.
+pub fn remember_all(
+    paths: &HostPaths,
+    seen: impl IntoIterator<Item = (u32, String)>,
+) -> Result<()> {
+    let old = load(paths);
+    let mut all = old.clone();
+    all.extend(seen.into_iter().filter(|(_, n)| !n.is_empty()));
+    if all == old {
         return Ok(());
     }
-    all.insert(id, name.to_string());
     let path = registry_path(paths);
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;

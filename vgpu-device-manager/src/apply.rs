@@ -4,7 +4,6 @@
 //! is repaired by the next one.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::{HostPaths, Inventory, PciAddress, ReadOptions, Sysfs, error_chain};
@@ -156,45 +155,16 @@ impl Report {
     }
 }
 
-/// The learnt vendor-path type names: a VF stops listing its own type, and a full card lists
-/// none, so names seen earlier are kept under `<root>/run/nvidia/vgpu-device-manager/`
-/// (gone at reboot, with the vGPUs).
-fn names_file(paths: &HostPaths) -> PathBuf {
-    paths
-        .root()
-        .join("run/nvidia/vgpu-device-manager/vgpu-type-names.json")
-}
-
-fn load_names(paths: &HostPaths) -> BTreeMap<u32, String> {
-    std::fs::read_to_string(names_file(paths))
-        .ok()
-        .and_then(|s| serde_json::from_str(&s).ok())
-        .unwrap_or_default()
-}
-
-fn save_names(paths: &HostPaths, inv: &Inventory, old: &BTreeMap<u32, String>) {
-    let mut names = old.clone();
-    for d in inv.devices.values() {
-        if let Some(nv) = &d.nvidia_vgpu {
-            for t in &nv.creatable {
-                names.insert(t.id, t.name.clone());
-            }
-        }
-    }
-    if &names == old {
-        return;
-    }
-    let path = names_file(paths);
-    let write = || -> std::io::Result<()> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
-        }
-        let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, serde_json::to_vec(&names).unwrap_or_default())?;
-        std::fs::rename(&tmp, &path)
-    };
-    if let Err(e) = write() {
-        tracing::warn!(path = %path.display(), "cannot record vGPU type names: {e}");
+/// Records the vendor-path type names the node shows now: a VF stops listing its own type, and
+/// a full card lists none, so names seen earlier are kept ([`common::vgpu_names`]).
+fn remember_names(paths: &HostPaths, inv: &Inventory) {
+    let seen = inv
+        .devices
+        .values()
+        .filter_map(|d| d.nvidia_vgpu.as_ref())
+        .flat_map(|nv| nv.creatable.iter().map(|t| (t.id, t.name.clone())));
+    if let Err(e) = common::vgpu_names::remember_all(paths, seen) {
+        tracing::warn!("cannot record vGPU type names: {}", common::error_chain(&e));
     }
 }
 
@@ -282,9 +252,8 @@ pub fn snapshot(opts: &Options) -> Result<Vec<Gpu>, ApplyError> {
             BTreeMap::new()
         }
     };
-    let names = load_names(&opts.paths);
-    save_names(&opts.paths, &inv, &names);
-    let names = load_names(&opts.paths);
+    remember_names(&opts.paths, &inv);
+    let names = common::vgpu_names::load(&opts.paths);
     let mut gpus = plan::discover(&inv, opts.vendor, &scan, &names);
     let allocated = kubelet_allocations(&opts.paths);
     for v in gpus.iter_mut().flat_map(|g| g.vgpus.iter_mut()) {
@@ -515,7 +484,21 @@ pub fn export(opts: &Options, name: &str) -> Result<Config, ApplyError> {
         }
         let mut m: BTreeMap<TypeKey, Count> = BTreeMap::new();
         for v in &g.vgpus {
-            let key = TypeKey(plan::type_key_of(v.type_name.as_deref(), &v.type_id));
+            // The name's last word is the usual key (`A10-4Q`), unless another type this GPU
+            // offers ends in the same word (the mtty sample's "Single/Dual port serial"):
+            // then the type id, which the parser reads back unambiguously.
+            let by_name = plan::type_key_of(v.type_name.as_deref(), &v.type_id);
+            let ambiguous = g
+                .types
+                .iter()
+                .filter(|t| t.id != v.type_id && t.key().eq_ignore_ascii_case(&by_name))
+                .count()
+                > 0;
+            let key = TypeKey(if ambiguous {
+                v.type_id.clone()
+            } else {
+                by_name
+            });
             m.entry(key).or_insert(Count(0)).0 += 1;
         }
         match groups.iter_mut().find(|(k, _)| *k == m) {

@@ -135,6 +135,43 @@ fn two_a10_bind_then_a_second_bind_writes_nothing() {
 }
 
 #[test]
+fn a_gpu_whose_nvidia_node_is_held_is_not_unbound() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    // Which /dev/nvidia<N> is 0000:41:00.0: the driver's own proc file says.
+    let info =
+        std::fs::read_to_string(root.join("proc/driver/nvidia/gpus/0000:41:00.0/information"))
+            .unwrap();
+    let minor = info
+        .lines()
+        .find_map(|l| l.strip_prefix("Device Minor:"))
+        .unwrap()
+        .trim()
+        .to_string();
+    // This test process plays the CUDA job.
+    let _held = std::fs::File::open(root.join(format!("dev/nvidia{minor}"))).unwrap();
+    control(root, "clear-ops");
+    let o = run(root, &["bind"]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let all = format!("{}{}", text(&o.stdout), text(&o.stderr));
+    assert!(all.contains("0000:41:00.0"), "{}", show(&o));
+    assert!(
+        all.contains(&format!("pid {}", std::process::id())),
+        "the holder is named: {}",
+        show(&o)
+    );
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("nvidia"));
+    assert_eq!(
+        ops_for(root, "0000:41:00.0"),
+        Vec::new(),
+        "nothing written for it"
+    );
+    assert_eq!(driver(root, "0000:61:00.0").as_deref(), Some("vfio-pci"));
+}
+
+#[test]
 fn rtx_workstation_gpu_and_audio_are_bound_together() {
     let Some(sim) = try_mount("rtx-workstation") else {
         return;

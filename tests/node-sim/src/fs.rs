@@ -294,8 +294,15 @@ impl Filesystem for SimFs {
             Content::WriteOnly => Vec::new(),
             Content::Ops => inner.state.ops_text().into_bytes(),
         };
+        // Writes to one attribute from several processes (every GPU's unbind goes to
+        // drivers/nvidia/unbind) run in parallel, as sysfs runs them: without this flag FUSE
+        // serialises writes to one inode, and a slow unbind would hold up every other one.
+        let mut open_flags = FopenFlags::FOPEN_DIRECT_IO;
+        if file.write.is_some() {
+            open_flags |= FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES;
+        }
         inner.handles.insert(fh, Handle::File { data });
-        reply.opened(FileHandle(fh), FopenFlags::FOPEN_DIRECT_IO);
+        reply.opened(FileHandle(fh), open_flags);
     }
 
     fn read(
@@ -357,17 +364,17 @@ impl Filesystem for SimFs {
 
     fn flush(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
-        // close() sends FLUSH and waits for it; RELEASE comes later, asynchronously. The kernel
-        // drops a VFIO group holder at close, so forget the holder here (a descriptor shared
-        // with a forked child is the case this gets wrong).
+        // close() sends FLUSH and waits for it; RELEASE comes later, asynchronously, once the
+        // last copy of the descriptor is gone. The holder's own close forgets it at once (the
+        // kernel drops a VFIO group holder at close); a forked child closing its copy does not.
         let mut inner = self.shared.lock();
-        if inner.state.release_node(fh.0) {
+        if inner.state.close_node(fh.0, req.pid()) {
             inner.dirty();
         }
         reply.ok();

@@ -134,7 +134,7 @@ pub fn mount(topology: &Topology, dir: &Path) -> Result<Sim> {
             fuser::MountOption::NoSuid,
         ];
         cfg.acl = fuser::SessionACL::All;
-        cfg.n_threads = Some(4);
+        cfg.n_threads = Some(16);
         let session = fuser::spawn_mount(fs, &mp, &cfg).map_err(|source| Error::Mount {
             path: mp.clone(),
             source,

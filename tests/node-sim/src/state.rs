@@ -472,6 +472,14 @@ impl State {
             .map(|d| d.group)
             .collect();
         g.extend(self.mdevs.values().map(|m| m.group));
+        // Vendor path: a VF with a vGPU type is registered with VFIO by the nvidia driver
+        // itself, and its group node appears while it stays on `nvidia`.
+        g.extend(
+            self.devs
+                .values()
+                .filter(|d| d.current_vgpu != 0 && d.driver.as_deref() == Some("nvidia"))
+                .map(|d| d.group),
+        );
         g
     }
 
@@ -1066,15 +1074,7 @@ impl State {
             }
             OpenKind::Nvidia(n) => (format!("/dev/nvidia{n}"), None),
         };
-        // FUSE reports the thread; /proc lists processes.
-        let pid = std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find_map(|l| l.strip_prefix("Tgid:"))
-                    .and_then(|v| v.trim().parse().ok())
-            })
-            .unwrap_or(pid);
+        let pid = tgid(pid);
         let comm = std::fs::read_to_string(format!("/proc/{pid}/comm"))
             .map(|s| s.trim().to_string())
             .unwrap_or_else(|_| "?".into());
@@ -1091,6 +1091,16 @@ impl State {
             group,
         });
         Ok(())
+    }
+
+    /// A close by `pid` of a descriptor of handle `fh` (FUSE's FLUSH). Forgets the holder only
+    /// when the process closing is the one that opened it: a forked child that closes its copy
+    /// (every `exec` of a program started by the holder does) leaves the holder's open.
+    pub fn close_node(&mut self, fh: u64, pid: u32) -> bool {
+        let pid = tgid(pid);
+        let before = self.holders.len();
+        self.holders.retain(|h| !(h.fh == Some(fh) && h.pid == pid));
+        before != self.holders.len()
     }
 
     /// Forgets a real opener's handle. Returns whether one was recorded.
@@ -1163,6 +1173,22 @@ impl State {
         }
         if any_nvidia {
             t.devnode("dev/nvidiactl", 0o666, None);
+        }
+        // The nvidia driver's own proc files: which /dev/nvidia<N> is which GPU.
+        for d in self.devs.values() {
+            if d.driver.as_deref() == Some("nvidia")
+                && let Some(n) = d.nvidia_minor
+            {
+                t.ro(
+                    &format!("proc/driver/nvidia/gpus/{}/information", d.addr),
+                    format!(
+                        "Model: \t\t NVIDIA {}\nIRQ:   \t\t 0\nGPU UUID: \t GPU-00000000-0000-0000-0000-{:012x}\nDevice Minor: \t {n}\nBus Location: \t {}\n",
+                        d.model.as_deref().unwrap_or("GPU"),
+                        n,
+                        d.addr
+                    ),
+                );
+            }
         }
 
         // proc
@@ -1381,3 +1407,15 @@ const CONTROL_HELP: &str = "\
 #   unplug <BDF>
 #   clear-ops
 ";
+
+/// The process (thread-group) id of a thread: FUSE reports the thread, /proc lists processes.
+fn tgid(tid: u32) -> u32 {
+    std::fs::read_to_string(format!("/proc/{tid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Tgid:"))
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .unwrap_or(tid)
+}

@@ -428,8 +428,24 @@ fn vendor_path_on_h100() {
     let cur = |n| format!("{}/nvidia/current_vgpu_type", vf(n));
     assert_eq!(m.w(&cur(0), "4242"), Err(EINVAL));
     assert_eq!(m.w(&cur(0), "x"), Err(EINVAL));
+    let group = |n: u32| {
+        std::fs::read_link(m.root().join(vf(n)).join("iommu_group"))
+            .unwrap()
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .into_owned()
+    };
+    assert!(
+        !m.exists(&format!("dev/vfio/{}", group(0))),
+        "a free VF has no VFIO node"
+    );
     m.w(&cur(0), "1006").unwrap(); // 40C: max 2
     assert_eq!(m.r(&cur(0)), "1006");
+    assert!(
+        m.exists(&format!("dev/vfio/{}", group(0))),
+        "a VF with a vGPU is registered with VFIO by the nvidia driver"
+    );
     assert_eq!(m.w(&cur(0), "1006"), Err(EBUSY));
     assert_eq!(
         m.r(&format!("{}/nvidia/creatable_vgpu_types", vf(0))),
@@ -449,6 +465,7 @@ fn vendor_path_on_h100() {
     );
     m.w(&cur(0), "0").unwrap();
     assert_eq!(m.r(&cur(0)), "0");
+    assert!(!m.exists(&format!("dev/vfio/{}", group(0))));
     assert!(
         m.r(&format!("{}/nvidia/creatable_vgpu_types", vf(2)))
             .contains("1006")
@@ -507,4 +524,40 @@ group = 5
     assert!(m(&format!("{d}/vfio-dev/vfio0")).is_dir());
     sim.unmount().unwrap();
     assert!(!m("sys/bus").exists(), "unmounted");
+}
+
+#[test]
+fn an_open_survives_a_child_closing_its_copy_and_ends_at_the_holders_close() {
+    let Some(m) = mount("2xA10") else {
+        return;
+    };
+    let me = std::process::id();
+    let fd_links = || -> Vec<String> {
+        let dir = m.p(&format!("proc/{me}/fd"));
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            return Vec::new();
+        };
+        rd.map(|e| {
+            std::fs::read_link(e.unwrap().path())
+                .unwrap()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect()
+    };
+    let info = m.r("proc/driver/nvidia/gpus/0000:41:00.0/information");
+    assert!(info.contains("Device Minor:"), "{info}");
+    let held = std::fs::File::open(m.p("dev/nvidia0")).unwrap();
+    assert_eq!(fd_links(), vec!["/dev/nvidia0".to_string()]);
+    // A program started now inherits the descriptor and closes it at exec (O_CLOEXEC): the
+    // kernel sees a close from the child, but this process still holds the device.
+    let st = std::process::Command::new("true").status().unwrap();
+    assert!(st.success());
+    assert_eq!(
+        fd_links(),
+        vec!["/dev/nvidia0".to_string()],
+        "the holder is still listed"
+    );
+    drop(held);
+    assert!(fd_links().is_empty(), "closed by its holder: gone");
 }

@@ -478,12 +478,47 @@ fn link_address(path: &Path) -> Result<Option<PciAddress>> {
         .transpose()
 }
 
+/// Where a sysfs link (`bus/pci/devices/<addr>` → `../../../devices/pci0000:00/…`) points, as
+/// a path under the same root, checked to exist.
+///
+/// Resolved lexically rather than by `canonicalize`: sysfs's own links are relative and every
+/// directory between `/sys` and a device is a real directory, so `..` may be folded without
+/// looking; `realpath` would instead read every component of the path back as a possible link,
+/// a round trip each on a FUSE tree and twenty per device on a node.
+fn resolve_link(link: &Path) -> io::Result<PathBuf> {
+    let target = fs::read_link(link)?;
+    let joined = match link.parent() {
+        Some(parent) if target.is_relative() => parent.join(&target),
+        _ => target,
+    };
+    let mut out = PathBuf::new();
+    for c in joined.components() {
+        match c {
+            std::path::Component::ParentDir => {
+                // Fold `a/..`; keep a `..` that climbs above a relative host root.
+                if matches!(
+                    out.components().next_back(),
+                    Some(std::path::Component::Normal(_))
+                ) {
+                    out.pop();
+                } else {
+                    out.push("..");
+                }
+            }
+            std::path::Component::CurDir => {}
+            other => out.push(other),
+        }
+    }
+    fs::symlink_metadata(&out)?;
+    Ok(out)
+}
+
 fn read_pci_device(
     link: &Path,
     address: PciAddress,
     opts: &ReadOptions,
 ) -> Result<Option<PciDevice>> {
-    let dir = match fs::canonicalize(link) {
+    let dir = match resolve_link(link) {
         Ok(d) => d,
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             // A dangling link; a device that vanished has no link at all.
@@ -664,7 +699,7 @@ fn read_nvidia_vgpu(dir: &Path) -> Result<Option<NvidiaVgpu>> {
 }
 
 fn read_mdev(link: &Path, name: &str) -> Result<Option<MdevDevice>> {
-    let dir = match fs::canonicalize(link) {
+    let dir = match resolve_link(link) {
         Ok(d) => d,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(Error::io(link, e)),

@@ -333,3 +333,31 @@ fn no_pci_tree_is_an_error_naming_the_directory() {
     let e = Inventory::read(&HostPaths::new(dir.path())).unwrap_err();
     assert!(e.to_string().contains("sys/bus/pci/devices"), "{e}");
 }
+
+#[test]
+fn a_relative_host_root_above_the_current_directory_reads_the_same() {
+    let t = Tree::new();
+    t.device(
+        "pci0000:00/0000:00:01.0",
+        "0000:41:00.0",
+        ("0x10de", "0x2236", "0x030200"),
+        Some("nvidia"),
+        30,
+    );
+    let sub = t.root().join("cwd");
+    fs::create_dir_all(&sub).unwrap();
+    // ../ from a directory inside the root: what `--host-root ..` gives.
+    let rel = Path::new("..")
+        .join(sub.strip_prefix(t.root()).unwrap())
+        .join("..");
+    let cwd = std::env::current_dir().unwrap();
+    std::env::set_current_dir(&sub).unwrap();
+    let inv = Inventory::read(&HostPaths::new(&rel));
+    std::env::set_current_dir(cwd).unwrap();
+    let inv = inv.unwrap();
+    assert!(inv.unreadable.is_empty(), "{:?}", inv.unreadable);
+    assert_eq!(
+        inv.device(&a("0000:41:00.0")).unwrap().upstream_bridge,
+        Some(a("0000:00:01.0"))
+    );
+}

@@ -695,6 +695,40 @@ async fn dp_once(
         // A PCI function on vfio-pci: unbind it (its /dev/vfio node goes), then bind it back.
         let id = &res.devices[0].id;
         let dev = sim.root().join(format!("sys/bus/pci/devices/{id}"));
+        let healthy = |l: &[testkit::kubelet::api::Device]| {
+            l.iter().filter(|d| d.health == "Healthy").count()
+        };
+        let vgpu_type = dev.join("nvidia/current_vgpu_type");
+        if let Ok(t) = std::fs::read_to_string(&vgpu_type) {
+            // An SR-IOV vGPU VF: unbinding it would destroy its vGPU; remove the vGPU (type 0)
+            // and set it again instead.
+            let t = t.trim().to_string();
+            let start = Instant::now();
+            std::fs::write(&vgpu_type, "0")?;
+            lw.wait_until(Duration::from_secs(10), |l| {
+                healthy(l) == n - 1 || l.len() == n - 1
+            })
+            .await?;
+            let removed = start.elapsed();
+            let start = Instant::now();
+            std::fs::write(&vgpu_type, &t)?;
+            lw.wait_until(Duration::from_secs(10), |l| healthy(l) == n)
+                .await?;
+            let restored = start.elapsed();
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+            kubelet.stop().await;
+            return Ok(DpRun {
+                register,
+                first_list,
+                alloc,
+                change_remove: Some(removed),
+                change_restore: Some(restored),
+                rss_kib: s0.rss_kib,
+                threads: s0.threads,
+                idle_cpu,
+            });
+        }
         let driver = std::fs::read_link(dev.join("driver"))?;
         let driver = driver
             .file_name()
@@ -783,14 +817,24 @@ async fn bench_dp(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     let mut idle_line = None;
     for (i, case) in cases.iter().enumerate() {
         let mut runs = Vec::new();
+        let mut failed = None;
         for k in 0..cli.runs {
             // The idle minute is measured once, on the first node's last run.
             let idle = (i == 0 && k + 1 == cli.runs).then_some(cli.idle_secs);
-            runs.push(
-                dp_once(b, case, &cfg, cli.allocations, idle)
-                    .await
-                    .with_context(|| case.label.clone())?,
-            );
+            match dp_once(b, case, &cfg, cli.allocations, idle).await {
+                Ok(x) => runs.push(x),
+                Err(e) => {
+                    let mut why = format!("{e:#}").replace('|', "/").replace('\n', " ");
+                    why.truncate(300);
+                    failed = Some(why);
+                    break;
+                }
+            }
+        }
+        if let Some(why) = failed {
+            eprintln!("{}: {why}", case.label);
+            r.row(&[case.label.clone(), format!("failed: {why}")]);
+            continue;
         }
         let reg = need(summarize(
             &runs.iter().map(|x| x.register).collect::<Vec<_>>(),

@@ -43,8 +43,8 @@ pub enum ApplyError {
     /// The config file is wrong or does not have the profile.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// The profile does not fit this node; nothing was changed (except enabling VFs, when the
-    /// profile needed them to read the types).
+    /// The profile does not fit this node; nothing was changed (VFs enabled to read a GPU's
+    /// types are disabled again).
     #[error("{}", .0.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n"))]
     Invalid(Vec<PlanError>),
     /// The node could not be read.
@@ -363,7 +363,23 @@ pub fn apply(opts: &Options, config: &Config, profile: &str) -> Result<Report, A
             }
             std::thread::sleep(Duration::from_millis(50));
         };
-        p = plan::plan(&gpus, profile, entries).map_err(ApplyError::Invalid)?;
+        p = match plan::plan(&gpus, profile, entries) {
+            Ok(p) => p,
+            Err(e) => {
+                // The types showed the profile does not fit: leave the node as it was found.
+                for pf in &enabled {
+                    match sysfs.set_sriov_numvfs(pf, 0) {
+                        Ok(()) => {
+                            tracing::info!(gpu = %pf, "VFs disabled again: the profile does not fit")
+                        }
+                        Err(re) => {
+                            tracing::warn!(gpu = %pf, "cannot disable the VFs enabled to read types: {}", error_chain(&re))
+                        }
+                    }
+                }
+                return Err(ApplyError::Invalid(e));
+            }
+        };
     }
     let results: Vec<(String, Outcome, usize)> = std::thread::scope(|s| {
         let handles: Vec<_> = p

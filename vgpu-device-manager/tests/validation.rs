@@ -170,9 +170,9 @@ fn t4_holds_one_type_at_a_time() {
 }
 
 #[test]
-fn a_fresh_gpu_only_gets_its_vfs_enabled_before_a_type_error() {
-    // Types are only visible once the VFs exist: enabling them is the one write made before a
-    // type error can be seen; no vGPU is created.
+fn a_type_error_on_a_fresh_gpu_leaves_it_without_vfs_again() {
+    // Types are only visible once the VFs exist: they are enabled to read them, and disabled
+    // again when the profile turns out not to fit; no vGPU is created.
     let Some(sim) = testkit::sim::try_mount("2xA10") else {
         return;
     };
@@ -184,11 +184,22 @@ fn a_fresh_gpu_only_gets_its_vfs_enabled_before_a_type_error() {
     );
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     let ops = sim.ops();
-    assert_eq!(ops.len(), 2, "{ops:?}");
+    assert_eq!(ops.len(), 4, "{ops:?}");
     assert!(
         ops.iter().all(|o| o.path.ends_with("/sriov_numvfs")),
         "{ops:?}"
     );
+    assert_eq!(
+        ops.iter().filter(|o| o.value == "0").count(),
+        2,
+        "both GPUs' VFs disabled again: {ops:?}"
+    );
+    for pf in ["0000:41:00.0", "0000:61:00.0"] {
+        let n =
+            std::fs::read_to_string(root.join(format!("sys/bus/pci/devices/{pf}/sriov_numvfs")))
+                .unwrap();
+        assert_eq!(n.trim(), "0", "{pf}: as it was found");
+    }
     assert!(mdevs(root).is_empty());
     // `plan` shows the VF step and writes nothing at all.
     let fresh = testkit::sim::try_mount("2xA10").unwrap();

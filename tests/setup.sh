@@ -16,6 +16,10 @@ if ((${#missing[@]})); then
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+# FUSE's control filesystem: node-sim aborts a connection through it when an unmount is refused.
+if [ "$(id -u)" -eq 0 ] && [ -d /sys/fs/fuse/connections ] && ! grep -qs " /sys/fs/fuse/connections " /proc/mounts; then
+    mount -t fusectl none /sys/fs/fuse/connections 2>/dev/null || true
+fi
 if ! command -v cargo >/dev/null; then
     echo "setup: cargo not found; install Rust (rustup) first" >&2
     exit 1

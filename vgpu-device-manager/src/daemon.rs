@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::apply::{ApplyError, Options, apply};
 use crate::config::Config;
+use crate::plan::PlanError;
 
 /// The label that names the profile.
 pub const CONFIG_LABEL: &str = "nvidia.com/vgpu.config";
@@ -73,13 +74,18 @@ enum State {
 
 struct Reporter {
     api: Option<(Api<Node>, String)>,
+    /// What the node shows now: the same state and reason are not patched again.
+    shown: Option<State>,
 }
 
 impl Reporter {
-    async fn set(&self, state: &State) {
+    async fn set(&mut self, state: &State) {
         let Some((api, node)) = &self.api else {
             return;
         };
+        if self.shown.as_ref() == Some(state) {
+            return;
+        }
         let (value, reason) = match state {
             State::Pending => ("pending", None),
             State::Success => ("success", None),
@@ -103,7 +109,10 @@ impl Reporter {
                 .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
             {
-                Ok(_) => return,
+                Ok(_) => {
+                    self.shown = Some(state.clone());
+                    return;
+                }
                 Err(e) => {
                     tracing::warn!(node, attempt, "cannot set {STATE_LABEL}={value}: {e}");
                     tokio::time::sleep(Duration::from_millis(200 << attempt)).await;
@@ -117,10 +126,13 @@ impl Reporter {
 pub async fn run(cfg: DaemonConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
     let (profile_tx, mut profile_rx) = watch::channel::<Option<String>>(None);
     let mut tasks = tokio::task::JoinSet::new();
-    let reporter = match &cfg.source {
+    let mut reporter = match &cfg.source {
         Source::Fixed(name) => {
             profile_tx.send_replace(Some(name.clone()));
-            Reporter { api: None }
+            Reporter {
+                api: None,
+                shown: None,
+            }
         }
         Source::Kube {
             node_name,
@@ -171,6 +183,7 @@ pub async fn run(cfg: DaemonConfig, shutdown: CancellationToken) -> anyhow::Resu
             });
             Reporter {
                 api: Some((Api::all(client), node_name.clone())),
+                shown: None,
             }
         }
     };
@@ -184,7 +197,11 @@ pub async fn run(cfg: DaemonConfig, shutdown: CancellationToken) -> anyhow::Resu
     let mut retry: Option<tokio::time::Instant> = None;
     let mut delay = cfg.retry_min;
     let mut run_now = true;
+    // A retry after a failure keeps reporting `failed` until it passes: the label does not
+    // flap through `pending` on every attempt.
+    let mut retrying;
     loop {
+        retrying = false;
         if !run_now || profile_rx.borrow().is_none() {
             let retry_sleep = async {
                 match retry {
@@ -192,9 +209,13 @@ pub async fn run(cfg: DaemonConfig, shutdown: CancellationToken) -> anyhow::Resu
                     None => std::future::pending().await,
                 }
             };
+            // Shutdown first: on SIGTERM the watch task ends and drops the profile sender, which
+            // must not read as the profile source failing.
             tokio::select! {
+                biased;
                 _ = shutdown.cancelled() => break,
                 r = tasks.join_next(), if !tasks.is_empty() => {
+                    if shutdown.is_cancelled() { break; }
                     match r {
                         Some(Ok(Err(e))) => return Err(e),
                         Some(Err(e)) => anyhow::bail!("a daemon task failed: {e}"),
@@ -203,7 +224,10 @@ pub async fn run(cfg: DaemonConfig, shutdown: CancellationToken) -> anyhow::Resu
                     continue;
                 }
                 c = profile_rx.changed() => {
-                    if c.is_err() { anyhow::bail!("the profile source ended"); }
+                    if c.is_err() {
+                        if shutdown.is_cancelled() { break; }
+                        anyhow::bail!("the profile source ended");
+                    }
                     delay = cfg.retry_min;
                 }
                 Some(()) = file_rx.recv() => {
@@ -217,15 +241,22 @@ pub async fn run(cfg: DaemonConfig, shutdown: CancellationToken) -> anyhow::Resu
                     tracing::info!(file = %cfg.config_file.display(), "config file changed");
                     delay = cfg.retry_min;
                 }
-                _ = retry_sleep => {}
+                _ = retry_sleep => {
+                    retrying = true;
+                }
             }
         }
         run_now = false;
+        if shutdown.is_cancelled() {
+            break;
+        }
         let Some(profile) = profile_rx.borrow_and_update().clone() else {
             continue;
         };
         retry = None;
-        reporter.set(&State::Pending).await;
+        if !retrying {
+            reporter.set(&State::Pending).await;
+        }
         let text = std::fs::read_to_string(&cfg.config_file);
         last_text = text.as_ref().ok().cloned();
         let outcome = match text {
@@ -244,6 +275,11 @@ pub async fn run(cfg: DaemonConfig, shutdown: CancellationToken) -> anyhow::Resu
                     match tokio::task::spawn_blocking(move || apply(&opts, &config, &p)).await {
                         Err(e) => Err((format!("the apply task failed: {e}"), true)),
                         Ok(Err(e @ ApplyError::Read(_))) => Err((format!("{e:#}"), true)),
+                        // A GPU whose driver or VFs are not up yet (boot) may fit later.
+                        Ok(Err(ApplyError::Invalid(errs))) => {
+                            let later = errs.iter().any(PlanError::may_pass_later);
+                            Err((ApplyError::Invalid(errs).to_string(), later))
+                        }
                         Ok(Err(e)) => Err((e.to_string(), false)),
                         Ok(Ok(report)) if report.success() => Ok(report),
                         Ok(Ok(report)) => Err((report.failure_reason(), true)),

@@ -37,7 +37,10 @@ impl Drop for Daemon {
 }
 
 fn daemon(root: &Path, args: &[&str]) -> Daemon {
-    let log = std::env::temp_dir().join(format!("vgpu-dm-daemon-{}.log", std::process::id()));
+    // One log per daemon: the tests of this file run in parallel in one process.
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let log = std::env::temp_dir().join(format!("vgpu-dm-daemon-{}-{n}.log", std::process::id()));
     Daemon(
         Command::new(BIN)
             .arg("daemon")
@@ -273,5 +276,41 @@ fn selected_config_runs_without_kubernetes() {
     let d = daemon(root, &["-c", "A10-8Q", "-f", cfg.path.to_str().unwrap()]);
     wait_until("the readiness file again", || ready_file(root).exists());
     assert_eq!(counts(root), each("NVIDIA A10-8Q", 3));
+    assert_eq!(d.stop(), Some(0));
+}
+
+#[test]
+fn a_gpu_whose_driver_comes_up_late_is_retried_without_flapping() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    // At boot the vGPU manager has not taken the second A10 yet.
+    write(root, "sys/bus/pci/drivers/nvidia/unbind", "0000:61:00.0");
+    let cfg = config_file(CONFIG);
+    let api = FakeApiServer::start("node-d", &[(CONFIG_LABEL, "A10-8Q")]).unwrap();
+    let kc = api.kubeconfig().to_str().unwrap().to_string();
+    let f = cfg.path.to_str().unwrap();
+    let d = daemon(
+        root,
+        &["--node-name", "node-d", "--kubeconfig", &kc, "-f", f],
+    );
+    assert!(api.wait_for(STATE, WAIT, |v| v == Some("failed")));
+    let reason = api.annotation(REASON).unwrap_or_default();
+    assert!(reason.contains("0000:61:00.0"), "{reason}");
+    assert!(reason.contains("no driver bound"), "{reason}");
+    // Retries keep the state at failed: no pending in between.
+    std::thread::sleep(Duration::from_millis(900));
+    let h = api.label_history(STATE);
+    assert_eq!(
+        h,
+        vec![Some("pending".into()), Some("failed".into())],
+        "{h:?}"
+    );
+    // The driver takes the GPU: the next retry applies the profile.
+    write(root, "sys/bus/pci/drivers_probe", "0000:61:00.0");
+    assert!(api.wait_for(STATE, WAIT, |v| v == Some("success")));
+    assert_eq!(counts(root), each("NVIDIA A10-8Q", 3));
+    assert_eq!(api.annotation(REASON), None);
     assert_eq!(d.stop(), Some(0));
 }

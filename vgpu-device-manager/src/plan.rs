@@ -642,8 +642,10 @@ impl Plan {
 /// Why a profile cannot be applied to this node. Nothing is changed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum PlanError {
-    /// A GPU is selected by two entries.
-    #[error("profile {profile:?}: {gpu} is selected by entry {first} and entry {second}")]
+    /// A GPU is selected by two entries that ask for different vGPUs, and it can make both.
+    #[error(
+        "profile {profile:?}: {gpu} is selected by entry {first} and entry {second}, which ask for different vGPUs it can both make"
+    )]
     Overlap {
         /// Profile.
         profile: String,
@@ -714,11 +716,29 @@ pub enum PlanError {
     },
 }
 
+impl PlanError {
+    /// Whether the node may yet change so that the profile fits without any edit: a GPU that
+    /// is not on its vGPU driver yet, or shows no types yet (at boot, the driver and the VFs
+    /// come up after the daemon starts). A daemon retries these; the others wait for a new
+    /// label or config file.
+    pub fn may_pass_later(&self) -> bool {
+        match self {
+            PlanError::Unsupported { .. } => true,
+            PlanError::UnknownType { offered, .. } => offered == NO_TYPE_NOW,
+            _ => false,
+        }
+    }
+}
+
+/// What [`PlanError::UnknownType`] says a GPU offers when it shows no type at all.
+const NO_TYPE_NOW: &str = "no type now";
+
 /// Plans `profile` (named `name`) for `gpus`. Pure: reads nothing, writes nothing.
 pub fn plan(gpus: &[Gpu], name: &str, entries: &[Entry]) -> Result<Plan, Vec<PlanError>> {
     let mut errors = Vec::new();
     let mut warnings = Vec::new();
-    let mut chosen: BTreeMap<usize, usize> = BTreeMap::new();
+    // Every entry that selects each GPU, in file order.
+    let mut chosen: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
     for (ei, e) in entries.iter().enumerate() {
         if let crate::config::Devices::Indices(ix) = &e.devices {
             for i in ix {
@@ -735,25 +755,14 @@ pub fn plan(gpus: &[Gpu], name: &str, entries: &[Entry]) -> Result<Plan, Vec<Pla
                 .device_filter
                 .as_ref()
                 .is_none_or(|f| g.pci.is_some() && f.matches(g.ids.0, g.ids.1, g.ids.2, g.ids.3));
-            if !(e.devices.matches(g.index) && filtered) {
-                continue;
+            if e.devices.matches(g.index) && filtered {
+                chosen.entry(g.index).or_default().push(ei);
             }
-            if let Some(first) = chosen.get(&g.index) {
-                errors.push(PlanError::Overlap {
-                    profile: name.into(),
-                    gpu: g.label(),
-                    first: *first,
-                    second: ei,
-                });
-                continue;
-            }
-            chosen.insert(g.index, ei);
         }
     }
     let mut out = Vec::new();
-    for (gi, ei) in &chosen {
-        let g = &gpus[*gi];
-        match plan_gpu(g, name, *ei, &entries[*ei]) {
+    for (gi, eis) in &chosen {
+        match plan_selected(&gpus[*gi], name, entries, eis) {
             Ok(p) => out.push(p),
             Err(mut e) => errors.append(&mut e),
         }
@@ -766,6 +775,54 @@ pub fn plan(gpus: &[Gpu], name: &str, entries: &[Entry]) -> Result<Plan, Vec<Pla
         })
     } else {
         Err(errors)
+    }
+}
+
+/// Plans one GPU that entries `eis` (at least one) select.
+///
+/// Entries that ask for the same vGPUs are one wish: NVIDIA's default config repeats some
+/// `device-filter` entries. Entries that differ are told apart by what the GPU can make (one
+/// PCI id can be two boards, such as A2 and A16, each with its own types); when more than one
+/// fits, the profile is ambiguous for this GPU.
+fn plan_selected(
+    g: &Gpu,
+    profile: &str,
+    entries: &[Entry],
+    eis: &[usize],
+) -> Result<GpuPlan, Vec<PlanError>> {
+    let mut distinct: Vec<usize> = Vec::new();
+    for &ei in eis {
+        if !distinct
+            .iter()
+            .any(|&d| entries[d].vgpu_devices == entries[ei].vgpu_devices)
+        {
+            distinct.push(ei);
+        }
+    }
+    if let [ei] = distinct[..] {
+        return plan_gpu(g, profile, ei, &entries[ei]);
+    }
+    let mut fits = Vec::new();
+    let mut errors = Vec::new();
+    for &ei in &distinct {
+        match plan_gpu(g, profile, ei, &entries[ei]) {
+            Ok(p) => fits.push((ei, p)),
+            Err(mut e) => errors.append(&mut e),
+        }
+    }
+    // A GPU whose VFs are not enabled yet shows no types: any entry that fits its VF count
+    // enables them, and the plan made after that picks the entry by the types.
+    let types_unknown = matches!(g.backend, Backend::NeedsVfs { .. });
+    match fits.len() {
+        0 => Err(errors),
+        1 => Ok(fits.remove(0).1),
+        _ if types_unknown => Ok(fits.remove(0).1),
+        _ => Err(vec![PlanError::Overlap {
+            profile: profile.into(),
+            gpu: g.label(),
+            first: fits[0].0,
+            second: fits[1].0,
+        }]),
     }
 }
 
@@ -839,7 +896,7 @@ fn plan_gpu(g: &Gpu, profile: &str, ei: usize, e: &Entry) -> Result<GpuPlan, Vec
                     gpu: g.label(),
                     key: k.0.clone(),
                     offered: if offered.is_empty() {
-                        "no type now".into()
+                        NO_TYPE_NOW.into()
                     } else {
                         offered.join(", ")
                     },
@@ -1221,6 +1278,24 @@ mod tests {
             e[0].to_string().contains("selected by entry 0 and entry 1"),
             "{e:?}"
         );
+    }
+
+    #[test]
+    fn repeated_entries_are_one_wish_and_types_pick_between_boards() {
+        let gpus = [a10(0, 0x41, &[]), a10(1, 0x61, &[])];
+        // The same filter twice with the same vGPUs, as NVIDIA's default config has it.
+        let twice = "    - device-filter: \"0x223610DE\"\n      devices: all\n      vgpu-devices: {A10-8Q: 2}\n";
+        let p = run(&gpus, &twice.repeat(2)).unwrap();
+        assert_eq!(p.gpus.len(), 2);
+        assert!(p.gpus.iter().all(|g| g.entry == "p[0]"), "{p:?}");
+        // One PCI id, two boards: the entry whose types the GPU offers is the one applied.
+        let boards = "    - device-filter: \"0x223610DE\"\n      devices: all\n      vgpu-devices: {T4-8Q: 2}\n    - device-filter: \"0x223610DE\"\n      devices: all\n      vgpu-devices: {A10-4Q: 2}\n";
+        let p = run(&gpus, boards).unwrap();
+        assert!(p.gpus.iter().all(|g| g.entry == "p[1]"), "{p:?}");
+        // Neither fits: both reasons are given.
+        let e = run(&gpus, &boards.replace("A10-4Q", "A16-4Q")).unwrap_err();
+        assert_eq!(e.len(), 4, "{e:?}");
+        assert!(e[1].to_string().contains("cannot make \"A16-4Q\""), "{e:?}");
     }
 
     #[test]

@@ -114,6 +114,15 @@ impl Sysfs {
         Ok(Some(driver))
     }
 
+    /// Whether the kernel has a PCI driver named `driver` (`drivers/<driver>` exists): a
+    /// module that is not loaded has none, and a device overridden to it would be left with no
+    /// driver at all.
+    pub fn driver_registered(&self, driver: &str) -> bool {
+        !driver.is_empty()
+            && !driver.contains('/')
+            && self.paths.pci_drivers().join(driver).is_dir()
+    }
+
     /// Binds `a` to `driver` (`drivers/<driver>/bind`).
     pub fn bind(&self, a: &PciAddress, driver: &str) -> Result<()> {
         let path = self.paths.pci_drivers().join(driver).join("bind");

@@ -156,9 +156,10 @@ pub fn run_unbind(cfg: &Config, paths: &HostPaths) -> Result<Report, NodeError> 
     let mut cfg = cfg.clone();
     cfg.selector.allow_foreign_in_group = true;
     let (_inv, sel) = read_and_select(&cfg, paths)?;
-    let scan = inuse::holders(paths).unwrap_or_else(|e| {
-        tracing::warn!(error = %error_chain(&e), "cannot scan processes for open VFIO groups");
-        Default::default()
+    let scan = inuse::holders(paths).map_err(|e| {
+        let e = error_chain(&e);
+        tracing::warn!(error = %e, "cannot scan processes for open VFIO groups");
+        e
     });
     let originals = memory::load(paths);
     let results = ops::unbind_all(paths, &sel, &cfg.op_options(), &scan, &originals);

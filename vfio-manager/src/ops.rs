@@ -156,6 +156,16 @@ pub fn bind_one(
         }
     }
 
+    // Without the target driver the probe binds nothing and the device would be left with no
+    // driver at all: check before the first write.
+    if !sysfs().driver_registered(&t.target) {
+        return fail(format!(
+            "{a}: driver {} is not loaded (no {}); nothing was changed",
+            t.target,
+            paths.pci_drivers().join(&t.target).display()
+        ));
+    }
+
     if let Err(e) = sysfs().set_driver_override(a, Some(&t.target)) {
         return fail(error_chain(&e));
     }
@@ -169,11 +179,11 @@ pub fn bind_one(
             return fail(error_chain(&e));
         }
     };
-    if let Err(e) = sysfs().drivers_probe(a) {
-        return fail(error_chain(&e));
-    }
-    if let Err(e) = sysfs().wait_for_driver(a, &t.target, left()) {
-        return fail(error_chain(&e));
+    if let Err(e) = sysfs()
+        .drivers_probe(a)
+        .and_then(|()| sysfs().wait_for_driver(a, &t.target, left()))
+    {
+        return fail(give_back(paths, t, from.as_deref(), &error_chain(&e)));
     }
     let node = paths.vfio_group_node(t.group);
     loop {
@@ -197,6 +207,41 @@ pub fn bind_one(
     }
 }
 
+/// After a failed probe onto the target: restore the original `driver_override` and, if the
+/// device was left with no driver, probe again so its old driver takes it back. Returns the
+/// failure to report, with what became of the device.
+fn give_back(paths: &HostPaths, t: &Target, from: Option<&str>, error: &str) -> String {
+    let sysfs = Sysfs::new(paths.clone()).with_timeout(Duration::from_secs(10));
+    let a = &t.address;
+    if let Err(e) = sysfs.set_driver_override(a, t.driver_override.as_deref()) {
+        return format!(
+            "{error}; restoring driver_override failed too: {}",
+            error_chain(&e)
+        );
+    }
+    match sysfs.current_driver(a) {
+        Ok(Some(d)) if d == t.target => return error.to_string(),
+        Ok(Some(d)) => return format!("{error}; the device is on {d}"),
+        _ => {}
+    }
+    let Some(old) = from else {
+        return format!("{error}; the device has no driver, as before");
+    };
+    let back = sysfs
+        .drivers_probe(a)
+        .and_then(|()| sysfs.wait_for_driver(a, old, Duration::from_secs(10)));
+    match back {
+        Ok(()) => {
+            tracing::info!(driver = old, "given back to its driver after the failure");
+            format!("{error}; the device is back on {old}")
+        }
+        Err(e) => format!(
+            "{error}; giving it back to {old} failed too ({}): it has no driver now; run bind again, or write its address to drivers_probe",
+            error_chain(&e)
+        ),
+    }
+}
+
 /// `pid 4242 (qemu-kvm) holds /dev/vfio/42, ...`.
 pub fn join_holders(h: &[Holder]) -> String {
     h.iter()
@@ -212,7 +257,7 @@ pub fn unbind_all(
     paths: &HostPaths,
     sel: &Selection,
     opts: &OpOptions,
-    scan: &BTreeMap<String, Vec<Holder>>,
+    scan: &Result<BTreeMap<String, Vec<Holder>>, String>,
     originals: &Originals,
 ) -> Vec<DeviceResult> {
     for_each_group(sel, |targets| {
@@ -224,17 +269,11 @@ pub fn unbind_all(
             .iter()
             .filter_map(|t| t.vfio_cdev.as_deref())
             .collect();
-        let holders = inuse::group_holders_in(scan, group, &cdevs);
         let on_vfio = targets
             .iter()
             .any(|t| t.driver.as_deref().is_some_and(is_vfio_driver));
-        if !holders.is_empty() && on_vfio && !opts.force {
-            let reason = format!(
-                "IOMMU group {group} is in use ({}): a VM is using it; not unbinding \
-                 (--force overrides)",
-                join_holders(&holders)
-            );
-            return targets
+        let refuse = |reason: String| -> Vec<DeviceResult> {
+            targets
                 .iter()
                 .map(|t| DeviceResult {
                     address: t.address,
@@ -243,7 +282,25 @@ pub fn unbind_all(
                         reason: reason.clone(),
                     },
                 })
-                .collect();
+                .collect()
+        };
+        let holders = match scan {
+            Ok(scan) => inuse::group_holders_in(scan, group, &cdevs),
+            // Not knowing whether a VM uses the group is not knowing it is free.
+            Err(e) if on_vfio && !opts.force => {
+                return refuse(format!(
+                    "cannot tell whether IOMMU group {group} is in use ({e}); not unbinding \
+                     (--force overrides)"
+                ));
+            }
+            Err(_) => Vec::new(),
+        };
+        if !holders.is_empty() && on_vfio && !opts.force {
+            return refuse(format!(
+                "IOMMU group {group} is in use ({}): a VM is using it; not unbinding \
+                 (--force overrides)",
+                join_holders(&holders)
+            ));
         }
         if !holders.is_empty() && on_vfio {
             tracing::warn!(group, holders = %join_holders(&holders), "unbinding a group in use (--force)");
@@ -410,6 +467,49 @@ mod tests {
             .path()
             .join("sys/devices/pci0000:00/0000:41:00.0/driver_override");
         assert_eq!(fs::read_to_string(ov).unwrap(), "(null)\n");
+    }
+
+    #[test]
+    fn a_target_driver_that_is_not_loaded_is_refused_before_any_write() {
+        let (dir, p, t) = tree();
+        let out = bind_one(&p, &t, &OpOptions::default(), &|_: &Target| Vec::new());
+        let Outcome::Failed { error } = out else {
+            panic!("{out:?}")
+        };
+        assert!(error.contains("driver vfio-pci is not loaded"), "{error}");
+        let ov = dir
+            .path()
+            .join("sys/devices/pci0000:00/0000:41:00.0/driver_override");
+        assert_eq!(fs::read_to_string(ov).unwrap(), "(null)\n");
+        let unbind = dir.path().join("sys/bus/pci/drivers/nvidia/unbind");
+        assert_eq!(fs::read_to_string(unbind).unwrap(), "");
+    }
+
+    #[test]
+    fn unbind_is_refused_when_the_processes_cannot_be_read() {
+        let (dir, p, mut t) = tree();
+        t.driver = Some("vfio-pci".into());
+        let sel = Selection {
+            groups: [(t.group, vec![t.clone()])].into(),
+            refused: vec![],
+        };
+        let scan = Err("cannot read proc".to_string());
+        let out = unbind_all(&p, &sel, &OpOptions::default(), &scan, &Originals::new());
+        let Outcome::Refused { reason } = &out[0].outcome else {
+            panic!("{out:?}")
+        };
+        assert!(
+            reason.contains("cannot tell whether IOMMU group 21 is in use"),
+            "{reason}"
+        );
+        let ov = dir
+            .path()
+            .join("sys/devices/pci0000:00/0000:41:00.0/driver_override");
+        assert_eq!(
+            fs::read_to_string(ov).unwrap(),
+            "(null)\n",
+            "nothing written"
+        );
     }
 
     #[test]

@@ -311,6 +311,52 @@ fn ebusy_on_one_unbind_fails_that_gpu_only() {
 }
 
 #[test]
+fn a_driver_that_is_not_loaded_is_refused_before_any_write() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let o = run(root, &["bind", "--driver", "vfio-pci-typo"]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let err = text(&o.stderr);
+    assert!(
+        err.contains("driver vfio-pci-typo is not loaded"),
+        "{}",
+        show(&o)
+    );
+    assert!(
+        err.contains("sys/bus/pci/drivers/vfio-pci-typo"),
+        "{}",
+        show(&o)
+    );
+    assert_eq!(ops(root), vec![], "nothing written");
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("nvidia"));
+    assert_eq!(driver(root, "0000:61:00.0").as_deref(), Some("nvidia"));
+}
+
+#[test]
+fn a_refused_probe_gives_the_gpu_back_to_its_driver() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    control(root, "fault probe 0000:41:00.0 EIO count=1");
+    let o = run(root, &["bind"]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let err = text(&o.stderr);
+    assert!(err.contains("0000:41:00.0 failed"), "{}", show(&o));
+    assert!(err.contains("the device is back on nvidia"), "{}", show(&o));
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("nvidia"));
+    let ov = std::fs::read_to_string(dev_dir(root, "0000:41:00.0").join("driver_override"));
+    assert_eq!(ov.unwrap().trim(), "(null)");
+    assert_eq!(driver(root, "0000:61:00.0").as_deref(), Some("vfio-pci"));
+    // The next run binds it.
+    let o = run(root, &["bind"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+}
+
+#[test]
 fn a_write_that_hangs_is_cut_off_by_the_timeout() {
     let Some(sim) = try_mount("2xA10") else {
         return;
@@ -558,7 +604,10 @@ fn daemon_binds_a_hotplugged_gpu_on_its_udev_event_alone() {
     let rx = lines_of(&mut d.0);
     next_summary(&rx);
     if !uevent_seen_for_hotplug(&root, "0000:81:00.0") {
-        eprintln!("skipped: node-sim broadcast no uevent for a hot-plug; udev path not tested");
+        testkit::sim::skip_test(
+            "udev path of the daemon",
+            "node-sim broadcast no uevent for a hot-plug",
+        );
         return;
     }
     wait_until("the hot-plugged GPU on vfio-pci", || {

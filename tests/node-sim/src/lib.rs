@@ -83,6 +83,29 @@ pub struct Sim {
 
 const MOUNTS: [&str; 3] = ["sys", "dev", "proc"];
 
+/// Why node-sim cannot run on this machine, if it cannot: it needs root and `/dev/fuse`.
+pub fn unavailable() -> Option<&'static str> {
+    if !nix::unistd::geteuid().is_root() {
+        return Some("not root");
+    }
+    if !Path::new("/dev/fuse").exists() {
+        return Some("no /dev/fuse");
+    }
+    None
+}
+
+/// For tests that need node-sim: reports a missing prerequisite as `skipped: <what>: <why>`
+/// on stderr, past the test harness's capture so a plain `cargo test` shows it, or panics when
+/// `NODE_SIM=required` (CI, where a skip would hide the end-to-end tests).
+pub fn skip_test(what: &str, why: &str) {
+    let line = format!("skipped: {what}: {why} (node-sim needs root and /dev/fuse)");
+    if std::env::var("NODE_SIM").is_ok_and(|v| v == "required") {
+        panic!("NODE_SIM=required but {line}");
+    }
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
 /// Mounts `topology` at `dir` (created if missing; stale node-sim mounts under it are removed
 /// first). Returns once the mounts answer.
 pub fn mount(topology: &Topology, dir: &Path) -> Result<Sim> {

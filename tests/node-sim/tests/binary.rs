@@ -61,8 +61,8 @@ fn sh(cmd: &str) -> std::process::Output {
 }
 
 fn can_run() -> bool {
-    if !nix::unistd::geteuid().is_root() || !Path::new("/dev/fuse").exists() {
-        eprintln!("skipped: not root or no /dev/fuse (node-sim needs root and /dev/fuse)");
+    if let Some(why) = node_sim::unavailable() {
+        node_sim::skip_test("node-sim binary tests", why);
         return false;
     }
     true

@@ -6,15 +6,18 @@ use std::process::Command;
 
 #[test]
 fn demo_prints_allocatable_env_and_permitted_devices() {
-    if !nix::unistd::geteuid().is_root() || !Path::new("/dev/fuse").exists() {
-        eprintln!("skipped: demo test (node-sim needs root and /dev/fuse)");
+    if let Some(why) = node_sim::unavailable() {
+        node_sim::skip_test("demo test", why);
         return;
     }
     let exe = Path::new(env!("CARGO_BIN_EXE_node-sim"));
     let dir = exe.parent().unwrap();
     for b in ["vfio-manager", "vgpu-device-manager", "sandbox-dp"] {
         if !dir.join(b).is_file() {
-            eprintln!("skipped: demo test ({b} is not built; cargo test --workspace builds it)");
+            node_sim::skip_test(
+                "demo test",
+                &format!("{b} is not built; cargo test --workspace builds it"),
+            );
             return;
         }
     }

@@ -5,8 +5,8 @@
 use common::{HostPaths, Inventory, PciAddress};
 
 fn can_mount() -> bool {
-    if !nix::unistd::geteuid().is_root() || !std::path::Path::new("/dev/fuse").exists() {
-        eprintln!("skipped: inventory tests (node-sim needs root and /dev/fuse)");
+    if let Some(why) = node_sim::unavailable() {
+        node_sim::skip_test("inventory tests", why);
         return false;
     }
     true

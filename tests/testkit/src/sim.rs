@@ -39,23 +39,20 @@ impl Deref for SimDir {
     }
 }
 
+pub use node_sim::skip_test;
+
 /// Why node-sim cannot run here, if it cannot: it needs root and `/dev/fuse`.
 pub fn unavailable() -> Option<String> {
-    if !nix::unistd::geteuid().is_root() {
-        return Some("not root".into());
-    }
-    if !Path::new("/dev/fuse").exists() {
-        return Some("no /dev/fuse".into());
-    }
-    None
+    node_sim::unavailable().map(str::to_string)
 }
 
 /// Mounts the topology (a built-in name or a TOML file) in a new temporary directory. Returns
-/// `None` after printing `skipped: ...` when this machine cannot run node-sim; panics when it
-/// can but the mount fails (that is a test failure, not a skip).
+/// `None` after printing `skipped: ...` when this machine cannot run node-sim (a panic instead
+/// with `NODE_SIM=required`); panics when it can but the mount fails (that is a test failure,
+/// not a skip).
 pub fn try_mount(topology: &str) -> Option<SimDir> {
-    if let Some(why) = unavailable() {
-        eprintln!("skipped: {why} (node-sim needs root and /dev/fuse)");
+    if let Some(why) = node_sim::unavailable() {
+        node_sim::skip_test(&format!("node-sim {topology}"), why);
         return None;
     }
     let topo = match node_sim::topology(topology) {

@@ -70,12 +70,8 @@ impl Mounted {
 
 /// Mounts a topology, or prints `skipped:` and returns None without root or /dev/fuse.
 pub fn mount(topology: &str) -> Option<Mounted> {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("skipped: not root (node-sim needs root and /dev/fuse)");
-        return None;
-    }
-    if !Path::new("/dev/fuse").exists() {
-        eprintln!("skipped: no /dev/fuse (node-sim needs root and /dev/fuse)");
+    if let Some(why) = node_sim::unavailable() {
+        node_sim::skip_test(&format!("node-sim {topology}"), why);
         return None;
     }
     let dir = tempfile::Builder::new()

@@ -104,6 +104,8 @@ pub struct MdevDevice {
     pub iommu_group: Option<u32>,
     /// The driver bound to the mdev (`vfio_mdev`), if any.
     pub driver: Option<String>,
+    /// Its VFIO character device (`vfio0` under `vfio-dev/`), on kernels with iommufd.
+    pub vfio_cdev: Option<String>,
 }
 
 /// One PCI function.
@@ -724,6 +726,9 @@ fn read_mdev(link: &Path, name: &str) -> Result<Option<MdevDevice>> {
         parent,
         iommu_group: link_number(&dir.join("iommu_group"))?,
         driver: link_name(&dir.join("driver"))?,
+        vfio_cdev: list_dir(&dir.join("vfio-dev"))
+            .ok()
+            .and_then(|v| v.into_iter().next()),
         type_id,
     }))
 }

@@ -239,6 +239,8 @@ fn mdev_parents_types_and_instances() {
     symlink("../mdev_supported_types/nvidia-593", m.join("mdev_type")).unwrap();
     fs::create_dir_all(t.root().join("sys/kernel/iommu_groups/120")).unwrap();
     symlink("../../../../kernel/iommu_groups/120", m.join("iommu_group")).unwrap();
+    // iommufd kernels: the mdev's own VFIO cdev.
+    fs::create_dir_all(m.join("vfio-dev/vfio7")).unwrap();
     symlink(
         format!("../../../devices/pci0000:00/0000:41:00.4/{uuid}"),
         t.root().join("sys/bus/mdev/devices").join(uuid),
@@ -264,6 +266,7 @@ fn mdev_parents_types_and_instances() {
     assert_eq!(mdev.type_name.as_deref(), Some("NVIDIA A10-4Q"));
     assert_eq!(mdev.parent, "0000:41:00.4");
     assert_eq!(mdev.iommu_group, Some(120));
+    assert_eq!(mdev.vfio_cdev.as_deref(), Some("vfio7"));
 
     let light = Inventory::read_with(&t.paths(), &ReadOptions { mdev_types: false }).unwrap();
     assert!(light.mdev_parents["0000:41:00.4"].types.is_empty());

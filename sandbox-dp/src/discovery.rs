@@ -178,6 +178,24 @@ pub fn discover(inv: &Inventory, cfg: &DiscoverConfig) -> Snapshot {
     let mut resources: BTreeMap<String, Resource> = BTreeMap::new();
     // resource name -> the sources (pci id or type name) that produced it, for collisions
     let mut sources: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    // Names that two kinds of device map to: one resource has one env var prefix
+    // (PCI_RESOURCE_ or MDEV_PCI_RESOURCE_), so the later kind is left out and reported.
+    let mut cross_kind: BTreeSet<String> = BTreeSet::new();
+    let mut kind_clash = |resources: &BTreeMap<String, Resource>,
+                          name: &str,
+                          kind: Kind,
+                          what: &str| {
+        match resources.get(name) {
+            Some(r) if r.kind != kind => {
+                cross_kind.insert(format!(
+                    "resource name {name:?} is produced by {:?} devices and by {what} ({kind:?}); the {kind:?} devices are not advertised (rename one with --resource-alias)",
+                    r.kind
+                ));
+                true
+            }
+            _ => false,
+        }
+    };
     let healthy = |g: Option<u32>| g.is_some_and(|g| inv.vfio_nodes.contains(&g));
     let gpu_of = |d: &PciDevice| d.physfn.unwrap_or(d.address);
 
@@ -204,6 +222,9 @@ pub fn discover(inv: &Inventory, cfg: &DiscoverConfig) -> Snapshot {
         let pci_id = d.id_string();
         let base = common::passthrough_resource_name(&cfg.pci_ids, d.vendor, d.device);
         let name = alias(cfg, base, Some(&pci_id));
+        if kind_clash(&resources, &name, Kind::Passthrough, &pci_id) {
+            continue;
+        }
         sources.entry(name.clone()).or_default().insert(pci_id);
         let r = resources
             .entry(name.clone())
@@ -239,6 +260,9 @@ pub fn discover(inv: &Inventory, cfg: &DiscoverConfig) -> Snapshot {
             .clone()
             .unwrap_or_else(|| v.current.to_string());
         let name = alias(cfg, common::vgpu_resource_name(&type_name), None);
+        if kind_clash(&resources, &name, Kind::SriovVgpu, &type_name) {
+            continue;
+        }
         sources
             .entry(name.clone())
             .or_default()
@@ -274,6 +298,9 @@ pub fn discover(inv: &Inventory, cfg: &DiscoverConfig) -> Snapshot {
         }
         let type_name = m.type_name.clone().unwrap_or_else(|| m.type_id.clone());
         let name = alias(cfg, common::vgpu_resource_name(&type_name), None);
+        if kind_clash(&resources, &name, Kind::Mdev, &type_name) {
+            continue;
+        }
         sources
             .entry(name.clone())
             .or_default()
@@ -292,7 +319,7 @@ pub fn discover(inv: &Inventory, cfg: &DiscoverConfig) -> Snapshot {
                     .and_then(|p| p.numa_node)
                     .or(gpu.and_then(|g| g.numa_node)),
                 iommu_group: m.iommu_group,
-                vfio_cdev: None,
+                vfio_cdev: m.vfio_cdev.clone(),
                 gpu: Some(
                     gpu.map(|g| g.address.to_string())
                         .unwrap_or_else(|| m.parent.clone()),
@@ -303,7 +330,7 @@ pub fn discover(inv: &Inventory, cfg: &DiscoverConfig) -> Snapshot {
         );
     }
 
-    let mut problems = Vec::new();
+    let mut problems: Vec<String> = cross_kind.into_iter().collect();
     for (name, srcs) in &sources {
         if srcs.len() > 1 {
             let list: Vec<&str> = srcs.iter().map(String::as_str).collect();
@@ -436,7 +463,33 @@ mod tests {
             parent_pci: parent.parse().ok(),
             iommu_group: Some(group),
             driver: Some("vfio_mdev".into()),
+            vfio_cdev: None,
         }
+    }
+
+    #[test]
+    fn a_name_two_kinds_map_to_keeps_the_first_kind_and_reports_the_other() {
+        let gpu = func("0000:13:00.0", 0x10de, 0x2236, 0x030200, "vfio-pci", 1);
+        let mut vf = func("0000:14:00.4", 0x10de, 0x2236, 0x030200, "nvidia", 2);
+        vf.physfn = Some(addr("0000:14:00.0"));
+        let inv = inventory(
+            vec![gpu, vf],
+            vec![mdev("u1", "0000:14:00.4", Some("NVIDIA A10-4Q"), 50)],
+            &[1, 50],
+        );
+        let mut c = cfg(Some(0x10de));
+        c.aliases
+            .insert("nvidia.com/NVIDIA_A10-4Q".into(), "GA102GL_A10".into());
+        let snap = discover(&inv, &c);
+        let r = &snap.resources["nvidia.com/GA102GL_A10"];
+        assert_eq!(r.kind, Kind::Passthrough);
+        assert_eq!(r.devices.keys().collect::<Vec<_>>(), ["0000:13:00.0"]);
+        assert_eq!(snap.problems.len(), 1, "{:?}", snap.problems);
+        assert!(
+            snap.problems[0].contains("the Mdev devices are not advertised"),
+            "{:?}",
+            snap.problems
+        );
     }
 
     #[test]

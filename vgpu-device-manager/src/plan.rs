@@ -283,7 +283,10 @@ fn mdev_vgpus(
             type_name: m.type_name.clone(),
             holders: m
                 .iommu_group
-                .map(|g| common::inuse::group_holders_in(scan, g, &[]))
+                .map(|g| {
+                    let cdevs: Vec<&str> = m.vfio_cdev.as_deref().into_iter().collect();
+                    common::inuse::group_holders_in(scan, g, &cdevs)
+                })
                 .unwrap_or_default(),
             allocated: None,
         })
@@ -1369,6 +1372,7 @@ mod tests {
                 parent_pci: None,
                 iommu_group: Some(3),
                 driver: None,
+                vfio_cdev: None,
             },
         );
         let (none, names) = (BTreeMap::new(), BTreeMap::new());

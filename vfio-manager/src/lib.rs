@@ -17,7 +17,7 @@ pub mod status;
 
 use std::time::{Duration, Instant};
 
-use common::{Holder, HostPaths, Inventory, error_chain, inuse};
+use common::{Holder, HostPaths, Inventory, PciAddress, error_chain, inuse};
 
 pub use daemon::{DaemonConfig, READY_FILE, run_daemon};
 pub use ops::OpOptions;
@@ -107,27 +107,74 @@ pub fn read_and_select(
     Ok((inv, sel))
 }
 
-/// Processes holding the `/dev/nvidia<N>` of a GPU on the nvidia driver. An unbind from
-/// `nvidia` hangs while such a process (a CUDA job, nvidia-persistenced) runs.
-fn nvidia_holders_fn(paths: &HostPaths) -> impl Fn(&Target) -> Vec<Holder> + Sync + use<> {
+/// Processes that unbinding a GPU from `nvidia` would hurt: holders of its `/dev/nvidia<N>`
+/// (a CUDA job, nvidia-persistenced: the unbind hangs until they exit), and VMs using its
+/// vGPUs (the unbind destroys the mdevs on the GPU and its VFs, and the VFs' SR-IOV vGPUs).
+fn nvidia_holders_fn<'a>(
+    paths: &HostPaths,
+    inv: &'a Inventory,
+) -> impl Fn(&Target) -> Vec<Holder> + Sync + use<'a> {
     let paths = paths.clone();
-    move |t: &Target| match inuse::nvidia_holders(&paths, &t.address) {
-        Ok(h) => h,
-        Err(e) => {
-            tracing::warn!(device = %t.address, error = %error_chain(&e), "cannot tell whether the GPU is in use");
-            Vec::new()
+    move |t: &Target| {
+        let mut out = match inuse::nvidia_holders(&paths, &t.address) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(device = %t.address, error = %error_chain(&e), "cannot tell whether the GPU is in use");
+                Vec::new()
+            }
+        };
+        // The GPU's vGPUs: (IOMMU group, VFIO cdev) of each mdev on it or its VFs, and of
+        // each VF that holds an SR-IOV vGPU.
+        let vfs: Vec<&common::PciDevice> = inv
+            .devices
+            .values()
+            .filter(|d| d.physfn == Some(t.address))
+            .collect();
+        let on_gpu = |p: Option<PciAddress>| {
+            p.is_some_and(|p| p == t.address || vfs.iter().any(|v| v.address == p))
+        };
+        let mut vgpus: Vec<(u32, Option<&str>)> = inv
+            .mdevs
+            .values()
+            .filter(|m| on_gpu(m.parent_pci))
+            .filter_map(|m| Some((m.iommu_group?, m.vfio_cdev.as_deref())))
+            .collect();
+        vgpus.extend(
+            vfs.iter()
+                .filter(|v| v.nvidia_vgpu.as_ref().is_some_and(|g| g.current != 0))
+                .filter_map(|v| Some((v.iommu_group?, v.vfio_cdev.as_deref()))),
+        );
+        if vgpus.is_empty() {
+            return out;
         }
+        match inuse::holders(&paths) {
+            Ok(scan) => {
+                for (group, cdev) in vgpus {
+                    let cdevs: Vec<&str> = cdev.into_iter().collect();
+                    out.extend(inuse::group_holders_in(&scan, group, &cdevs));
+                }
+            }
+            Err(e) => out.push(Holder {
+                pid: 0,
+                comm: format!(
+                    "unknown: cannot read the processes ({}), and the GPU has vGPUs",
+                    error_chain(&e)
+                ),
+                path: paths.proc().display().to_string(),
+            }),
+        }
+        out
     }
 }
 
 /// `vfio-manager bind`: every selected function onto its VFIO driver.
 pub fn run_bind(cfg: &Config, paths: &HostPaths) -> Result<Report, NodeError> {
     let start = Instant::now();
-    let (_inv, sel) = read_and_select(cfg, paths)?;
+    let (inv, sel) = read_and_select(cfg, paths)?;
     if sel.is_empty() {
         tracing::warn!("no devices match the selection; nothing to bind");
     }
-    let holders = nvidia_holders_fn(paths);
+    let holders = nvidia_holders_fn(paths, &inv);
     let results = ops::bind_all(paths, &sel, &cfg.op_options(), &holders);
     let moved: Vec<_> = results
         .iter()

@@ -150,7 +150,7 @@ pub fn bind_one(
         if !holders.is_empty() {
             return fail(format!(
                 "{a} is in use on the nvidia driver ({}); unbinding it would hang until they \
-                 exit, so it is left on nvidia",
+                 exit, or destroy the vGPUs they use, so it is left on nvidia",
                 join_holders(&holders)
             ));
         }

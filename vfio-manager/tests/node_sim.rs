@@ -172,6 +172,40 @@ fn a_gpu_whose_nvidia_node_is_held_is_not_unbound() {
 }
 
 #[test]
+fn a_gpu_whose_vgpu_a_vm_uses_is_not_unbound() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    // An A10-4Q vGPU on the first GPU's first VF, its group held by a VM.
+    std::fs::write(dev_dir(root, "0000:41:00.0").join("sriov_numvfs"), "4").unwrap();
+    let uuid = "6f1d2c3b-4a59-4e8d-9c7b-0a1b2c3d4e5f";
+    std::fs::write(
+        root.join("sys/class/mdev_bus/0000:41:00.4/mdev_supported_types/nvidia-593/create"),
+        uuid,
+    )
+    .unwrap();
+    let g =
+        std::fs::read_link(root.join(format!("sys/bus/mdev/devices/{uuid}/iommu_group"))).unwrap();
+    let g = g.file_name().unwrap().to_str().unwrap().to_string();
+    control(root, &format!("hold {g} pid=4321 comm=virt-launcher"));
+    let o = run(root, &["bind"]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let err = text(&o.stderr);
+    assert!(err.contains("0000:41:00.0 failed"), "{}", show(&o));
+    assert!(err.contains("pid 4321 (virt-launcher)"), "{}", show(&o));
+    assert!(err.contains("destroy the vGPUs"), "{}", show(&o));
+    let touched: Vec<_> = ops_for(root, "0000:41:00.0")
+        .into_iter()
+        .filter(|(p, _, _)| !p.ends_with("sriov_numvfs") && !p.ends_with("/create"))
+        .collect();
+    assert_eq!(touched, vec![], "the GPU was not written to");
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("nvidia"));
+    assert!(root.join(format!("sys/bus/mdev/devices/{uuid}")).exists());
+    assert_eq!(driver(root, "0000:61:00.0").as_deref(), Some("vfio-pci"));
+}
+
+#[test]
 fn rtx_workstation_gpu_and_audio_are_bound_together() {
     let Some(sim) = try_mount("rtx-workstation") else {
         return;

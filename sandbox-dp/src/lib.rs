@@ -49,7 +49,9 @@ pub struct Config {
     pub metrics_addr: Option<SocketAddr>,
     /// Re-read the node this often even without events.
     pub resync_interval: Duration,
-    /// Wait this long after an event before re-reading, to take a burst at once.
+    /// The shortest time between two event-driven re-reads. The first event after a quiet
+    /// spell is read at once; a burst (twelve mdevs created, a driver's remove and add) costs at
+    /// most one read per interval, its last event included.
     pub debounce: Duration,
 }
 
@@ -213,11 +215,12 @@ pub async fn run(
     let mut resync = tokio::time::interval(config.resync_interval);
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     resync.tick().await;
+    let mut last_read = tokio::time::Instant::now();
     let result = loop {
         tokio::select! {
             _ = shutdown.cancelled() => break Ok(()),
             _ = changes.notified() => {
-                tokio::time::sleep(config.debounce).await;
+                tokio::time::sleep_until(last_read + config.debounce).await;
             }
             _ = resync.tick() => {
                 wake.send_modify(|c| *c += 1);
@@ -233,6 +236,7 @@ pub async fn run(
             }
         }
         files.refresh();
+        last_read = tokio::time::Instant::now();
         match read_node_async(&paths, &config.discover).await {
             Ok((snap, nodes)) => mgr.apply(snap, nodes, &mut tasks),
             Err(e) => tracing::warn!(

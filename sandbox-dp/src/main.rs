@@ -181,7 +181,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 discover,
                 metrics_addr: cli.metrics_addr,
                 resync_interval: cli.resync_interval,
-                debounce: Duration::from_millis(50),
+                debounce: Duration::from_millis(20),
             };
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)

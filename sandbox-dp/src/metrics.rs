@@ -118,6 +118,9 @@ impl Metrics {
     }
 }
 
+/// The most one metrics request may take.
+const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Serves `GET /metrics` on `addr` until `shutdown`.
 pub async fn serve(
     addr: SocketAddr,
@@ -132,11 +135,24 @@ pub async fn serve(
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
             acc = listener.accept() => {
-                let (stream, _) = acc.with_context(|| format!("accepting on {addr}"))?;
+                // A failed accept (EMFILE, a peer that reset) is that connection's problem, not
+                // the device plugin's: log it, pause briefly, keep serving.
+                let stream = match acc {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        tracing::warn!(%addr, error = %e, "cannot accept a metrics connection");
+                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
                 let m = metrics.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = answer(stream, &m).await {
-                        tracing::debug!(error = %e, "metrics request failed");
+                    // A client that never finishes its request does not hold a task forever.
+                    let r = tokio::time::timeout(ANSWER_TIMEOUT, answer(stream, &m)).await;
+                    match r {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => tracing::debug!(error = %e, "metrics request failed"),
+                        Err(_) => tracing::debug!("metrics request timed out"),
                     }
                 });
             }

@@ -191,6 +191,9 @@ pub struct Inventory {
     pub mdevs: BTreeMap<String, MdevDevice>,
     /// Groups whose `<root>/dev/vfio/<group>` node exists.
     pub vfio_nodes: BTreeSet<u32>,
+    /// Functions that could not be read but whose IOMMU group could, by group: a group is
+    /// given to a VM whole, so a member nobody can vouch for matters.
+    pub unreadable_in_group: BTreeMap<u32, Vec<PciAddress>>,
 }
 
 impl Inventory {
@@ -218,10 +221,15 @@ impl Inventory {
                     inv.devices.insert(address, dev);
                 }
                 Ok(None) => {} // vanished while we read it
-                Err(e) => inv.unreadable.push(Unreadable {
-                    path,
-                    reason: error_chain(&e),
-                }),
+                Err(e) => {
+                    if let Ok(Some(g)) = link_number(&path.join("iommu_group")) {
+                        inv.unreadable_in_group.entry(g).or_default().push(address);
+                    }
+                    inv.unreadable.push(Unreadable {
+                        path,
+                        reason: error_chain(&e),
+                    })
+                }
             }
         }
         inv.read_mdev_parents(paths, opts);
@@ -396,7 +404,7 @@ pub(crate) fn list_dir(dir: &Path) -> Result<Vec<String>> {
 
 /// A file's contents without surrounding whitespace; `None` when it does not exist.
 pub(crate) fn read_opt(path: &Path) -> Result<Option<String>> {
-    match fs::read_to_string(path) {
+    match read_attr(path) {
         Ok(s) => Ok(Some(s.trim().to_string())),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(Error::io(path, e)),
@@ -404,9 +412,35 @@ pub(crate) fn read_opt(path: &Path) -> Result<Option<String>> {
 }
 
 fn read_req(path: &Path) -> Result<String> {
-    fs::read_to_string(path)
+    read_attr(path)
         .map(|s| s.trim().to_string())
         .map_err(|e| Error::io(path, e))
+}
+
+/// Reads a sysfs attribute: open and one `read` of up to a page, which is all an attribute
+/// holds and all the kernel hands over in one go. `fs::read_to_string` would add an `fstat`
+/// and a second `read` for the end of file: on a node of a few hundred attributes that is a
+/// few hundred more round trips for nothing (many more on a FUSE tree such as node-sim).
+/// A larger file (a long `creatable_vgpu_types`) is read on to its end.
+fn read_attr(path: &Path) -> io::Result<String> {
+    read_all(fs::File::open(path)?)
+}
+
+/// Reads an opened attribute: one `read` of a page, on to the end only if it filled the page.
+fn read_all(mut f: fs::File) -> io::Result<String> {
+    use std::io::Read;
+    let mut buf = vec![0u8; 4096];
+    let mut len = 0;
+    loop {
+        let n = f.read(&mut buf[len..])?;
+        len += n;
+        if n == 0 || len < buf.len() {
+            break;
+        }
+        buf.resize(buf.len() * 2, 0);
+    }
+    buf.truncate(len);
+    String::from_utf8(buf).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
 }
 
 fn parse_hex(path: &Path, s: &str) -> Result<u32> {
@@ -423,15 +457,6 @@ fn parse_hex(path: &Path, s: &str) -> Result<u32> {
     u32::from_str_radix(digits, 16).map_err(|_| Error::Parse {
         path: path.to_path_buf(),
         reason: format!("not a hex number: {s:?}"),
-    })
-}
-
-fn read_hex16(path: &Path) -> Result<u16> {
-    let s = read_req(path)?;
-    let v = parse_hex(path, &s)?;
-    u16::try_from(v).map_err(|_| Error::Parse {
-        path: path.to_path_buf(),
-        reason: format!("not a 16-bit id: {s:?}"),
     })
 }
 
@@ -464,17 +489,6 @@ fn link_number(path: &Path) -> Result<Option<u32>> {
             n.parse::<u32>().map_err(|_| Error::Parse {
                 path: path.to_path_buf(),
                 reason: format!("link does not end in a group number: {n:?}"),
-            })
-        })
-        .transpose()
-}
-
-fn link_address(path: &Path) -> Result<Option<PciAddress>> {
-    link_name(path)?
-        .map(|n| {
-            n.parse::<PciAddress>().map_err(|_| Error::Parse {
-                path: path.to_path_buf(),
-                reason: format!("link does not end in a PCI address: {n:?}"),
             })
         })
         .transpose()
@@ -534,8 +548,9 @@ fn read_pci_device(
         }
         Err(e) => return Err(Error::io(link, e)),
     };
-    let class_path = dir.join("class");
-    let class = parse_hex(&class_path, &read_req(&class_path)?)?;
+    // One open of the device directory; every attribute below is opened relative to it.
+    let d = AttrDir::open(&dir)?;
+    let class = parse_hex(&d.file("class"), &d.read_req("class")?)?;
     let bridges: Vec<PciAddress> = dir
         .ancestors()
         .skip(1)
@@ -544,54 +559,94 @@ fn read_pci_device(
     let mut virtfns: Vec<(u32, PciAddress)> = Vec::new();
     let mut mdev_parent = false;
     let mut vfio_cdev = None;
-    for name in list_dir(&dir)? {
+    // Optional attributes are opened only when the listing has them: a failed open costs as
+    // much as a read, and most functions lack most of them (SR-IOV, physfn, nvidia/).
+    let names = list_dir(&dir)?;
+    let has = |n: &str| names.binary_search_by(|x| x.as_str().cmp(n)).is_ok();
+    for name in &names {
         if let Some(n) = name
             .strip_prefix("virtfn")
             .and_then(|n| n.parse::<u32>().ok())
         {
-            if let Some(a) = link_address(&dir.join(&name))? {
+            if let Some(a) = d.link_address(name)? {
                 virtfns.push((n, a));
             }
         } else if name == "mdev_supported_types" {
             mdev_parent = true;
         } else if name == "vfio-dev" {
-            vfio_cdev = list_dir(&dir.join(&name))
+            vfio_cdev = list_dir(&dir.join(name))
                 .ok()
                 .and_then(|v| v.into_iter().next());
         }
     }
     virtfns.sort();
-    let override_raw = read_opt(&dir.join("driver_override"))?;
-    let numa = read_opt(&dir.join("numa_node"))?
+    let opt = |n: &str| if has(n) { d.read_opt(n) } else { Ok(None) };
+    let opt_link = |n: &str| if has(n) { d.link_name(n) } else { Ok(None) };
+    let hex16 = |n: &str, s: &str| -> Result<u16> {
+        let v = parse_hex(&d.file(n), s)?;
+        u16::try_from(v).map_err(|_| Error::Parse {
+            path: d.file(n),
+            reason: format!("not a 16-bit id: {s:?}"),
+        })
+    };
+    let opt_hex = |n: &str| opt(n)?.map_or(Ok(0), |s| hex16(n, &s));
+    let opt_u32 = |n: &str| {
+        opt(n)?
+            .map(|s| {
+                s.parse::<u32>().map_err(|_| Error::Parse {
+                    path: d.file(n),
+                    reason: format!("not a number: {s:?}"),
+                })
+            })
+            .transpose()
+    };
+    let numa = opt("numa_node")?
         .map(|s| {
             s.parse::<i32>().map_err(|_| Error::Parse {
-                path: dir.join("numa_node"),
+                path: d.file("numa_node"),
                 reason: format!("not a number: {s:?}"),
             })
         })
         .transpose()?;
+    let iommu_group = opt_link("iommu_group")?
+        .map(|n| {
+            n.parse::<u32>().map_err(|_| Error::Parse {
+                path: d.file("iommu_group"),
+                reason: format!("link does not end in a group number: {n:?}"),
+            })
+        })
+        .transpose()?;
+    let physfn = if has("physfn") {
+        d.link_address("physfn")?
+    } else {
+        None
+    };
     let mdev_types = if mdev_parent && opts.mdev_types {
         read_mdev_types(&dir)?
     } else {
         Vec::new()
     };
-    let nvidia_vgpu = read_nvidia_vgpu(&dir)?;
+    let nvidia_vgpu = if has("nvidia") {
+        read_nvidia_vgpu(&dir)?
+    } else {
+        None
+    };
     Ok(Some(PciDevice {
         address,
-        vendor: read_hex16(&dir.join("vendor"))?,
-        device: read_hex16(&dir.join("device"))?,
-        subsystem_vendor: opt_hex16(&dir.join("subsystem_vendor"))?,
-        subsystem_device: opt_hex16(&dir.join("subsystem_device"))?,
+        vendor: hex16("vendor", &d.read_req("vendor")?)?,
+        device: hex16("device", &d.read_req("device")?)?,
+        subsystem_vendor: opt_hex("subsystem_vendor")?,
+        subsystem_device: opt_hex("subsystem_device")?,
         class,
-        driver: link_name(&dir.join("driver"))?,
-        driver_override: override_raw.filter(|s| !s.is_empty() && s != "(null)"),
-        iommu_group: link_number(&dir.join("iommu_group"))?,
+        driver: opt_link("driver")?,
+        driver_override: opt("driver_override")?.filter(|s| !s.is_empty() && s != "(null)"),
+        iommu_group,
         numa_node: numa.filter(|n| *n >= 0),
-        physfn: link_address(&dir.join("physfn"))?,
+        physfn,
         virtfns: virtfns.into_iter().map(|(_, a)| a).collect(),
-        sriov_totalvfs: read_opt_u32(&dir.join("sriov_totalvfs"))?,
-        sriov_numvfs: read_opt_u32(&dir.join("sriov_numvfs"))?,
-        modalias: read_opt(&dir.join("modalias"))?,
+        sriov_totalvfs: opt_u32("sriov_totalvfs")?,
+        sriov_numvfs: opt_u32("sriov_numvfs")?,
+        modalias: opt("modalias")?,
         upstream_bridge: bridges.first().copied(),
         bridges,
         vfio_cdev,
@@ -601,16 +656,79 @@ fn read_pci_device(
     }))
 }
 
-fn opt_hex16(path: &Path) -> Result<u16> {
-    match read_opt(path)? {
-        None => Ok(0),
-        Some(s) => {
-            let v = parse_hex(path, &s)?;
-            u16::try_from(v).map_err(|_| Error::Parse {
-                path: path.to_path_buf(),
-                reason: format!("not a 16-bit id: {s:?}"),
-            })
+/// A sysfs directory opened once, its attributes read relative to it: each read then resolves
+/// one name instead of the whole path from the root (a round trip per component on a FUSE
+/// tree, a dcache walk on real sysfs).
+struct AttrDir {
+    fd: std::os::fd::OwnedFd,
+    path: PathBuf,
+}
+
+impl AttrDir {
+    fn open(path: &Path) -> Result<AttrDir> {
+        use nix::fcntl::OFlag;
+        let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+        let fd = nix::fcntl::open(path, flags, nix::sys::stat::Mode::empty())
+            .map_err(|e| Error::io(path, io::Error::from(e)))?;
+        Ok(AttrDir {
+            fd,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// The full path of `name`, for errors.
+    fn file(&self, name: &str) -> PathBuf {
+        self.path.join(name)
+    }
+
+    fn read(&self, name: &str) -> io::Result<String> {
+        use nix::fcntl::OFlag;
+        let fd = nix::fcntl::openat(
+            &self.fd,
+            name,
+            OFlag::O_RDONLY | OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(io::Error::from)?;
+        read_all(fs::File::from(fd))
+    }
+
+    /// The attribute without surrounding whitespace; `None` when it does not exist.
+    fn read_opt(&self, name: &str) -> Result<Option<String>> {
+        match self.read(name) {
+            Ok(s) => Ok(Some(s.trim().to_string())),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(Error::io(self.file(name), e)),
         }
+    }
+
+    fn read_req(&self, name: &str) -> Result<String> {
+        self.read(name)
+            .map(|s| s.trim().to_string())
+            .map_err(|e| Error::io(self.file(name), e))
+    }
+
+    /// The last component of the link `name`'s target; `None` when there is no link.
+    fn link_name(&self, name: &str) -> Result<Option<String>> {
+        match nix::fcntl::readlinkat(&self.fd, name) {
+            Ok(t) => Ok(Path::new(&t)
+                .file_name()
+                .and_then(|n| n.to_str())
+                .map(str::to_string)),
+            Err(nix::errno::Errno::ENOENT) => Ok(None),
+            Err(e) => Err(Error::io(self.file(name), io::Error::from(e))),
+        }
+    }
+
+    fn link_address(&self, name: &str) -> Result<Option<PciAddress>> {
+        self.link_name(name)?
+            .map(|n| {
+                n.parse::<PciAddress>().map_err(|_| Error::Parse {
+                    path: self.file(name),
+                    reason: format!("link does not end in a PCI address: {n:?}"),
+                })
+            })
+            .transpose()
     }
 }
 
@@ -680,7 +798,7 @@ pub fn parse_creatable_vgpu_types(path: &Path, text: &str) -> Result<Vec<VgpuTyp
 
 fn read_nvidia_vgpu(dir: &Path) -> Result<Option<NvidiaVgpu>> {
     let path = dir.join("nvidia/creatable_vgpu_types");
-    let Some(text) = (match fs::read_to_string(&path) {
+    let Some(text) = (match read_attr(&path) {
         Ok(s) => Some(s),
         Err(e) if e.kind() == io::ErrorKind::NotFound => None,
         Err(e) => return Err(Error::io(&path, e)),

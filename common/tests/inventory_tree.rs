@@ -195,6 +195,11 @@ fn odd_devices_are_reported_and_the_rest_returned() {
     assert!(has("0000:44:00.0: dangling link"), "{reasons:#?}");
     assert!(has("not-an-address"), "{reasons:#?}");
     assert!(has("0000:45:00.0/iommu_group"), "{reasons:#?}");
+    // The groups of the unreadable functions whose group link could be read.
+    assert_eq!(
+        inv.unreadable_in_group,
+        [(31, vec![a("0000:42:00.0")]), (32, vec![a("0000:43:00.0")])].into()
+    );
 }
 
 #[test]

@@ -183,8 +183,11 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 resync_interval: cli.resync_interval,
                 debounce: Duration::from_millis(20),
             };
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
+            // One thread serves every resource: a device plugin answers a few calls a minute,
+            // and each worker thread costs memory (its stack, its allocator arena). Node reads
+            // run on the blocking pool, whose threads exit when idle.
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .thread_keep_alive(Duration::from_secs(1))
                 .enable_all()
                 .build()
                 .context("starting the async runtime")?;

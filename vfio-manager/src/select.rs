@@ -245,7 +245,13 @@ pub fn select(
             .copied()
             .filter(|d| excluded.contains(&d.address))
             .collect();
-        let refusal = if let (false, Some(f)) = (sel.allow_foreign_in_group, foreign.first()) {
+        let unknown = inv.unreadable_in_group.get(&group).and_then(|v| v.first());
+        let refusal = if let Some(u) = unknown {
+            Some(format!(
+                "IOMMU group {group} also holds {u}, whose sysfs entry cannot be read; a group is \
+                 given to a VM whole, so it is left alone"
+            ))
+        } else if let (false, Some(f)) = (sel.allow_foreign_in_group, foreign.first()) {
             Some(format!(
                 "IOMMU group {group} also holds {} ({}, class {:06x}), which is not a GPU \
                  function; refusing the group (--allow-foreign-in-group binds it too)",
@@ -395,6 +401,29 @@ pub(crate) mod tests {
         };
         let s = select(&i, &allow, None, &AliasTable::default());
         assert_eq!(addrs(&s), ["0000:41:00.0", "0000:41:00.1", "0000:81:00.0"]);
+    }
+
+    #[test]
+    fn a_group_with_an_unreadable_member_is_refused_even_when_foreign_is_allowed() {
+        let mut i = inv(vec![
+            dev("0000:41:00.0", NVIDIA, 0x2236, 0x030200, 7),
+            dev("0000:81:00.0", NVIDIA, 0x2236, 0x030200, 8),
+        ]);
+        i.unreadable_in_group.insert(7, vec![a("0000:41:00.1")]);
+        let allow = Selector {
+            allow_foreign_in_group: true,
+            ..Selector::default()
+        };
+        let s = select(&i, &allow, None, &AliasTable::default());
+        assert_eq!(addrs(&s), ["0000:81:00.0"]);
+        assert_eq!(s.refused[0].address, a("0000:41:00.0"));
+        assert!(
+            s.refused[0]
+                .reason
+                .contains("0000:41:00.1, whose sysfs entry cannot be read"),
+            "{:?}",
+            s.refused
+        );
     }
 
     #[test]

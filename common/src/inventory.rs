@@ -22,11 +22,19 @@ pub struct ReadOptions {
     /// nodes with many VFs (an Ampere GPU lists ~30 types on each of its VFs); readers that only
     /// need existing vGPUs turn it off. Instances always carry their type id and name.
     pub mdev_types: bool,
+    /// Read a VF's own identity (vendor, device, subsystem, class, modalias, NUMA node,
+    /// `driver_override`). Without it a VF gets its PF's: a GPU's VFs are dozens of functions
+    /// whose identity a vGPU planner never looks at, while their driver, group, `physfn`,
+    /// vGPU state and VFIO cdev are always read.
+    pub vf_identity: bool,
 }
 
 impl Default for ReadOptions {
     fn default() -> Self {
-        ReadOptions { mdev_types: true }
+        ReadOptions {
+            mdev_types: true,
+            vf_identity: true,
+        }
     }
 }
 
@@ -232,6 +240,9 @@ impl Inventory {
                 }
             }
         }
+        if !opts.vf_identity {
+            inv.fill_vf_identity();
+        }
         inv.read_mdev_parents(paths, opts);
         inv.read_mdevs(paths);
         inv.fill_vendor_vgpu_names(paths);
@@ -244,6 +255,30 @@ impl Inventory {
             }),
         }
         Ok(inv)
+    }
+
+    /// VFs read without their identity take their PF's (ids, class, modalias, NUMA node).
+    fn fill_vf_identity(&mut self) {
+        let vfs: Vec<(PciAddress, PciAddress)> = self
+            .devices
+            .values()
+            .filter(|d| d.vendor == 0 && d.class == 0)
+            .filter_map(|d| Some((d.address, d.physfn?)))
+            .collect();
+        for (vf, pf) in vfs {
+            let Some(p) = self.devices.get(&pf).cloned() else {
+                continue;
+            };
+            if let Some(d) = self.devices.get_mut(&vf) {
+                d.vendor = p.vendor;
+                d.device = p.device;
+                d.subsystem_vendor = p.subsystem_vendor;
+                d.subsystem_device = p.subsystem_device;
+                d.class = p.class;
+                d.modalias = p.modalias;
+                d.numa_node = p.numa_node;
+            }
+        }
     }
 
     /// The device at `a`.
@@ -550,7 +585,6 @@ fn read_pci_device(
     };
     // One open of the device directory; every attribute below is opened relative to it.
     let d = AttrDir::open(&dir)?;
-    let class = parse_hex(&d.file("class"), &d.read_req("class")?)?;
     let bridges: Vec<PciAddress> = dir
         .ancestors()
         .skip(1)
@@ -563,6 +597,8 @@ fn read_pci_device(
     // much as a read, and most functions lack most of them (SR-IOV, physfn, nvidia/).
     let names = list_dir(&dir)?;
     let has = |n: &str| names.binary_search_by(|x| x.as_str().cmp(n)).is_ok();
+    // A VF read without its identity: filled in from its PF by the caller.
+    let identity = opts.vf_identity || !has("physfn");
     for name in &names {
         if let Some(n) = name
             .strip_prefix("virtfn")
@@ -581,6 +617,7 @@ fn read_pci_device(
     }
     virtfns.sort();
     let opt = |n: &str| if has(n) { d.read_opt(n) } else { Ok(None) };
+    let id_opt = |n: &str| if identity { opt(n) } else { Ok(None) };
     let opt_link = |n: &str| if has(n) { d.link_name(n) } else { Ok(None) };
     let hex16 = |n: &str, s: &str| -> Result<u16> {
         let v = parse_hex(&d.file(n), s)?;
@@ -589,7 +626,19 @@ fn read_pci_device(
             reason: format!("not a 16-bit id: {s:?}"),
         })
     };
-    let opt_hex = |n: &str| opt(n)?.map_or(Ok(0), |s| hex16(n, &s));
+    let opt_hex = |n: &str| id_opt(n)?.map_or(Ok(0), |s| hex16(n, &s));
+    let req_hex = |n: &str| {
+        if identity {
+            hex16(n, &d.read_req(n)?)
+        } else {
+            Ok(0)
+        }
+    };
+    let class = if identity {
+        parse_hex(&d.file("class"), &d.read_req("class")?)?
+    } else {
+        0
+    };
     let opt_u32 = |n: &str| {
         opt(n)?
             .map(|s| {
@@ -600,7 +649,7 @@ fn read_pci_device(
             })
             .transpose()
     };
-    let numa = opt("numa_node")?
+    let numa = id_opt("numa_node")?
         .map(|s| {
             s.parse::<i32>().map_err(|_| Error::Parse {
                 path: d.file("numa_node"),
@@ -633,20 +682,20 @@ fn read_pci_device(
     };
     Ok(Some(PciDevice {
         address,
-        vendor: hex16("vendor", &d.read_req("vendor")?)?,
-        device: hex16("device", &d.read_req("device")?)?,
+        vendor: req_hex("vendor")?,
+        device: req_hex("device")?,
         subsystem_vendor: opt_hex("subsystem_vendor")?,
         subsystem_device: opt_hex("subsystem_device")?,
         class,
         driver: opt_link("driver")?,
-        driver_override: opt("driver_override")?.filter(|s| !s.is_empty() && s != "(null)"),
+        driver_override: id_opt("driver_override")?.filter(|s| !s.is_empty() && s != "(null)"),
         iommu_group,
         numa_node: numa.filter(|n| *n >= 0),
         physfn,
         virtfns: virtfns.into_iter().map(|(_, a)| a).collect(),
         sriov_totalvfs: opt_u32("sriov_totalvfs")?,
         sriov_numvfs: opt_u32("sriov_numvfs")?,
-        modalias: opt("modalias")?,
+        modalias: id_opt("modalias")?,
         upstream_bridge: bridges.first().copied(),
         bridges,
         vfio_cdev,

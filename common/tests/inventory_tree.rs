@@ -273,8 +273,38 @@ fn mdev_parents_types_and_instances() {
     assert_eq!(mdev.iommu_group, Some(120));
     assert_eq!(mdev.vfio_cdev.as_deref(), Some("vfio7"));
 
-    let light = Inventory::read_with(&t.paths(), &ReadOptions { mdev_types: false }).unwrap();
+    let light = Inventory::read_with(
+        &t.paths(),
+        &ReadOptions {
+            mdev_types: false,
+            vf_identity: false,
+        },
+    )
+    .unwrap();
     assert!(light.mdev_parents["0000:41:00.4"].types.is_empty());
+    // The VF's identity is its PF's; what it holds is its own.
+    let (full, lite) = (
+        inv.device(&a("0000:41:00.4")).unwrap(),
+        light.device(&a("0000:41:00.4")).unwrap(),
+    );
+    assert_eq!(
+        (lite.vendor, lite.device, lite.class),
+        (full.vendor, full.device, full.class)
+    );
+    assert_eq!(
+        (
+            &lite.physfn,
+            &lite.driver,
+            lite.iommu_group,
+            lite.mdev_parent
+        ),
+        (
+            &full.physfn,
+            &full.driver,
+            full.iommu_group,
+            full.mdev_parent
+        )
+    );
     assert_eq!(
         light.mdevs[uuid].type_name.as_deref(),
         Some("NVIDIA A10-4Q")

@@ -58,7 +58,10 @@ pub struct Config {
 /// One read of the node: inventory → resources, plus the iommufd device nodes.
 pub fn read_node(paths: &HostPaths, cfg: &DiscoverConfig) -> anyhow::Result<(Snapshot, DevNodes)> {
     // Instances carry their type name; the parents' type lists (dozens per VF) are not needed.
-    let opts = ReadOptions { mdev_types: false };
+    let opts = ReadOptions {
+        mdev_types: false,
+        vf_identity: true,
+    };
     let inv = Inventory::read_with(paths, &opts)
         .with_context(|| format!("reading the node under {}", paths.root().display()))?;
     for u in &inv.unreadable {

@@ -238,23 +238,40 @@ fn read_types_of_one_parent_per_gpu(paths: &HostPaths, inv: &mut Inventory) {
 /// Reads the node's candidate GPUs.
 pub fn snapshot(opts: &Options) -> Result<Vec<Gpu>, ApplyError> {
     // Types are read for one parent per GPU: every VF of a GPU lists the same types, and a
-    // GPU has up to 32 VFs of ~25 types each.
-    let mut inv = Inventory::read_with(&opts.paths, &ReadOptions { mdev_types: false })
-        .map_err(ApplyError::Read)?;
+    // GPU has up to 32 VFs of ~25 types each. A VF's identity is its PF's for planning.
+    let read = ReadOptions {
+        mdev_types: false,
+        vf_identity: false,
+    };
+    let mut inv = Inventory::read_with(&opts.paths, &read).map_err(ApplyError::Read)?;
     read_types_of_one_parent_per_gpu(&opts.paths, &mut inv);
     for u in &inv.unreadable {
         tracing::warn!(path = %u.path.display(), "skipped: {}", u.reason);
     }
-    let scan = match common::inuse::holders(&opts.paths) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!("cannot scan processes for open vGPUs: {}", error_chain(&e));
-            BTreeMap::new()
-        }
-    };
+    let scan = common::inuse::holders(&opts.paths).map_err(|e| {
+        let e = error_chain(&e);
+        tracing::warn!("cannot scan processes for open vGPUs: {e}");
+        e
+    });
     remember_names(&opts.paths, &inv);
     let names = common::vgpu_names::load(&opts.paths);
-    let mut gpus = plan::discover(&inv, opts.vendor, &scan, &names);
+    let mut gpus = plan::discover(
+        &inv,
+        opts.vendor,
+        scan.as_ref().unwrap_or(&BTreeMap::new()),
+        &names,
+    );
+    if let Err(e) = &scan {
+        // Not knowing whether a VM uses a vGPU is not knowing it is free: every existing vGPU
+        // counts as in use, so nothing is removed; missing ones are still created.
+        for v in gpus.iter_mut().flat_map(|g| g.vgpus.iter_mut()) {
+            v.holders.push(common::Holder {
+                pid: 0,
+                comm: format!("unknown: cannot read the processes: {e}"),
+                path: opts.paths.proc().display().to_string(),
+            });
+        }
+    }
     let allocated = kubelet_allocations(&opts.paths);
     for v in gpus.iter_mut().flat_map(|g| g.vgpus.iter_mut()) {
         v.allocated = allocated

@@ -430,7 +430,10 @@ fn bench_vgpu(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
             nwrites = ops.len();
             let inv = common::Inventory::read_with(
                 &common::HostPaths::new(sim.root()),
-                &common::ReadOptions { mdev_types: false },
+                &common::ReadOptions {
+                    mdev_types: false,
+                    vf_identity: true,
+                },
             )?;
             vgpus = inv.mdevs.len()
                 + inv

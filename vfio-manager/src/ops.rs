@@ -424,6 +424,23 @@ mod tests {
         (dir, p, t)
     }
 
+    /// The GPU's `driver_override` reads as never set.
+    fn assert_override_clear(root: &std::path::Path) {
+        let ov = root.join("sys/devices/pci0000:00/0000:41:00.0/driver_override");
+        assert_eq!(
+            fs::read_to_string(ov).unwrap(),
+            "(null)\n",
+            "nothing written"
+        );
+    }
+
+    /// Nothing was written: no override, no unbind.
+    fn assert_untouched(root: &std::path::Path) {
+        assert_override_clear(root);
+        let unbind = root.join("sys/bus/pci/drivers/nvidia/unbind");
+        assert_eq!(fs::read_to_string(unbind).unwrap(), "");
+    }
+
     #[test]
     fn a_gpu_held_on_nvidia_is_left_alone_and_the_holder_named() {
         let (dir, p, t) = tree();
@@ -440,16 +457,7 @@ mod tests {
         };
         assert!(error.contains("0000:41:00.0"), "{error}");
         assert!(error.contains("pid 77 (nvidia-persiste)"), "{error}");
-        let ov = dir
-            .path()
-            .join("sys/devices/pci0000:00/0000:41:00.0/driver_override");
-        assert_eq!(
-            fs::read_to_string(ov).unwrap(),
-            "(null)\n",
-            "nothing written"
-        );
-        let unbind = dir.path().join("sys/bus/pci/drivers/nvidia/unbind");
-        assert_eq!(fs::read_to_string(unbind).unwrap(), "");
+        assert_untouched(dir.path());
     }
 
     #[test]
@@ -463,10 +471,7 @@ mod tests {
                 driver: Some("nvidia".into())
             }
         );
-        let ov = dir
-            .path()
-            .join("sys/devices/pci0000:00/0000:41:00.0/driver_override");
-        assert_eq!(fs::read_to_string(ov).unwrap(), "(null)\n");
+        assert_override_clear(dir.path());
     }
 
     #[test]
@@ -477,12 +482,7 @@ mod tests {
             panic!("{out:?}")
         };
         assert!(error.contains("driver vfio-pci is not loaded"), "{error}");
-        let ov = dir
-            .path()
-            .join("sys/devices/pci0000:00/0000:41:00.0/driver_override");
-        assert_eq!(fs::read_to_string(ov).unwrap(), "(null)\n");
-        let unbind = dir.path().join("sys/bus/pci/drivers/nvidia/unbind");
-        assert_eq!(fs::read_to_string(unbind).unwrap(), "");
+        assert_untouched(dir.path());
     }
 
     #[test]
@@ -502,14 +502,7 @@ mod tests {
             reason.contains("cannot tell whether IOMMU group 21 is in use"),
             "{reason}"
         );
-        let ov = dir
-            .path()
-            .join("sys/devices/pci0000:00/0000:41:00.0/driver_override");
-        assert_eq!(
-            fs::read_to_string(ov).unwrap(),
-            "(null)\n",
-            "nothing written"
-        );
+        assert_override_clear(dir.path());
     }
 
     #[test]

@@ -126,10 +126,9 @@ fn nvidia_holders_fn<'a>(
         // The GPU's vGPUs: (IOMMU group, VFIO cdev) of each mdev on it or its VFs, and of
         // each VF that holds an SR-IOV vGPU.
         let vfs: Vec<&common::PciDevice> = inv
-            .devices
-            .values()
-            .filter(|d| d.physfn == Some(t.address))
-            .collect();
+            .device(&t.address)
+            .map(|g| g.virtfns.iter().filter_map(|v| inv.device(v)).collect())
+            .unwrap_or_default();
         let on_gpu = |p: Option<PciAddress>| {
             p.is_some_and(|p| p == t.address || vfs.iter().any(|v| v.address == p))
         };

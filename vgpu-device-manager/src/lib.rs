@@ -2,6 +2,7 @@
 //! `version: v1` / `vgpu-configs` file (NVIDIA vgpu-device-manager's format).
 //!
 //! - [`config`] parses and checks the file.
+//! - [`models`] knows what NVIDIA's GPU models make, for what sysfs does not show yet.
 //! - [`plan`] turns the node's inventory into per-GPU state and plans a profile against it
 //!   (a pure function).
 //! - [`apply`] reads, plans and executes, GPUs in parallel.
@@ -10,6 +11,7 @@
 pub mod apply;
 pub mod config;
 pub mod daemon;
+pub mod models;
 pub mod plan;
 
 use std::io::Read;

@@ -412,6 +412,33 @@ fn pci_gpu(
                 add(&mut types, *id, Some(name.clone()));
             }
         }
+        // The vendor path lists types without counts. A time-sliced type's equal-size limit is
+        // the GPU's memory over the type's size: the model's memory, else (a GPU with no vGPU
+        // lists every type) the largest type it lists.
+        let busy = vfs
+            .iter()
+            .any(|v| v.nvidia_vgpu.as_ref().is_some_and(|nv| nv.current != 0));
+        let memory_mb = crate::models::model(dev.vendor, dev.device)
+            .map(|m| u64::from(m.memory_gib) * 1024)
+            .or_else(|| {
+                (!busy)
+                    .then(|| types.iter().filter_map(|t| t.framebuffer_mb).max())
+                    .flatten()
+            });
+        let vf_count = vfs.iter().filter(|v| v.nvidia_vgpu.is_some()).count() as u32;
+        for t in &mut types {
+            let time_sliced = t
+                .name
+                .as_deref()
+                .and_then(|n| n.split_whitespace().last())
+                .and_then(crate::models::TypeName::parse)
+                .is_some_and(|n| !n.mig);
+            if let (true, Some(mem), Some(fb)) = (time_sliced, memory_mb, t.framebuffer_mb)
+                && fb > 0
+            {
+                t.max = Some(((mem / fb) as u32).min(vf_count));
+            }
+        }
         g.types = types;
         g.slots = vfs
             .iter()
@@ -829,88 +856,71 @@ fn plan_selected(
     }
 }
 
-fn plan_gpu(g: &Gpu, profile: &str, ei: usize, e: &Entry) -> Result<GpuPlan, Vec<PlanError>> {
-    let want: BTreeMap<String, u32> = e
-        .vgpu_devices
-        .iter()
-        .map(|(k, c)| (k.0.clone(), c.0))
-        .collect();
-    let mut p = GpuPlan {
-        index: g.index,
-        gpu: g.label(),
-        entry: format!("{profile}[{ei}]"),
-        want,
-        keep: Vec::new(),
-        actions: Vec::new(),
-        blocked: Vec::new(),
-        after_vfs: false,
+/// Checks an entry for a GPU whose VFs are not enabled yet, so shows no types, against what its
+/// model is known to make ([`crate::models`]): a type it cannot make, more than fit, or sizes
+/// it cannot mix are refused before any VF is enabled. Keys the table cannot judge (type ids,
+/// MIG-backed counts, a model it does not know) pass here; the plan made once the VFs exist
+/// checks them against sysfs.
+fn check_before_vfs(g: &Gpu, profile: &str, ei: usize, e: &Entry, vfs: u32) -> Vec<PlanError> {
+    let asked: u32 = e.vgpu_devices.values().map(|c| c.0).sum();
+    let Some(model) = crate::models::model(g.ids.0, g.ids.1) else {
+        return check_fit(g, profile, ei, &[], asked, Some(vfs));
     };
-    let err_ctx = |f: &dyn Fn(String, usize, String) -> PlanError| f(profile.into(), ei, g.label());
-    match &g.backend {
-        Backend::Unsupported { why } => {
-            if e.vgpu_devices.is_empty() {
-                return Ok(p);
-            }
-            return Err(vec![err_ctx(&|profile, entry, gpu| {
-                PlanError::Unsupported {
-                    profile,
-                    entry,
-                    gpu,
-                    why: why.clone(),
-                }
-            })]);
-        }
-        Backend::NeedsVfs { total } => {
-            if e.vgpu_devices.is_empty() {
-                return Ok(p);
-            }
-            let asked: u32 = e.vgpu_devices.values().map(|c| c.0).sum();
-            if asked > *total {
-                return Err(vec![PlanError::Capacity {
-                    profile: profile.into(),
-                    entry: ei,
-                    gpu: g.label(),
-                    what: format!("vGPUs (one per VF, {total} VFs)"),
-                    max: *total,
-                    asked,
-                }]);
-            }
-            if let Some(pf) = g.pci {
-                p.actions.push(Action::EnableVfs { pf, count: *total });
-            }
-            p.after_vfs = true;
-            return Ok(p);
-        }
-        _ => {}
-    }
-    // Resolve each key to a type.
     let mut errors = Vec::new();
-    let mut wanted: Vec<(&TypeKey, &TypeInfo, u32)> = Vec::new();
+    let mut known: Vec<(&TypeKey, TypeInfo, u32)> = Vec::new();
     for (k, c) in &e.vgpu_devices {
-        match g.types.iter().find(|t| t.matches(k)) {
-            Some(t) => wanted.push((k, t, c.0)),
-            None => {
-                let mut offered: Vec<String> = g.types.iter().map(TypeInfo::key).collect();
-                offered.sort();
-                offered.dedup();
-                errors.push(PlanError::UnknownType {
-                    profile: profile.into(),
-                    entry: ei,
-                    gpu: g.label(),
-                    key: k.0.clone(),
-                    offered: if offered.is_empty() {
-                        NO_TYPE_NOW.into()
-                    } else {
-                        offered.join(", ")
-                    },
-                });
+        let k_str = k.as_str();
+        let is_id = k_str.bytes().all(|b| b.is_ascii_digit())
+            || k_str
+                .strip_prefix("nvidia-")
+                .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+        if is_id {
+            continue;
+        }
+        match crate::models::TypeName::parse(k_str) {
+            Some(t) if model.may_make(&t) => {
+                if !t.mig {
+                    known.push((
+                        k,
+                        TypeInfo {
+                            id: k_str.into(),
+                            name: Some(k_str.into()),
+                            max: Some(model.equal_size_max(t.size_gib).min(vfs)),
+                            framebuffer_mb: Some(u64::from(t.size_gib) * 1024),
+                        },
+                        c.0,
+                    ));
+                }
             }
+            _ => errors.push(PlanError::UnknownType {
+                profile: profile.into(),
+                entry: ei,
+                gpu: g.label(),
+                key: k.0.clone(),
+                offered: model.describe(),
+            }),
         }
     }
     if !errors.is_empty() {
-        return Err(errors);
+        return errors;
     }
-    // Mixing rules of NVIDIA's time-sliced vGPUs.
+    let wanted: Vec<(&TypeKey, &TypeInfo, u32)> =
+        known.iter().map(|(k, t, n)| (*k, t, *n)).collect();
+    check_fit(g, profile, ei, &wanted, asked, Some(vfs))
+}
+
+/// The rules a set of wanted types must meet on one GPU: NVIDIA's mixing rules for time-sliced
+/// vGPUs, each type's limit, the limit of one size in all, and (`vfs`) one vGPU per VF.
+/// `asked` counts every vGPU of the entry.
+fn check_fit(
+    g: &Gpu,
+    profile: &str,
+    ei: usize,
+    wanted: &[(&TypeKey, &TypeInfo, u32)],
+    asked: u32,
+    vfs: Option<u32>,
+) -> Vec<PlanError> {
+    let mut errors = Vec::new();
     if g.is_nvidia() && wanted.len() > 1 {
         let types = wanted
             .iter()
@@ -952,8 +962,7 @@ fn plan_gpu(g: &Gpu, profile: &str, ei: usize, e: &Entry) -> Result<GpuPlan, Vec
             }
         }
     }
-    // Capacity.
-    for (k, t, n) in &wanted {
+    for (k, t, n) in wanted {
         if let Some(max) = t.max
             && *n > max
         {
@@ -983,16 +992,99 @@ fn plan_gpu(g: &Gpu, profile: &str, ei: usize, e: &Entry) -> Result<GpuPlan, Vec
             asked: total,
         });
     }
-    if matches!(g.backend, Backend::MdevVf | Backend::Vendor) && total as usize > g.slots.len() {
+    if let Some(vfs) = vfs
+        && asked > vfs
+    {
         errors.push(PlanError::Capacity {
             profile: profile.into(),
             entry: ei,
             gpu: g.label(),
-            what: format!("vGPUs (one per VF, {} VFs)", g.slots.len()),
-            max: g.slots.len() as u32,
-            asked: total,
+            what: format!("vGPUs (one per VF, {vfs} VFs)"),
+            max: vfs,
+            asked,
         });
     }
+    errors
+}
+
+fn plan_gpu(g: &Gpu, profile: &str, ei: usize, e: &Entry) -> Result<GpuPlan, Vec<PlanError>> {
+    let want: BTreeMap<String, u32> = e
+        .vgpu_devices
+        .iter()
+        .map(|(k, c)| (k.0.clone(), c.0))
+        .collect();
+    let mut p = GpuPlan {
+        index: g.index,
+        gpu: g.label(),
+        entry: format!("{profile}[{ei}]"),
+        want,
+        keep: Vec::new(),
+        actions: Vec::new(),
+        blocked: Vec::new(),
+        after_vfs: false,
+    };
+    let err_ctx = |f: &dyn Fn(String, usize, String) -> PlanError| f(profile.into(), ei, g.label());
+    match &g.backend {
+        Backend::Unsupported { why } => {
+            if e.vgpu_devices.is_empty() {
+                return Ok(p);
+            }
+            return Err(vec![err_ctx(&|profile, entry, gpu| {
+                PlanError::Unsupported {
+                    profile,
+                    entry,
+                    gpu,
+                    why: why.clone(),
+                }
+            })]);
+        }
+        Backend::NeedsVfs { total } => {
+            if e.vgpu_devices.is_empty() {
+                return Ok(p);
+            }
+            let errors = check_before_vfs(g, profile, ei, e, *total);
+            if !errors.is_empty() {
+                return Err(errors);
+            }
+            if let Some(pf) = g.pci {
+                p.actions.push(Action::EnableVfs { pf, count: *total });
+            }
+            p.after_vfs = true;
+            return Ok(p);
+        }
+        _ => {}
+    }
+    // Resolve each key to a type.
+    let mut errors = Vec::new();
+    let mut wanted: Vec<(&TypeKey, &TypeInfo, u32)> = Vec::new();
+    for (k, c) in &e.vgpu_devices {
+        match g.types.iter().find(|t| t.matches(k)) {
+            Some(t) => wanted.push((k, t, c.0)),
+            None => {
+                let mut offered: Vec<String> = g.types.iter().map(TypeInfo::key).collect();
+                offered.sort();
+                offered.dedup();
+                errors.push(PlanError::UnknownType {
+                    profile: profile.into(),
+                    entry: ei,
+                    gpu: g.label(),
+                    key: k.0.clone(),
+                    offered: if offered.is_empty() {
+                        NO_TYPE_NOW.into()
+                    } else {
+                        offered.join(", ")
+                    },
+                });
+            }
+        }
+    }
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+    let vfs =
+        matches!(g.backend, Backend::MdevVf | Backend::Vendor).then_some(g.slots.len() as u32);
+    let asked: u32 = wanted.iter().map(|(_, _, n)| n).sum();
+    let errors = check_fit(g, profile, ei, &wanted, asked, vfs);
     if !errors.is_empty() {
         return Err(errors);
     }

@@ -170,19 +170,115 @@ fn t4_holds_one_type_at_a_time() {
 }
 
 #[test]
-fn a_type_error_on_a_fresh_gpu_leaves_it_without_vfs_again() {
-    // Types are only visible once the VFs exist: they are enabled to read them, and disabled
-    // again when the profile turns out not to fit; no vGPU is created.
+fn a_fresh_gpu_is_checked_against_its_model_before_any_vf_is_enabled() {
+    // A GPU without VFs shows no types; what its model makes is known, so a profile that cannot
+    // fit is refused with not one write.
     let Some(sim) = testkit::sim::try_mount("2xA10") else {
         return;
     };
     let root = sim.root();
-    let c = config_file(BAD);
+    let c = config_file(
+        r#"
+version: v1
+vgpu-configs:
+  wrong-type:
+    - devices: all
+      vgpu-devices: {"T4-4Q": 4}
+  no-such-size:
+    - devices: [1]
+      vgpu-devices: {"A10-5Q": 4}
+  too-many:
+    - devices: [0]
+      vgpu-devices: {"A10-4Q": 7}
+  mixed-sizes:
+    - devices: [1]
+      vgpu-devices: {"A10-4Q": 3, "A10-8Q": 1}
+  same-size-over:
+    - devices: [1]
+      vgpu-devices: {"A10-4Q": 4, "A10-4C": 3}
+  more-than-vfs:
+    - devices: [0]
+      vgpu-devices: {"nvidia-590": 33}
+"#,
+    );
+    let f = c.path.to_str().unwrap();
+    let cases: &[(&str, &[&str])] = &[
+        (
+            "wrong-type",
+            &[
+                "profile \"wrong-type\" entry 0: GPU 0 (0000:41:00.0, 10de:2236) cannot make \"T4-4Q\"",
+                "such as A10-4Q",
+            ],
+        ),
+        (
+            "no-such-size",
+            &[
+                "GPU 1 (0000:61:00.0",
+                "cannot make \"A10-5Q\"",
+                "divides its 24 GiB",
+            ],
+        ),
+        (
+            "too-many",
+            &[
+                "GPU 0 (0000:41:00.0",
+                "at most 6 A10-4Q vGPUs, the entry asks for 7",
+            ],
+        ),
+        (
+            "mixed-sizes",
+            &[
+                "GPU 1 (0000:61:00.0",
+                "cannot mix A10-4Q and A10-8Q",
+                "same framebuffer size",
+            ],
+        ),
+        ("same-size-over", &["GPU 1", "at most 6", "asks for 7"]),
+        (
+            "more-than-vfs",
+            &["GPU 0", "one per VF, 32 VFs", "asks for 33"],
+        ),
+    ];
+    for (profile, want) in cases {
+        for cmd in ["apply", "plan", "assert"] {
+            let o = run(root, &[cmd, "-f", f, "-c", profile]);
+            assert_eq!(o.status.code(), Some(2), "{cmd} {profile}: {}", text(&o));
+            let err = String::from_utf8_lossy(&o.stderr);
+            for w in *want {
+                assert!(err.contains(w), "{cmd} {profile}: missing {w:?} in\n{err}");
+            }
+        }
+        assert!(sim.ops().is_empty(), "{profile}: {:?}", sim.ops());
+    }
+    for pf in ["0000:41:00.0", "0000:61:00.0"] {
+        let n =
+            std::fs::read_to_string(root.join(format!("sys/bus/pci/devices/{pf}/sriov_numvfs")))
+                .unwrap();
+        assert_eq!(n.trim(), "0", "{pf}");
+    }
+}
+
+#[test]
+fn a_type_only_sysfs_can_judge_is_checked_after_the_vfs_and_they_are_disabled_again() {
+    // A type id is not in the model table: the VFs are enabled to read the types, and disabled
+    // again when the type is not among them; no vGPU is created.
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let c = config_file(
+        "version: v1\nvgpu-configs:\n  by-id:\n    - devices: all\n      vgpu-devices: {\"nvidia-999\": 2}\n",
+    );
     let o = run(
         root,
-        &["apply", "-f", c.path.to_str().unwrap(), "-c", "wrong-type"],
+        &["apply", "-f", c.path.to_str().unwrap(), "-c", "by-id"],
     );
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("cannot make \"nvidia-999\"; it offers A10-12A"),
+        "{err}"
+    );
     let ops = sim.ops();
     assert_eq!(ops.len(), 4, "{ops:?}");
     assert!(
@@ -205,11 +301,55 @@ fn a_type_error_on_a_fresh_gpu_leaves_it_without_vfs_again() {
     let fresh = testkit::sim::try_mount("2xA10").unwrap();
     let o = run(
         fresh.root(),
-        &["plan", "-f", c.path.to_str().unwrap(), "-c", "wrong-type"],
+        &["plan", "-f", c.path.to_str().unwrap(), "-c", "by-id"],
     );
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("enable 32 VFs on 0000:41:00.0"));
     assert!(fresh.ops().is_empty());
+}
+
+#[test]
+fn vendor_path_counts_are_checked_against_the_gpus_memory() {
+    // The vendor path lists types without counts: H100XM-16C fits 5 times in 80 GiB. Asking for
+    // 6 is refused before any write, whether the VFs exist yet or not.
+    let Some(sim) = testkit::sim::try_mount("8xH100-sriov") else {
+        return;
+    };
+    let root = sim.root();
+    let c = config_file(
+        r#"
+version: v1
+vgpu-configs:
+  small:
+    - devices: all
+      vgpu-devices: {"H100XM-4C": 2}
+  over:
+    - devices: [3]
+      vgpu-devices: {"H100XM-16C": 6}
+"#,
+    );
+    let f = c.path.to_str().unwrap();
+    let o = run(root, &["apply", "-f", f, "-c", "over"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("profile \"over\" entry 0: GPU 3")
+            && err.contains("at most 5 H100XM-16C vGPUs, the entry asks for 6"),
+        "{err}"
+    );
+    assert!(sim.ops().is_empty(), "{:?}", sim.ops());
+    // With the VFs enabled and vGPUs on every GPU, the same is refused from what sysfs lists.
+    let o = run(root, &["apply", "-f", f, "-c", "small"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    sim.clear_ops();
+    let o = run(root, &["apply", "-f", f, "-c", "over"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("at most 5 H100XM-16C vGPUs, the entry asks for 6"),
+        "{err}"
+    );
+    assert!(sim.ops().is_empty(), "{:?}", sim.ops());
 }
 
 #[test]

@@ -140,7 +140,7 @@ impl Model {
     pub fn may_make(&self, t: &TypeName) -> bool {
         self.prefixes.contains(&t.prefix)
             && self.series.contains(&t.series)
-            && (t.mig || (t.size_gib <= self.memory_gib && self.memory_gib % t.size_gib == 0))
+            && (t.mig || (t.size_gib <= self.memory_gib && self.memory_gib.is_multiple_of(t.size_gib)))
     }
 
     /// The most time-sliced vGPUs of this size one GPU holds in equal-size mode.
@@ -160,7 +160,7 @@ impl Model {
         let series: String = self.series.iter().collect();
         let example = [4, 8, 1]
             .into_iter()
-            .find(|s| self.memory_gib % s == 0)
+            .find(|s| self.memory_gib.is_multiple_of(*s))
             .unwrap_or(self.memory_gib);
         format!(
             "{names} types of series {series} whose size divides its {} GiB, such as {}-{example}{}",

@@ -278,6 +278,17 @@ pub fn snapshot(opts: &Options) -> Result<Vec<Gpu>, ApplyError> {
             .get(&v.handle.to_string().to_ascii_lowercase())
             .cloned();
     }
+    for g in &gpus {
+        tracing::debug!(
+            gpu = %g.label(),
+            backend = ?g.backend,
+            types = g.types.len(),
+            slots = g.slots.len(),
+            vgpus = g.vgpus.len(),
+            in_use = g.vgpus.iter().filter(|v| v.in_use()).count(),
+            "read"
+        );
+    }
     Ok(gpus)
 }
 

@@ -43,6 +43,16 @@ pub enum ConfigError {
         /// The names the file has, comma separated.
         known: String,
     },
+    /// No profile was named and the file has more than one.
+    #[error(
+        "-c/--selected-config (or VGPU_DM_SELECTED_CONFIG) is required: the config file has {count} profiles ({known})"
+    )]
+    NoSelection {
+        /// How many profiles the file has.
+        count: usize,
+        /// Their names, comma separated.
+        known: String,
+    },
 }
 
 /// The whole file.
@@ -332,13 +342,31 @@ impl Config {
             .map(|v| v.as_slice())
             .ok_or_else(|| ConfigError::UnknownProfile {
                 name: name.to_string(),
-                known: self
-                    .vgpu_configs
-                    .keys()
-                    .map(|k| k.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", "),
+                known: self.known(),
             })
+    }
+
+    /// The profile to use: `name` when given (it must exist), else the file's only profile, as
+    /// NVIDIA's `nvidia-vgpu-dm` does.
+    pub fn select(&self, name: Option<&str>) -> Result<String, ConfigError> {
+        match name {
+            Some(n) => self.profile(n).map(|_| n.to_string()),
+            None if self.vgpu_configs.len() == 1 => {
+                Ok(self.vgpu_configs.keys().next().cloned().unwrap_or_default())
+            }
+            None => Err(ConfigError::NoSelection {
+                count: self.vgpu_configs.len(),
+                known: self.known(),
+            }),
+        }
+    }
+
+    fn known(&self) -> String {
+        self.vgpu_configs
+            .keys()
+            .map(|k| k.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     /// The file as YAML.

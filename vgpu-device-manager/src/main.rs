@@ -29,8 +29,9 @@ struct Cli {
         global = true
     )]
     config_file: Option<PathBuf>,
-    /// The profile (a key under `vgpu-configs`). For `daemon`, a fixed profile instead of the
-    /// node label: the daemon then runs without Kubernetes (systemd).
+    /// The profile (a key under `vgpu-configs`); may be left out when the file has only one.
+    /// For `daemon`, a fixed profile instead of the node label: the daemon then runs without
+    /// Kubernetes (systemd).
     #[arg(
         short = 'c',
         long = "selected-config",
@@ -48,6 +49,16 @@ struct Cli {
     /// Log format on stderr (level from RUST_LOG, default info).
     #[arg(long, value_enum, default_value = "text", global = true)]
     log_format: LogFormat,
+    /// Debug-level logging: every sysfs write is logged (RUST_LOG sets finer filters).
+    #[arg(
+        short = 'd',
+        long,
+        env = "VGPU_DM_DEBUG",
+        global = true,
+        value_parser = clap::builder::BoolishValueParser::new(),
+        action = clap::ArgAction::SetTrue
+    )]
+    debug: bool,
     /// Longest a single sysfs write may take, in seconds.
     #[arg(long, default_value = "30", global = true)]
     write_timeout: u64,
@@ -67,7 +78,17 @@ enum Command {
     /// a vGPU in use is left as it is (exit 1); the rest is applied.
     Apply,
     /// Exit 0 if the node matches the profile, 1 if not (the differences go to stderr).
-    Assert,
+    Assert {
+        /// Only check that the config file is valid and has the profile; the node is not read.
+        #[arg(
+            short = 'a',
+            long,
+            env = "VGPU_DM_VALID_CONFIG",
+            value_parser = clap::builder::BoolishValueParser::new(),
+            action = clap::ArgAction::SetTrue
+        )]
+        valid_config: bool,
+    },
     /// Print what `apply` would change; changes nothing.
     Plan {
         /// Print the plan as JSON.
@@ -97,9 +118,12 @@ enum Command {
     },
 }
 
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+fn init_logging(format: LogFormat, debug: bool) {
+    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    if debug {
+        filter = filter.add_directive(tracing::level_filters::LevelFilter::DEBUG.into());
+    }
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -111,7 +135,7 @@ fn init_logging(format: LogFormat) {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_format);
+    init_logging(cli.log_format, cli.debug);
     match run(cli) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
@@ -143,16 +167,20 @@ fn run(cli: Cli) -> anyhow::Result<u8> {
     match cli.command {
         Command::Apply => {
             let file = need(&cli.config_file, "-f/--config-file")?;
-            let profile = need(&cli.selected_config, "-c/--selected-config")?;
             let config = vgpu_device_manager::read_config(&file)?;
+            let profile = config.select(cli.selected_config.as_deref())?;
             let report = vgpu_device_manager::apply(&opts, &config, &profile)?;
             print!("{}", report.render());
             Ok(if report.success() { 0 } else { 1 })
         }
-        Command::Assert => {
+        Command::Assert { valid_config } => {
             let file = need(&cli.config_file, "-f/--config-file")?;
-            let profile = need(&cli.selected_config, "-c/--selected-config")?;
             let config = vgpu_device_manager::read_config(&file)?;
+            let profile = config.select(cli.selected_config.as_deref())?;
+            if valid_config {
+                println!("profile {profile:?} is in a valid config file");
+                return Ok(0);
+            }
             let plan = vgpu_device_manager::make_plan(&opts, &config, &profile)?;
             if plan.is_applied() {
                 println!("profile {profile:?} is applied");
@@ -165,8 +193,8 @@ fn run(cli: Cli) -> anyhow::Result<u8> {
         }
         Command::Plan { json } => {
             let file = need(&cli.config_file, "-f/--config-file")?;
-            let profile = need(&cli.selected_config, "-c/--selected-config")?;
             let config = vgpu_device_manager::read_config(&file)?;
+            let profile = config.select(cli.selected_config.as_deref())?;
             let plan = vgpu_device_manager::make_plan(&opts, &config, &profile)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&plan)?);

@@ -140,7 +140,8 @@ impl Model {
     pub fn may_make(&self, t: &TypeName) -> bool {
         self.prefixes.contains(&t.prefix)
             && self.series.contains(&t.series)
-            && (t.mig || (t.size_gib <= self.memory_gib && self.memory_gib.is_multiple_of(t.size_gib)))
+            && (t.mig
+                || (t.size_gib <= self.memory_gib && self.memory_gib.is_multiple_of(t.size_gib)))
     }
 
     /// The most time-sliced vGPUs of this size one GPU holds in equal-size mode.

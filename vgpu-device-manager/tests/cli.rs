@@ -108,6 +108,98 @@ fn config_from_stdin_and_env() {
 }
 
 #[test]
+fn nvidia_vgpu_dm_flags_are_understood() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let cfg = config_file(CONFIG);
+    let f = cfg.path.to_str().unwrap();
+    // `assert -a`: the file is valid and has the profile; the node is not even read.
+    for args in [
+        &["assert", "-a", "-f", f, "-c", "A10-4Q"][..],
+        &["assert", "--valid-config", "-f", f, "-c", "A10-4Q"][..],
+    ] {
+        let o = run(root, args);
+        ok(&o);
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains("valid"),
+            "{}",
+            text(&o)
+        );
+    }
+    let o = std::process::Command::new(BIN)
+        .args([
+            "assert",
+            "-f",
+            f,
+            "-c",
+            "A10-4Q",
+            "--host-root",
+            "/nonexistent",
+        ])
+        .env("VGPU_DM_VALID_CONFIG", "true")
+        .output()
+        .unwrap();
+    ok(&o);
+    let o = run(root, &["assert", "-a", "-f", f, "-c", "no-such"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no profile named \"no-such\""));
+    let bad = config_file("version: v1\nvgpu-configs:\n  p:\n    - devices: none\n");
+    let o = run(
+        root,
+        &["assert", "-a", "-f", bad.path.to_str().unwrap(), "-c", "p"],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+
+    // Without -c: a file's only profile is used; with several, the error lists them.
+    let o = run(root, &["plan", "-f", f]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("-c/--selected-config") && err.contains("A10-4Q, A10-8Q"),
+        "{err}"
+    );
+    let one = config_file(
+        "version: v1\nvgpu-configs:\n  only:\n    - devices: [0]\n      vgpu-devices: {A10-24Q: 1}\n",
+    );
+    assert!(sim.ops().is_empty(), "{:?}", sim.ops());
+
+    // -d (or VGPU_DM_DEBUG) logs every sysfs write.
+    let o = run(root, &["-d", "apply", "-f", one.path.to_str().unwrap()]);
+    ok(&o);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("DEBUG") && err.contains("sysfs write"),
+        "{err}"
+    );
+    assert_eq!(
+        mdev_counts(root).into_iter().collect::<Vec<_>>(),
+        vec![(("0000:41:00.0".into(), "NVIDIA A10-24Q".into()), 1)]
+    );
+    let o = std::process::Command::new(BIN)
+        .args(["assert", "-f", one.path.to_str().unwrap(), "--host-root"])
+        .arg(root)
+        .env("VGPU_DM_DEBUG", "1")
+        .env("RUST_LOG", "info")
+        .output()
+        .unwrap();
+    ok(&o);
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("DEBUG"),
+        "{}",
+        text(&o)
+    );
+    let o = run(root, &["assert", "-f", one.path.to_str().unwrap()]);
+    ok(&o);
+    assert!(
+        !String::from_utf8_lossy(&o.stderr).contains("DEBUG"),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
 fn a100_mdevs_on_vfs() {
     let Some(sim) = testkit::sim::try_mount("8xA100") else {
         return;

@@ -68,6 +68,8 @@ pub fn run_stdin(root: &Path, args: &[&str], stdin: Option<&str>) -> Output {
         .arg(root)
         .env_remove("VGPU_DM_CONFIG_FILE")
         .env_remove("VGPU_DM_SELECTED_CONFIG")
+        .env_remove("VGPU_DM_DEBUG")
+        .env_remove("VGPU_DM_VALID_CONFIG")
         .env_remove("NODE_NAME")
         .env("RUST_LOG", "info")
         .stdin(if stdin.is_some() {

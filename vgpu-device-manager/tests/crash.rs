@@ -13,7 +13,7 @@ use common::*;
 /// Starts `apply`, kills it with SIGKILL once the op log holds at least `k` writes (each write
 /// is slowed down so the kill lands near the k-th), and returns how many writes it made.
 fn apply_killed_after(sim: &testkit::sim::SimDir, f: &str, profile: &str, k: usize) -> usize {
-    for op in ["create", "remove", "sriov_numvfs"] {
+    for op in ["create", "remove", "sriov_numvfs", "current_vgpu_type"] {
         sim.control(&format!("fault {op} * delay=15")).unwrap();
     }
     sim.clear_ops();
@@ -103,4 +103,92 @@ fn killed_first_apply_converges_for_every_k() {
         apply_killed_after(&sim, f, "A10-4Q", k);
         converge(&sim, f, "A10-4Q", "NVIDIA A10-4Q", 6);
     }
+}
+
+const VENDOR: &str = r#"
+version: v1
+vgpu-configs:
+  H100XM-16C:
+    - devices: [0, 1]
+      vgpu-devices: {"H100XM-16C": 5}
+  H100XM-20C:
+    - devices: [0, 1]
+      vgpu-devices: {"H100XM-20C": 4}
+"#;
+
+/// The vendor path's vGPUs: per GPU, `per_gpu` of type `type_id`, on two GPUs, nothing else.
+fn converge_vendor(
+    sim: &testkit::sim::SimDir,
+    f: &str,
+    profile: &str,
+    type_id: u32,
+    per_gpu: usize,
+) {
+    let root = sim.root();
+    let o = run(root, &["apply", "-f", f, "-c", profile]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let o = run(root, &["assert", "-f", f, "-c", profile]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let mut per_pf: std::collections::BTreeMap<(String, u32), usize> = Default::default();
+    for (_, pf, t) in vendor_vgpus(root) {
+        *per_pf.entry((pf, t)).or_default() += 1;
+    }
+    assert_eq!(per_pf.len(), 2, "after a kill, {profile}: {per_pf:?}");
+    assert!(
+        per_pf
+            .iter()
+            .all(|((_, t), n)| *t == type_id && *n == per_gpu),
+        "after a kill, {profile}: {per_pf:?}"
+    );
+}
+
+#[test]
+fn killed_vendor_path_applies_converge_for_every_k() {
+    let Some(sim) = testkit::sim::try_mount("8xH100-sriov") else {
+        return;
+    };
+    let root = sim.root();
+    let cfg = config_file(VENDOR);
+    let f = cfg.path.to_str().unwrap();
+    let pfs: Vec<String> = {
+        let o = run(root, &["plan", "--json", "-f", f, "-c", "H100XM-16C"]);
+        assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["gpus"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| {
+                let label = g["gpu"].as_str().unwrap();
+                label[label.find('(').unwrap() + 1..label.find(',').unwrap()].to_string()
+            })
+            .collect()
+    };
+    assert_eq!(pfs.len(), 2, "{pfs:?}");
+    // From a node without VFs: 2 sriov_numvfs writes, then 10 current_vgpu_type writes.
+    for k in 1..=12 {
+        for pf in &pfs {
+            write(root, &format!("sys/bus/pci/devices/{pf}/sriov_numvfs"), "0");
+        }
+        assert!(vendor_vgpus(root).is_empty());
+        apply_killed_after(&sim, f, "H100XM-16C", k);
+        converge_vendor(&sim, f, "H100XM-16C", 1004, 5);
+    }
+    // 16C → 20C is 10 clears (`0`) and 8 sets, and back 8 clears and 10 sets: 18 writes each.
+    let mut killed_mid_way = 0;
+    for k in 1..=18 {
+        let (profile, id, n) = if k % 2 == 1 {
+            ("H100XM-20C", 1005, 4)
+        } else {
+            ("H100XM-16C", 1004, 5)
+        };
+        if apply_killed_after(&sim, f, profile, k) < 18 {
+            killed_mid_way += 1;
+        }
+        converge_vendor(&sim, f, profile, id, n);
+    }
+    assert!(
+        killed_mid_way >= 15,
+        "only {killed_mid_way} runs were cut short"
+    );
 }

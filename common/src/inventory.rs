@@ -23,9 +23,10 @@ pub struct ReadOptions {
     /// need existing vGPUs turn it off. Instances always carry their type id and name.
     pub mdev_types: bool,
     /// Read a VF's own identity (vendor, device, subsystem, class, modalias, NUMA node,
-    /// `driver_override`). Without it a VF gets its PF's: a GPU's VFs are dozens of functions
-    /// whose identity a vGPU planner never looks at, while their driver, group, `physfn`,
-    /// vGPU state and VFIO cdev are always read.
+    /// `driver_override`). Without it a VF gets its PF's (an NVIDIA GPU's VFs carry its ids):
+    /// a GPU's VFs are dozens of functions whose identity neither a vGPU planner nor the device
+    /// plugin looks at, while their driver, group, `physfn`, vGPU state and VFIO cdev are
+    /// always read. A VF on a VFIO driver (passed through on its own) is always read in full.
     pub vf_identity: bool,
 }
 
@@ -597,8 +598,15 @@ fn read_pci_device(
     // much as a read, and most functions lack most of them (SR-IOV, physfn, nvidia/).
     let names = list_dir(&dir)?;
     let has = |n: &str| names.binary_search_by(|x| x.as_str().cmp(n)).is_ok();
-    // A VF read without its identity: filled in from its PF by the caller.
-    let identity = opts.vf_identity || !has("physfn");
+    let driver = if has("driver") {
+        d.link_name("driver")?
+    } else {
+        None
+    };
+    // A VF read without its identity: filled in from its PF by the caller. A VF on a VFIO
+    // driver is passed through on its own, as what it is: always read.
+    let identity =
+        opts.vf_identity || !has("physfn") || driver.as_deref().is_some_and(|n| n.contains("vfio"));
     for name in &names {
         if let Some(n) = name
             .strip_prefix("virtfn")
@@ -687,7 +695,7 @@ fn read_pci_device(
         subsystem_vendor: opt_hex("subsystem_vendor")?,
         subsystem_device: opt_hex("subsystem_device")?,
         class,
-        driver: opt_link("driver")?,
+        driver,
         driver_override: id_opt("driver_override")?.filter(|s| !s.is_empty() && s != "(null)"),
         iommu_group,
         numa_node: numa.filter(|n| *n >= 0),

@@ -312,6 +312,51 @@ fn mdev_parents_types_and_instances() {
 }
 
 #[test]
+fn a_vf_passed_through_on_its_own_keeps_its_identity() {
+    // Without `vf_identity` a VF takes its PF's ids, unless it is on a VFIO driver: then it is
+    // advertised as what it is.
+    let t = Tree::new();
+    let pf = t.device(
+        "pci0000:00",
+        "0000:41:00.0",
+        ("0x10de", "0x2236", "0x030200"),
+        Some("nvidia"),
+        30,
+    );
+    fs::write(pf.join("sriov_totalvfs"), "4\n").unwrap();
+    fs::write(pf.join("sriov_numvfs"), "2\n").unwrap();
+    for (n, bdf, device, driver, group) in [
+        (0, "0000:41:00.4", "0x2237", "nvidia", 40),
+        (1, "0000:41:00.5", "0x2237", "vfio-pci", 41),
+    ] {
+        let vf = t.device(
+            "pci0000:00",
+            bdf,
+            ("0x10de", device, "0x030200"),
+            Some(driver),
+            group,
+        );
+        symlink("../0000:41:00.0", vf.join("physfn")).unwrap();
+        symlink(format!("../{bdf}"), pf.join(format!("virtfn{n}"))).unwrap();
+    }
+    let light = Inventory::read_with(
+        &t.paths(),
+        &ReadOptions {
+            mdev_types: false,
+            vf_identity: false,
+        },
+    )
+    .unwrap();
+    assert!(light.unreadable.is_empty(), "{:?}", light.unreadable);
+    let on_nvidia = light.device(&a("0000:41:00.4")).unwrap();
+    assert_eq!(on_nvidia.device, 0x2236, "its PF's");
+    let on_vfio = light.device(&a("0000:41:00.5")).unwrap();
+    assert_eq!(on_vfio.device, 0x2237, "its own");
+    assert_eq!(on_vfio.driver.as_deref(), Some("vfio-pci"));
+    assert_eq!(on_vfio.numa_node, Some(1));
+}
+
+#[test]
 fn vendor_path_vgpu_vfs() {
     let t = Tree::new();
     let vf = t.device(

@@ -58,9 +58,10 @@ pub struct Config {
 /// One read of the node: inventory → resources, plus the iommufd device nodes.
 pub fn read_node(paths: &HostPaths, cfg: &DiscoverConfig) -> anyhow::Result<(Snapshot, DevNodes)> {
     // Instances carry their type name; the parents' type lists (dozens per VF) are not needed.
+    // A vGPU VF's identity is its GPU's; a VF passed through on its own is read in full.
     let opts = ReadOptions {
         mdev_types: false,
-        vf_identity: true,
+        vf_identity: false,
     };
     let inv = Inventory::read_with(paths, &opts)
         .with_context(|| format!("reading the node under {}", paths.root().display()))?;

@@ -47,7 +47,7 @@ struct Cli {
     /// Also write the report to this file (BENCHMARKS.md).
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Only these sections: vfio, vgpu, dp (repeatable; default all).
+    /// Only these sections: vfio, vgpu, dp, curve (repeatable; default all).
     #[arg(long)]
     only: Vec<String>,
 }
@@ -119,6 +119,8 @@ fn gpu_count(t: &Topology) -> usize {
 /// What one finished process cost.
 struct Finished {
     wall: Duration,
+    /// User + system CPU time of the process (and any children it waited for).
+    cpu: Duration,
     code: i32,
     max_rss_kib: u64,
     stderr: String,
@@ -130,6 +132,7 @@ struct Finished {
 /// (this process's own, under vfork) across `execve`, which would report the bench's memory.
 fn run(cmd: &mut Command) -> Result<Finished> {
     use std::io::Read as _;
+    let cpu_before = children_cpu();
     let start = Instant::now();
     let mut child = cmd
         .stdin(Stdio::null())
@@ -154,16 +157,34 @@ fn run(cmd: &mut Command) -> Result<Finished> {
         if let Some(st) = child.try_wait()? {
             break st;
         }
-        std::thread::sleep(Duration::from_micros(500));
+        // Every 2 ms: VmHWM is a high-water mark, so a late sample still sees an earlier peak,
+        // and the bench's own polling must not compete for the CPU with the process measured.
+        std::thread::sleep(Duration::from_millis(2));
     };
     let wall = start.elapsed();
+    let cpu = children_cpu().saturating_sub(cpu_before);
     let stderr = reader.join().unwrap_or_default();
     Ok(Finished {
         wall,
+        cpu,
         code: status.code().unwrap_or(-1),
         max_rss_kib,
         stderr,
     })
+}
+
+/// CPU time of this process's reaped children so far: across one [`run`], the process run (the
+/// only child reaped meanwhile). Unlike `ru_maxrss`, CPU times start at zero in a new child.
+fn children_cpu() -> Duration {
+    use nix::sys::resource::{UsageWho, getrusage};
+    let Ok(u) = getrusage(UsageWho::RUSAGE_CHILDREN) else {
+        return Duration::ZERO;
+    };
+    let t = |tv: nix::sys::time::TimeVal| {
+        Duration::from_secs(tv.tv_sec().max(0) as u64)
+            + Duration::from_micros(tv.tv_usec().max(0) as u64)
+    };
+    t(u.user_time()) + t(u.system_time())
 }
 
 fn ok(f: Finished, what: &str) -> Result<Finished> {
@@ -381,6 +402,18 @@ vgpu-configs:
   L40S-2Q:
     - devices: all
       vgpu-devices: {"L40S-2Q": 24}
+  L40S-3Q:
+    - devices: all
+      vgpu-devices: {"L40S-3Q": 16}
+  L40S-6Q:
+    - devices: all
+      vgpu-devices: {"L40S-6Q": 8}
+  L40S-12Q:
+    - devices: all
+      vgpu-devices: {"L40S-12Q": 4}
+  L40S-48Q:
+    - devices: all
+      vgpu-devices: {"L40S-48Q": 1}
 "#;
 
 fn vgpu(b: &Bins, root: &Path, cfg: &Path, sub: &str, profile: &str) -> Result<Finished> {
@@ -514,7 +547,7 @@ fn bench_vgpu_daemon(cli: &Cli, b: &Bins, cfg: &Path, r: &mut Report) -> Result<
                 if start.elapsed() > Duration::from_secs(60) {
                     bail!("no success after relabelling to {profile}");
                 }
-                std::thread::sleep(Duration::from_micros(500));
+                std::thread::sleep(Duration::from_millis(1));
             }
             times.push(start.elapsed());
         }
@@ -536,11 +569,14 @@ fn bench_vgpu_daemon(cli: &Cli, b: &Bins, cfg: &Path, r: &mut Report) -> Result<
 // ---------------------------------------------------------------------------------------------
 // sandbox-dp
 
+/// Prepares a node for sandbox-dp (binds GPUs, creates vGPUs).
+type Prepare = Box<dyn Fn(&Bins, &Path, &Path) -> Result<()>>;
+
 struct DpCase {
     topo: Topology,
     label: String,
     /// Prepares the node (binds GPUs, creates vGPUs).
-    prepare: fn(&Bins, &Path, &Path) -> Result<()>,
+    prepare: Prepare,
 }
 
 fn prep_passthrough(b: &Bins, root: &Path, _cfg: &Path) -> Result<()> {
@@ -594,10 +630,14 @@ fn dp_list(b: &Bins, root: &Path) -> Result<DpList> {
 
 struct DpRun {
     register: Duration,
+    /// CPU time sandbox-dp used until every resource was registered.
+    register_cpu: Duration,
     first_list: Duration,
     alloc: Vec<Duration>,
     change_remove: Option<Duration>,
     change_restore: Option<Duration>,
+    /// kubelet restarted (its plugin directory cleared) → every resource registered again.
+    reregister: Duration,
     rss_kib: u64,
     threads: u64,
     idle_cpu: Option<f64>,
@@ -638,6 +678,9 @@ async fn dp_once(
         seen.insert(reg.resource_name);
     }
     let register = start.elapsed();
+    let register_cpu = procstat::sample(pid)
+        .map(|s| Duration::from_secs_f64(s.cpu_seconds))
+        .unwrap_or_default();
 
     // The biggest resource: first list, allocations, change.
     let res = list
@@ -718,15 +761,18 @@ async fn dp_once(
             lw.wait_until(Duration::from_secs(10), |l| healthy(l) == n)
                 .await?;
             let restored = start.elapsed();
+            let reregister = reregistration(&mut kubelet, &expected).await?;
             let _ = child.start_kill();
             let _ = child.wait().await;
             kubelet.stop().await;
             return Ok(DpRun {
                 register,
+                register_cpu,
                 first_list,
                 alloc,
                 change_remove: Some(removed),
                 change_restore: Some(restored),
+                reregister,
                 rss_kib: s0.rss_kib,
                 threads: s0.threads,
                 idle_cpu,
@@ -756,19 +802,36 @@ async fn dp_once(
             .await?;
         (Some(removed), Some(t.elapsed()))
     };
+    let reregister = reregistration(&mut kubelet, &expected).await?;
     let _ = child.start_kill();
     let _ = child.wait().await;
     kubelet.stop().await;
     Ok(DpRun {
         register,
+        register_cpu,
         first_list,
         alloc,
         change_remove,
         change_restore,
+        reregister,
         rss_kib: s0.rss_kib,
         threads: s0.threads,
         idle_cpu,
     })
+}
+
+/// Restarts the fake kubelet as kubelet does (the plugin directory cleared, a new
+/// `kubelet.sock`) and times until every resource is registered again.
+async fn reregistration(
+    kubelet: &mut FakeKubelet,
+    expected: &BTreeSet<String>,
+) -> Result<Duration> {
+    kubelet.drain();
+    kubelet.restart_clearing_dir().await?;
+    let start = Instant::now();
+    let names: Vec<&str> = expected.iter().map(String::as_str).collect();
+    kubelet.wait_for(&names, Duration::from_secs(30)).await?;
+    Ok(start.elapsed())
 }
 
 async fn bench_dp(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
@@ -779,32 +842,32 @@ async fn bench_dp(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
         DpCase {
             topo: builtin("2xA10")?,
             label: "2xA10 passthrough".into(),
-            prepare: prep_passthrough,
+            prepare: Box::new(prep_passthrough),
         },
         DpCase {
             topo: builtin("8xA100")?,
             label: "8xA100 passthrough".into(),
-            prepare: prep_passthrough,
+            prepare: Box::new(prep_passthrough),
         },
         DpCase {
             topo: generated("A10", 16)?,
             label: "16xA10 passthrough".into(),
-            prepare: prep_passthrough,
+            prepare: Box::new(prep_passthrough),
         },
         DpCase {
             topo: builtin("2xA10")?,
             label: "2xA10 A10-4Q (12 mdevs)".into(),
-            prepare: prep_a10_4q,
+            prepare: Box::new(prep_a10_4q),
         },
         DpCase {
             topo: generated("L40S", 16)?,
             label: "16xL40S L40S-1Q (512 VF vGPUs)".into(),
-            prepare: prep_l40s_1q,
+            prepare: Box::new(prep_l40s_1q),
         },
     ];
     r.line("## sandbox-dp");
     r.line("");
-    r.line(format!("From process start to the fake kubelet holding every resource's registration; the first ListAndWatch answer; Allocate of one device ({} calls per run: p50 and p99 over all runs); a device removed (driver unbound or mdev removed) → ListAndWatch update, and restored → update; RSS and threads at idle. Goals: register ≤ 5 ms for 8 GPUs, Allocate p99 ≤ 0.2 ms, change → update ≤ 10 ms, RSS ≤ 5 MB, idle CPU ≈ 0.", cli.allocations));
+    r.line(format!("From process start to the fake kubelet holding every resource's registration; the first ListAndWatch answer; Allocate of one device ({} calls per run: p50 and p99 over all runs); a device removed (driver unbound or mdev removed) → ListAndWatch update, and restored → update; kubelet restarted (plugin directory cleared, new `kubelet.sock`) → every resource registered again; RSS and threads at idle. Goals: register ≤ 5 ms for 8 GPUs, Allocate p99 ≤ 0.2 ms, change → update ≤ 10 ms, RSS ≤ 5 MB, idle CPU ≈ 0.", cli.allocations));
     r.line("");
     r.table(&[
         "node",
@@ -814,6 +877,7 @@ async fn bench_dp(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
         "Allocate p99",
         "removed → update",
         "restored → update",
+        "kubelet restart → registered",
         "RSS",
         "threads",
     ]);
@@ -869,6 +933,9 @@ async fn bench_dp(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
             summarize(&res)
                 .map(|s| fmt_summary(&s))
                 .unwrap_or_else(|| "–".into()),
+            fmt_summary(&need(summarize(
+                &runs.iter().map(|x| x.reregister).collect::<Vec<_>>(),
+            ))?),
             mib(rss),
             threads.to_string(),
         ]);
@@ -878,6 +945,193 @@ async fn bench_dp(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
         r.line(l);
         r.line("");
     }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cost curve
+
+/// One point of a curve: the medians of each figure at one size.
+struct Point {
+    n: usize,
+    medians: Vec<Duration>,
+}
+
+/// `ln(b/a) / ln(n_b/n_a)`: 1 is linear, above 1 grows faster than the node.
+fn exponent(a: Duration, b: Duration, na: usize, nb: usize) -> String {
+    if a.is_zero() || b.is_zero() || na == nb {
+        return "–".into();
+    }
+    format!(
+        "{:.2}",
+        (b.as_secs_f64() / a.as_secs_f64()).ln() / (nb as f64 / na as f64).ln()
+    )
+}
+
+/// The table of a curve: each size's medians, then the marginal cost per unit of each step
+/// and the growth exponent of the last doubling.
+fn curve_table(r: &mut Report, unit: &str, names: &[&str], points: &[Point]) {
+    let mut header = vec![unit];
+    header.extend_from_slice(names);
+    r.table(&header);
+    for p in points {
+        let mut row = vec![p.n.to_string()];
+        row.extend(p.medians.iter().map(|d| fmt_duration(*d)));
+        r.row(&row);
+    }
+    r.line("");
+    r.line(format!(
+        "Marginal cost per {} at each step ((t(n) − t(m)) / (n − m)), and the growth exponent of the last doubling (ln(t₂/t₁) / ln 2: 1 is linear, above 1 grows faster than the node):",
+        unit.trim_end_matches('s')
+    ));
+    r.line("");
+    r.table(&header);
+    for w in points.windows(2) {
+        let (a, b) = (&w[0], &w[1]);
+        let mut row = vec![format!("{} → {}", a.n, b.n)];
+        row.extend(a.medians.iter().zip(&b.medians).map(|(x, y)| {
+            let per = (y.as_secs_f64() - x.as_secs_f64()) / (b.n - a.n) as f64;
+            if per < 0.0 {
+                format!("−{}", fmt_duration(Duration::from_secs_f64(-per)))
+            } else {
+                fmt_duration(Duration::from_secs_f64(per))
+            }
+        }));
+        r.row(&row);
+    }
+    if let [.., a, b] = points {
+        let mut row = vec![format!("exponent {} → {}", a.n, b.n)];
+        row.extend(
+            a.medians
+                .iter()
+                .zip(&b.medians)
+                .map(|(x, y)| exponent(*x, *y, a.n, b.n)),
+        );
+        r.row(&row);
+    }
+    r.line("");
+}
+
+fn medians(samples: &[Vec<Duration>]) -> Result<Vec<Duration>> {
+    samples
+        .iter()
+        .map(|v| need(summarize(v)).map(|s| s.median))
+        .collect()
+}
+
+/// How each figure grows with the node: A10 nodes of 1 to 16 GPUs, and four L40S with 1 to 32
+/// vGPUs each.
+async fn bench_curve(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cfg = dir.path().join("vgpu-config.yaml");
+    std::fs::write(&cfg, VGPU_CONFIG)?;
+    let allocations = cli.allocations.min(100);
+    r.line("## Cost curve");
+    r.line("");
+    r.line("Medians of each figure as the node grows. GPUs: generated nodes of n A10s: vfio-manager `bind` of all, sandbox-dp start → registered and removed → update (passthrough), vgpu-device-manager `apply` A10-4Q from empty (6 vGPUs per GPU) and `assert`. vGPUs: four L40S (vendor path, 128 VFs) with 1, 4, 8, 16 or 32 vGPUs each (L40S-48Q … L40S-1Q): `apply` from empty, `assert`, sandbox-dp start → registered and removed → update. \"its CPU\": the daemon's own user + system CPU time, which excludes the time node-sim's server takes to answer; wall time on node-sim also grows with node-sim's own costs.");
+    r.line("");
+    let mut points = Vec::new();
+    for n in [1, 2, 4, 8, 16] {
+        let t = generated("A10", n)?;
+        let mut s: Vec<Vec<Duration>> = vec![Vec::new(); 9];
+        for _ in 0..cli.runs {
+            let sim = mount(&t);
+            let f = ok(
+                run(Command::new(&b.vfio)
+                    .args(["bind", "--host-root"])
+                    .arg(sim.root()))?,
+                "vfio-manager bind",
+            )?;
+            s[0].push(f.wall);
+            s[1].push(f.cpu);
+            let case = DpCase {
+                topo: t.clone(),
+                label: format!("{n}xA10 passthrough"),
+                prepare: Box::new(prep_passthrough),
+            };
+            let d = dp_once(b, &case, &cfg, allocations, None).await?;
+            s[2].push(d.register);
+            s[3].push(d.register_cpu);
+            s[4].push(d.change_remove.ok_or_else(|| anyhow!("no change figure"))?);
+            let sim = mount(&t);
+            let f = ok(vgpu(b, sim.root(), &cfg, "apply", "A10-4Q")?, "apply")?;
+            s[5].push(f.wall);
+            s[6].push(f.cpu);
+            let f = ok(vgpu(b, sim.root(), &cfg, "assert", "A10-4Q")?, "assert")?;
+            s[7].push(f.wall);
+            s[8].push(f.cpu);
+        }
+        points.push(Point {
+            n,
+            medians: medians(&s)?,
+        });
+    }
+    curve_table(
+        r,
+        "GPUs",
+        &[
+            "vfio bind",
+            "its CPU",
+            "dp register",
+            "its CPU",
+            "dp removed → update",
+            "vgpu apply A10-4Q",
+            "its CPU",
+            "vgpu assert",
+            "its CPU",
+        ],
+        &points,
+    );
+    let t = generated("L40S", 4)?;
+    let mut points = Vec::new();
+    for (per_gpu, profile) in [
+        (1, "L40S-48Q"),
+        (4, "L40S-12Q"),
+        (8, "L40S-6Q"),
+        (16, "L40S-3Q"),
+        (32, "L40S-1Q"),
+    ] {
+        let mut s: Vec<Vec<Duration>> = vec![Vec::new(); 7];
+        for _ in 0..cli.runs {
+            let sim = mount(&t);
+            let f = ok(vgpu(b, sim.root(), &cfg, "apply", profile)?, "apply")?;
+            s[0].push(f.wall);
+            s[1].push(f.cpu);
+            let f = ok(vgpu(b, sim.root(), &cfg, "assert", profile)?, "assert")?;
+            s[2].push(f.wall);
+            s[3].push(f.cpu);
+            let p = profile.to_string();
+            let case = DpCase {
+                topo: t.clone(),
+                label: format!("4xL40S {profile}"),
+                prepare: Box::new(move |b: &Bins, root: &Path, cfg: &Path| {
+                    ok(vgpu(b, root, cfg, "apply", &p)?, "apply").map(|_| ())
+                }),
+            };
+            let d = dp_once(b, &case, &cfg, allocations, None).await?;
+            s[4].push(d.register);
+            s[5].push(d.register_cpu);
+            s[6].push(d.change_remove.ok_or_else(|| anyhow!("no change figure"))?);
+        }
+        points.push(Point {
+            n: 4 * per_gpu,
+            medians: medians(&s)?,
+        });
+    }
+    curve_table(
+        r,
+        "vGPUs",
+        &[
+            "vgpu apply",
+            "its CPU",
+            "vgpu assert",
+            "its CPU",
+            "dp register",
+            "its CPU",
+            "dp removed → update",
+        ],
+        &points,
+    );
     Ok(())
 }
 
@@ -931,12 +1185,17 @@ fn main() -> Result<()> {
     if want("vgpu") {
         bench_vgpu(&cli, &b, &mut r)?;
     }
-    if want("dp") {
+    if want("dp") || want("curve") {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()?;
-        rt.block_on(bench_dp(&cli, &b, &mut r))?;
+        if want("dp") {
+            rt.block_on(bench_dp(&cli, &b, &mut r))?;
+        }
+        if want("curve") {
+            rt.block_on(bench_curve(&cli, &b, &mut r))?;
+        }
     }
     if let Some(out) = &cli.out {
         write_out(out, &r.text)?;

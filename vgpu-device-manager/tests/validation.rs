@@ -35,6 +35,16 @@ vgpu-configs:
       vgpu-devices: {"A10-8Q": 3}
 "#;
 
+/// Both A10s of 2xA10 have no VFs enabled, as node-sim starts them.
+fn assert_no_vfs(root: &std::path::Path) {
+    for pf in ["0000:41:00.0", "0000:61:00.0"] {
+        let n =
+            std::fs::read_to_string(root.join(format!("sys/bus/pci/devices/{pf}/sriov_numvfs")))
+                .unwrap();
+        assert_eq!(n.trim(), "0", "{pf}: VFs as found");
+    }
+}
+
 #[test]
 fn validation_errors_change_nothing() {
     let Some(sim) = testkit::sim::try_mount("2xA10") else {
@@ -250,12 +260,7 @@ vgpu-configs:
         }
         assert!(sim.ops().is_empty(), "{profile}: {:?}", sim.ops());
     }
-    for pf in ["0000:41:00.0", "0000:61:00.0"] {
-        let n =
-            std::fs::read_to_string(root.join(format!("sys/bus/pci/devices/{pf}/sriov_numvfs")))
-                .unwrap();
-        assert_eq!(n.trim(), "0", "{pf}");
-    }
+    assert_no_vfs(root);
 }
 
 #[test]
@@ -290,12 +295,7 @@ fn a_type_only_sysfs_can_judge_is_checked_after_the_vfs_and_they_are_disabled_ag
         2,
         "both GPUs' VFs disabled again: {ops:?}"
     );
-    for pf in ["0000:41:00.0", "0000:61:00.0"] {
-        let n =
-            std::fs::read_to_string(root.join(format!("sys/bus/pci/devices/{pf}/sriov_numvfs")))
-                .unwrap();
-        assert_eq!(n.trim(), "0", "{pf}: as it was found");
-    }
+    assert_no_vfs(root);
     assert!(mdevs(root).is_empty());
     // `plan` shows the VF step and writes nothing at all.
     let fresh = testkit::sim::try_mount("2xA10").unwrap();

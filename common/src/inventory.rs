@@ -438,6 +438,15 @@ pub(crate) fn list_dir(dir: &Path) -> Result<Vec<String>> {
     Ok(names)
 }
 
+/// Whether a PCI driver is VFIO: `vfio-pci` or a variant driver (`nvgrace_gpu_vfio_pci`,
+/// `mlx5_vfio_pci`).
+pub fn is_vfio_driver(driver: &str) -> bool {
+    driver == "vfio-pci"
+        || driver == "vfio_pci"
+        || driver.ends_with("_vfio_pci")
+        || driver.ends_with("-vfio-pci")
+}
+
 /// A file's contents without surrounding whitespace; `None` when it does not exist.
 pub(crate) fn read_opt(path: &Path) -> Result<Option<String>> {
     match read_attr(path) {
@@ -600,7 +609,7 @@ fn read_pci_device(
     // A VF read without its identity: filled in from its PF by the caller. A VF on a VFIO
     // driver is passed through on its own, as what it is: always read.
     let identity =
-        opts.vf_identity || !has("physfn") || driver.as_deref().is_some_and(|n| n.contains("vfio"));
+        opts.vf_identity || !has("physfn") || driver.as_deref().is_some_and(is_vfio_driver);
     for name in &names {
         if let Some(n) = name
             .strip_prefix("virtfn")

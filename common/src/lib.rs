@@ -54,7 +54,7 @@ pub use error::{Error, Result};
 pub use inuse::Holder;
 pub use inventory::{
     Inventory, MdevDevice, MdevParent, MdevType, NvidiaVgpu, PciDevice, ReadOptions, Unreadable,
-    VgpuType, error_chain,
+    VgpuType, error_chain, is_vfio_driver,
 };
 pub use naming::{PciIds, env_var_name, passthrough_resource_name, vgpu_resource_name};
 pub use ops::Sysfs;

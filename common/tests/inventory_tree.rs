@@ -5,7 +5,7 @@ use std::fs;
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 
-use common::{HostPaths, Inventory, PciAddress, ReadOptions};
+use common::{HostPaths, Inventory, PciAddress, ReadOptions, is_vfio_driver};
 
 struct Tree {
     dir: tempfile::TempDir,
@@ -309,6 +309,22 @@ fn mdev_parents_types_and_instances() {
         light.mdevs[uuid].type_name.as_deref(),
         Some("NVIDIA A10-4Q")
     );
+}
+
+#[test]
+fn vfio_drivers_and_their_variants() {
+    for d in [
+        "vfio-pci",
+        "vfio_pci",
+        "nvgrace_gpu_vfio_pci",
+        "mlx5_vfio_pci",
+        "foo-vfio-pci",
+    ] {
+        assert!(is_vfio_driver(d), "{d}");
+    }
+    for d in ["nvidia", "vfio_mdev", "nouveau", ""] {
+        assert!(!is_vfio_driver(d), "{d}");
+    }
 }
 
 #[test]

@@ -12,7 +12,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use common::{Inventory, PciAddress, PciDevice, PciIds};
+use common::{Inventory, PciAddress, PciDevice, PciIds, is_vfio_driver};
 use serde::Serialize;
 
 /// The kubelet's health strings.
@@ -116,11 +116,6 @@ pub struct Snapshot {
     pub resources: BTreeMap<String, Resource>,
     /// Problems an operator should fix: names too long, collisions.
     pub problems: Vec<String>,
-}
-
-/// A variant VFIO driver (`nvgrace_gpu_vfio_pci`, `mlx5_vfio_pci`) or vfio-pci itself.
-pub fn is_vfio_driver(driver: &str) -> bool {
-    driver == "vfio-pci" || driver == "vfio_pci" || driver.ends_with("_vfio_pci")
 }
 
 /// The switch a device sits under: the bridge above its downstream port (`bridges[1]`), or
@@ -586,12 +581,5 @@ mod tests {
         assert_eq!(parse_vendor("0x1234"), Ok(Some(0x1234)));
         assert_eq!(parse_vendor("any"), Ok(None));
         assert!(parse_vendor("zz").is_err());
-    }
-
-    #[test]
-    fn variant_drivers_count_as_vfio() {
-        assert!(is_vfio_driver("vfio-pci"));
-        assert!(is_vfio_driver("nvgrace_gpu_vfio_pci"));
-        assert!(!is_vfio_driver("nvidia"));
     }
 }

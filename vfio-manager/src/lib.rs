@@ -179,7 +179,7 @@ pub fn run_bind(cfg: &Config, paths: &HostPaths) -> Result<Report, NodeError> {
         .iter()
         .filter_map(|r| match &r.outcome {
             Outcome::Changed { from, .. }
-                if !from.as_deref().is_some_and(select::is_vfio_driver) =>
+                if !from.as_deref().is_some_and(common::is_vfio_driver) =>
             {
                 Some((r.address, from.clone()))
             }

@@ -11,7 +11,8 @@ use common::{Holder, HostPaths, Sysfs, error_chain, inuse};
 
 use crate::memory::Originals;
 use crate::report::{DeviceResult, Outcome};
-use crate::select::{Selection, Target, is_vfio_driver};
+use crate::select::{Selection, Target};
+use common::is_vfio_driver;
 
 /// How the writes are made.
 #[derive(Clone, Debug)]

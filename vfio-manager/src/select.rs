@@ -151,12 +151,6 @@ impl Selection {
     }
 }
 
-/// Whether a driver name is a VFIO driver (`vfio-pci` or a variant such as
-/// `nvgrace_gpu_vfio_pci`).
-pub fn is_vfio_driver(driver: &str) -> bool {
-    driver == VFIO_PCI || driver.ends_with("_vfio_pci") || driver.ends_with("-vfio-pci")
-}
-
 /// Selects functions from `inv`. `forced_driver` is `--driver`; otherwise `aliases` names a
 /// variant driver, or `vfio-pci`.
 pub fn select(
@@ -550,7 +544,5 @@ pub(crate) mod tests {
         ] {
             assert!(bad.parse::<DeviceId>().is_err(), "{bad}");
         }
-        assert!(is_vfio_driver("vfio-pci") && is_vfio_driver("nvgrace_gpu_vfio_pci"));
-        assert!(!is_vfio_driver("nvidia"));
     }
 }

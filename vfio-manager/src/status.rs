@@ -8,7 +8,8 @@ use common::{Holder, Inventory, PciAddress, inuse};
 use serde::Serialize;
 
 use crate::report::driver_label;
-use crate::select::{Selection, is_vfio_driver};
+use crate::select::Selection;
+use common::is_vfio_driver;
 
 /// One row of `status`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]

@@ -370,3 +370,52 @@ fn a_gpu_on_another_driver_is_named() {
     );
     assert!(sim.ops().is_empty(), "{:?}", sim.ops());
 }
+
+#[test]
+fn a_vendor_model_the_table_lacks_is_limited_by_its_largest_type() {
+    // H200 is not in the model table: a free GPU lists every type, and the largest
+    // (H200X-141C) gives its memory, so H200X-35C fits 4 times. Asking for 5 is refused before
+    // any vGPU is made; 4 apply.
+    if let Some(why) = testkit::sim::unavailable() {
+        testkit::sim::skip_test("node-sim 1xH200", &why);
+        return;
+    }
+    let topo = testkit::sim::Topology::parse(
+        r#"
+name = "1xH200"
+description = "one H200, a model the planner's table does not list"
+[[bridge]]
+address = "0000:10:01.0"
+numa = 0
+[[device]]
+address = "0000:11:00.0"
+model = "H200"
+bridge = "0000:10:01.0"
+"#,
+        "1xH200",
+    )
+    .unwrap();
+    let sim = testkit::sim::mount_topology(&topo);
+    let root = sim.root();
+    let c = config_file(
+        "version: v1\nvgpu-configs:\n  over:\n    - devices: all\n      vgpu-devices: {H200X-35C: 5}\n  fits:\n    - devices: all\n      vgpu-devices: {H200X-35C: 4}\n",
+    );
+    let f = c.path.to_str().unwrap();
+    let o = run(root, &["apply", "-f", f, "-c", "over"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("at most 4 H200X-35C vGPUs, the entry asks for 5"),
+        "{err}"
+    );
+    // Unknown model: its VFs were enabled to read the types, then disabled again; no vGPU.
+    assert!(
+        sim.ops().iter().all(|o| o.path.ends_with("/sriov_numvfs")),
+        "{:?}",
+        sim.ops()
+    );
+    assert!(vendor_vgpus(root).is_empty());
+    let o = run(root, &["apply", "-f", f, "-c", "fits"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert_eq!(vendor_vgpus(root).len(), 4);
+}

@@ -15,10 +15,7 @@ pub mod plugin;
 pub mod report;
 
 /// The kubelet device-plugin API `v1beta1`.
-#[allow(missing_docs, missing_debug_implementations, clippy::all)]
-pub mod api {
-    tonic::include_proto!("v1beta1");
-}
+pub use kubelet_api::deviceplugin::v1beta1 as api;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;

@@ -19,20 +19,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context as _, anyhow, bail};
-use hyper_util::rt::TokioIo;
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::UnixListener;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
-use tonic::transport::{Channel, Endpoint, Server, Uri};
+use tonic::transport::{Channel, Server};
 use tonic::{Request, Response, Status, Streaming};
-use tower::service_fn;
 
-/// The device-plugin API, generated from `sandbox-dp/proto/api.proto`.
-#[allow(missing_docs, missing_debug_implementations, clippy::all)]
-pub mod api {
-    tonic::include_proto!("v1beta1");
-}
+/// The device-plugin API `v1beta1`.
+pub use kubelet_api::deviceplugin::v1beta1 as api;
 
 use api::device_plugin_client::DevicePluginClient;
 use api::registration_server::{Registration as RegistrationSvc, RegistrationServer};
@@ -240,15 +235,9 @@ impl Drop for FakeKubelet {
     }
 }
 
-/// A gRPC channel over a Unix socket.
+/// A gRPC channel over a Unix socket, dialled as kubelet dials (`:authority` `localhost`).
 pub async fn unix_channel(path: &Path) -> anyhow::Result<Channel> {
-    let p = path.to_path_buf();
-    Endpoint::try_from("http://[::1]:50051")?
-        .connect_timeout(Duration::from_secs(5))
-        .connect_with_connector(service_fn(move |_: Uri| {
-            let p = p.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(p).await?)) }
-        }))
+    kubelet_api::unix_channel(path)
         .await
         .with_context(|| format!("connecting to {}", path.display()))
 }

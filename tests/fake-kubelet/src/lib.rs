@@ -1,5 +1,7 @@
 //! A fake kubelet for device-plugin tests: the `Registration` service on `<dir>/kubelet.sock`,
-//! recording each registration, and a client for a plugin's own socket.
+//! recording each registration, and a client for a plugin's own socket; and
+//! [`FakePodResources`], kubelet's PodResources service answering from a list the test sets;
+//! and [`checkpoint`], kubelet's device-manager checkpoint in the shape kubelet writes.
 //!
 //! ```no_run
 //! # async fn f() -> anyhow::Result<()> {
@@ -23,8 +25,13 @@ use tokio::net::UnixListener;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
+use tonic::service::Routes;
 use tonic::transport::{Channel, Server};
 use tonic::{Request, Response, Status, Streaming};
+
+pub mod checkpoint;
+pub mod pod_resources;
+pub use pod_resources::FakePodResources;
 
 /// The device-plugin API `v1beta1`.
 pub use kubelet_api::deviceplugin::v1beta1 as api;
@@ -87,7 +94,7 @@ pub struct FakeKubelet {
     rx: mpsc::UnboundedReceiver<Registration>,
     reject: Arc<Mutex<Option<String>>>,
     rejected: Arc<AtomicUsize>,
-    server: Option<(oneshot::Sender<()>, JoinHandle<()>)>,
+    server: Option<Running>,
 }
 
 impl FakeKubelet {
@@ -108,25 +115,12 @@ impl FakeKubelet {
     }
 
     fn serve(&mut self) -> anyhow::Result<()> {
-        let path = self.socket();
-        let _ = std::fs::remove_file(&path);
-        let listener =
-            UnixListener::bind(&path).with_context(|| format!("binding {}", path.display()))?;
         let svc = RegistrationServer::new(Svc {
             tx: self.tx.clone(),
             reject: self.reject.clone(),
             rejected: self.rejected.clone(),
         });
-        let (stop_tx, stop_rx) = oneshot::channel::<()>();
-        let handle = tokio::spawn(async move {
-            let _ = Server::builder()
-                .add_service(svc)
-                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
-                    let _ = stop_rx.await;
-                })
-                .await;
-        });
-        self.server = Some((stop_tx, handle));
+        self.server = Some(serve_unix(&self.socket(), Routes::new(svc))?);
         Ok(())
     }
 
@@ -233,6 +227,30 @@ impl Drop for FakeKubelet {
             let _ = stop.send(());
         }
     }
+}
+
+/// A running server: the sender that stops it, and its task.
+type Running = (oneshot::Sender<()>, JoinHandle<()>);
+
+/// Serves `routes` on a Unix socket at `path` from the current tokio runtime, as kubelet serves
+/// its sockets: the directory is created, a stale socket file replaced.
+fn serve_unix(path: &Path, routes: Routes) -> anyhow::Result<Running> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let _ = std::fs::remove_file(path);
+    let listener =
+        UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let handle = tokio::spawn(async move {
+        let _ = Server::builder()
+            .add_routes(routes)
+            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
+                let _ = stop_rx.await;
+            })
+            .await;
+    });
+    Ok((stop_tx, handle))
 }
 
 /// A gRPC channel over a Unix socket, dialled as kubelet dials (`:authority` `localhost`).

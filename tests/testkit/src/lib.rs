@@ -3,3 +3,4 @@
 pub use fake_kubelet as kubelet;
 pub mod apiserver;
 pub mod sim;
+pub mod tree;

@@ -14,7 +14,7 @@
 //!    driver will take it.
 //! 2. `echo 0000:65:00.0 > /sys/bus/pci/drivers/nvidia/unbind` — [`Sysfs::unbind`]. The
 //!    `driver` link disappears. For `nvidia` this blocks while the driver tears down; it hangs
-//!    if a process still holds `/dev/nvidia<N>` ([`inuse`] finds such holders first).
+//!    if a process still holds `/dev/nvidia<N>` ([`usage`] finds such holders first).
 //! 3. `echo 0000:65:00.0 > /sys/bus/pci/drivers_probe` — [`Sysfs::drivers_probe`]. The kernel
 //!    binds the override driver; `driver` now points at vfio-pci and `/dev/vfio/<group>` appears
 //!    once every device of the IOMMU group is on a VFIO driver (or none).
@@ -36,22 +36,26 @@
 //!   writing a type id creates the vGPU on that VF, `0` deletes it
 //!   ([`Sysfs::set_current_vgpu_type`]). The VF itself is then what a VM is given.
 //!
-//! A vGPU is in use while a process holds its `/dev/vfio/<group>` open ([`inuse::holders`]).
+//! # In use
+//!
+//! Before any of these writes takes a device from someone, the daemons ask [`Usage`]: a
+//! process holding the device's `/dev/vfio/<group>`, VFIO cdev or `/dev/nvidia<N>`, a pod
+//! kubelet runs with it (kubelet's PodResources API, or its checkpoint while kubelet is down),
+//! or a source that cannot be read (unknown, which counts as in use).
 //!
 //! Writes block while drivers probe: call this crate from async code via `spawn_blocking`.
 #![warn(missing_docs)]
 
 pub mod error;
-pub mod inuse;
 pub mod inventory;
 pub mod naming;
 pub mod ops;
 pub mod paths;
 pub mod pci;
+pub mod usage;
 pub mod vgpu_names;
 
 pub use error::{Error, Result};
-pub use inuse::Holder;
 pub use inventory::{
     Inventory, MdevDevice, MdevParent, MdevType, NvidiaVgpu, PciDevice, ReadOptions, Unreadable,
     VgpuType, error_chain, is_vfio_driver,
@@ -60,3 +64,4 @@ pub use naming::{PciIds, env_var_name, passthrough_resource_name, vgpu_resource_
 pub use ops::Sysfs;
 pub use paths::{HostPaths, host_vfio_group_path};
 pub use pci::PciAddress;
+pub use usage::{Usage, Use, User};

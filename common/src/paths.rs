@@ -20,17 +20,52 @@ pub fn host_vfio_cdev_path(name: &str) -> String {
     format!("/dev/vfio/devices/{name}")
 }
 
+/// kubelet's device-plugin directory under the host root, unless `--kubelet-dir` says otherwise.
+pub const DEFAULT_KUBELET_DIR: &str = "var/lib/kubelet/device-plugins";
+/// The file in the device-plugin directory where kubelet records which devices it allocated.
+pub const KUBELET_CHECKPOINT: &str = "kubelet_internal_checkpoint";
+
 /// Paths under one host root. In a pod the host's `/` is mounted somewhere (`/host`); tests and
 /// node-sim point it at a directory.
+///
+/// kubelet's directories are the exception: a kubelet whose root is not `/var/lib/kubelet`
+/// (k0s, microk8s, some OpenShift and RKE layouts) is found through
+/// [`HostPaths::with_kubelet_dir`] (`--kubelet-dir`), and its PodResources socket through
+/// [`HostPaths::with_pod_resources_socket`] (`--pod-resources-socket`). Both are paths as this
+/// process sees them (in a pod, under `/host`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostPaths {
     root: PathBuf,
+    kubelet_dir: PathBuf,
+    pod_resources_socket: Option<PathBuf>,
 }
 
 impl HostPaths {
-    /// Paths under `root`.
+    /// Paths under `root`, kubelet's at their default places under it.
     pub fn new(root: impl Into<PathBuf>) -> Self {
-        HostPaths { root: root.into() }
+        let root = root.into();
+        HostPaths {
+            kubelet_dir: root.join(DEFAULT_KUBELET_DIR),
+            root,
+            pod_resources_socket: None,
+        }
+    }
+
+    /// kubelet's device-plugin directory is `dir` (`--kubelet-dir`); `None` keeps the default.
+    pub fn with_kubelet_dir(mut self, dir: Option<PathBuf>) -> Self {
+        if let Some(dir) = dir {
+            self.kubelet_dir = dir;
+        }
+        self
+    }
+
+    /// kubelet's PodResources socket is `socket` (`--pod-resources-socket`); `None` keeps the
+    /// default beside the device-plugin directory.
+    pub fn with_pod_resources_socket(mut self, socket: Option<PathBuf>) -> Self {
+        if socket.is_some() {
+            self.pod_resources_socket = socket;
+        }
+        self
     }
 
     /// The host root itself.
@@ -108,9 +143,28 @@ impl HostPaths {
         self.root.join("run/nvidia/validations")
     }
 
-    /// `<root>/var/lib/kubelet/device-plugins`.
-    pub fn kubelet_dir(&self) -> PathBuf {
-        self.root.join("var/lib/kubelet/device-plugins")
+    /// kubelet's device-plugin directory (holds `kubelet.sock`, the plugins' sockets and
+    /// kubelet's checkpoint): `<root>/var/lib/kubelet/device-plugins` unless set.
+    pub fn kubelet_dir(&self) -> &Path {
+        &self.kubelet_dir
+    }
+
+    /// kubelet's record of the devices it allocated to pods: `<kubelet-dir>/kubelet_internal_checkpoint`.
+    pub fn kubelet_checkpoint(&self) -> PathBuf {
+        self.kubelet_dir.join(KUBELET_CHECKPOINT)
+    }
+
+    /// kubelet's PodResources socket: `pod-resources/kubelet.sock` in the kubelet root, the
+    /// parent of the device-plugin directory, unless set.
+    pub fn pod_resources_socket(&self) -> PathBuf {
+        match &self.pod_resources_socket {
+            Some(s) => s.clone(),
+            None => self
+                .kubelet_dir
+                .parent()
+                .unwrap_or(&self.kubelet_dir)
+                .join("pod-resources/kubelet.sock"),
+        }
     }
 
     /// The running kernel's release, from `<root>/proc/sys/kernel/osrelease`.
@@ -148,9 +202,33 @@ mod tests {
         assert_eq!(p.vfio_group_node(42), PathBuf::from("/host/dev/vfio/42"));
         assert_eq!(
             p.kubelet_dir(),
-            PathBuf::from("/host/var/lib/kubelet/device-plugins")
+            Path::new("/host/var/lib/kubelet/device-plugins")
+        );
+        assert_eq!(
+            p.pod_resources_socket(),
+            PathBuf::from("/host/var/lib/kubelet/pod-resources/kubelet.sock")
         );
         assert_eq!(host_vfio_group_path(42), "/dev/vfio/42");
+    }
+
+    #[test]
+    fn the_pod_resources_socket_follows_the_kubelet_dir_unless_set() {
+        let k0s = HostPaths::new("/host")
+            .with_kubelet_dir(Some("/host/var/lib/k0s/kubelet/device-plugins".into()));
+        assert_eq!(
+            k0s.kubelet_checkpoint(),
+            PathBuf::from("/host/var/lib/k0s/kubelet/device-plugins/kubelet_internal_checkpoint")
+        );
+        assert_eq!(
+            k0s.pod_resources_socket(),
+            PathBuf::from("/host/var/lib/k0s/kubelet/pod-resources/kubelet.sock")
+        );
+        let set = k0s
+            .clone()
+            .with_pod_resources_socket(Some("/run/pr.sock".into()))
+            .with_kubelet_dir(None);
+        assert_eq!(set.pod_resources_socket(), PathBuf::from("/run/pr.sock"));
+        assert_eq!(set.kubelet_dir(), k0s.kubelet_dir());
     }
 
     #[test]

@@ -29,7 +29,7 @@ struct Cli {
 
     /// The kubelet device-plugin directory (holds kubelet.sock and our sockets).
     /// Default: <host-root>/var/lib/kubelet/device-plugins.
-    #[arg(long, global = true)]
+    #[arg(long, env = "KUBELET_DIR", value_name = "DIR", global = true)]
     kubelet_dir: Option<PathBuf>,
 
     /// PCI vendor id (hex) whose devices are advertised, or "any" (also admits mdevs on
@@ -64,12 +64,13 @@ enum Command {
     /// Serve the device plugin (the default).
     Serve,
     /// Print the resources and devices that would be advertised: health, NUMA node, IOMMU group.
+    /// Writes nothing.
     List {
         /// Print JSON.
         #[arg(long)]
         json: bool,
     },
-    /// Print KubeVirt's permittedHostDevices block for what this node has.
+    /// Print KubeVirt's permittedHostDevices block for what this node has. Writes nothing.
     PermittedDevices,
 }
 
@@ -141,7 +142,7 @@ fn main() -> ExitCode {
 }
 
 fn real_main(cli: Cli) -> anyhow::Result<()> {
-    let paths = HostPaths::new(&cli.host_root);
+    let paths = HostPaths::new(&cli.host_root).with_kubelet_dir(cli.kubelet_dir);
     let pci_ids = match &cli.pci_ids {
         Some(p) => {
             PciIds::from_file(p).with_context(|| format!("reading --pci-ids {}", p.display()))?
@@ -177,7 +178,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Serve => {
             let config = Config {
-                kubelet_dir: cli.kubelet_dir.unwrap_or_else(|| paths.kubelet_dir()),
+                kubelet_dir: paths.kubelet_dir().to_path_buf(),
                 discover,
                 metrics_addr: cli.metrics_addr,
                 resync_interval: cli.resync_interval,

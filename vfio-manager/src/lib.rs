@@ -15,9 +15,10 @@ pub mod report;
 pub mod select;
 pub mod status;
 
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use common::{Holder, HostPaths, Inventory, PciAddress, error_chain, inuse};
+use common::{HostPaths, Inventory, Usage, Use, error_chain};
 
 pub use daemon::{DaemonConfig, READY_FILE, run_daemon};
 pub use ops::OpOptions;
@@ -107,63 +108,12 @@ pub fn read_and_select(
     Ok((inv, sel))
 }
 
-/// Processes that unbinding a GPU from `nvidia` would hurt: holders of its `/dev/nvidia<N>`
-/// (a CUDA job, nvidia-persistenced: the unbind hangs until they exit), and VMs using its
-/// vGPUs (the unbind destroys the mdevs on the GPU and its VFs, and the VFs' SR-IOV vGPUs).
-fn nvidia_holders_fn<'a>(
-    paths: &HostPaths,
-    inv: &'a Inventory,
-) -> impl Fn(&Target) -> Vec<Holder> + Sync + use<'a> {
-    let paths = paths.clone();
-    move |t: &Target| {
-        let mut out = match inuse::nvidia_holders(&paths, &t.address) {
-            Ok(h) => h,
-            Err(e) => {
-                tracing::warn!(device = %t.address, error = %error_chain(&e), "cannot tell whether the GPU is in use");
-                Vec::new()
-            }
-        };
-        // The GPU's vGPUs: (IOMMU group, VFIO cdev) of each mdev on it or its VFs, and of
-        // each VF that holds an SR-IOV vGPU.
-        let vfs: Vec<&common::PciDevice> = inv
-            .device(&t.address)
-            .map(|g| g.virtfns.iter().filter_map(|v| inv.device(v)).collect())
-            .unwrap_or_default();
-        let on_gpu = |p: Option<PciAddress>| {
-            p.is_some_and(|p| p == t.address || vfs.iter().any(|v| v.address == p))
-        };
-        let mut vgpus: Vec<(u32, Option<&str>)> = inv
-            .mdevs
-            .values()
-            .filter(|m| on_gpu(m.parent_pci))
-            .filter_map(|m| Some((m.iommu_group?, m.vfio_cdev.as_deref())))
-            .collect();
-        vgpus.extend(
-            vfs.iter()
-                .filter(|v| v.nvidia_vgpu.as_ref().is_some_and(|g| g.current != 0))
-                .filter_map(|v| Some((v.iommu_group?, v.vfio_cdev.as_deref()))),
-        );
-        if vgpus.is_empty() {
-            return out;
-        }
-        match inuse::holders(&paths) {
-            Ok(scan) => {
-                for (group, cdev) in vgpus {
-                    let cdevs: Vec<&str> = cdev.into_iter().collect();
-                    out.extend(inuse::group_holders_in(&scan, group, &cdevs));
-                }
-            }
-            Err(e) => out.push(Holder {
-                pid: 0,
-                comm: format!(
-                    "unknown: cannot read the processes ({}), and the GPU has vGPUs",
-                    error_chain(&e)
-                ),
-                path: paths.proc().display().to_string(),
-            }),
-        }
-        out
-    }
+/// Who would lose something if `t` left its driver for its VFIO driver: processes holding its
+/// `/dev/nvidia<N>` or group (on nvidia an unbind then hangs until they exit), and whoever uses
+/// its VFs and vGPUs (an unbind from nvidia destroys them), or unknown where a source cannot be
+/// read. A pod kubelet gave the function itself to needs it on VFIO and does not count.
+pub fn bind_blockers(usage: &Usage, inv: &Inventory, t: &Target) -> Vec<Use> {
+    usage.of_gpu_for_passthrough(inv, &t.address)
 }
 
 /// `vfio-manager bind`: every selected function onto its VFIO driver.
@@ -173,8 +123,17 @@ pub fn run_bind(cfg: &Config, paths: &HostPaths) -> Result<Report, NodeError> {
     if sel.is_empty() {
         tracing::warn!("no devices match the selection; nothing to bind");
     }
-    let holders = nvidia_holders_fn(paths, &inv);
-    let results = ops::bind_all(paths, &sel, &cfg.op_options(), &holders);
+    // Read who uses what only when a device is to leave its driver: a pass with nothing to
+    // do (the daemon's resync) scans no process and asks kubelet nothing.
+    let usage: OnceLock<Usage> = OnceLock::new();
+    let in_use = |t: &Target| -> Vec<String> {
+        let usage = usage.get_or_init(|| Usage::read(paths));
+        bind_blockers(usage, &inv, t)
+            .iter()
+            .map(|u| u.describe(&inv))
+            .collect()
+    };
+    let results = ops::bind_all(paths, &sel, &cfg.op_options(), &in_use);
     let moved: Vec<_> = results
         .iter()
         .filter_map(|r| match &r.outcome {
@@ -195,20 +154,31 @@ pub fn run_bind(cfg: &Config, paths: &HostPaths) -> Result<Report, NodeError> {
 }
 
 /// `vfio-manager unbind`: every selected function on a VFIO driver back to its default driver;
-/// groups in use by a VM are refused unless `cfg.force`.
+/// groups in use (a VM holds them, kubelet gave them to a pod, or that cannot be known) are
+/// refused unless `cfg.force`.
 pub fn run_unbind(cfg: &Config, paths: &HostPaths) -> Result<Report, NodeError> {
     let start = Instant::now();
     // Selection for unbind does not refuse foreign members: giving devices back is safe.
     let mut cfg = cfg.clone();
     cfg.selector.allow_foreign_in_group = true;
-    let (_inv, sel) = read_and_select(&cfg, paths)?;
-    let scan = inuse::holders(paths).map_err(|e| {
-        let e = error_chain(&e);
-        tracing::warn!(error = %e, "cannot scan processes for open VFIO groups");
-        e
-    });
+    let (inv, sel) = read_and_select(&cfg, paths)?;
+    let on_vfio = sel
+        .targets()
+        .any(|t| t.driver.as_deref().is_some_and(common::is_vfio_driver));
+    let usage = if on_vfio {
+        Usage::read(paths)
+    } else {
+        Usage::default()
+    };
     let originals = memory::load(paths);
-    let results = ops::unbind_all(paths, &sel, &cfg.op_options(), &scan, &originals);
+    let in_use = |group: u32| -> Vec<String> {
+        usage
+            .of_group(&inv, group)
+            .iter()
+            .map(|u| u.describe(&inv))
+            .collect()
+    };
+    let results = ops::unbind_all(paths, &sel, &cfg.op_options(), &in_use, &originals);
     let released: Vec<_> = results
         .iter()
         .filter(|r| matches!(r.outcome, Outcome::Changed { .. }))
@@ -225,9 +195,5 @@ pub fn run_unbind(cfg: &Config, paths: &HostPaths) -> Result<Report, NodeError> 
 /// `vfio-manager status`.
 pub fn run_status(cfg: &Config, paths: &HostPaths) -> Result<Status, NodeError> {
     let (inv, sel) = read_and_select(cfg, paths)?;
-    let scan = inuse::holders(paths).unwrap_or_else(|e| {
-        tracing::warn!(error = %error_chain(&e), "cannot scan processes for open VFIO groups");
-        Default::default()
-    });
-    Ok(Status::new(&inv, &sel, &scan))
+    Ok(Status::new(&inv, &sel, &Usage::read(paths)))
 }

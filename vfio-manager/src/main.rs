@@ -17,6 +17,11 @@ use vfio_manager::{Config, DaemonConfig, DeviceId, Selector};
 /// with the other endpoint functions of its IOMMU group (HDMI audio, USB-C). Bridges are never
 /// touched. A group that also holds another vendor's device is refused, naming that device.
 ///
+/// A device in use is never taken: one a process holds open (/dev/vfio/<group>, its VFIO cdev,
+/// /dev/nvidia<N>), one kubelet gave to a pod (its PodResources API; its checkpoint while
+/// kubelet is down), or one for which either cannot be read (unknown counts as in use). A GPU
+/// is in use when any of its functions, VFs or vGPUs is.
+///
 /// Exit status: 0 every selected device is bound (or, for unbind, released); 1 some failed or
 /// were refused (each is named; the others are still done); 2 usage or configuration error.
 #[derive(Debug, Parser)]
@@ -25,6 +30,17 @@ struct Cli {
     /// The host's root filesystem: sys, dev, proc, run and lib/modules are found under it.
     #[arg(long, env = "HOST_ROOT", default_value = "/", global = true)]
     host_root: std::path::PathBuf,
+
+    /// kubelet's device-plugin directory, where its checkpoint (kubelet_internal_checkpoint)
+    /// says which devices it gave to pods while kubelet is not running.
+    /// Default: <host-root>/var/lib/kubelet/device-plugins.
+    #[arg(long, env = "KUBELET_DIR", value_name = "DIR", global = true)]
+    kubelet_dir: Option<std::path::PathBuf>,
+
+    /// kubelet's PodResources socket, asked which pods hold which devices.
+    /// Default: pod-resources/kubelet.sock beside the kubelet directory.
+    #[arg(long, env = "POD_RESOURCES_SOCKET", value_name = "PATH", global = true)]
+    pod_resources_socket: Option<std::path::PathBuf>,
 
     /// Log format on stderr. The level comes from RUST_LOG (default info).
     #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
@@ -45,17 +61,21 @@ enum Command {
     /// Put every selected function on its VFIO driver: set driver_override, unbind from the
     /// current driver, drivers_probe, then check the driver link and /dev/vfio/<group>.
     /// Functions already on it are not written to. IOMMU groups are done in parallel. Prints
-    /// one line per device changed and a summary with the elapsed time.
+    /// one line per device changed and a summary with the elapsed time. A GPU in use is
+    /// refused, naming who uses it, and not written to: a process holding its /dev/nvidia<N>
+    /// (the unbind would hang), or anyone using its VFs or vGPUs (the unbind destroys them). A
+    /// pod kubelet gave the GPU itself to (passthrough) does not stop it: it needs it on VFIO.
     Bind(BindArgs),
     /// Give every selected function on a VFIO driver back: unbind, reprobe, clear
     /// driver_override. It returns to the driver it had before `bind` (remembered under
-    /// <host-root>/run/vfio-manager), or else to whichever driver the kernel probes. A group
-    /// whose /dev/vfio/<group> is open (a VM is using it) is refused, naming the holders, and
-    /// nothing in it is written, unless --force.
+    /// <host-root>/run/vfio-manager), or else to whichever driver the kernel probes. A group in
+    /// use (a VM holds its /dev/vfio/<group>, kubelet gave a member to a pod, or that cannot be
+    /// read) is refused, naming who uses it, and nothing in it is written, unless --force.
     Unbind(UnbindArgs),
     /// Show each selected function: driver, IOMMU group, group members, whether the group is
-    /// viable for a VM (all endpoints on VFIO, /dev/vfio/<group> present) and who holds it.
-    /// Exits 0 only when every selected function is bound.
+    /// viable for a VM (all endpoints on VFIO, /dev/vfio/<group> present) and who uses it (for
+    /// a bound function its group's users, for another what would stop a bind). Writes
+    /// nothing. Exits 0 only when every selected function is bound.
     Status(StatusArgs),
     /// Bind, write <host-root>/run/nvidia/validations/vfio-pci-ready once every selected
     /// function is bound, then keep binding GPUs that appear later (udev events, plus a slow
@@ -101,7 +121,8 @@ struct BindArgs {
 struct UnbindArgs {
     #[command(flatten)]
     select: SelectArgs,
-    /// Unbind even a group a process (a VM) holds open. The VM loses its device.
+    /// Unbind even a group in use: held open by a process (a VM loses its device), given to a
+    /// pod by kubelet, or whose users cannot be read.
     #[arg(long)]
     force: bool,
 }
@@ -177,7 +198,9 @@ fn code(c: i32) -> ExitCode {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);
-    let paths = HostPaths::new(&cli.host_root);
+    let paths = HostPaths::new(&cli.host_root)
+        .with_kubelet_dir(cli.kubelet_dir)
+        .with_pod_resources_socket(cli.pod_resources_socket);
     if !paths.sys().is_dir() {
         eprintln!(
             "error: {} is not a directory; is --host-root ({}) the host's root?",

@@ -4,10 +4,9 @@
 //! function); different groups run in parallel, so a node's bind takes about as long as its
 //! slowest GPU. A function already on its target driver is not written to at all.
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use common::{Holder, HostPaths, Sysfs, error_chain, inuse};
+use common::{HostPaths, Sysfs, error_chain};
 
 use crate::memory::Originals;
 use crate::report::{DeviceResult, Outcome};
@@ -19,7 +18,8 @@ use common::is_vfio_driver;
 pub struct OpOptions {
     /// The most one function may take, all its writes and waits together.
     pub timeout: Duration,
-    /// Unbind even when a process holds the group's `/dev/vfio/<group>` open.
+    /// Unbind a group even when it is in use: a process holds it, kubelet gave it to a pod, or
+    /// that cannot be known.
     pub force: bool,
 }
 
@@ -81,12 +81,17 @@ where
     results
 }
 
-/// Binds every target of `sel` to its VFIO driver.
+/// Who uses a target that is to leave its driver (see [`crate::bind_blockers`]), one sentence
+/// each; empty when nobody does.
+pub type InUse<'a> = &'a (dyn Fn(&Target) -> Vec<String> + Sync);
+
+/// Binds every target of `sel` to its VFIO driver. A target that is on another driver and in
+/// use (`in_use`) is refused and not written to.
 pub fn bind_all(
     paths: &HostPaths,
     sel: &Selection,
     opts: &OpOptions,
-    nvidia_holders: &(dyn Fn(&Target) -> Vec<Holder> + Sync),
+    in_use: InUse<'_>,
 ) -> Vec<DeviceResult> {
     for_each_group(sel, |targets| {
         let mut out = Vec::with_capacity(targets.len());
@@ -97,17 +102,19 @@ pub fn bind_all(
             let outcome = match &failed {
                 Some(first) => Outcome::Failed {
                     error: format!(
-                        "not attempted: {first} in the same IOMMU group {} failed",
+                        "not attempted: {first} in the same IOMMU group {} was not bound",
                         t.group
                     ),
                 },
-                None => bind_one(paths, t, opts, nvidia_holders),
+                None => bind_one(paths, t, opts, in_use),
             };
-            if let Outcome::Failed { error } = &outcome {
-                tracing::warn!(%error, "bind failed");
-                if failed.is_none() {
-                    failed = Some(t.address.to_string());
-                }
+            match &outcome {
+                Outcome::Failed { error } => tracing::warn!(%error, "bind failed"),
+                Outcome::Refused { reason } => tracing::warn!(%reason, "bind refused"),
+                _ => {}
+            }
+            if outcome_is_failure(&outcome) && failed.is_none() {
+                failed = Some(t.address.to_string());
             }
             out.push(DeviceResult {
                 address: t.address,
@@ -119,6 +126,10 @@ pub fn bind_all(
     })
 }
 
+fn outcome_is_failure(o: &Outcome) -> bool {
+    matches!(o, Outcome::Failed { .. } | Outcome::Refused { .. })
+}
+
 fn fail(e: impl std::fmt::Display) -> Outcome {
     Outcome::Failed {
         error: e.to_string(),
@@ -126,13 +137,9 @@ fn fail(e: impl std::fmt::Display) -> Outcome {
 }
 
 /// Binds one function: `driver_override`, unbind, `drivers_probe`, verify the driver link and
-/// `/dev/vfio/<group>`; all within `opts.timeout`.
-pub fn bind_one(
-    paths: &HostPaths,
-    t: &Target,
-    opts: &OpOptions,
-    nvidia_holders: &(dyn Fn(&Target) -> Vec<Holder> + Sync),
-) -> Outcome {
+/// `/dev/vfio/<group>`; all within `opts.timeout`. A function on another driver is first asked
+/// about (`in_use`): one in use is refused, with nothing written.
+pub fn bind_one(paths: &HostPaths, t: &Target, opts: &OpOptions, in_use: InUse<'_>) -> Outcome {
     let deadline = Instant::now() + opts.timeout;
     let left = || deadline.saturating_duration_since(Instant::now());
     let sysfs = || Sysfs::new(paths.clone()).with_timeout(left().max(Duration::from_millis(1)));
@@ -146,14 +153,22 @@ pub fn bind_one(
         tracing::debug!(driver = %t.target, "already bound");
         return Outcome::Unchanged { driver: current };
     }
-    if current.as_deref() == Some("nvidia") {
-        let holders = nvidia_holders(t);
-        if !holders.is_empty() {
-            return fail(format!(
-                "{a} is in use on the nvidia driver ({}); unbinding it would hang until they \
-                 exit, or destroy the vGPUs they use, so it is left on nvidia",
-                join_holders(&holders)
-            ));
+    if let Some(d) = current.as_deref() {
+        let users = in_use(t);
+        if !users.is_empty() {
+            let consequence = if d == "nvidia" {
+                "unbinding it from nvidia would hang until its processes exit, and destroy its \
+                 vGPUs and VFs"
+                    .to_string()
+            } else {
+                format!("moving it from {d} to {} would take it from them", t.target)
+            };
+            return Outcome::Refused {
+                reason: format!(
+                    "{a} is in use ({}); {consequence}, so it is left on {d}",
+                    users.join("; ")
+                ),
+            };
         }
     }
 
@@ -243,22 +258,14 @@ fn give_back(paths: &HostPaths, t: &Target, from: Option<&str>, error: &str) -> 
     }
 }
 
-/// `pid 4242 (qemu-kvm) holds /dev/vfio/42, ...`.
-pub fn join_holders(h: &[Holder]) -> String {
-    h.iter()
-        .map(|h| h.to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-/// Gives every target of `sel` that is on a VFIO driver back to its default driver. A group
-/// whose `/dev/vfio/<group>` (or a member's VFIO cdev) is held open is refused unless
-/// `opts.force`.
+/// Gives every target of `sel` that is on a VFIO driver back to its default driver. A group in
+/// use (`in_use`: one sentence per user of the group, unknown sources included) is refused
+/// unless `opts.force`.
 pub fn unbind_all(
     paths: &HostPaths,
     sel: &Selection,
     opts: &OpOptions,
-    scan: &Result<BTreeMap<String, Vec<Holder>>, String>,
+    in_use: &(dyn Fn(u32) -> Vec<String> + Sync),
     originals: &Originals,
 ) -> Vec<DeviceResult> {
     for_each_group(sel, |targets| {
@@ -266,45 +273,28 @@ pub fn unbind_all(
             return Vec::new();
         };
         let group = first.group;
-        let cdevs: Vec<&str> = targets
-            .iter()
-            .filter_map(|t| t.vfio_cdev.as_deref())
-            .collect();
         let on_vfio = targets
             .iter()
             .any(|t| t.driver.as_deref().is_some_and(is_vfio_driver));
-        let refuse = |reason: String| -> Vec<DeviceResult> {
-            targets
-                .iter()
-                .map(|t| DeviceResult {
-                    address: t.address,
-                    group: Some(group),
-                    outcome: Outcome::Refused {
-                        reason: reason.clone(),
-                    },
-                })
-                .collect()
-        };
-        let holders = match scan {
-            Ok(scan) => inuse::group_holders_in(scan, group, &cdevs),
-            // Not knowing whether a VM uses the group is not knowing it is free.
-            Err(e) if on_vfio && !opts.force => {
-                return refuse(format!(
-                    "cannot tell whether IOMMU group {group} is in use ({e}); not unbinding \
-                     (--force overrides)"
-                ));
+        let users = if on_vfio { in_use(group) } else { Vec::new() };
+        if !users.is_empty() {
+            let users = users.join("; ");
+            if !opts.force {
+                let reason = format!(
+                    "IOMMU group {group} is in use ({users}); not unbinding (--force overrides)"
+                );
+                return targets
+                    .iter()
+                    .map(|t| DeviceResult {
+                        address: t.address,
+                        group: Some(group),
+                        outcome: Outcome::Refused {
+                            reason: reason.clone(),
+                        },
+                    })
+                    .collect();
             }
-            Err(_) => Vec::new(),
-        };
-        if !holders.is_empty() && on_vfio && !opts.force {
-            return refuse(format!(
-                "IOMMU group {group} is in use ({}): a VM is using it; not unbinding \
-                 (--force overrides)",
-                join_holders(&holders)
-            ));
-        }
-        if !holders.is_empty() && on_vfio {
-            tracing::warn!(group, holders = %join_holders(&holders), "unbinding a group in use (--force)");
+            tracing::warn!(group, users = %users, "unbinding a group in use (--force)");
         }
         targets
             .iter()
@@ -442,22 +432,25 @@ mod tests {
         assert_eq!(fs::read_to_string(unbind).unwrap(), "");
     }
 
+    /// Nobody uses anything.
+    fn free(_: &Target) -> Vec<String> {
+        Vec::new()
+    }
+
     #[test]
-    fn a_gpu_held_on_nvidia_is_left_alone_and_the_holder_named() {
+    fn a_gpu_in_use_on_nvidia_is_left_alone_and_its_users_named() {
         let (dir, p, t) = tree();
-        let holder = |_: &Target| {
-            vec![Holder {
-                pid: 77,
-                comm: "nvidia-persiste".into(),
-                path: "/dev/nvidia0".into(),
-            }]
+        let users = |_: &Target| {
+            vec!["0000:41:00.0: pid 77 (nvidia-persiste) holds /dev/nvidia0".to_string()]
         };
-        let out = bind_one(&p, &t, &OpOptions::default(), &holder);
-        let Outcome::Failed { error } = out else {
+        let out = bind_one(&p, &t, &OpOptions::default(), &users);
+        let Outcome::Refused { reason } = out else {
             panic!("{out:?}")
         };
-        assert!(error.contains("0000:41:00.0"), "{error}");
-        assert!(error.contains("pid 77 (nvidia-persiste)"), "{error}");
+        assert!(reason.starts_with("0000:41:00.0 is in use ("), "{reason}");
+        assert!(reason.contains("pid 77 (nvidia-persiste)"), "{reason}");
+        assert!(reason.contains("destroy its vGPUs"), "{reason}");
+        assert!(reason.ends_with("so it is left on nvidia"), "{reason}");
         assert_untouched(dir.path());
     }
 
@@ -465,7 +458,7 @@ mod tests {
     fn a_device_already_on_its_target_is_not_written() {
         let (dir, p, mut t) = tree();
         t.target = "nvidia".into();
-        let out = bind_one(&p, &t, &OpOptions::default(), &|_: &Target| Vec::new());
+        let out = bind_one(&p, &t, &OpOptions::default(), &free);
         assert_eq!(
             out,
             Outcome::Unchanged {
@@ -478,7 +471,7 @@ mod tests {
     #[test]
     fn a_target_driver_that_is_not_loaded_is_refused_before_any_write() {
         let (dir, p, t) = tree();
-        let out = bind_one(&p, &t, &OpOptions::default(), &|_: &Target| Vec::new());
+        let out = bind_one(&p, &t, &OpOptions::default(), &free);
         let Outcome::Failed { error } = out else {
             panic!("{out:?}")
         };
@@ -487,22 +480,23 @@ mod tests {
     }
 
     #[test]
-    fn unbind_is_refused_when_the_processes_cannot_be_read() {
+    fn unbind_is_refused_when_who_uses_the_group_is_unknown() {
         let (dir, p, mut t) = tree();
         t.driver = Some("vfio-pci".into());
         let sel = Selection {
             groups: [(t.group, vec![t.clone()])].into(),
             refused: vec![],
         };
-        let scan = Err("cannot read proc".to_string());
-        let out = unbind_all(&p, &sel, &OpOptions::default(), &scan, &Originals::new());
+        let unknown = |_: u32| vec!["unknown: cannot read the processes' open files".to_string()];
+        let out = unbind_all(&p, &sel, &OpOptions::default(), &unknown, &Originals::new());
         let Outcome::Refused { reason } = &out[0].outcome else {
             panic!("{out:?}")
         };
         assert!(
-            reason.contains("cannot tell whether IOMMU group 21 is in use"),
+            reason.contains("IOMMU group 21 is in use (unknown: cannot read the processes"),
             "{reason}"
         );
+        assert!(reason.contains("--force overrides"), "{reason}");
         assert_override_clear(dir.path());
     }
 
@@ -510,7 +504,7 @@ mod tests {
     fn a_missing_device_is_a_named_failure() {
         let (_dir, p, mut t) = tree();
         t.address = "0000:99:00.0".parse().unwrap();
-        let out = bind_one(&p, &t, &OpOptions::default(), &|_: &Target| Vec::new());
+        let out = bind_one(&p, &t, &OpOptions::default(), &free);
         let Outcome::Failed { error } = out else {
             panic!("{out:?}")
         };

@@ -1,10 +1,9 @@
 //! `vfio-manager status`: each selected function, its driver, group, the group's members,
-//! whether the group can be given to a VM (viable), and whether one is using it.
+//! whether the group can be given to a VM (viable), and who uses it.
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use common::{Holder, Inventory, PciAddress, inuse};
+use common::{Inventory, PciAddress, Usage, Use, User};
 use serde::Serialize;
 
 use crate::report::driver_label;
@@ -31,8 +30,10 @@ pub struct StatusRow {
     /// Every endpoint of the group is on a VFIO driver (or none) and `/dev/vfio/<group>`
     /// exists: a VM can open the group.
     pub viable: bool,
-    /// Processes holding the group's `/dev/vfio/<group>` or a member's VFIO cdev.
-    pub in_use: Vec<Holder>,
+    /// Who uses it, as [`common::usage`] answers: for a bound function, the users of its group
+    /// (what `unbind` respects); for one not bound yet, the users `bind` would respect (its
+    /// `/dev/nvidia<N>`, its VFs and vGPUs). Unknown where a source could not be read.
+    pub in_use: Vec<Use>,
 }
 
 /// A selected function that is refused, and why.
@@ -54,8 +55,8 @@ pub struct Status {
 }
 
 impl Status {
-    /// Builds the status of `sel` from `inv` and a `/proc` scan.
-    pub fn new(inv: &Inventory, sel: &Selection, scan: &BTreeMap<String, Vec<Holder>>) -> Self {
+    /// Builds the status of `sel` from `inv` and who uses what.
+    pub fn new(inv: &Inventory, sel: &Selection, usage: &Usage) -> Self {
         let mut devices = Vec::new();
         for (&group, targets) in &sel.groups {
             let members = inv.group_members(group);
@@ -64,12 +65,13 @@ impl Status {
                 .filter_map(|a| inv.device(a))
                 .all(|d| d.is_bridge() || d.driver.as_deref().is_none_or(is_vfio_driver));
             let viable = endpoints_ok && inv.vfio_nodes.contains(&group);
-            let cdevs: Vec<&str> = members
-                .iter()
-                .filter_map(|a| inv.device(a)?.vfio_cdev.as_deref())
-                .collect();
-            let in_use = inuse::group_holders_in(scan, group, &cdevs);
+            let group_users = usage.of_group(inv, group);
             for t in targets {
+                let in_use = if t.is_bound() {
+                    group_users.clone()
+                } else {
+                    crate::bind_blockers(usage, inv, t)
+                };
                 devices.push(StatusRow {
                     address: t.address,
                     id: t.id.clone(),
@@ -79,7 +81,7 @@ impl Status {
                     group,
                     members: members.clone(),
                     viable,
-                    in_use: in_use.clone(),
+                    in_use,
                 });
             }
         }
@@ -131,11 +133,13 @@ impl Status {
                     if d.in_use.is_empty() {
                         "no".to_string()
                     } else {
-                        d.in_use
-                            .iter()
-                            .map(|h| format!("pid {} ({})", h.pid, h.comm))
-                            .collect::<Vec<_>>()
-                            .join(",")
+                        let mut who: Vec<String> = Vec::new();
+                        for w in d.in_use.iter().map(|u| u.user.who()) {
+                            if !who.contains(&w) {
+                                who.push(w);
+                            }
+                        }
+                        who.join(",")
                     },
                 ]
             })
@@ -169,6 +173,15 @@ impl Status {
         for r in &self.refused {
             let _ = writeln!(s, "{} refused: {}", r.address, r.reason);
         }
+        let mut unknown: Vec<&User> = Vec::new();
+        for u in self.devices.iter().flat_map(|d| &d.in_use) {
+            if matches!(u.user, User::Unknown(_)) && !unknown.contains(&&u.user) {
+                unknown.push(&u.user);
+            }
+        }
+        for u in unknown {
+            let _ = writeln!(s, "{u}");
+        }
         s
     }
 }
@@ -192,23 +205,26 @@ mod tests {
         i.vfio_nodes.insert(1);
         i.vfio_nodes.insert(7);
         let sel = select(&i, &Selector::default(), None, &AliasTable::default());
-        let mut scan = BTreeMap::new();
-        scan.insert(
-            "/dev/vfio/7".to_string(),
-            vec![Holder {
-                pid: 4242,
-                comm: "qemu-kvm".into(),
-                path: "/dev/vfio/7".into(),
-            }],
-        );
-        let st = Status::new(&i, &sel, &scan);
+        let usage = Usage {
+            processes: Ok([(
+                "/dev/vfio/7".to_string(),
+                vec![common::usage::Process {
+                    pid: 4242,
+                    comm: "qemu-kvm".into(),
+                    path: "/dev/vfio/7".into(),
+                }],
+            )]
+            .into()),
+            ..Usage::default()
+        };
+        let st = Status::new(&i, &sel, &usage);
         assert_eq!(st.devices.len(), 3);
         let gpu = &st.devices[0];
         assert!(gpu.bound && !gpu.viable, "audio still on snd_hda_intel");
         assert_eq!(gpu.members.len(), 2);
         let a10 = &st.devices[2];
         assert!(a10.bound && a10.viable);
-        assert_eq!(a10.in_use[0].pid, 4242);
+        assert_eq!(a10.in_use[0].user.who(), "pid 4242 (qemu-kvm)");
         assert_eq!(st.exit_code(), 1);
 
         let text = st.to_text();

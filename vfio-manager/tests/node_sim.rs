@@ -23,7 +23,9 @@ fn cmd(root: &Path, args: &[&str]) -> Command {
         .arg(root)
         .args(args)
         .env("RUST_LOG", "info")
-        .env_remove("HOST_ROOT");
+        .env_remove("HOST_ROOT")
+        .env_remove("KUBELET_DIR")
+        .env_remove("POD_RESOURCES_SOCKET");
     c
 }
 
@@ -192,9 +194,14 @@ fn a_gpu_whose_vgpu_a_vm_uses_is_not_unbound() {
     let o = run(root, &["bind"]);
     assert_eq!(o.status.code(), Some(1), "{}", show(&o));
     let err = text(&o.stderr);
-    assert!(err.contains("0000:41:00.0 failed"), "{}", show(&o));
+    assert!(err.contains("0000:41:00.0 refused"), "{}", show(&o));
     assert!(err.contains("pid 4321 (virt-launcher)"), "{}", show(&o));
-    assert!(err.contains("destroy the vGPUs"), "{}", show(&o));
+    assert!(
+        err.contains(&format!("vGPU NVIDIA A10-4Q {uuid} (on 0000:41:00.4)")),
+        "{}",
+        show(&o)
+    );
+    assert!(err.contains("destroy its vGPUs"), "{}", show(&o));
     let touched: Vec<_> = ops_for(root, "0000:41:00.0")
         .into_iter()
         .filter(|(p, _, _)| !p.ends_with("sriov_numvfs") && !p.ends_with("/create"))

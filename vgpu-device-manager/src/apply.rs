@@ -1,12 +1,13 @@
 //! Apply = read the node, plan, execute. Independent GPUs are changed in parallel; each GPU's
 //! changes run in order (removals first). Nothing is remembered between runs except learnt
-//! vendor-path type names: the plan is always derived from sysfs, so a run killed at any point
-//! is repaired by the next one.
+//! vendor-path type names, which only apply records: the plan is always derived from sysfs, so a
+//! run killed at any point is repaired by the next one. `plan`, `assert` and `export` write
+//! nothing.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use common::{HostPaths, Inventory, PciAddress, ReadOptions, Sysfs, error_chain};
+use common::{HostPaths, Inventory, PciAddress, ReadOptions, Sysfs, Usage, error_chain};
 use serde::Serialize;
 
 use crate::config::{Config, ConfigError, Count, Devices, Entry, TypeKey};
@@ -155,17 +156,15 @@ impl Report {
     }
 }
 
-/// Records the vendor-path type names the node shows now: a VF stops listing its own type, and
-/// a full card lists none, so names seen earlier are kept ([`common::vgpu_names`]).
-fn remember_names(paths: &HostPaths, inv: &Inventory) {
-    let seen = inv
-        .devices
+/// The vendor-path type names the node's creatable lists show now. A VF stops listing its own
+/// type, and a full card lists none, so `apply` records them ([`common::vgpu_names`]) for later
+/// reads.
+fn names_shown(inv: &Inventory) -> Vec<(u32, String)> {
+    inv.devices
         .values()
         .filter_map(|d| d.nvidia_vgpu.as_ref())
-        .flat_map(|nv| nv.creatable.iter().map(|t| (t.id, t.name.clone())));
-    if let Err(e) = common::vgpu_names::remember_all(paths, seen) {
-        tracing::warn!("cannot record vGPU type names: {}", common::error_chain(&e));
-    }
+        .flat_map(|nv| nv.creatable.iter().map(|t| (t.id, t.name.clone())))
+        .collect()
 }
 
 fn read_types_of_one_parent_per_gpu(paths: &HostPaths, inv: &mut Inventory) {
@@ -235,8 +234,14 @@ fn read_types_of_one_parent_per_gpu(paths: &HostPaths, inv: &mut Inventory) {
     }
 }
 
-/// Reads the node's candidate GPUs.
+/// Reads the node's candidate GPUs and who uses their vGPUs. Writes nothing.
 pub fn snapshot(opts: &Options) -> Result<Vec<Gpu>, ApplyError> {
+    read_gpus(opts, false)
+}
+
+/// [`snapshot`]; with `record_names` (apply only) the vendor-path type names the node shows
+/// are recorded first ([`common::vgpu_names`]).
+fn read_gpus(opts: &Options, record_names: bool) -> Result<Vec<Gpu>, ApplyError> {
     // Types are read for one parent per GPU: every VF of a GPU lists the same types, and a
     // GPU has up to 32 VFs of ~25 types each. A VF's identity is its PF's for planning.
     let read = ReadOptions {
@@ -248,36 +253,18 @@ pub fn snapshot(opts: &Options) -> Result<Vec<Gpu>, ApplyError> {
     for u in &inv.unreadable {
         tracing::warn!(path = %u.path.display(), "skipped: {}", u.reason);
     }
-    let scan = common::inuse::holders(&opts.paths).map_err(|e| {
-        let e = error_chain(&e);
-        tracing::warn!("cannot scan processes for open vGPUs: {e}");
-        e
-    });
-    remember_names(&opts.paths, &inv);
-    let names = common::vgpu_names::load(&opts.paths);
-    let mut gpus = plan::discover(
-        &inv,
-        opts.vendor,
-        scan.as_ref().unwrap_or(&BTreeMap::new()),
-        &names,
-    );
-    if let Err(e) = &scan {
-        // Not knowing whether a VM uses a vGPU is not knowing it is free: every existing vGPU
-        // counts as in use, so nothing is removed; missing ones are still created.
-        for v in gpus.iter_mut().flat_map(|g| g.vgpus.iter_mut()) {
-            v.holders.push(common::Holder {
-                pid: 0,
-                comm: format!("unknown: cannot read the processes: {e}"),
-                path: opts.paths.proc().display().to_string(),
-            });
-        }
+    // One reading of who uses what for the whole node. A source that cannot be read makes
+    // every vGPU's user unknown, so nothing is removed; missing vGPUs are still created.
+    let usage = Usage::read(&opts.paths);
+    let shown = names_shown(&inv);
+    if record_names
+        && let Err(e) = common::vgpu_names::remember_all(&opts.paths, shown.iter().cloned())
+    {
+        tracing::warn!("cannot record vGPU type names: {}", error_chain(&e));
     }
-    let allocated = kubelet_allocations(&opts.paths);
-    for v in gpus.iter_mut().flat_map(|g| g.vgpus.iter_mut()) {
-        v.allocated = allocated
-            .get(&v.handle.to_string().to_ascii_lowercase())
-            .cloned();
-    }
+    let mut names = common::vgpu_names::load(&opts.paths);
+    names.extend(shown);
+    let gpus = plan::discover(&inv, opts.vendor, &usage, &names);
     for g in &gpus {
         tracing::debug!(
             gpu = %g.label(),
@@ -292,50 +279,6 @@ pub fn snapshot(opts: &Options) -> Result<Vec<Gpu>, ApplyError> {
     Ok(gpus)
 }
 
-/// Device IDs kubelet has allocated to pods (`<kubelet-dir>/kubelet_internal_checkpoint`):
-/// mdev UUIDs and VF addresses, the IDs sandbox-dp advertises → `pod <uid> container <name>`.
-/// A missing or unreadable checkpoint means no allocations.
-pub fn kubelet_allocations(paths: &HostPaths) -> BTreeMap<String, String> {
-    let path = paths.kubelet_dir().join("kubelet_internal_checkpoint");
-    let Ok(text) = std::fs::read_to_string(&path) else {
-        return BTreeMap::new();
-    };
-    let v: serde_json::Value = match serde_json::from_str(&text) {
-        Ok(v) => v,
-        Err(e) => {
-            tracing::warn!(path = %path.display(), "cannot parse kubelet's checkpoint: {e}");
-            return BTreeMap::new();
-        }
-    };
-    fn ids(v: &serde_json::Value, out: &mut Vec<String>) {
-        match v {
-            serde_json::Value::String(s) => out.push(s.to_ascii_lowercase()),
-            serde_json::Value::Array(a) => a.iter().for_each(|x| ids(x, out)),
-            // Newer kubelets key the IDs by NUMA node.
-            serde_json::Value::Object(m) => m.values().for_each(|x| ids(x, out)),
-            _ => {}
-        }
-    }
-    let mut out = BTreeMap::new();
-    let entries = v["Data"]["PodDeviceEntries"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default();
-    for e in entries {
-        let who = format!(
-            "pod {} container {}",
-            e["PodUID"].as_str().unwrap_or("?"),
-            e["ContainerName"].as_str().unwrap_or("?")
-        );
-        let mut list = Vec::new();
-        ids(&e["DeviceIDs"], &mut list);
-        for id in list {
-            out.insert(id, who.clone());
-        }
-    }
-    out
-}
-
 /// Plans `profile` of `config` against the node as it is now. Writes nothing.
 pub fn make_plan(opts: &Options, config: &Config, profile: &str) -> Result<Plan, ApplyError> {
     let entries = config.profile(profile)?;
@@ -348,7 +291,8 @@ pub fn apply(opts: &Options, config: &Config, profile: &str) -> Result<Report, A
     let entries = config.profile(profile)?;
     let sysfs = Sysfs::new(opts.paths.clone()).with_timeout(opts.write_timeout);
     let mut writes = 0;
-    let mut p = plan::plan(&snapshot(opts)?, profile, entries).map_err(ApplyError::Invalid)?;
+    let mut p =
+        plan::plan(&read_gpus(opts, true)?, profile, entries).map_err(ApplyError::Invalid)?;
     let mut failed: BTreeMap<usize, Outcome> = BTreeMap::new();
     if p.gpus.iter().any(|g| g.after_vfs) {
         let mut enabled = Vec::new();
@@ -376,7 +320,7 @@ pub fn apply(opts: &Options, config: &Config, profile: &str) -> Result<Report, A
         // its vGPU types (mdev types or the vendor `nvidia/` directory), or until `vf_wait`.
         let start = Instant::now();
         let gpus = loop {
-            let gpus = snapshot(opts)?;
+            let gpus = read_gpus(opts, true)?;
             let ready = enabled.iter().all(|pf| {
                 gpus.iter().any(|g| {
                     g.pci == Some(*pf)
@@ -518,9 +462,47 @@ fn run_gpu(sysfs: &Sysfs, g: &plan::GpuPlan) -> (String, Outcome, usize) {
     )
 }
 
-/// The node's current vGPUs as a config with one profile, `name`.
-pub fn export(opts: &Options, name: &str) -> Result<Config, ApplyError> {
+/// What `export` prints: the node's vGPUs as a config, and who uses which of them.
+#[derive(Clone, Debug)]
+pub struct Exported {
+    /// The node's current vGPUs as a config with one profile.
+    pub config: Config,
+    /// One line per vGPU in use: the GPU, the vGPU and who uses it.
+    pub in_use: Vec<String>,
+}
+
+impl Exported {
+    /// The config file, the vGPUs in use as comments before it (a parser skips them).
+    pub fn to_yaml(&self) -> String {
+        let mut s = String::new();
+        if !self.in_use.is_empty() {
+            s.push_str("# vGPUs in use (apply keeps them until they are free):\n");
+            for l in &self.in_use {
+                s.push_str(&format!("#   {l}\n"));
+            }
+        }
+        s.push_str(&self.config.to_yaml());
+        s
+    }
+}
+
+/// The node's current vGPUs as a config with one profile, `name`, and who uses them.
+pub fn export(opts: &Options, name: &str) -> Result<Exported, ApplyError> {
     let gpus = snapshot(opts)?;
+    let in_use = gpus
+        .iter()
+        .flat_map(|g| {
+            g.vgpus.iter().filter(|v| v.in_use()).map(move |v| {
+                format!(
+                    "{}: {} {}: {}",
+                    g.label(),
+                    v.label(),
+                    v.handle,
+                    common::usage::describe(&v.users)
+                )
+            })
+        })
+        .collect();
     let mut groups: Vec<(BTreeMap<TypeKey, Count>, Vec<usize>)> = Vec::new();
     for g in &gpus {
         if matches!(g.backend, plan::Backend::Unsupported { .. }) && g.vgpus.is_empty() {
@@ -568,8 +550,11 @@ pub fn export(opts: &Options, name: &str) -> Result<Config, ApplyError> {
         .collect();
     let mut vgpu_configs = BTreeMap::new();
     vgpu_configs.insert(name.to_string(), entries);
-    Ok(Config {
-        version: "v1".into(),
-        vgpu_configs,
+    Ok(Exported {
+        config: Config {
+            version: "v1".into(),
+            vgpu_configs,
+        },
+        in_use,
     })
 }

@@ -15,6 +15,11 @@ use vgpu_device_manager::plan::VendorSel;
 /// Make the node's NVIDIA vGPU devices (mdevs and SR-IOV vGPU VFs) match a named profile of a
 /// `version: v1` / `vgpu-configs` file, the format of NVIDIA's vgpu-device-manager.
 ///
+/// A vGPU in use is never removed: one a process holds open (its /dev/vfio/<group> or VFIO
+/// cdev: a running VM), one kubelet gave to a pod (its PodResources API; its checkpoint while
+/// kubelet is down), or one for which either cannot be read (unknown counts as in use: a
+/// truncated checkpoint removes nothing). Its GPU is left as it is and the rest is applied.
+///
 /// Exit status: 0 done (assert: the profile is applied); 1 not applied (a vGPU in use, a write
 /// failed, assert found differences, the node cannot be read); 2 the config or profile is
 /// invalid for this node (nothing was changed).
@@ -42,6 +47,15 @@ struct Cli {
     /// Directory the host's `/` is at: `sys`, `proc`, `run/nvidia/validations` are found under it.
     #[arg(long, env = "HOST_ROOT", default_value = "/", global = true)]
     host_root: PathBuf,
+    /// kubelet's device-plugin directory, where its checkpoint (kubelet_internal_checkpoint)
+    /// says which vGPUs it gave to pods while kubelet is not running.
+    /// Default: <host-root>/var/lib/kubelet/device-plugins.
+    #[arg(long, env = "KUBELET_DIR", value_name = "DIR", global = true)]
+    kubelet_dir: Option<PathBuf>,
+    /// kubelet's PodResources socket, asked which pods hold which vGPUs.
+    /// Default: pod-resources/kubelet.sock beside the kubelet directory.
+    #[arg(long, env = "POD_RESOURCES_SOCKET", value_name = "PATH", global = true)]
+    pod_resources_socket: Option<PathBuf>,
     /// PCI vendor (hex) whose display functions `devices:` counts, or `any`: any vendor's
     /// vGPU-capable functions, then non-PCI mdev parents (mtty, mbochs) by name.
     #[arg(long, default_value = "10de", global = true)]
@@ -75,9 +89,10 @@ enum LogFormat {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Create and remove vGPUs so the node matches the profile. A GPU whose change would remove
-    /// a vGPU in use is left as it is (exit 1); the rest is applied.
+    /// a vGPU in use is left as it is (exit 1), naming who uses it; the rest is applied.
     Apply,
-    /// Exit 0 if the node matches the profile, 1 if not (the differences go to stderr).
+    /// Exit 0 if the node matches the profile, 1 if not (the differences go to stderr). Writes
+    /// nothing.
     Assert {
         /// Only check that the config file is valid and has the profile; the node is not read.
         #[arg(
@@ -89,13 +104,15 @@ enum Command {
         )]
         valid_config: bool,
     },
-    /// Print what `apply` would change; changes nothing.
+    /// Print what `apply` would change, and which vGPUs in use block it (and who uses them);
+    /// writes nothing.
     Plan {
         /// Print the plan as JSON.
         #[arg(long)]
         json: bool,
     },
-    /// Print the node's current vGPUs as a config file (profile name from -c, else `current`).
+    /// Print the node's current vGPUs as a config file (profile name from -c, else `current`),
+    /// with the vGPUs in use and who uses them as comments. Writes nothing.
     Export,
     /// Keep the node on the profile named by the node label `nvidia.com/vgpu.config` (or by
     /// -c, without Kubernetes); re-apply when the label or the config file changes.
@@ -161,7 +178,11 @@ fn need<T: Clone>(v: &Option<T>, what: &str) -> anyhow::Result<T> {
 }
 
 fn run(cli: Cli) -> anyhow::Result<u8> {
-    let mut opts = Options::new(HostPaths::new(&cli.host_root));
+    let mut opts = Options::new(
+        HostPaths::new(&cli.host_root)
+            .with_kubelet_dir(cli.kubelet_dir)
+            .with_pod_resources_socket(cli.pod_resources_socket),
+    );
     opts.vendor = cli.vendor;
     opts.write_timeout = Duration::from_secs(cli.write_timeout);
     match cli.command {
@@ -205,8 +226,8 @@ fn run(cli: Cli) -> anyhow::Result<u8> {
         }
         Command::Export => {
             let name = cli.selected_config.unwrap_or_else(|| "current".into());
-            let config = vgpu_device_manager::export(&opts, &name)?;
-            print!("{}", config.to_yaml());
+            let exported = vgpu_device_manager::export(&opts, &name)?;
+            print!("{}", exported.to_yaml());
             Ok(0)
         }
         Command::Daemon {

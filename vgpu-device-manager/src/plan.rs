@@ -1,11 +1,12 @@
 //! From what sysfs shows to what must change: [`discover`] turns an [`Inventory`] into one
-//! [`Gpu`] per candidate device (its backend, the types it offers, the vGPUs it has and who holds
-//! them); [`plan`] is a pure function from those and a profile to per-GPU actions.
+//! [`Gpu`] per candidate device (its backend, the types it offers, the vGPUs it has and who uses
+//! them, as [`common::usage`] answers); [`plan`] is a pure function from those and a profile to
+//! per-GPU actions.
 
 use std::collections::BTreeMap;
 use std::fmt;
 
-use common::{Holder, Inventory, PciAddress};
+use common::{Inventory, PciAddress, Usage, User};
 use serde::Serialize;
 
 use crate::config::{Entry, TypeKey};
@@ -130,16 +131,15 @@ pub struct Vgpu {
     pub type_id: String,
     /// Its type's name, when known.
     pub type_name: Option<String>,
-    /// Processes holding it open (a running VM).
-    pub holders: Vec<Holder>,
-    /// Allocated by kubelet to a pod (`pod <uid> container <name>`), from its checkpoint.
-    pub allocated: Option<String>,
+    /// Who uses it: processes holding it open (a running VM), pods kubelet gave it to, or
+    /// unknown (a source could not be read).
+    pub users: Vec<User>,
 }
 
 impl Vgpu {
-    /// In use: held open, or allocated to a pod.
+    /// In use: someone uses it, or that cannot be known. Such a vGPU is never removed.
     pub fn in_use(&self) -> bool {
-        !self.holders.is_empty() || self.allocated.is_some()
+        !self.users.is_empty()
     }
 
     /// What to show.
@@ -228,12 +228,12 @@ fn mdev_type_info(t: &common::MdevType) -> TypeInfo {
     }
 }
 
-/// Reads the candidate devices from an inventory. `scan` is one [`common::inuse::holders`] scan;
-/// `names` maps vendor-path type ids to names learnt earlier (a full card lists no types).
+/// Reads the candidate devices from an inventory. `usage` says who uses each vGPU; `names`
+/// maps vendor-path type ids to names learnt earlier (a full card lists no types).
 pub fn discover(
     inv: &Inventory,
     vendor: VendorSel,
-    scan: &BTreeMap<String, Vec<Holder>>,
+    usage: &Usage,
     names: &BTreeMap<u32, String>,
 ) -> Vec<Gpu> {
     let pci_vendor = match vendor {
@@ -242,7 +242,7 @@ pub fn discover(
     };
     let mut out = Vec::new();
     for dev in inv.gpus(pci_vendor) {
-        let g = pci_gpu(inv, dev, scan, names);
+        let g = pci_gpu(inv, dev, usage, names);
         if vendor == VendorSel::Any && matches!(g.backend, Backend::Unsupported { .. }) {
             continue;
         }
@@ -257,7 +257,7 @@ pub fn discover(
                 ids: (0, 0, 0, 0),
                 backend: Backend::MdevPf,
                 types: p.types.iter().map(mdev_type_info).collect(),
-                vgpus: mdev_vgpus(inv, std::slice::from_ref(&p.name), scan),
+                vgpus: mdev_vgpus(inv, std::slice::from_ref(&p.name), usage),
                 slots: vec![p.name.clone()],
             });
         }
@@ -268,11 +268,7 @@ pub fn discover(
     out
 }
 
-fn mdev_vgpus(
-    inv: &Inventory,
-    parents: &[String],
-    scan: &BTreeMap<String, Vec<Holder>>,
-) -> Vec<Vgpu> {
+fn mdev_vgpus(inv: &Inventory, parents: &[String], usage: &Usage) -> Vec<Vgpu> {
     inv.mdevs
         .values()
         .filter(|m| parents.contains(&m.parent))
@@ -281,14 +277,7 @@ fn mdev_vgpus(
             parent: m.parent.clone(),
             type_id: m.type_id.clone(),
             type_name: m.type_name.clone(),
-            holders: m
-                .iommu_group
-                .map(|g| {
-                    let cdevs: Vec<&str> = m.vfio_cdev.as_deref().into_iter().collect();
-                    common::inuse::group_holders_in(scan, g, &cdevs)
-                })
-                .unwrap_or_default(),
-            allocated: None,
+            users: usage.of_mdev(m),
         })
         .collect()
 }
@@ -296,7 +285,7 @@ fn mdev_vgpus(
 fn pci_gpu(
     inv: &Inventory,
     dev: &common::PciDevice,
-    scan: &BTreeMap<String, Vec<Holder>>,
+    usage: &Usage,
     names: &BTreeMap<u32, String>,
 ) -> Gpu {
     let mut g = Gpu {
@@ -319,7 +308,7 @@ fn pci_gpu(
         g.backend = Backend::MdevPf;
         g.types = dev.mdev_types.iter().map(mdev_type_info).collect();
         g.slots = vec![g.name.clone()];
-        g.vgpus = mdev_vgpus(inv, &g.slots, scan);
+        g.vgpus = mdev_vgpus(inv, &g.slots, usage);
         // Capacity fallback from available_instances when there is no description.
         let used: BTreeMap<&str, u32> = g.vgpus.iter().fold(BTreeMap::new(), |mut m, v| {
             *m.entry(v.type_id.as_str()).or_default() += 1;
@@ -351,7 +340,7 @@ fn pci_gpu(
             }
         }
         g.types = types;
-        g.vgpus = mdev_vgpus(inv, &g.slots, scan);
+        g.vgpus = mdev_vgpus(inv, &g.slots, usage);
         return g;
     }
     if vfs.iter().any(|v| v.nvidia_vgpu.is_some()) {
@@ -450,7 +439,6 @@ fn pci_gpu(
             if nv.current == 0 {
                 continue;
             }
-            let cdevs: Vec<&str> = v.vfio_cdev.as_deref().into_iter().collect();
             g.vgpus.push(Vgpu {
                 handle: Handle::Vf(v.address),
                 parent: v.address.to_string(),
@@ -459,11 +447,7 @@ fn pci_gpu(
                     .current_name
                     .clone()
                     .or_else(|| known.get(&nv.current).cloned()),
-                holders: v
-                    .iommu_group
-                    .map(|grp| common::inuse::group_holders_in(scan, grp, &cdevs))
-                    .unwrap_or_default(),
-                allocated: None,
+                users: usage.of_function(inv, &v.address),
             });
         }
         return g;
@@ -1107,21 +1091,11 @@ fn plan_gpu(g: &Gpu, profile: &str, ei: usize, e: &Entry) -> Result<GpuPlan, Vec
     let busy: Vec<&Vgpu> = removals.iter().copied().filter(|v| v.in_use()).collect();
     if !busy.is_empty() {
         for v in busy {
-            let who = v
-                .holders
-                .iter()
-                .map(|h| h.to_string())
-                .chain(
-                    v.allocated
-                        .iter()
-                        .map(|a| format!("kubelet allocated it to {a}")),
-                )
-                .collect::<Vec<_>>()
-                .join("; ");
             p.blocked.push(format!(
-                "{} {} must be removed but is in use: {who}",
+                "{} {} must be removed but is in use: {}",
                 v.label(),
-                v.handle
+                v.handle,
+                common::usage::describe(&v.users)
             ));
         }
         return Ok(p);
@@ -1225,16 +1199,15 @@ mod tests {
                     parent: vf(*i),
                     type_id: format!("nvidia-{t}"),
                     type_name: None,
-                    holders: if *held {
-                        vec![Holder {
+                    users: if *held {
+                        vec![User::Process(common::usage::Process {
                             pid: 42,
                             comm: "qemu-kvm".into(),
                             path: "/dev/vfio/99".into(),
-                        }]
+                        })]
                     } else {
                         vec![]
                     },
-                    allocated: None,
                 })
                 .collect(),
             slots: (0..32).map(vf).collect(),
@@ -1467,7 +1440,7 @@ mod tests {
                 vfio_cdev: None,
             },
         );
-        let (none, names) = (BTreeMap::new(), BTreeMap::new());
+        let (none, names) = (Usage::default(), BTreeMap::new());
         assert!(discover(&inv, VendorSel::Pci(0x10de), &none, &names).is_empty());
         let gpus = discover(&inv, VendorSel::Any, &none, &names);
         assert_eq!(gpus.len(), 1);

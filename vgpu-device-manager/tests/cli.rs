@@ -432,7 +432,10 @@ fn a_vgpu_kubelet_allocated_to_a_pod_blocks_its_gpu() {
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
-        out.contains("kubelet allocated it to pod 6f1c-pod container compute"),
+        out.contains(
+            "pod 6f1c-pod (container compute, nvidia.com/NVIDIA_A10-4Q; kubelet's checkpoint) \
+             has it"
+        ),
         "{out}"
     );
     assert_eq!(

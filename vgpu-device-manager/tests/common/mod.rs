@@ -71,6 +71,8 @@ pub fn run_stdin(root: &Path, args: &[&str], stdin: Option<&str>) -> Output {
         .env_remove("VGPU_DM_DEBUG")
         .env_remove("VGPU_DM_VALID_CONFIG")
         .env_remove("NODE_NAME")
+        .env_remove("KUBELET_DIR")
+        .env_remove("POD_RESOURCES_SOCKET")
         .env("RUST_LOG", "info")
         .stdin(if stdin.is_some() {
             Stdio::piped()

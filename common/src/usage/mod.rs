@@ -1,0 +1,491 @@
+//! Who uses a device: the one answer every daemon asks before it removes a vGPU, unbinds a
+//! group from VFIO or takes a GPU from nvidia.
+//!
+//! A PCI function, VF or mdev is **in use** when
+//!
+//! - a **process** holds its IOMMU group's `/dev/vfio/<group>` or its VFIO cdev
+//!   (`/dev/vfio/devices/vfioN`) open — a VM's QEMU — or, for a GPU on nvidia, its
+//!   `/dev/nvidia<N>` (a CUDA job, nvidia-persistenced): one scan of `<root>/proc/<pid>/fd`;
+//! - a **pod** kubelet runs holds it: kubelet's PodResources API (`List` on
+//!   [`HostPaths::pod_resources_socket`]), matching the device's ID (PCI address or mdev UUID)
+//!   whatever resource lists it. Where nothing listens on that socket (kubelet is not running)
+//!   kubelet's checkpoint ([`HostPaths::kubelet_checkpoint`]) stands in; it is conservative,
+//!   since kubelet keeps a deleted pod's entry there until it next admits a pod;
+//! - or a source cannot be read (no `/proc`, a truncated checkpoint, a PodResources socket
+//!   that does not answer): the user is **unknown**, which counts as in use. Only a daemon's
+//!   `--force` overrides it.
+//!
+//! A GPU is in use when any of its functions, VFs or vGPUs is ([`Usage::of_gpu`]).
+//!
+//! [`Usage::read`] reads every source once (one `/proc` scan, one `List`); the queries then
+//! answer for any number of devices without reading again.
+
+mod kubelet;
+mod procs;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::inventory::{Inventory, MdevDevice, error_chain};
+use crate::paths::{HostPaths, host_vfio_cdev_path, host_vfio_group_path};
+use crate::pci::PciAddress;
+
+/// How long kubelet's PodResources API may take to answer `List`.
+pub const POD_RESOURCES_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A process holding a device node open.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Process {
+    /// Process id (in the namespace of `<root>/proc`).
+    pub pid: u32,
+    /// The process's `comm` (`qemu-kvm`), or `?` when unreadable.
+    pub comm: String,
+    /// The held path, as the process sees it (`/dev/vfio/42`).
+    pub path: String,
+}
+
+impl fmt::Display for Process {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "pid {} ({}) holds {}", self.pid, self.comm, self.path)
+    }
+}
+
+/// Where kubelet's word on a pod comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PodSource {
+    /// The PodResources API: the pods kubelet runs now.
+    PodResources,
+    /// kubelet's checkpoint: may still list a pod that is gone.
+    Checkpoint,
+}
+
+/// A pod's container that kubelet gave the device to.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Pod {
+    /// Its namespace (PodResources only).
+    pub namespace: Option<String>,
+    /// Its name (PodResources only).
+    pub name: Option<String>,
+    /// Its UID (checkpoint only).
+    pub uid: Option<String>,
+    /// The container.
+    pub container: String,
+    /// The resource the device was allocated as (`nvidia.com/NVIDIA_A10-4Q`).
+    pub resource: String,
+    /// Where this comes from.
+    pub source: PodSource,
+}
+
+impl fmt::Display for Pod {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (&self.namespace, &self.name, &self.uid) {
+            (Some(ns), Some(n), _) => write!(f, "pod {ns}/{n}")?,
+            (_, _, Some(uid)) => write!(f, "pod {uid}")?,
+            _ => f.write_str("a pod")?,
+        }
+        write!(f, " (container {}, {}", self.container, self.resource)?;
+        if self.source == PodSource::Checkpoint {
+            f.write_str("; kubelet's checkpoint")?;
+        }
+        f.write_str(")")
+    }
+}
+
+/// Which source could not be read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Source {
+    /// The processes' open files (`/proc`), or the nvidia driver's GPU table.
+    Processes,
+    /// kubelet: its PodResources API or its checkpoint.
+    Kubelet,
+}
+
+/// A source that could not be read: whoever uses the device, if anyone, is unknown.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Unknown {
+    /// Which source.
+    pub source: Source,
+    /// What could not be read, and why.
+    pub reason: String,
+}
+
+/// Who uses a device.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum User {
+    /// A process holds one of its device nodes open.
+    Process(Process),
+    /// kubelet gave it to a pod.
+    Pod(Pod),
+    /// A source could not be read: counts as in use.
+    Unknown(Unknown),
+}
+
+impl User {
+    /// A pod that has the device (not a process, not unknown).
+    pub fn is_pod(&self) -> bool {
+        matches!(self, User::Pod(_))
+    }
+
+    /// Whether this user is unknown because `source` could not be read.
+    pub fn is_unknown_from(&self, source: Source) -> bool {
+        matches!(self, User::Unknown(u) if u.source == source)
+    }
+}
+
+impl User {
+    /// Who, in a few words: `pid 4242 (qemu-kvm)`, `pod default/vm-a`, `unknown`.
+    pub fn who(&self) -> String {
+        match self {
+            User::Process(p) => format!("pid {} ({})", p.pid, p.comm),
+            User::Pod(p) => match (&p.namespace, &p.name, &p.uid) {
+                (Some(ns), Some(n), _) => format!("pod {ns}/{n}"),
+                (_, _, Some(uid)) => format!("pod {uid}"),
+                _ => "a pod".into(),
+            },
+            User::Unknown(_) => "unknown".into(),
+        }
+    }
+}
+
+impl fmt::Display for User {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            User::Process(p) => p.fmt(f),
+            User::Pod(p) => write!(f, "{p} has it"),
+            User::Unknown(u) => write!(f, "unknown: {}", u.reason),
+        }
+    }
+}
+
+/// A device, as the usage model names it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(tag = "kind", content = "id", rename_all = "kebab-case")]
+pub enum Device {
+    /// A PCI function (a GPU, one of its VFs or its other functions).
+    Function(PciAddress),
+    /// An mdev, by UUID.
+    Mdev(String),
+}
+
+impl Device {
+    /// How an operator knows it: `vGPU NVIDIA A10-4Q 5a3b… (on 0000:41:00.4)` for an mdev or
+    /// a VF holding an SR-IOV vGPU, else the address.
+    pub fn label(&self, inv: &Inventory) -> String {
+        match self {
+            Device::Mdev(uuid) => match inv.mdevs.get(&uuid.to_ascii_lowercase()) {
+                Some(m) => format!(
+                    "vGPU {} {uuid} (on {})",
+                    m.type_name.as_deref().unwrap_or(&m.type_id),
+                    m.parent
+                ),
+                None => format!("mdev {uuid}"),
+            },
+            Device::Function(a) => match inv.device(a).and_then(|d| d.nvidia_vgpu.as_ref()) {
+                Some(v) if v.current != 0 => format!(
+                    "vGPU {} on VF {a}",
+                    v.current_name
+                        .clone()
+                        .unwrap_or_else(|| format!("type {}", v.current))
+                ),
+                _ => a.to_string(),
+            },
+        }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Function(a) => write!(f, "{a}"),
+            Device::Mdev(u) => write!(f, "mdev {u}"),
+        }
+    }
+}
+
+/// One device of a group or GPU and one of its users. As JSON, the user's fields beside
+/// `device`: `{"device": {...}, "kind": "process", "pid": 4242, ...}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Use {
+    /// The device used.
+    pub device: Device,
+    /// Who uses it.
+    #[serde(flatten)]
+    pub user: User,
+}
+
+impl fmt::Display for Use {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.user {
+            User::Unknown(_) => self.user.fmt(f),
+            _ => write!(f, "{}: {}", self.device, self.user),
+        }
+    }
+}
+
+impl Use {
+    /// `<device label>: <user>`, the device named as [`Device::label`] does; an unknown user
+    /// alone (it concerns every device).
+    pub fn describe(&self, inv: &Inventory) -> String {
+        match &self.user {
+            User::Unknown(_) => self.user.to_string(),
+            u => format!("{}: {u}", self.device.label(inv)),
+        }
+    }
+}
+
+/// `a; b; c` of what users say.
+pub fn describe<T: fmt::Display>(items: &[T]) -> String {
+    items
+        .iter()
+        .map(|u| u.to_string())
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// One reading of every source. Build it with [`Usage::read`] once per run or node read and
+/// ask it about as many devices as needed; the fields are public so that tests can build one.
+#[derive(Clone, Debug)]
+pub struct Usage {
+    /// Open device nodes: host path (`/dev/vfio/42`) → the processes holding it; or why the
+    /// processes could not be read.
+    pub processes: Result<BTreeMap<String, Vec<Process>>, String>,
+    /// GPUs on the nvidia driver → their `/dev/nvidia<N>` minor (or why it is not known); or
+    /// why the driver's table could not be read.
+    pub nvidia_minors: Result<BTreeMap<PciAddress, Result<u32, String>>, String>,
+    /// Device ID in lower case (PCI address, mdev UUID) → the pods kubelet gave it to; or why
+    /// that cannot be known.
+    pub pods: Result<BTreeMap<String, Vec<Pod>>, String>,
+    /// Where `pods` comes from, for logs.
+    pub pods_source: String,
+}
+
+impl Default for Usage {
+    /// Nothing is in use and every source was read.
+    fn default() -> Self {
+        Usage {
+            processes: Ok(BTreeMap::new()),
+            nvidia_minors: Ok(BTreeMap::new()),
+            pods: Ok(BTreeMap::new()),
+            pods_source: "none".into(),
+        }
+    }
+}
+
+impl Usage {
+    /// Reads every source once: `<root>/proc`, the nvidia driver's GPU table, and kubelet's
+    /// PodResources API (or its checkpoint). Never fails: a source that cannot be read makes
+    /// every device that depends on it [`User::Unknown`].
+    pub fn read(paths: &HostPaths) -> Usage {
+        let processes = procs::scan(paths).map_err(|e| {
+            let e = format!("cannot read the processes' open files: {}", error_chain(&e));
+            tracing::warn!("{e}");
+            e
+        });
+        let nvidia_minors = procs::nvidia_minors(paths).map_err(|e| {
+            let e = format!("cannot read the nvidia driver's GPUs: {}", error_chain(&e));
+            tracing::warn!("{e}");
+            e
+        });
+        let kubelet::PodsRead {
+            allocations,
+            source,
+        } = kubelet::read(paths, POD_RESOURCES_TIMEOUT);
+        match &allocations {
+            Ok(a) => tracing::debug!(source = %source, devices = a.len(), "pods' devices read"),
+            Err(e) => tracing::warn!("cannot tell which devices pods hold: {e}"),
+        }
+        Usage {
+            processes,
+            nvidia_minors,
+            pods: allocations,
+            pods_source: source,
+        }
+    }
+
+    /// Processes holding `path` (a host path).
+    fn holders(&self, path: &str, out: &mut Vec<User>) {
+        if let Ok(scan) = &self.processes
+            && let Some(h) = scan.get(path)
+        {
+            out.extend(h.iter().cloned().map(User::Process));
+        }
+    }
+
+    /// The processes source, where it could not be read.
+    fn processes_unknown(&self, out: &mut Vec<User>) {
+        if let Err(e) = &self.processes {
+            out.push(User::Unknown(Unknown {
+                source: Source::Processes,
+                reason: e.clone(),
+            }));
+        }
+    }
+
+    /// Pods holding the device with ID `id`, or the kubelet source where it could not be read.
+    fn pods_of(&self, id: &str, out: &mut Vec<User>) {
+        match &self.pods {
+            Ok(m) => {
+                if let Some(p) = m.get(&id.to_ascii_lowercase()) {
+                    out.extend(p.iter().cloned().map(User::Pod));
+                }
+            }
+            Err(e) => out.push(User::Unknown(Unknown {
+                source: Source::Kubelet,
+                reason: e.clone(),
+            })),
+        }
+    }
+
+    /// Users of one PCI function: processes holding its group's `/dev/vfio/<group>` or its VFIO
+    /// cdev, or (on nvidia) its `/dev/nvidia<N>`; pods kubelet gave its address to. A function
+    /// the inventory does not have is asked of kubelet only.
+    pub fn of_function(&self, inv: &Inventory, address: &PciAddress) -> Vec<User> {
+        let mut out = self.processes_of_function(inv, address);
+        self.pods_of(&address.to_string(), &mut out);
+        dedup(out)
+    }
+
+    /// The processes part of [`Usage::of_function`].
+    fn processes_of_function(&self, inv: &Inventory, address: &PciAddress) -> Vec<User> {
+        let mut out = Vec::new();
+        let Some(d) = inv.device(address) else {
+            return out;
+        };
+        self.processes_unknown(&mut out);
+        if let Some(g) = d.iommu_group {
+            self.holders(&host_vfio_group_path(g), &mut out);
+        }
+        if let Some(c) = &d.vfio_cdev {
+            self.holders(&host_vfio_cdev_path(c), &mut out);
+        }
+        if d.driver.as_deref() == Some("nvidia") {
+            match &self.nvidia_minors {
+                Ok(m) => match m.get(address) {
+                    Some(Ok(minor)) => self.holders(&format!("/dev/nvidia{minor}"), &mut out),
+                    Some(Err(e)) => out.push(User::Unknown(Unknown {
+                        source: Source::Processes,
+                        reason: format!("which /dev/nvidia<N> is {address}: {e}"),
+                    })),
+                    // The driver does not list it (a VF): no /dev/nvidia<N> of its own.
+                    None => {}
+                },
+                Err(e) => out.push(User::Unknown(Unknown {
+                    source: Source::Processes,
+                    reason: e.clone(),
+                })),
+            }
+        }
+        out
+    }
+
+    /// Users of an mdev: processes holding its group's `/dev/vfio/<group>` or its VFIO cdev;
+    /// pods kubelet gave its UUID to.
+    pub fn of_mdev(&self, m: &MdevDevice) -> Vec<User> {
+        let mut out = Vec::new();
+        self.processes_unknown(&mut out);
+        if let Some(g) = m.iommu_group {
+            self.holders(&host_vfio_group_path(g), &mut out);
+        }
+        if let Some(c) = &m.vfio_cdev {
+            self.holders(&host_vfio_cdev_path(c), &mut out);
+        }
+        self.pods_of(&m.uuid, &mut out);
+        dedup(out)
+    }
+
+    /// Users of every PCI function of IOMMU group `group` (a VM holding the group's node is
+    /// named once).
+    pub fn of_group(&self, inv: &Inventory, group: u32) -> Vec<Use> {
+        let uses = inv
+            .group_members(group)
+            .iter()
+            .flat_map(|a| self.uses(Device::Function(*a), self.of_function(inv, a)))
+            .collect();
+        dedup_uses(uses)
+    }
+
+    /// Users of a GPU and everything on it: the function itself, its VFs, and the mdevs on it
+    /// or on its VFs (a VF's SR-IOV vGPU is the VF itself). Whoever uses any of them uses the
+    /// GPU; unbinding it from its driver takes every one of them away.
+    pub fn of_gpu(&self, inv: &Inventory, address: &PciAddress) -> Vec<Use> {
+        self.gpu_uses(inv, address, true)
+    }
+
+    /// Whom moving a function onto a VFIO driver would hurt: [`Usage::of_gpu`] without the
+    /// pods kubelet gave the function itself to. Such a pod was given it for passthrough, on
+    /// VFIO, and needs it there (after a reboot the GPU comes up on nvidia while kubelet still
+    /// runs the pod); the processes holding it, its VFs and its vGPUs still count.
+    pub fn of_gpu_for_passthrough(&self, inv: &Inventory, address: &PciAddress) -> Vec<Use> {
+        self.gpu_uses(inv, address, false)
+    }
+
+    fn gpu_uses(&self, inv: &Inventory, address: &PciAddress, own_pods: bool) -> Vec<Use> {
+        let own = if own_pods {
+            self.of_function(inv, address)
+        } else {
+            self.processes_of_function(inv, address)
+        };
+        let mut uses = self.uses(Device::Function(*address), own);
+        let vfs: Vec<PciAddress> = inv
+            .device(address)
+            .map(|d| d.virtfns.clone())
+            .unwrap_or_default();
+        for vf in &vfs {
+            uses.extend(self.uses(Device::Function(*vf), self.of_function(inv, vf)));
+        }
+        for m in inv.mdevs.values() {
+            if m.parent_pci
+                .is_some_and(|p| p == *address || vfs.contains(&p))
+            {
+                uses.extend(self.uses(Device::Mdev(m.uuid.clone()), self.of_mdev(m)));
+            }
+        }
+        dedup_uses(uses)
+    }
+
+    fn uses(&self, device: Device, users: Vec<User>) -> Vec<Use> {
+        users
+            .into_iter()
+            .map(|user| Use {
+                device: device.clone(),
+                user,
+            })
+            .collect()
+    }
+}
+
+/// The same user named twice (a process holding a group node and a cdev of it) is named once.
+fn dedup(users: Vec<User>) -> Vec<User> {
+    let mut out: Vec<User> = Vec::with_capacity(users.len());
+    for u in users {
+        if !out.contains(&u) {
+            out.push(u);
+        }
+    }
+    out
+}
+
+/// Across devices: a process or an unknown source is named once, at its first device; a pod is
+/// named for each device it has.
+fn dedup_uses(uses: Vec<Use>) -> Vec<Use> {
+    let mut out: Vec<Use> = Vec::with_capacity(uses.len());
+    for u in uses {
+        let seen = out.iter().any(|o| match (&o.user, &u.user) {
+            (User::Pod(_), User::Pod(_)) => o == &u,
+            (a, b) => a == b,
+        });
+        if !seen {
+            out.push(u);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

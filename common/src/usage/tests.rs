@@ -1,0 +1,280 @@
+use super::*;
+use crate::inventory::PciDevice;
+
+fn a(s: &str) -> PciAddress {
+    s.parse().unwrap()
+}
+
+fn dev(addr: &str, driver: &str, group: u32) -> PciDevice {
+    PciDevice {
+        address: a(addr),
+        vendor: 0x10de,
+        device: 0x2236,
+        subsystem_vendor: 0x10de,
+        subsystem_device: 0x1482,
+        class: 0x030200,
+        driver: Some(driver.into()),
+        driver_override: None,
+        iommu_group: Some(group),
+        numa_node: None,
+        physfn: None,
+        virtfns: Vec::new(),
+        sriov_totalvfs: None,
+        sriov_numvfs: None,
+        modalias: None,
+        upstream_bridge: None,
+        bridges: Vec::new(),
+        vfio_cdev: None,
+        mdev_types: Vec::new(),
+        mdev_parent: false,
+        nvidia_vgpu: None,
+    }
+}
+
+const UUID: &str = "5a3b2c1d-0000-4000-8000-00000000abcd";
+
+/// An A10 on nvidia (`/dev/nvidia0`) with two VFs, an mdev on the first; a second A10 on
+/// vfio-pci with its audio function in group 37.
+fn node() -> Inventory {
+    let mut gpu = dev("0000:41:00.0", "nvidia", 21);
+    gpu.virtfns = vec![a("0000:41:00.4"), a("0000:41:00.5")];
+    let mut vf0 = dev("0000:41:00.4", "nvidia", 80);
+    vf0.physfn = Some(gpu.address);
+    let mut vf1 = dev("0000:41:00.5", "nvidia", 81);
+    vf1.physfn = Some(gpu.address);
+    let mut audio = dev("0000:61:00.1", "vfio-pci", 37);
+    audio.class = 0x040300;
+    let mut inv = Inventory {
+        devices: [gpu, vf0, vf1, dev("0000:61:00.0", "vfio-pci", 37), audio]
+            .into_iter()
+            .map(|d| (d.address, d))
+            .collect(),
+        ..Default::default()
+    };
+    inv.mdevs.insert(
+        UUID.into(),
+        MdevDevice {
+            uuid: UUID.into(),
+            type_id: "nvidia-593".into(),
+            type_name: Some("NVIDIA A10-4Q".into()),
+            parent: "0000:41:00.4".into(),
+            parent_pci: Some(a("0000:41:00.4")),
+            iommu_group: Some(120),
+            driver: Some("vfio_mdev".into()),
+            vfio_cdev: Some("vfio3".into()),
+        },
+    );
+    inv
+}
+
+fn process(pid: u32, comm: &str, path: &str) -> (String, Vec<Process>) {
+    (
+        path.into(),
+        vec![Process {
+            pid,
+            comm: comm.into(),
+            path: path.into(),
+        }],
+    )
+}
+
+fn pod(uid: &str, source: PodSource) -> Pod {
+    Pod {
+        namespace: (source == PodSource::PodResources).then(|| "default".into()),
+        name: (source == PodSource::PodResources).then(|| "vm-a".into()),
+        uid: (source == PodSource::Checkpoint).then(|| uid.into()),
+        container: "compute".into(),
+        resource: "nvidia.com/NVIDIA_A10-4Q".into(),
+        source,
+    }
+}
+
+fn usage() -> Usage {
+    Usage {
+        nvidia_minors: Ok([(a("0000:41:00.0"), Ok(0))].into()),
+        ..Usage::default()
+    }
+}
+
+#[test]
+fn nothing_held_is_free() {
+    let inv = node();
+    let u = usage();
+    assert!(u.of_gpu(&inv, &a("0000:41:00.0")).is_empty());
+    assert!(u.of_group(&inv, 37).is_empty());
+    assert!(u.of_mdev(&inv.mdevs[UUID]).is_empty());
+}
+
+#[test]
+fn a_gpu_is_in_use_when_its_mdev_is_held_or_allocated() {
+    let inv = node();
+    let mut u = usage();
+    u.processes = Ok([process(4321, "qemu-kvm", "/dev/vfio/devices/vfio3")].into());
+    u.pods = Ok([(UUID.to_string(), vec![pod("p1", PodSource::PodResources)])].into());
+    let uses = u.of_gpu(&inv, &a("0000:41:00.0"));
+    assert_eq!(
+        uses.iter().map(|u| u.to_string()).collect::<Vec<_>>(),
+        vec![
+            format!("mdev {UUID}: pid 4321 (qemu-kvm) holds /dev/vfio/devices/vfio3"),
+            format!(
+                "mdev {UUID}: pod default/vm-a (container compute, nvidia.com/NVIDIA_A10-4Q) has it"
+            ),
+        ]
+    );
+    // The other GPU is not concerned.
+    assert!(u.of_group(&inv, 37).is_empty());
+}
+
+#[test]
+fn a_gpu_on_nvidia_is_in_use_while_its_nvidia_node_is_held() {
+    let inv = node();
+    let mut u = usage();
+    u.processes = Ok([
+        process(77, "python3", "/dev/nvidia0"),
+        process(78, "nvidia-smi", "/dev/nvidiactl"),
+    ]
+    .into());
+    let uses = u.of_gpu(&inv, &a("0000:41:00.0"));
+    assert_eq!(uses.len(), 1, "{uses:?}");
+    assert_eq!(uses[0].device, Device::Function(a("0000:41:00.0")));
+    assert_eq!(
+        uses[0].to_string(),
+        "0000:41:00.0: pid 77 (python3) holds /dev/nvidia0"
+    );
+    // The minor the driver cannot name is not known to be free.
+    u.nvidia_minors = Ok([(a("0000:41:00.0"), Err("no Device Minor line".into()))].into());
+    let uses = u.of_gpu(&inv, &a("0000:41:00.0"));
+    assert!(uses[0].user.is_unknown_from(Source::Processes), "{uses:?}");
+}
+
+#[test]
+fn a_vm_holding_a_group_is_named_once_and_pods_per_device() {
+    let inv = node();
+    let mut u = usage();
+    u.processes = Ok([process(4242, "qemu-kvm", "/dev/vfio/37")].into());
+    u.pods = Ok([
+        (
+            "0000:61:00.0".to_string(),
+            vec![pod("p1", PodSource::PodResources)],
+        ),
+        (
+            "0000:61:00.1".to_string(),
+            vec![pod("p1", PodSource::PodResources)],
+        ),
+    ]
+    .into());
+    let uses = u.of_group(&inv, 37);
+    let shown: Vec<String> = uses.iter().map(|u| u.to_string()).collect();
+    assert_eq!(shown.len(), 3, "{shown:?}");
+    assert!(shown[0].starts_with("0000:61:00.0: pid 4242"), "{shown:?}");
+    assert!(
+        shown[1].starts_with("0000:61:00.0: pod default/vm-a"),
+        "{shown:?}"
+    );
+    assert!(
+        shown[2].starts_with("0000:61:00.1: pod default/vm-a"),
+        "{shown:?}"
+    );
+}
+
+#[test]
+fn ids_match_whatever_their_case() {
+    let inv = node();
+    let mut u = usage();
+    u.pods = Ok([(UUID.to_string(), vec![pod("6f1c", PodSource::Checkpoint)])].into());
+    let users = u.of_mdev(&inv.mdevs[UUID]);
+    assert_eq!(
+        users[0].to_string(),
+        "pod 6f1c (container compute, nvidia.com/NVIDIA_A10-4Q; kubelet's checkpoint) has it"
+    );
+    let mut upper = inv.mdevs[UUID].clone();
+    upper.uuid = UUID.to_uppercase();
+    assert_eq!(u.of_mdev(&upper), users);
+}
+
+#[test]
+fn an_unreadable_source_is_an_unknown_user_named_once() {
+    let inv = node();
+    let mut u = usage();
+    u.processes = Err("cannot read the processes' open files: /proc".into());
+    u.pods = Err("kubelet's checkpoint /k is truncated or corrupt".into());
+    let uses = u.of_gpu(&inv, &a("0000:41:00.0"));
+    assert_eq!(
+        uses.iter().map(|u| u.to_string()).collect::<Vec<_>>(),
+        vec![
+            "unknown: cannot read the processes' open files: /proc",
+            "unknown: kubelet's checkpoint /k is truncated or corrupt",
+        ]
+    );
+    assert!(
+        uses.iter()
+            .all(|u| u.device == Device::Function(a("0000:41:00.0")))
+    );
+    let json = serde_json::to_value(&uses[1]).unwrap();
+    assert_eq!(json["kind"], "unknown");
+    assert_eq!(json["source"], "kubelet");
+    assert_eq!(json["device"]["id"], "0000:41:00.0");
+    assert_eq!(uses[1].user.who(), "unknown");
+    // A device the node does not have is asked of kubelet only.
+    let users = u.of_function(&inv, &a("0000:99:00.0"));
+    assert_eq!(users.len(), 1);
+    assert!(users[0].is_unknown_from(Source::Kubelet));
+}
+
+#[test]
+fn users_serialize_with_their_kind() {
+    let p = User::Process(Process {
+        pid: 4242,
+        comm: "qemu-kvm".into(),
+        path: "/dev/vfio/42".into(),
+    });
+    let v = serde_json::to_value(&p).unwrap();
+    assert_eq!(v["kind"], "process");
+    assert_eq!(v["pid"], 4242);
+    let v = serde_json::to_value(User::Pod(pod("p1", PodSource::PodResources))).unwrap();
+    assert_eq!(v["kind"], "pod");
+    assert_eq!(v["namespace"], "default");
+    assert_eq!(v["source"], "pod-resources");
+}
+
+#[test]
+fn moving_a_function_to_vfio_ignores_pods_given_that_function_only() {
+    let inv = node();
+    let mut u = usage();
+    // After a reboot: kubelet runs the pod it gave the passthrough GPU to, and the pod that has
+    // the vGPU on its VF.
+    u.pods = Ok([
+        (
+            "0000:41:00.0".to_string(),
+            vec![pod("p0", PodSource::PodResources)],
+        ),
+        (UUID.to_string(), vec![pod("p1", PodSource::PodResources)]),
+    ]
+    .into());
+    let all = u.of_gpu(&inv, &a("0000:41:00.0"));
+    assert_eq!(all.len(), 2, "{all:?}");
+    let blocking = u.of_gpu_for_passthrough(&inv, &a("0000:41:00.0"));
+    assert_eq!(blocking.len(), 1, "{blocking:?}");
+    assert_eq!(
+        blocking[0].describe(&inv),
+        format!(
+            "vGPU NVIDIA A10-4Q {UUID} (on 0000:41:00.4): pod default/vm-a (container compute, \
+             nvidia.com/NVIDIA_A10-4Q) has it"
+        )
+    );
+    // Unknown pods still count for what is on the GPU...
+    u.pods = Err("kubelet's checkpoint /k is truncated or corrupt".into());
+    let blocking = u.of_gpu_for_passthrough(&inv, &a("0000:41:00.0"));
+    assert_eq!(blocking.len(), 1, "{blocking:?}");
+    assert!(blocking[0].user.is_unknown_from(Source::Kubelet));
+    // ... but not for a bare GPU, whose only pods would be passthrough ones.
+    let mut bare = inv.clone();
+    bare.mdevs.clear();
+    if let Some(d) = bare.devices.get_mut(&a("0000:41:00.0")) {
+        d.virtfns.clear();
+    }
+    assert!(
+        u.of_gpu_for_passthrough(&bare, &a("0000:41:00.0"))
+            .is_empty()
+    );
+}

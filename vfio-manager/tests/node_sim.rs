@@ -11,6 +11,9 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use testkit::kubelet::FakePodResources;
+use testkit::kubelet::checkpoint::{self, entry};
+use testkit::kubelet::pod_resources::pod;
 use testkit::sim::try_mount;
 
 const BIN: &str = env!("CARGO_BIN_EXE_vfio-manager");
@@ -482,6 +485,275 @@ fn unbind_restores_the_driver_and_refuses_a_group_in_use() {
     let o = run(root, &["unbind", "--force"]);
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
     assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("nvidia"));
+}
+
+const VGPU: &str = "6f1d2c3b-4a59-4e8d-9c7b-0a1b2c3d4e5f";
+const VGPU_RESOURCE: &str = "nvidia.com/NVIDIA_A10-4Q";
+
+/// An A10-4Q vGPU on 0000:61:00.0's first VF (as `vgpu-device-manager apply` makes it), then
+/// the op log cleared.
+fn vgpu_on_second_a10(root: &Path) {
+    std::fs::write(dev_dir(root, "0000:61:00.0").join("sriov_numvfs"), "4").unwrap();
+    std::fs::write(
+        root.join("sys/class/mdev_bus/0000:61:00.4/mdev_supported_types/nvidia-593/create"),
+        VGPU,
+    )
+    .unwrap();
+    control(root, "clear-ops");
+}
+
+fn kubelet_dir(root: &Path) -> PathBuf {
+    root.join("var/lib/kubelet/device-plugins")
+}
+
+/// kubelet's checkpoint in `dir` gives the vGPU to pod `6f1c-pod`.
+fn checkpoint_gives_the_vgpu_a_pod(dir: &Path) {
+    checkpoint::write(dir, &[entry("6f1c-pod", "compute", VGPU_RESOURCE, &[VGPU])]).unwrap();
+}
+
+/// kubelet's PodResources API on the node's socket, running the pod `vms/virt-launcher-a`
+/// with `ids` of `resource`.
+fn kubelet_runs(root: &Path, resource: &str, ids: &[&str]) -> FakePodResources {
+    let pods = vec![pod("vms", "virt-launcher-a", "compute", resource, ids)];
+    FakePodResources::spawn_with(
+        &root.join("var/lib/kubelet/pod-resources/kubelet.sock"),
+        pods,
+    )
+    .unwrap()
+}
+
+/// The second A10 is on nvidia with its vGPU, and nothing was written for it.
+fn assert_second_a10_untouched(root: &Path) {
+    assert_eq!(driver(root, "0000:61:00.0").as_deref(), Some("nvidia"));
+    assert!(root.join(format!("sys/bus/mdev/devices/{VGPU}")).exists());
+    assert_eq!(ops_for(root, "0000:61:00.0"), Vec::new(), "nothing written");
+}
+
+#[test]
+fn bind_refuses_a_gpu_whose_vgpu_kubelet_gave_a_pod() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    vgpu_on_second_a10(root);
+    // kubelet is down (no PodResources socket); its checkpoint gives the vGPU to a pod.
+    checkpoint_gives_the_vgpu_a_pod(&kubelet_dir(root));
+    let o = run(root, &["bind", "--address", "0000:61:00.0"]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let err = text(&o.stderr);
+    assert!(
+        err.contains(&format!(
+            "0000:61:00.0 refused: 0000:61:00.0 is in use (vGPU NVIDIA A10-4Q {VGPU} (on \
+             0000:61:00.4): pod 6f1c-pod (container compute, nvidia.com/NVIDIA_A10-4Q; \
+             kubelet's checkpoint) has it)"
+        )),
+        "{}",
+        show(&o)
+    );
+    assert_second_a10_untouched(root);
+}
+
+#[test]
+fn bind_follows_the_pods_kubelet_runs() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    vgpu_on_second_a10(root);
+    // The checkpoint still names a pod; kubelet's PodResources API says who runs now.
+    checkpoint_gives_the_vgpu_a_pod(&kubelet_dir(root));
+    let fake = kubelet_runs(root, VGPU_RESOURCE, &[VGPU]);
+    let o = run(root, &["bind"]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let err = text(&o.stderr);
+    assert!(err.contains("pod vms/virt-launcher-a"), "{}", show(&o));
+    assert!(!err.contains("checkpoint"), "{}", show(&o));
+    assert_second_a10_untouched(root);
+    // The first A10, which nobody uses, was bound; both GPUs were asked about in one List.
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    assert_eq!(fake.list_calls(), 1);
+
+    // The pod is gone from what kubelet runs, though its checkpoint entry stays: the GPU is
+    // free, and binding it takes its vGPU away.
+    fake.set_pods(vec![]);
+    let o = run(root, &["bind"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver(root, "0000:61:00.0").as_deref(), Some("vfio-pci"));
+    assert!(!root.join(format!("sys/bus/mdev/devices/{VGPU}")).exists());
+    assert_eq!(fake.list_calls(), 2);
+    // Nothing left to do: no process scan, no List.
+    let o = run(root, &["bind"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(fake.list_calls(), 2);
+}
+
+#[test]
+fn a_passthrough_gpu_kubelet_still_gives_a_pod_is_bound_again() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    // After a reboot the GPU is back on nvidia while kubelet runs the VM's pod it gave the
+    // GPU to: that pod needs it on vfio-pci.
+    let _kubelet = kubelet_runs(root, "nvidia.com/GA102GL_A10", &["0000:41:00.0"]);
+    let o = run(root, &["bind"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+}
+
+#[test]
+fn unbind_refuses_a_group_kubelet_gave_a_pod_unless_forced() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let o = run(root, &["bind"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let _kubelet = kubelet_runs(root, "nvidia.com/GA102GL_A10", &["0000:41:00.0"]);
+    control(root, "clear-ops");
+    let o = run(root, &["unbind"]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let err = text(&o.stderr);
+    assert!(
+        err.contains(&format!(
+            "0000:41:00.0 refused: IOMMU group {} is in use (0000:41:00.0: pod \
+             vms/virt-launcher-a (container compute, nvidia.com/GA102GL_A10) has it); not \
+             unbinding (--force overrides)",
+            group(root, "0000:41:00.0")
+        )),
+        "{}",
+        show(&o)
+    );
+    assert_eq!(ops_for(root, "0000:41:00.0"), Vec::new(), "nothing written");
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    assert_eq!(driver(root, "0000:61:00.0").as_deref(), Some("nvidia"));
+
+    let st = run(root, &["status", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+    let used = &v["devices"][0]["in_use"][0];
+    assert_eq!(used["kind"], "pod", "{}", show(&st));
+    assert_eq!(used["name"], "virt-launcher-a", "{}", show(&st));
+    let st = run(root, &["status"]);
+    assert!(
+        text(&st.stdout).contains("pod vms/virt-launcher-a"),
+        "{}",
+        show(&st)
+    );
+
+    let o = run(root, &["unbind", "--force"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("nvidia"));
+}
+
+#[test]
+fn unbind_refuses_while_a_corrupt_checkpoint_hides_who_uses_a_group() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let o = run(root, &["bind"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let full = checkpoint::json(&[entry("p", "c", "nvidia.com/GA102GL_A10", &["0000:41:00.0"])]);
+    let path = kubelet_dir(root).join("kubelet_internal_checkpoint");
+    std::fs::write(&path, &full[..full.len() - 20]).unwrap();
+    let o = run(root, &["unbind"]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let err = text(&o.stderr);
+    for bdf in ["0000:41:00.0", "0000:61:00.0"] {
+        assert!(err.contains(&format!("{bdf} refused")), "{}", show(&o));
+        assert_eq!(driver(root, bdf).as_deref(), Some("vfio-pci"));
+    }
+    assert!(
+        err.contains(&format!(
+            "unknown: kubelet's checkpoint {} is truncated or corrupt",
+            path.display()
+        )),
+        "{}",
+        show(&o)
+    );
+    let st = run(root, &["status"]);
+    assert!(
+        text(&st.stdout).contains("truncated or corrupt"),
+        "status says why: {}",
+        show(&st)
+    );
+    let o = run(root, &["unbind", "--force"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+}
+
+#[test]
+fn kubelet_dir_is_honoured() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    vgpu_on_second_a10(root);
+    let k0s = root.join("var/lib/k0s/kubelet/device-plugins");
+    checkpoint_gives_the_vgpu_a_pod(&k0s);
+    let o = run(
+        root,
+        &[
+            "bind",
+            "--address",
+            "0000:61:00.0",
+            "--kubelet-dir",
+            k0s.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    assert!(text(&o.stderr).contains("pod 6f1c-pod"), "{}", show(&o));
+    let o = cmd(root, &["bind", "--address", "0000:61:00.0"])
+        .env("KUBELET_DIR", &k0s)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    assert!(text(&o.stderr).contains("pod 6f1c-pod"), "{}", show(&o));
+    assert_second_a10_untouched(root);
+    // Its PodResources socket beside it answers for the running pods: none.
+    let _fake =
+        FakePodResources::spawn(&root.join("var/lib/k0s/kubelet/pod-resources/kubelet.sock"))
+            .unwrap();
+    let o = cmd(root, &["bind", "--address", "0000:61:00.0"])
+        .env("KUBELET_DIR", &k0s)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver(root, "0000:61:00.0").as_deref(), Some("vfio-pci"));
+}
+
+#[test]
+fn status_writes_nothing() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let o = run(root, &["bind", "--address", "0000:41:00.0"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    vgpu_on_second_a10(root);
+    control(
+        root,
+        &format!(
+            "hold {} pid=4242 comm=qemu-kvm",
+            group(root, "0000:41:00.0")
+        ),
+    );
+    let _kubelet = kubelet_runs(root, VGPU_RESOURCE, &[VGPU]);
+    let mut before = testkit::tree::Tree::read(root);
+    for args in [vec!["status"], vec!["status", "--json"]] {
+        let o = run(root, &args);
+        assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+        let after = testkit::tree::Tree::read(root);
+        before.assert_same(&after, &args.join(" "));
+        before = after;
+    }
+    // It shows who uses what: the VM on the bound GPU, the pod on the other's vGPU.
+    let st = text(&run(root, &["status"]).stdout);
+    let row = |bdf: &str| st.lines().find(|l| l.starts_with(bdf)).unwrap().to_string();
+    assert!(row("0000:41:00.0").ends_with("pid 4242 (qemu-kvm)"), "{st}");
+    assert!(
+        row("0000:61:00.0").ends_with("pod vms/virt-launcher-a"),
+        "{st}"
+    );
 }
 
 /// A daemon process, killed when the test ends however it ends.

@@ -166,3 +166,24 @@ pub fn vendor_vgpus(root: &Path) -> Vec<(String, String, u32)> {
 pub fn write(root: &Path, rel: &str, value: &str) {
     std::fs::write(root.join(rel), value).unwrap();
 }
+
+/// The resource of A10-4Q vGPUs.
+pub const A10_4Q: &str = "nvidia.com/NVIDIA_A10-4Q";
+
+/// kubelet's checkpoint in `kubelet_dir` gives the A10-4Q vGPU `id` to pod `6f1c-pod`.
+pub fn checkpoint_gives_a_pod(kubelet_dir: &Path, id: &str) {
+    use testkit::kubelet::checkpoint;
+    checkpoint::write(
+        kubelet_dir,
+        &[checkpoint::entry("6f1c-pod", "compute", A10_4Q, &[id])],
+    )
+    .unwrap();
+}
+
+/// kubelet's PodResources API on `socket`, running pod `vms/virt-launcher-a` with the A10-4Q
+/// vGPUs `ids`.
+pub fn kubelet_runs(socket: &Path, ids: &[&str]) -> testkit::kubelet::FakePodResources {
+    let pod =
+        testkit::kubelet::pod_resources::pod("vms", "virt-launcher-a", "compute", A10_4Q, ids);
+    testkit::kubelet::FakePodResources::spawn_with(socket, vec![pod]).unwrap()
+}

@@ -249,6 +249,8 @@ ALLOWED_HOST_MOUNTS = {
         "/lib/modules": False,
         "/run/nvidia/validations": True,
         "/run/vfio-manager": True,
+        "/var/lib/kubelet/device-plugins": False,
+        "/var/lib/kubelet/pod-resources": False,
     },
     "vgpu-device-manager": {
         "/sys": True,
@@ -256,6 +258,7 @@ ALLOWED_HOST_MOUNTS = {
         "/proc": False,
         "/run/nvidia/validations": True,
         "/var/lib/kubelet/device-plugins": False,
+        "/var/lib/kubelet/pod-resources": False,
         "/run/gpu-vm-node": True,
     },
     "sandbox-dp": {
@@ -369,6 +372,11 @@ def check_rules(objs: list[dict], where: str) -> None:
             nn = env.get("NODE_NAME", {}).get("valueFrom", {}).get("fieldRef", {})
             if nn.get("fieldPath") != "spec.nodeName":
                 fail(f"{tag}: {c['name']} lacks NODE_NAME from spec.nodeName")
+            # The kubelet directory the daemon reads is the one mounted.
+            mounted = {m["mountPath"] for m in c.get("volumeMounts") or []}
+            kdir = "/host/var/lib/kubelet/device-plugins"
+            if kdir in mounted and env.get("KUBELET_DIR", {}).get("value") != kdir:
+                fail(f"{tag}: {c['name']} mounts {kdir} but does not set KUBELET_DIR={kdir}")
             cmd = c.get("command") or []
             if cmd != [f"/usr/local/bin/{name}"]:
                 fail(f"{tag}: {c['name']} runs {cmd}, expected [/usr/local/bin/{name}]")

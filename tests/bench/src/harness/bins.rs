@@ -1,0 +1,34 @@
+//! The daemons' binaries, found beside this one (a release build of the workspace).
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, anyhow, bail};
+
+/// Paths of the three daemons.
+pub struct Bins {
+    pub vfio: PathBuf,
+    pub vgpu: PathBuf,
+    pub dp: PathBuf,
+}
+
+/// Finds the daemons beside this binary.
+pub fn bins() -> Result<Bins> {
+    let exe = std::env::current_exe().context("locating this binary")?;
+    let dir = exe
+        .parent()
+        .ok_or_else(|| anyhow!("{} has no directory", exe.display()))?;
+    let b = Bins {
+        vfio: dir.join("vfio-manager"),
+        vgpu: dir.join("vgpu-device-manager"),
+        dp: dir.join("sandbox-dp"),
+    };
+    for p in [&b.vfio, &b.vgpu, &b.dp] {
+        if !p.exists() {
+            bail!(
+                "{} not found: build the daemons beside this binary first (cargo build --release --workspace --bins)",
+                p.display()
+            );
+        }
+    }
+    Ok(b)
+}

@@ -1,11 +1,13 @@
 //! Running a daemon command as a process: wall time, CPU time, peak RSS, exit code.
 
+use std::ffi::{OsStr, OsString};
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 
-use super::procstat;
+use super::{procstat, strace};
 
 /// What one finished process cost.
 pub struct Finished {
@@ -19,8 +21,11 @@ pub struct Finished {
 
 /// Runs a command to completion, sampling its peak RSS (`VmHWM`) until it exits.
 ///
-/// Not `wait4`'s `ru_maxrss`: Linux carries the pre-exec high-water mark of the forked child
-/// (this process's own, under vfork) across `execve`, which would report the bench's memory.
+/// The wall time ends when `waitpid` returns (a thread blocks in it), not at the next RSS
+/// sample. Not `wait4`'s `ru_maxrss`: Linux carries the pre-exec high-water mark of the forked
+/// child (this process's own, under vfork) across `execve`, which would report the bench's
+/// memory. A process that lives a few milliseconds may peak between samples: [`peak_rss_kib`]
+/// reads the peak at its exit.
 pub fn run(cmd: &mut Command) -> Result<Finished> {
     use std::io::Read as _;
     let cpu_before = children_cpu();
@@ -40,19 +45,30 @@ pub fn run(cmd: &mut Command) -> Result<Finished> {
         }
         s
     });
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        let status = child.wait();
+        let end = Instant::now();
+        let _ = tx.send(());
+        (status, end)
+    });
     let mut max_rss_kib = 0;
-    let status = loop {
+    loop {
         if let Some(s) = procstat::sample(pid) {
             max_rss_kib = max_rss_kib.max(s.hwm_kib);
         }
-        if let Some(st) = child.try_wait()? {
-            break st;
-        }
         // Every 2 ms: VmHWM is a high-water mark, so a late sample still sees an earlier peak,
         // and the bench's own polling must not compete for the CPU with the process measured.
-        std::thread::sleep(Duration::from_millis(2));
-    };
-    let wall = start.elapsed();
+        match rx.recv_timeout(Duration::from_millis(2)) {
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+            _ => break,
+        }
+    }
+    let (status, end) = waiter
+        .join()
+        .map_err(|_| anyhow!("the thread waiting for {cmd:?} panicked"))?;
+    let status = status.with_context(|| format!("waiting for {cmd:?}"))?;
+    let wall = end - start;
     let cpu = children_cpu().saturating_sub(cpu_before);
     let stderr = reader.join().unwrap_or_default();
     Ok(Finished {
@@ -62,6 +78,50 @@ pub fn run(cmd: &mut Command) -> Result<Finished> {
         max_rss_kib,
         stderr,
     })
+}
+
+/// Runs a command to completion and reads its peak RSS (`VmHWM`) as it exits: the process is
+/// attached with `PTRACE_SEIZE` and stopped once, at `PTRACE_EVENT_EXIT`, when its memory is
+/// still there. Not for timing (the stop costs a round trip); fails if it exits non-zero.
+pub fn peak_rss_kib(cmd: &mut Command) -> Result<u64> {
+    use nix::sys::ptrace;
+    use nix::sys::wait::{WaitStatus, waitpid};
+    use nix::unistd::Pid;
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {cmd:?}"))?;
+    let pid = Pid::from_raw(child.id() as i32);
+    // If it is already gone, waitpid below still reaps it; the peak is then unknown.
+    let seized = ptrace::seize(pid, ptrace::Options::PTRACE_O_TRACEEXIT).is_ok();
+    let mut hwm = None;
+    let code = loop {
+        match waitpid(pid, None).with_context(|| format!("waiting for {cmd:?}"))? {
+            WaitStatus::PtraceEvent(_, _, ev) if ev == libc::PTRACE_EVENT_EXIT => {
+                hwm = procstat::sample(pid.as_raw() as u32).map(|s| s.hwm_kib);
+                let _ = ptrace::cont(pid, None);
+            }
+            WaitStatus::Stopped(_, sig) => {
+                let _ = ptrace::cont(pid, Some(sig));
+            }
+            WaitStatus::PtraceEvent(..) => {
+                let _ = ptrace::cont(pid, None);
+            }
+            WaitStatus::Exited(_, code) => break code,
+            WaitStatus::Signaled(_, sig, _) => bail!("{cmd:?} killed by {sig}"),
+            _ => {}
+        }
+    };
+    if code != 0 {
+        bail!("{cmd:?} exited {code}");
+    }
+    match (seized, hwm) {
+        (_, Some(kib)) => Ok(kib),
+        (false, None) => bail!("{cmd:?} exited before it could be attached"),
+        (true, None) => bail!("{cmd:?}: no memory figure at its exit"),
+    }
 }
 
 /// CPU time of this process's reaped children so far: across one [`run`], the process run (the
@@ -84,4 +144,37 @@ pub fn ok(f: Finished, what: &str) -> Result<Finished> {
         bail!("{what} exited {}: {}", f.code, f.stderr.trim());
     }
     Ok(f)
+}
+
+/// A command line: run as is for the figure, or under strace for its limit.
+#[derive(Debug)]
+pub struct Invocation {
+    /// The program.
+    pub bin: PathBuf,
+    /// Its arguments.
+    pub args: Vec<OsString>,
+}
+
+impl Invocation {
+    /// `bin` with `args`.
+    pub fn new(bin: &Path, args: &[&dyn AsRef<OsStr>]) -> Invocation {
+        Invocation {
+            bin: bin.to_path_buf(),
+            args: args.iter().map(|a| a.as_ref().to_os_string()).collect(),
+        }
+    }
+
+    /// The command as is.
+    pub fn command(&self) -> Command {
+        let mut c = Command::new(&self.bin);
+        c.args(&self.args);
+        c
+    }
+
+    /// The command under strace, recording its file reads into `log`.
+    pub fn traced(&self, log: &Path) -> Command {
+        let mut c = strace::command(log, &self.bin);
+        c.args(&self.args);
+        c
+    }
 }

@@ -11,26 +11,15 @@ use crate::Cli;
 use crate::harness::bins::Bins;
 use crate::harness::process::{ok, run};
 use crate::harness::report::{Report, need};
-use crate::harness::stats::{fmt_duration, summarize};
+use crate::harness::stats::{fmt_duration, fmt_exponent, growth_exponent, summarize};
 use crate::harness::topology::{generated, mount};
 use crate::sections::dp::{DpCase, dp_once, prep_passthrough};
-use crate::sections::vgpu::{VGPU_CONFIG, vgpu};
+use crate::sections::vgpu::{config_file, vgpu};
 
 /// One point of a curve: the medians of each figure at one size.
 struct Point {
     n: usize,
     medians: Vec<Duration>,
-}
-
-/// `ln(b/a) / ln(n_b/n_a)`: 1 is linear, above 1 grows faster than the node.
-fn exponent(a: Duration, b: Duration, na: usize, nb: usize) -> String {
-    if a.is_zero() || b.is_zero() || na == nb {
-        return "–".into();
-    }
-    format!(
-        "{:.2}",
-        (b.as_secs_f64() / a.as_secs_f64()).ln() / (nb as f64 / na as f64).ln()
-    )
 }
 
 /// The table of a curve: each size's medians, then the marginal cost per unit of each step
@@ -70,7 +59,7 @@ fn curve_table(r: &mut Report, unit: &str, names: &[&str], points: &[Point]) {
             a.medians
                 .iter()
                 .zip(&b.medians)
-                .map(|(x, y)| exponent(*x, *y, a.n, b.n)),
+                .map(|(x, y)| fmt_exponent(growth_exponent(*x, *y, a.n, b.n))),
         );
         r.row(&row);
     }
@@ -87,9 +76,7 @@ fn medians(samples: &[Vec<Duration>]) -> Result<Vec<Duration>> {
 /// How each figure grows with the node: A10 nodes of 1 to 16 GPUs, and four L40S with 1 to 32
 /// vGPUs each.
 pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
-    let dir = tempfile::tempdir()?;
-    let cfg = dir.path().join("vgpu-config.yaml");
-    std::fs::write(&cfg, VGPU_CONFIG)?;
+    let (_dir, cfg) = config_file()?;
     let allocations = cli.allocations.min(100);
     r.line("## Cost curve");
     r.line("");

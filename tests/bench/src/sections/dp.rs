@@ -8,16 +8,17 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use node_sim::Topology;
-use testkit::kubelet::{FakeKubelet, PluginClient};
+use testkit::kubelet::api::Device;
+use testkit::kubelet::{FakeKubelet, ListWatch, PluginClient};
 
 use crate::Cli;
 use crate::harness::bins::Bins;
-use crate::harness::process::{ok, run};
+use crate::harness::process::{Invocation, ok, run};
 use crate::harness::procstat;
 use crate::harness::report::{Report, mib, need};
 use crate::harness::stats::{fmt_duration, fmt_summary, summarize};
 use crate::harness::topology::{builtin, generated, mount};
-use crate::sections::vgpu::{VGPU_CONFIG, vgpu};
+use crate::sections::vgpu::{config_file, vgpu};
 
 /// Prepares a node for sandbox-dp (binds GPUs, creates vGPUs).
 pub type Prepare = Box<dyn Fn(&Bins, &Path, &Path) -> Result<()>>;
@@ -67,9 +68,15 @@ pub struct DpDevice {
 }
 
 pub fn dp_list(b: &Bins, root: &Path) -> Result<DpList> {
+    dp_list_with(b, root, &[])
+}
+
+/// `sandbox-dp list --json` with more arguments (`--pci-ids FILE`).
+pub fn dp_list_with(b: &Bins, root: &Path, args: &[std::ffi::OsString]) -> Result<DpList> {
     let out = Command::new(&b.dp)
         .args(["list", "--json", "--host-root"])
         .arg(root)
+        .args(args)
         .output()
         .context("sandbox-dp list")?;
     if !out.status.success() {
@@ -110,48 +117,18 @@ pub async fn dp_once(
     let kdir = sim.root().join("var/lib/kubelet/device-plugins");
     let mut kubelet = FakeKubelet::start(&kdir).await?;
     let start = Instant::now();
-    let mut child = tokio::process::Command::new(&b.dp)
-        .args(["--host-root"])
-        .arg(sim.root())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .context("starting sandbox-dp")?;
-    let pid = child
-        .id()
-        .ok_or_else(|| anyhow!("sandbox-dp exited at once"))?;
-    let mut seen = BTreeSet::new();
-    while seen != expected {
-        let reg = kubelet.next_registration(Duration::from_secs(30)).await?;
-        seen.insert(reg.resource_name);
-    }
+    let inv = Invocation::new(&b.dp, &[&"--host-root", &sim.root()]);
+    let daemon = Daemon::start(&inv, None).await?;
+    let pid = daemon.pid;
+    registered(&mut kubelet, &expected).await?;
     let register = start.elapsed();
     let register_cpu = procstat::sample(pid)
         .map(|s| Duration::from_secs_f64(s.cpu_seconds))
         .unwrap_or_default();
 
     // The biggest resource: first list, allocations, change.
-    let res = list
-        .resources
-        .iter()
-        .max_by_key(|r| r.devices.len())
-        .ok_or_else(|| anyhow!("no resource"))?;
-    let sock = kdir.join(&res.socket);
-    let t = Instant::now();
-    let mut client = PluginClient::connect(&sock).await?;
-    let mut lw = client.list_and_watch().await?;
-    let first = lw.next(Duration::from_secs(10)).await?;
-    let first_list = t.elapsed();
-    if first.len() != res.devices.len() {
-        bail!(
-            "{}: first list has {} devices, expected {}",
-            case.label,
-            first.len(),
-            res.devices.len()
-        );
-    }
+    let res = biggest(&list)?;
+    let (mut client, mut lw, first, first_list) = first_list(&kdir, res, &case.label).await?;
     let mut alloc = Vec::with_capacity(allocations);
     for i in 0..allocations {
         let id = res.devices[i % res.devices.len()].id.as_str();
@@ -212,8 +189,7 @@ pub async fn dp_once(
                 .await?;
             let restored = start.elapsed();
             let reregister = reregistration(&mut kubelet, &expected).await?;
-            let _ = child.start_kill();
-            let _ = child.wait().await;
+            daemon.stop().await;
             kubelet.stop().await;
             return Ok(DpRun {
                 register,
@@ -253,8 +229,7 @@ pub async fn dp_once(
         (Some(removed), Some(t.elapsed()))
     };
     let reregister = reregistration(&mut kubelet, &expected).await?;
-    let _ = child.start_kill();
-    let _ = child.wait().await;
+    daemon.stop().await;
     kubelet.stop().await;
     Ok(DpRun {
         register,
@@ -268,6 +243,156 @@ pub async fn dp_once(
         threads: s0.threads,
         idle_cpu,
     })
+}
+
+/// Waits until the fake kubelet holds a registration of every resource in `expected`.
+pub async fn registered(kubelet: &mut FakeKubelet, expected: &BTreeSet<String>) -> Result<()> {
+    let mut seen = BTreeSet::new();
+    while &seen != expected {
+        let reg = kubelet.next_registration(Duration::from_secs(30)).await?;
+        seen.insert(reg.resource_name);
+    }
+    Ok(())
+}
+
+/// The resource with the most devices.
+pub fn biggest(list: &DpList) -> Result<&DpResource> {
+    list.resources
+        .iter()
+        .max_by_key(|r| r.devices.len())
+        .ok_or_else(|| anyhow!("no resource"))
+}
+
+/// Connects to the resource's socket and opens ListAndWatch: the client, the stream, the first
+/// list (checked to hold every device) and how long it took.
+pub async fn first_list(
+    kdir: &Path,
+    res: &DpResource,
+    label: &str,
+) -> Result<(PluginClient, ListWatch, Vec<Device>, Duration)> {
+    let t = Instant::now();
+    let mut client = PluginClient::connect(&kdir.join(&res.socket)).await?;
+    let mut lw = client.list_and_watch().await?;
+    let first = lw.next(Duration::from_secs(10)).await?;
+    let took = t.elapsed();
+    if first.len() != res.devices.len() {
+        bail!(
+            "{label}: first list has {} devices, expected {}",
+            first.len(),
+            res.devices.len()
+        );
+    }
+    Ok((client, lw, first, took))
+}
+
+/// The child of `parent` running `exe`: the daemon strace started (strace also forks short-lived
+/// children of its own, to probe the kernel's ptrace features).
+fn child_running(parent: u32, exe: &Path) -> Option<u32> {
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if ppid == Some(parent) && std::fs::read_link(e.path().join("exe")).is_ok_and(|x| x == exe)
+        {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+/// sandbox-dp started for one run, as is or under strace; dropping it kills it (and strace).
+#[derive(Debug)]
+pub struct Daemon {
+    child: Option<tokio::process::Child>,
+    /// The daemon's pid (not strace's).
+    pub pid: u32,
+    /// Its stderr, for the error when a run fails.
+    stderr: tempfile::NamedTempFile,
+}
+
+impl Daemon {
+    /// Starts `inv`, under strace writing to `log` when given.
+    pub async fn start(inv: &Invocation, log: Option<&Path>) -> Result<Daemon> {
+        let mut cmd = match log {
+            Some(l) => inv.traced(l),
+            None => inv.command(),
+        };
+        let stderr = tempfile::NamedTempFile::new()?;
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr.reopen()?);
+        let mut child = tokio::process::Command::from(cmd)
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting sandbox-dp")?;
+        let id = child
+            .id()
+            .ok_or_else(|| anyhow!("sandbox-dp exited at once"))?;
+        let pid = if log.is_none() {
+            id
+        } else {
+            let exe = inv.bin.canonicalize()?;
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                if let Some(p) = child_running(id, &exe) {
+                    break p;
+                }
+                if Instant::now() > deadline {
+                    let _ = child.start_kill();
+                    bail!("strace started no sandbox-dp");
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        Ok(Daemon {
+            child: Some(child),
+            pid,
+            stderr,
+        })
+    }
+
+    /// Kills it and waits until it (and strace) are gone.
+    pub async fn stop(mut self) {
+        if let Some(mut child) = self.child.take() {
+            self.kill();
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+        }
+    }
+
+    fn kill(&self) {
+        // Killing strace alone would leave the daemon running, detached.
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+
+    /// The last lines it wrote to stderr.
+    pub fn stderr_tail(&self) -> String {
+        let text = std::fs::read_to_string(self.stderr.path()).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(5)..].join(" / ")
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // Not after `stop`: the pid may belong to another process by then.
+        if self.child.is_some() {
+            self.kill();
+        }
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.start_kill();
+        }
+    }
 }
 
 /// Restarts the fake kubelet as kubelet does (the plugin directory cleared, a new
@@ -285,9 +410,7 @@ pub async fn reregistration(
 }
 
 pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
-    let dir = tempfile::tempdir()?;
-    let cfg = dir.path().join("vgpu-config.yaml");
-    std::fs::write(&cfg, VGPU_CONFIG)?;
+    let (_dir, cfg) = config_file()?;
     let cases = [
         DpCase {
             topo: builtin("2xA10")?,

@@ -1,7 +1,7 @@
 //! vgpu-device-manager: `apply` against the floor, no-op apply, `assert`, a profile switch, and
 //! the daemon's label change → success.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -16,7 +16,7 @@ use crate::harness::report::{Report, mib, need, ratio};
 use crate::harness::stats::{fmt_summary, summarize};
 use crate::harness::topology::{builtin, generated, mount};
 
-pub const VGPU_CONFIG: &str = r#"version: v1
+const VGPU_CONFIG: &str = r#"version: v1
 vgpu-configs:
   A10-4Q:
     - devices: all
@@ -50,6 +50,16 @@ vgpu-configs:
       vgpu-devices: {"L40S-48Q": 1}
 "#;
 
+/// The vGPU config every section uses, written to a temporary directory (removed when the
+/// guard is dropped).
+pub fn config_file() -> Result<(tempfile::TempDir, PathBuf)> {
+    let dir = tempfile::tempdir()?;
+    let cfg = dir.path().join("vgpu-config.yaml");
+    std::fs::write(&cfg, VGPU_CONFIG)?;
+    Ok((dir, cfg))
+}
+
+/// Runs `vgpu-device-manager SUB -f CFG -c PROFILE --host-root ROOT`.
 pub fn vgpu(b: &Bins, root: &Path, cfg: &Path, sub: &str, profile: &str) -> Result<Finished> {
     run(Command::new(&b.vgpu)
         .arg(sub)
@@ -60,9 +70,7 @@ pub fn vgpu(b: &Bins, root: &Path, cfg: &Path, sub: &str, profile: &str) -> Resu
 }
 
 pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
-    let dir = tempfile::tempdir()?;
-    let cfg = dir.path().join("vgpu-config.yaml");
-    std::fs::write(&cfg, VGPU_CONFIG)?;
+    let (_dir, cfg) = config_file()?;
     r.line("## vgpu-device-manager");
     r.line("");
     r.line("`apply` from an empty node (VFs enabled by the run where needed), `apply` again (no-op), `assert` on the configured node, and a switch to another profile. Floor: the apply's successful writes replayed by a bare loop on a fresh node. Goals: assert ≤ 10 ms, peak RSS ≤ 8 MB, apply ≤ 1.2× floor.");

@@ -1,5 +1,7 @@
 //! `gpu-vm-bench`: the three daemons measured as processes on node-sim, next to the floor (the
-//! same sysfs writes replayed by a bare loop on a fresh copy of the same simulated node).
+//! same sysfs writes replayed by a bare loop on a fresh copy of the same simulated node); their
+//! read-only figures again on the plain tree (the simulated node copied onto tmpfs), next to the
+//! limit (the same reads replayed by a bare loop); and node-sim's own cost.
 //!
 //! Run it from a release build so the daemons are release builds too:
 //!
@@ -7,7 +9,7 @@
 //! cargo build --release --workspace --bins && target/release/gpu-vm-bench --out BENCHMARKS.md
 //! ```
 //!
-//! It needs root and /dev/fuse (node-sim). Every figure is the median of `--runs` runs with
+//! It needs root and /dev/fuse (node-sim), and strace for the limits. Every figure is the median of `--runs` runs with
 //! min–max beside it; each run gets a freshly mounted node.
 
 mod harness;
@@ -19,6 +21,9 @@ use std::process::Command;
 use anyhow::{Result, bail};
 use clap::Parser;
 use harness::report::{Report, write_out};
+
+/// The report's sections, in order.
+const SECTIONS: [&str; 6] = ["vfio", "vgpu", "dp", "curve", "plain", "sim"];
 
 /// Benchmarks of vfio-manager, vgpu-device-manager and sandbox-dp on simulated nodes.
 #[derive(Parser, Debug)]
@@ -39,8 +44,15 @@ pub struct Cli {
     /// Also write the report to this file (BENCHMARKS.md).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Only these sections: vfio, vgpu, dp, curve (repeatable; default all).
-    #[arg(long)]
+    /// The host's pci.ids, for sandbox-dp's registration with it on the plain tree (Debian
+    /// package `pci.ids`); the figure is skipped when the file is missing.
+    #[arg(long, default_value = "/usr/share/misc/pci.ids")]
+    pub pci_ids: PathBuf,
+    /// Keep the strace logs the plain tree's limits are replayed from in this directory.
+    #[arg(long, value_name = "DIR")]
+    pub traces: Option<PathBuf>,
+    /// Only these sections: vfio, vgpu, dp, curve, plain, sim (repeatable; default all).
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(SECTIONS))]
     pub only: Vec<String>,
 }
 
@@ -92,7 +104,7 @@ fn main() -> Result<()> {
     if want("vgpu") {
         sections::vgpu::bench(&cli, &b, &mut r)?;
     }
-    if want("dp") || want("curve") {
+    if want("dp") || want("curve") || want("plain") {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -103,6 +115,12 @@ fn main() -> Result<()> {
         if want("curve") {
             rt.block_on(sections::curve::bench(&cli, &b, &mut r))?;
         }
+        if want("plain") {
+            rt.block_on(sections::plain::bench(&cli, &b, &mut r))?;
+        }
+    }
+    if want("sim") {
+        sections::sim::bench(&cli, &b, &mut r)?;
     }
     if let Some(out) = &cli.out {
         write_out(out, r.text())?;

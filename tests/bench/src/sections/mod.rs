@@ -2,5 +2,8 @@
 
 pub mod curve;
 pub mod dp;
+pub mod plain;
+pub mod plain_dp;
+pub mod sim;
 pub mod vfio;
 pub mod vgpu;

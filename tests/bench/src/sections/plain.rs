@@ -1,0 +1,513 @@
+//! The plain tree: the read-only figures measured on a copy of the simulated node on tmpfs
+//! (reads at the cost of real sysfs), each beside its limit (the same reads replayed by a bare
+//! loop, [`crate::harness::limit`]).
+//!
+//! Nodes are prepared on node-sim (GPUs bound, vGPUs created), copied, and the simulator
+//! unmounted. Figures: vfio-manager `status`, vgpu-device-manager `assert` and `plan` and their
+//! peak RSS, sandbox-dp `list`, and sandbox-dp as a daemon ([`super::plain_dp`]).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow};
+
+use crate::Cli;
+use crate::harness::bins::Bins;
+use crate::harness::limit::{Limit, limit};
+use crate::harness::process::{Invocation, ok, peak_rss_kib, run};
+use crate::harness::report::{Report, mib, need};
+use crate::harness::stats::{Summary, fmt_duration, fmt_summary, summarize};
+use crate::harness::strace;
+use crate::harness::topology::{builtin, generated, mount};
+use crate::harness::tree::PlainTree;
+use crate::sections::dp::{Prepare, biggest, dp_list, prep_a10_4q, prep_l40s_1q, prep_passthrough};
+use crate::sections::plain_dp::{self, Removal};
+use crate::sections::vgpu::{config_file, vgpu};
+
+/// Replays per limit (after one to warm the caches).
+pub const REPLAYS: usize = 10;
+
+/// The most × limit a read-only figure may be.
+const LIMIT_GOAL: f64 = 3.0;
+
+/// One node on the plain tree and what is measured on it.
+pub struct PlainNode {
+    pub label: String,
+    pub tree: PlainTree,
+    /// vfio-manager `status` (its GPUs are on vfio-pci).
+    pub vfio: bool,
+    /// vgpu-device-manager: the profile applied, and the one `plan` switches to.
+    pub vgpu: Option<(&'static str, &'static str)>,
+    /// sandbox-dp.
+    pub dp: bool,
+    /// A vGPU VF's removal as node-sim made it (vendor-path nodes).
+    pub removal: Option<Removal>,
+}
+
+struct NodeSpec {
+    topo: node_sim::Topology,
+    label: &'static str,
+    prepare: Prepare,
+    vfio: bool,
+    vgpu: Option<(&'static str, &'static str)>,
+    dp: bool,
+    removal: bool,
+}
+
+fn specs() -> Result<Vec<NodeSpec>> {
+    let passthrough = |topo, label| NodeSpec {
+        topo,
+        label,
+        prepare: Box::new(prep_passthrough),
+        vfio: true,
+        vgpu: None,
+        dp: true,
+        removal: false,
+    };
+    Ok(vec![
+        passthrough(builtin("2xA10")?, "2xA10 passthrough"),
+        passthrough(builtin("8xA100")?, "8xA100 passthrough"),
+        passthrough(generated("A10", 16)?, "16xA10 passthrough"),
+        NodeSpec {
+            topo: builtin("2xA10")?,
+            label: "2xA10 A10-4Q (12 mdevs)",
+            prepare: Box::new(prep_a10_4q),
+            vfio: false,
+            vgpu: Some(("A10-4Q", "A10-8Q")),
+            dp: true,
+            removal: false,
+        },
+        NodeSpec {
+            topo: builtin("8xA100")?,
+            label: "8xA100 A100DX-4C (160 mdevs)",
+            prepare: Box::new(|b: &Bins, root: &Path, cfg: &Path| {
+                ok(vgpu(b, root, cfg, "apply", "A100DX-4C")?, "apply A100DX-4C").map(|_| ())
+            }),
+            vfio: false,
+            vgpu: Some(("A100DX-4C", "A100DX-8C")),
+            dp: false,
+            removal: false,
+        },
+        NodeSpec {
+            topo: generated("L40S", 16)?,
+            label: "16xL40S L40S-1Q (512 VF vGPUs)",
+            prepare: Box::new(prep_l40s_1q),
+            vfio: false,
+            vgpu: Some(("L40S-1Q", "L40S-2Q")),
+            dp: true,
+            removal: true,
+        },
+    ])
+}
+
+/// Prepares each node on node-sim and copies it onto a tmpfs.
+fn nodes(b: &Bins, cfg: &Path) -> Result<Vec<PlainNode>> {
+    let mut out = Vec::new();
+    for s in specs()? {
+        let sim = mount(&s.topo);
+        (s.prepare)(b, sim.root(), cfg).with_context(|| format!("preparing {}", s.label))?;
+        let tree = PlainTree::copy_of(sim.root())?;
+        let removal = if s.removal {
+            let list = dp_list(b, sim.root())?;
+            let dev = &biggest(&list)?.devices[0].id;
+            Some(Removal::record(sim.root(), dev)?)
+        } else {
+            None
+        };
+        let st = tree.stats();
+        eprintln!(
+            "plain tree {}: {} directories, {} files, {} links, {} device nodes",
+            s.label, st.dirs, st.files, st.links, st.nodes
+        );
+        out.push(PlainNode {
+            label: s.label.to_string(),
+            tree,
+            vfio: s.vfio,
+            vgpu: s.vgpu,
+            dp: s.dp,
+            removal,
+        });
+    }
+    Ok(out)
+}
+
+/// What the figures' reads may touch: the node, and the files named on the command line.
+#[derive(Clone)]
+pub struct Inputs {
+    pub root: PathBuf,
+    pub files: Vec<PathBuf>,
+}
+
+impl Inputs {
+    /// The node's tree and `files`.
+    pub fn new(n: &PlainNode, files: &[PathBuf]) -> Inputs {
+        Inputs {
+            root: n.tree.root().to_path_buf(),
+            files: files.to_vec(),
+        }
+    }
+
+    /// Whether a read of `p` belongs to the limit.
+    pub fn keep(&self, p: &Path) -> bool {
+        p.starts_with(&self.root) || self.files.iter().any(|f| f == p)
+    }
+}
+
+/// Where the strace logs of the limits go: `--traces DIR` (kept), a temporary directory, or
+/// nowhere when strace is missing.
+pub struct Tracer {
+    dir: Option<PathBuf>,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl Tracer {
+    fn new(keep: Option<&Path>) -> Result<Tracer> {
+        if !strace::available() {
+            return Ok(Tracer {
+                dir: None,
+                _tmp: None,
+            });
+        }
+        if let Some(d) = keep {
+            std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+            return Ok(Tracer {
+                dir: Some(d.to_path_buf()),
+                _tmp: None,
+            });
+        }
+        let tmp = tempfile::tempdir()?;
+        Ok(Tracer {
+            dir: Some(tmp.path().to_path_buf()),
+            _tmp: Some(tmp),
+        })
+    }
+
+    /// A fresh log path named after the node and the figure, or `None` without strace.
+    pub fn log(&self, node: &str, figure: &str) -> Option<PathBuf> {
+        let name: String = format!("{node} {figure}")
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+            .collect();
+        let p = self.dir.as_ref()?.join(format!("{name}.strace"));
+        let _ = std::fs::remove_file(&p);
+        Some(p)
+    }
+}
+
+/// The limit of what a log recorded, all of it or between two times.
+pub fn limit_of(log: &Path, inputs: &Inputs, window: Option<(u64, u64)>) -> Result<Limit> {
+    let text =
+        std::fs::read_to_string(log).with_context(|| format!("reading {}", log.display()))?;
+    let trace = strace::parse(&text, &|p| inputs.keep(p));
+    let calls = match window {
+        Some((a, b)) => trace.window(a, b),
+        None => trace.all(),
+    };
+    Ok(limit(&calls, REPLAYS))
+}
+
+/// A one-shot command: `runs` timed runs, and its limit from one traced run.
+fn cli_figure(
+    inv: &Invocation,
+    runs: usize,
+    tracer: &Tracer,
+    inputs: &Inputs,
+    node: &str,
+    what: &str,
+) -> Result<(Summary, Option<Limit>)> {
+    let mut walls = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        walls.push(ok(run(&mut inv.command())?, what)?.wall);
+    }
+    let limit = match tracer.log(node, what) {
+        Some(log) => {
+            ok(run(&mut inv.traced(&log))?, what)?;
+            Some(limit_of(&log, inputs, None)?)
+        }
+        None => None,
+    };
+    Ok((need(summarize(&walls))?, limit))
+}
+
+/// `bin ARGS --host-root ROOT`.
+fn on_node(bin: &Path, args: &[&dyn AsRef<std::ffi::OsStr>], n: &PlainNode) -> Invocation {
+    let mut inv = Invocation::new(bin, args);
+    inv.args.push("--host-root".into());
+    inv.args.push(n.tree.root().into());
+    inv
+}
+
+/// A one-shot command's row on a node: `args` then `--host-root`, with `files` (named on the
+/// command line) counted in its limit.
+fn cli_row(
+    cli: &Cli,
+    tracer: &Tracer,
+    n: &PlainNode,
+    bin: &Path,
+    args: &[&dyn AsRef<std::ffi::OsStr>],
+    files: &[PathBuf],
+    figure: String,
+) -> Result<Row> {
+    let inv = on_node(bin, args, n);
+    let (s, l) = cli_figure(
+        &inv,
+        cli.runs,
+        tracer,
+        &Inputs::new(n, files),
+        &n.label,
+        &figure,
+    )?;
+    Ok(Row::time(&n.label, figure, s, l))
+}
+
+/// One row of a plain-tree table.
+pub struct Row {
+    pub node: String,
+    pub figure: String,
+    pub value: Value,
+    pub limit: Option<Limit>,
+    pub goal: String,
+}
+
+/// A row's figure.
+pub enum Value {
+    Time(Summary),
+    Memory(u64),
+    Skipped(String),
+}
+
+impl Row {
+    pub fn time(node: &str, figure: impl Into<String>, s: Summary, limit: Option<Limit>) -> Row {
+        Row {
+            node: node.to_string(),
+            figure: figure.into(),
+            value: Value::Time(s),
+            limit,
+            goal: String::new(),
+        }
+    }
+
+    pub fn memory(node: &str, figure: impl Into<String>, kib: u64) -> Row {
+        Row {
+            node: node.to_string(),
+            figure: figure.into(),
+            value: Value::Memory(kib),
+            limit: None,
+            goal: String::new(),
+        }
+    }
+
+    pub fn goal(mut self, g: impl Into<String>) -> Row {
+        self.goal = g.into();
+        self
+    }
+
+    fn times_limit(&self) -> Option<f64> {
+        let (Value::Time(s), Some(l)) = (&self.value, &self.limit) else {
+            return None;
+        };
+        (l.calls > 0 && !l.time.is_zero()).then(|| s.median.as_secs_f64() / l.time.as_secs_f64())
+    }
+}
+
+/// `≤ 0.5 ms: met` (or `missed`) for a median; `text` is the goal as written.
+pub fn at_most(median: Duration, goal: Duration, text: &str) -> String {
+    format!(
+        "≤ {text}: {}",
+        if median <= goal { "met" } else { "missed" }
+    )
+}
+
+fn table(r: &mut Report, rows: &[Row]) {
+    r.table(&[
+        "node",
+        "figure",
+        "median (min–max)",
+        "limit (calls replayed)",
+        "× limit",
+        "goal",
+    ]);
+    for row in rows {
+        let value = match &row.value {
+            Value::Time(s) => fmt_summary(s),
+            Value::Memory(kib) => mib(*kib),
+            Value::Skipped(why) => format!("skipped: {why}"),
+        };
+        let limit = match (&row.value, &row.limit) {
+            (Value::Time(_), Some(l)) if l.calls == 0 => "no reads".to_string(),
+            (Value::Time(_), Some(l)) => {
+                let mut s = format!("{} ({} calls)", fmt_duration(l.time), l.calls);
+                if l.differed > 0 {
+                    s.push_str(&format!("; {} opens differed", l.differed));
+                }
+                s
+            }
+            (Value::Time(_), None) => "– (no strace)".into(),
+            _ => String::new(),
+        };
+        let times = row
+            .times_limit()
+            .map(|x| format!("{x:.1}×"))
+            .unwrap_or_else(|| "–".into());
+        r.row(&[
+            row.node.clone(),
+            row.figure.clone(),
+            value,
+            limit,
+            times,
+            row.goal.clone(),
+        ]);
+    }
+    r.line("");
+}
+
+pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
+    let (_dir, cfg) = config_file()?;
+    let cfg = cfg.canonicalize()?;
+    let tracer = Tracer::new(cli.traces.as_deref())?;
+    let pci_ids = cli.pci_ids.canonicalize().ok().filter(|p| p.is_file());
+    r.line("## Plain tree");
+    r.line("");
+    r.line(format!("Each node prepared on node-sim, then copied onto a tmpfs as plain files, directories and symlinks (device nodes as empty files), and the daemons run with `--host-root` at the copy: reads cost what real sysfs reads cost, not a FUSE round trip. Read-only figures only. **limit**: the reads the daemon made for that figure (recorded once under strace: opens, reads, directory listings, stats, link reads, of the node's files and of the files named on its command line), replayed in order by a bare loop, median of {REPLAYS}. **× limit** = median / limit; goal ≤ {LIMIT_GOAL}×. Process start-up (table below) is part of every figure that starts a process and of no limit."));
+    r.line("");
+    if !strace::available() {
+        r.line("skipped: limits: no strace on this machine (tests/setup.sh installs it).");
+        r.line("");
+    }
+    startup(cli, b, r)?;
+    let nodes = nodes(b, &cfg)?;
+    let mut rows = Vec::new();
+    r.line("### vfio-manager");
+    r.line("");
+    for n in nodes.iter().filter(|n| n.vfio) {
+        rows.push(cli_row(
+            cli,
+            &tracer,
+            n,
+            &b.vfio,
+            &[&"status"],
+            &[],
+            "`status`".into(),
+        )?);
+    }
+    table(r, &rows);
+    let mut all = std::mem::take(&mut rows);
+
+    r.line("### vgpu-device-manager");
+    r.line("");
+    for n in &nodes {
+        let Some((p1, p2)) = n.vgpu else { continue };
+        let mut rss = 0;
+        for (sub, profile, figure) in [
+            ("assert", p1, format!("`assert` {p1}")),
+            ("plan", p2, format!("`plan` → {p2}")),
+        ] {
+            let args: [&dyn AsRef<std::ffi::OsStr>; 5] = [&sub, &"-f", &cfg, &"-c", &profile];
+            rows.push(cli_row(
+                cli,
+                &tracer,
+                n,
+                &b.vgpu,
+                &args,
+                std::slice::from_ref(&cfg),
+                figure,
+            )?);
+            rss = rss.max(peak_rss_kib(&mut on_node(&b.vgpu, &args, n).command())?);
+        }
+        rows.push(Row {
+            node: n.label.clone(),
+            figure: "peak RSS (`assert`, `plan`)".into(),
+            value: Value::Memory(rss),
+            limit: None,
+            goal: format!(
+                "≤ 8 MB: {}",
+                if rss * 1024 <= 8_000_000 {
+                    "met"
+                } else {
+                    "missed"
+                }
+            ),
+        });
+    }
+    table(r, &rows);
+    all.append(&mut rows);
+
+    r.line("### sandbox-dp");
+    r.line("");
+    r.line(format!("`list`; start → every resource registered with the test kubelet, without and with the host's pci.ids (`--pci-ids {}`); the first ListAndWatch answer; a device's `/dev/vfio/<group>` file removed → that device Unhealthy in ListAndWatch, and created again → Healthy (inotify alone: no uevent is sent); on the vendor-path node, a vGPU removed → update and restored → update: the files node-sim changes for `current_vgpu_type` ← 0 (and back) written to the copy, the group's device file removed (created), and the `change` uevent the kernel would send, synthesized by the bench on udev's netlink group; update = the device Unhealthy or gone. RSS after registration. Goals: register with pci.ids ≤ 1.5× without, health reaction ≤ 0.5 ms, removal → update on the 512-VF node ≤ 10 ms.", cli.pci_ids.display()));
+    r.line("");
+    if pci_ids.is_none() {
+        r.line(format!(
+            "skipped: register with pci.ids: no pci.ids at {} (Debian package `pci.ids`; tests/setup.sh installs it).",
+            cli.pci_ids.display()
+        ));
+        r.line("");
+    }
+    let ids: Vec<PathBuf> = pci_ids.iter().cloned().collect();
+    for n in nodes.iter().filter(|n| n.dp) {
+        let list = [&"list" as &dyn AsRef<std::ffi::OsStr>, &"--json"];
+        rows.push(cli_row(
+            cli,
+            &tracer,
+            n,
+            &b.dp,
+            &list,
+            &[],
+            "`list`".into(),
+        )?);
+        let inputs = Inputs::new(n, &ids);
+        match plain_dp::figures(cli, b, n, pci_ids.as_deref(), &tracer, &inputs).await {
+            Ok(mut x) => rows.append(&mut x),
+            Err(e) => {
+                let why = format!("{e:#}").replace('|', "/").replace('\n', " ");
+                eprintln!("{}: {why}", n.label);
+                rows.push(Row {
+                    node: n.label.clone(),
+                    figure: "daemon".into(),
+                    value: Value::Skipped(format!("failed: {why}")),
+                    limit: None,
+                    goal: String::new(),
+                });
+            }
+        }
+    }
+    table(r, &rows);
+    all.append(&mut rows);
+
+    let worst = all
+        .iter()
+        .filter_map(|row| row.times_limit().map(|x| (x, row)))
+        .max_by(|a, b| a.0.total_cmp(&b.0));
+    if let Some((x, row)) = worst {
+        r.line(format!(
+            "Largest × limit: {x:.1}× ({}, {}); goal ≤ {LIMIT_GOAL}×: {}.",
+            row.figure,
+            row.node,
+            if x <= LIMIT_GOAL { "met" } else { "missed" }
+        ));
+        r.line("");
+    }
+    Ok(())
+}
+
+/// Process start-up: each binary's `--version`, which reads nothing of the node.
+fn startup(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
+    r.table(&["process start-up (`--version`)", "median (min–max)"]);
+    for (name, bin) in [
+        ("vfio-manager", &b.vfio),
+        ("vgpu-device-manager", &b.vgpu),
+        ("sandbox-dp", &b.dp),
+    ] {
+        let mut walls = Vec::new();
+        for _ in 0..cli.runs.max(5) {
+            walls.push(ok(run(Command::new(bin).arg("--version"))?, name)?.wall);
+        }
+        r.row(&[
+            name.to_string(),
+            fmt_summary(&summarize(&walls).ok_or_else(|| anyhow!("no runs"))?),
+        ]);
+    }
+    r.line("");
+    Ok(())
+}

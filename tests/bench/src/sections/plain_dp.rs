@@ -245,7 +245,7 @@ async fn serve_once(
     let root = n.tree.root();
     let paths = HostPaths::new(root);
     let kdir = paths.kubelet_dir();
-    clear_dir(&kdir)?;
+    clear_dir(kdir)?;
     let mut extra: Vec<OsString> = Vec::new();
     if let Some(p) = pci_ids {
         extra.push("--pci-ids".into());
@@ -256,7 +256,7 @@ async fn serve_once(
     if expected.is_empty() {
         bail!("{}: nothing to advertise", n.label);
     }
-    let mut kubelet = FakeKubelet::start(&kdir).await?;
+    let mut kubelet = FakeKubelet::start(kdir).await?;
     let mut inv = Invocation::new(&b.dp, &[&"--host-root", &root]);
     inv.args.extend(extra);
 
@@ -302,7 +302,7 @@ async fn measure(
 
     let res = biggest(list)?;
     let t0 = strace::now();
-    let (_client, mut lw, first, first_list) = first_list(&kdir, res, &n.label).await?;
+    let (_client, mut lw, first, first_list) = first_list(kdir, res, &n.label).await?;
     w.first_list = (t0, strace::now());
     let rss_kib = procstat::sample(daemon.pid)
         .map(|s| s.rss_kib)

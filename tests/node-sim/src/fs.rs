@@ -1,6 +1,7 @@
 //! The FUSE side: one `SimFs` per mount (`sys`, `dev`, `proc`), all over one shared state.
 
-use std::collections::HashMap;
+use std::borrow::Cow;
+use std::collections::{BTreeSet, HashMap};
 use std::ffi::OsStr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
@@ -11,8 +12,9 @@ use fuser::{
     ReplyOpen, ReplyWrite, Request, TimeOrNow, WriteFlags,
 };
 
+use crate::holders::Holders;
 use crate::state::State;
-use crate::tree::{Content, Node, Tree, WriteTarget};
+use crate::tree::{Content, File, Node, Tree, WriteTarget};
 use crate::uevent::UeventSender;
 
 const TTL: Duration = Duration::ZERO;
@@ -141,6 +143,46 @@ impl Shared {
     }
 }
 
+/// The node at `path`: the rendered tree's, except under `proc`, where each `proc/<pid>` is a
+/// process holding a simulated device node now (see [`Holders`]).
+fn resolve<'t>(tree: &'t Tree, holders: &Holders, path: &str) -> Option<Cow<'t, Node>> {
+    if path == "proc" {
+        let Some(Node::Dir(children)) = tree.get(path) else {
+            return None;
+        };
+        let mut children = children.clone();
+        children.extend(holders.pids().iter().map(u32::to_string));
+        return Some(Cow::Owned(Node::Dir(children)));
+    }
+    let Some((pid, rest)) = path
+        .strip_prefix("proc/")
+        .map(|r| r.split_once('/').unwrap_or((r, "")))
+        .and_then(|(p, rest)| Some((p.parse::<u32>().ok()?, rest)))
+    else {
+        return tree.get(path).map(Cow::Borrowed);
+    };
+    let p = holders.process(pid, |node| tree.get(node).is_some())?;
+    let file = |text: String| {
+        Node::File(File {
+            content: Content::Text(text),
+            mode: 0o444,
+            write: None,
+            open: None,
+        })
+    };
+    let node = match rest {
+        "" => Node::Dir(BTreeSet::from(["comm", "cmdline", "fd"].map(String::from))),
+        "comm" => file(p.comm),
+        "cmdline" => file(p.cmdline),
+        "fd" => Node::Dir(p.fds.keys().map(u32::to_string).collect()),
+        _ => {
+            let fd: u32 = rest.strip_prefix("fd/")?.parse().ok()?;
+            Node::Link(p.fds.get(&fd)?.clone())
+        }
+    };
+    Some(Cow::Owned(node))
+}
+
 /// One mount.
 #[derive(Debug)]
 pub(crate) struct SimFs {
@@ -206,10 +248,10 @@ impl Filesystem for SimFs {
         };
         let path = format!("{pp}/{name}");
         let tree = inner.tree();
-        match tree.get(&path) {
+        match resolve(&tree, &inner.state.holders, &path) {
             Some(node) => {
                 let ino = inner.inodes.ino(&path);
-                reply.entry(&TTL, &self.attr(ino, &path, node), Generation(0));
+                reply.entry(&TTL, &self.attr(ino, &path, &node), Generation(0));
             }
             None => reply.error(Errno::ENOENT),
         }
@@ -221,8 +263,8 @@ impl Filesystem for SimFs {
             return reply.error(Errno::ENOENT);
         };
         let tree = inner.tree();
-        match tree.get(&path) {
-            Some(node) => reply.attr(&TTL, &self.attr(ino.0, &path, node)),
+        match resolve(&tree, &inner.state.holders, &path) {
+            Some(node) => reply.attr(&TTL, &self.attr(ino.0, &path, &node)),
             None => reply.error(Errno::ENOENT),
         }
     }
@@ -254,20 +296,22 @@ impl Filesystem for SimFs {
         let Some(path) = self.path_of(&inner, ino) else {
             return reply.error(Errno::ENOENT);
         };
-        match inner.tree().get(&path) {
+        let tree = inner.tree();
+        match resolve(&tree, &inner.state.holders, &path).as_deref() {
             Some(Node::Link(t)) => reply.data(t.as_bytes()),
             Some(_) => reply.error(Errno::EINVAL),
             None => reply.error(Errno::ENOENT),
         }
     }
 
-    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let mut inner = self.shared.lock();
         let Some(path) = self.path_of(&inner, ino) else {
             return reply.error(Errno::ENOENT);
         };
         let tree = inner.tree();
-        let file = match tree.get(&path) {
+        let node = resolve(&tree, &inner.state.holders, &path);
+        let file = match node.as_deref() {
             Some(Node::File(f)) => f,
             Some(Node::Dir(_)) => return reply.error(Errno::EISDIR),
             Some(Node::Link(_)) => return reply.error(Errno::ELOOP),
@@ -283,11 +327,10 @@ impl Filesystem for SimFs {
         }
         let fh = inner.next_fh;
         inner.next_fh += 1;
-        if let Some(kind) = file.open {
-            if let Err(e) = inner.state.open_node(kind, req.pid(), fh) {
-                return reply.error(Errno::from_i32(e));
-            }
-            inner.dirty();
+        if let Some(kind) = file.open
+            && let Err(e) = inner.state.holders.open(kind, fh)
+        {
+            return reply.error(Errno::from_i32(e));
         }
         let data = match &file.content {
             Content::Text(s) => s.clone().into_bytes(),
@@ -364,19 +407,17 @@ impl Filesystem for SimFs {
 
     fn flush(
         &self,
-        req: &Request,
+        _req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
-        // close() sends FLUSH and waits for it; RELEASE comes later, asynchronously, once the
-        // last copy of the descriptor is gone. The holder's own close forgets it at once (the
-        // kernel drops a VFIO group holder at close); a forked child closing its copy does not.
-        let mut inner = self.shared.lock();
-        if inner.state.close_node(fh.0, req.pid()) {
-            inner.dirty();
-        }
+        // close() sends FLUSH, after the descriptor left the process, and waits for it;
+        // RELEASE comes later, asynchronously, once the description is gone. A device node's
+        // holder is forgotten here when no process has a descriptor of it any more, so that an
+        // open right after the last close succeeds, as on the kernel.
+        self.shared.lock().state.holders.flush(fh.0);
         reply.ok();
     }
 
@@ -392,9 +433,7 @@ impl Filesystem for SimFs {
     ) {
         let mut inner = self.shared.lock();
         inner.handles.remove(&fh.0);
-        if inner.state.release_node(fh.0) {
-            inner.dirty();
-        }
+        inner.state.holders.release(fh.0);
         reply.ok();
     }
 
@@ -404,7 +443,8 @@ impl Filesystem for SimFs {
             return reply.error(Errno::ENOENT);
         };
         let tree = inner.tree();
-        let Some(Node::Dir(children)) = tree.get(&path) else {
+        let node = resolve(&tree, &inner.state.holders, &path);
+        let Some(Node::Dir(children)) = node.as_deref() else {
             return reply.error(Errno::ENOTDIR);
         };
         let mut entries = vec![
@@ -413,9 +453,9 @@ impl Filesystem for SimFs {
         ];
         for name in children {
             let cp = format!("{path}/{name}");
-            if let Some(n) = tree.get(&cp) {
+            if let Some(n) = resolve(&tree, &inner.state.holders, &cp) {
                 let i = inner.inodes.ino(&cp);
-                entries.push((i, kind_of(n), name.clone()));
+                entries.push((i, kind_of(&n), name.clone()));
             }
         }
         let fh = inner.next_fh;

@@ -13,6 +13,7 @@
 pub mod catalogue;
 pub mod configmap;
 mod fs;
+mod holders;
 mod state;
 pub mod topology;
 mod tree;
@@ -133,7 +134,7 @@ pub fn mount(topology: &Topology, dir: &Path) -> Result<Sim> {
     std::fs::write(&alias, text).map_err(io_err(&alias))?;
 
     let shared = Arc::new(Shared {
-        inner: Mutex::new(Inner::new(state::State::new(topology))),
+        inner: Mutex::new(Inner::new(state::State::new(topology, &root))),
         uevents: uevent::UeventSender::new(),
     });
     let sim = Sim {

@@ -1,9 +1,11 @@
 //! The simulated node's state and the kernel's answer to each write.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
 use std::time::Duration;
 
 use crate::catalogue::{Attach, GpuModel, VgpuTypeDef, catalogue};
+use crate::holders::Holders;
 use crate::topology::{Topology, parse_bdf};
 use crate::tree::{Content, OpenKind, Tree, WriteTarget};
 
@@ -163,20 +165,6 @@ pub(crate) struct Mdev {
     pub group: u32,
 }
 
-/// A process holding a device node open (real, from FUSE, or synthetic, from `hold`).
-#[derive(Clone, Debug)]
-pub(crate) struct Holder {
-    pub pid: u32,
-    pub comm: String,
-    pub cmdline: String,
-    /// Host path (`/dev/vfio/42`).
-    pub target: String,
-    pub fd: u32,
-    /// The FUSE file handle for real openers; `None` for synthetic holders.
-    pub fh: Option<u64>,
-    pub group: Option<u32>,
-}
-
 #[derive(Clone, Debug)]
 enum FaultAction {
     Errno(Errno),
@@ -210,14 +198,13 @@ pub(crate) struct State {
     pub vfio_drivers: BTreeSet<String>,
     pub devs: BTreeMap<String, Dev>,
     pub mdevs: BTreeMap<String, Mdev>,
-    pub holders: Vec<Holder>,
+    pub holders: Holders,
     faults: Vec<Fault>,
     pub ops: Vec<Op>,
     seq: u64,
     next_group: u32,
     next_minor: u32,
     next_vfio_dev: u32,
-    next_fd: u32,
     /// Uevents not yet sent.
     pub events: Vec<Uevent>,
 }
@@ -228,7 +215,8 @@ fn root_dir(addr: &str) -> String {
 }
 
 impl State {
-    pub fn new(topo: &Topology) -> State {
+    /// The node of `topo`, mounted at `root` (canonical: how the host's `/proc` names it).
+    pub fn new(topo: &Topology, root: &Path) -> State {
         let mut devs = BTreeMap::new();
         let mut max_group = 0;
         let bridge_dir = |topo: &Topology, addr: &str| -> String {
@@ -330,14 +318,13 @@ impl State {
             vfio_drivers,
             devs,
             mdevs: BTreeMap::new(),
-            holders: Vec::new(),
+            holders: Holders::new(root),
             faults: Vec::new(),
             ops: Vec::new(),
             seq: 0,
             next_group: max_group + 1,
             next_minor,
             next_vfio_dev: 0,
-            next_fd: 3,
             events: Vec::new(),
         };
         let addrs: Vec<String> = st.devs.keys().cloned().collect();
@@ -960,37 +947,18 @@ impl State {
                     return Err(bad("usage: hold <group> [pid=N] [comm=NAME]"));
                 };
                 let g: u32 = g.parse().map_err(|_| bad("group is not a number"))?;
-                if self.holders.iter().any(|h| h.group == Some(g)) {
-                    return Err(bad("group is already held"));
-                }
-                let pid = match opt("pid") {
-                    Some(p) => p.parse().map_err(|_| bad("pid is not a number"))?,
-                    None => 900_000 + g,
-                };
-                let comm = opt("comm").unwrap_or("qemu-kvm").to_string();
-                let fd = self.next_fd;
-                self.next_fd += 1;
-                self.holders.push(Holder {
-                    pid,
-                    cmdline: format!("/usr/libexec/qemu-kvm\0-name\0guest=sim-vm-{g}\0"),
-                    comm,
-                    target: format!("/dev/vfio/{g}"),
-                    fd,
-                    fh: None,
-                    group: Some(g),
-                });
+                let pid = opt("pid")
+                    .map(|p| p.parse().map_err(|_| bad("pid is not a number")))
+                    .transpose()?;
+                let comm = opt("comm").unwrap_or("qemu-kvm");
+                self.holders.hold(g, pid, comm).map_err(|e| bad(&e))?;
             }
             Some("release") => {
                 let [g] = positional.as_slice() else {
                     return Err(bad("usage: release <group>"));
                 };
                 let g: u32 = g.parse().map_err(|_| bad("group is not a number"))?;
-                let before = self.holders.len();
-                self.holders
-                    .retain(|h| !(h.fh.is_none() && h.group == Some(g)));
-                if self.holders.len() == before {
-                    return Err(bad("no synthetic holder of that group"));
-                }
+                self.holders.release_synthetic(g).map_err(|e| bad(&e))?;
             }
             Some("hotplug") => {
                 let [bdf, model] = positional.as_slice() else {
@@ -1061,55 +1029,6 @@ impl State {
         Ok(())
     }
 
-    // ---------------------------------------------------------------- holders
-
-    /// Records a real opener; `Err(EBUSY)` when a VFIO group is already open.
-    pub fn open_node(&mut self, kind: OpenKind, pid: u32, fh: u64) -> Result<(), Errno> {
-        let (target, group) = match kind {
-            OpenKind::VfioGroup(g) => {
-                if self.holders.iter().any(|h| h.group == Some(g)) {
-                    return Err(libc::EBUSY);
-                }
-                (format!("/dev/vfio/{g}"), Some(g))
-            }
-            OpenKind::Nvidia(n) => (format!("/dev/nvidia{n}"), None),
-        };
-        let pid = tgid(pid);
-        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm"))
-            .map(|s| s.trim().to_string())
-            .unwrap_or_else(|_| "?".into());
-        let cmdline = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let fd = self.next_fd;
-        self.next_fd += 1;
-        self.holders.push(Holder {
-            pid,
-            comm,
-            cmdline,
-            target,
-            fd,
-            fh: Some(fh),
-            group,
-        });
-        Ok(())
-    }
-
-    /// A close by `pid` of a descriptor of handle `fh` (FUSE's FLUSH). Forgets the holder only
-    /// when the process closing is the one that opened it: a forked child that closes its copy
-    /// (every `exec` of a program started by the holder does) leaves the holder's open.
-    pub fn close_node(&mut self, fh: u64, pid: u32) -> bool {
-        let pid = tgid(pid);
-        let before = self.holders.len();
-        self.holders.retain(|h| !(h.fh == Some(fh) && h.pid == pid));
-        before != self.holders.len()
-    }
-
-    /// Forgets a real opener's handle. Returns whether one was recorded.
-    pub fn release_node(&mut self, fh: u64) -> bool {
-        let before = self.holders.len();
-        self.holders.retain(|h| h.fh != Some(fh));
-        before != self.holders.len()
-    }
-
     // ---------------------------------------------------------------- render
 
     pub fn render(&self) -> Tree {
@@ -1158,7 +1077,11 @@ impl State {
             t.dir("dev/vfio/devices");
             for d in self.devs.values() {
                 if let Some(n) = d.vfio_dev {
-                    t.devnode(&format!("dev/vfio/devices/vfio{n}"), 0o600, None);
+                    t.devnode(
+                        &format!("dev/vfio/devices/vfio{n}"),
+                        0o600,
+                        Some(OpenKind::VfioCdev(n)),
+                    );
                 }
             }
         }
@@ -1196,12 +1119,6 @@ impl State {
             "proc/sys/kernel/osrelease",
             format!("{}\n", self.topo.release),
         );
-        for h in &self.holders {
-            let p = format!("proc/{}", h.pid);
-            t.ro(&format!("{p}/comm"), format!("{}\n", h.comm));
-            t.ro(&format!("{p}/cmdline"), h.cmdline.clone());
-            t.link_abs(&format!("{p}/fd/{}", h.fd), &h.target);
-        }
         t
     }
 
@@ -1407,15 +1324,3 @@ const CONTROL_HELP: &str = "\
 #   unplug <BDF>
 #   clear-ops
 ";
-
-/// The process (thread-group) id of a thread: FUSE reports the thread, /proc lists processes.
-fn tgid(tid: u32) -> u32 {
-    std::fs::read_to_string(format!("/proc/{tid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Tgid:"))
-                .and_then(|v| v.trim().parse().ok())
-        })
-        .unwrap_or(tid)
-}

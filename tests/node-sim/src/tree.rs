@@ -33,7 +33,9 @@ pub(crate) enum WriteTarget {
 pub(crate) enum OpenKind {
     /// `/dev/vfio/<group>`: one opener at a time.
     VfioGroup(u32),
-    /// `/dev/nvidia<N>`.
+    /// `/dev/vfio/devices/vfio<N>` (iommufd): any number of openers.
+    VfioCdev(u32),
+    /// `/dev/nvidia<N>`: any number of openers.
     Nvidia(u32),
 }
 
@@ -151,11 +153,6 @@ impl Tree {
     pub fn link(&mut self, path: &str, target: &str) {
         let rel = rel_link(path, target);
         self.insert(path.to_string(), Node::Link(rel));
-    }
-
-    /// A symlink with a literal target.
-    pub fn link_abs(&mut self, path: &str, target: &str) {
-        self.insert(path.to_string(), Node::Link(target.to_string()));
     }
 }
 

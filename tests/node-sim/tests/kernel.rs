@@ -525,39 +525,3 @@ group = 5
     sim.unmount().unwrap();
     assert!(!m("sys/bus").exists(), "unmounted");
 }
-
-#[test]
-fn an_open_survives_a_child_closing_its_copy_and_ends_at_the_holders_close() {
-    let Some(m) = mount("2xA10") else {
-        return;
-    };
-    let me = std::process::id();
-    let fd_links = || -> Vec<String> {
-        let dir = m.p(&format!("proc/{me}/fd"));
-        let Ok(rd) = std::fs::read_dir(dir) else {
-            return Vec::new();
-        };
-        rd.map(|e| {
-            std::fs::read_link(e.unwrap().path())
-                .unwrap()
-                .to_string_lossy()
-                .into_owned()
-        })
-        .collect()
-    };
-    let info = m.r("proc/driver/nvidia/gpus/0000:41:00.0/information");
-    assert!(info.contains("Device Minor:"), "{info}");
-    let held = std::fs::File::open(m.p("dev/nvidia0")).unwrap();
-    assert_eq!(fd_links(), vec!["/dev/nvidia0".to_string()]);
-    // A program started now inherits the descriptor and closes it at exec (O_CLOEXEC): the
-    // kernel sees a close from the child, but this process still holds the device.
-    let st = std::process::Command::new("true").status().unwrap();
-    assert!(st.success());
-    assert_eq!(
-        fd_links(),
-        vec!["/dev/nvidia0".to_string()],
-        "the holder is still listed"
-    );
-    drop(held);
-    assert!(fd_links().is_empty(), "closed by its holder: gone");
-}

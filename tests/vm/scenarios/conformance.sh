@@ -55,6 +55,48 @@ obs "vfio-dev/vfioN/dev without iommufd" "$(ls "$dev"/vfio-dev/vfio*/dev >/dev/n
 obs "vfio-pci/bind while bound to vfio-pci" "$(try_write "$sys/bus/pci/drivers/vfio-pci/bind" "$PCI_DEV")"
 obs "default driver bind while on vfio-pci" "$(try_write "$sys/bus/pci/drivers/$DEFAULT_DRIVER/bind" "$PCI_DEV")"
 
+# Holders as the kernel keeps them: the group stays held until the last descriptor of its open
+# file description closes; dup, fork and exec share the description.
+link_of() { # PID FD: the target of ROOT/proc/PID/fd/FD, the group normalised, or "none"
+    local l
+    l="$(readlink "$ROOT/proc/$1/fd/$2" 2>/dev/null)" || { echo none; return; }
+    printf '%s\n' "$l" | sed "s|^/dev/vfio/$group\( (deleted)\)\{0,1\}\$|/dev/vfio/<group>\1|"
+}
+open_again() { # a new open of the group node: ok or the errno
+    local r
+    r="$( (exec 4<>"$node") 2>&1 && echo ok)"
+    [ "$r" = ok ] && echo ok || errno_name "$r"
+}
+ended() { ! grep -qs '^State:[[:space:]]*[^Z[:space:]]' "/proc/$1/status"; }
+(
+    me=$BASHPID
+    exec 7<>"$node"
+    obs "shell exec 7<>: holder fd link" "$(link_of "$me" 7)"
+    obs "shell exec 7<>: second open" "$(open_again)"
+    exec 8>&7 7>&-
+    obs "dup to 8 and 7 closed: fd 7" "$(link_of "$me" 7)"
+    obs "dup to 8 and 7 closed: fd 8 link" "$(link_of "$me" 8)"
+    obs "held through a dup: second open" "$(open_again)"
+    exec 8>&-
+    obs "after the last close: fd 8" "$(link_of "$me" 8)"
+    obs "after the last close: second open" "$(open_again)"
+)
+child="$(bash -c 'exec 7<>"$1"; sleep 600 >/dev/null 2>&1 </dev/null & echo $!' _ "$node")"
+obs "forked child after its parent exited: fd 7 link" "$(link_of "$child" 7)"
+obs "forked child after its parent exited: second open" "$(open_again)"
+kill "$child"
+for _ in $(seq 100); do ended "$child" && break; sleep 0.1; done
+obs "forked child ended: second open" "$(open_again)"
+bash -c 'exec 7<>"$1"; exec sleep 600' _ "$node" &
+execd=$!
+for _ in $(seq 100); do [ "$(cat "/proc/$execd/comm" 2>/dev/null)" = sleep ] && break; sleep 0.1; done
+obs "exec'd program: comm" "$(cat "$ROOT/proc/$execd/comm" 2>/dev/null || echo none)"
+obs "exec'd program: fd 7 link" "$(link_of "$execd" 7)"
+obs "exec'd program: second open" "$(open_again)"
+kill "$execd"
+wait "$execd" 2>/dev/null
+obs "exec'd program ended: second open" "$(open_again)"
+
 sleep 600 3<>"$node" &
 holder=$!
 for _ in $(seq 50); do [ -e "$ROOT/proc/$holder/fd/3" ] && break; sleep 0.1; done
@@ -63,6 +105,7 @@ obs "second open of group node" "$([ "$second" = ok ] && echo ok || errno_name "
 holder_link="$(readlink "$ROOT/proc/$holder/fd/3" 2>/dev/null)"
 obs "holder fd link" "$(printf '%s' "${holder_link:-none}" | sed "s|^/dev/vfio/$group\$|/dev/vfio/<group>|")"
 obs "unbind from vfio-pci while group open" "$(try_write "$sys/bus/pci/drivers/vfio-pci/unbind" "$PCI_DEV")"
+obs "holder fd link after unbind while open" "$(link_of "$holder" 3)"
 obs "group node after unbind while open" "$([ -e "$node" ] && echo present || echo absent)"
 kill "$holder" 2>/dev/null
 wait "$holder" 2>/dev/null

@@ -1,0 +1,221 @@
+//! Who holds a simulated device node open, as the kernel keeps it.
+//!
+//! The kernel holds a VFIO group from the open of `/dev/vfio/<g>` until the last close of that
+//! open file description: `dup`, `dup2`, `fork` and `exec` share the description, and only when
+//! every descriptor of it is closed is the group free again. Its `/proc/<pid>/fd/<n>` lists the
+//! processes that have a descriptor of it now (the shell after `exec 7<>/dev/vfio/<g>`, a forked
+//! child after its parent exited, the program an `exec` started).
+//!
+//! FUSE sees the open (OPEN), every close of any descriptor of the description (FLUSH, sent
+//! synchronously by `close(2)` after the descriptor left the process's table) and the end of
+//! the description (RELEASE, sent asynchronously, after `close(2)` has returned). node-sim
+//! therefore keeps each open description of a device node from OPEN until either RELEASE or a
+//! FLUSH after which no process has a descriptor of the node any more, found in the host's
+//! `/proc/<pid>/fd`; `proc` lists what the host's `/proc` shows now. Synthetic holders
+//! (`hold <group>`) stand beside them.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use crate::tree::OpenKind;
+
+/// An errno.
+type Errno = i32;
+
+/// A device node a process may hold: its host path (`/dev/vfio/42`).
+pub(crate) fn host_path(kind: OpenKind) -> String {
+    match kind {
+        OpenKind::VfioGroup(g) => format!("/dev/vfio/{g}"),
+        OpenKind::VfioCdev(n) => format!("/dev/vfio/devices/vfio{n}"),
+        OpenKind::Nvidia(n) => format!("/dev/nvidia{n}"),
+    }
+}
+
+/// A synthetic VM holding a group (`hold`).
+#[derive(Clone, Debug)]
+struct Synthetic {
+    pid: u32,
+    comm: String,
+    group: u32,
+    fd: u32,
+}
+
+/// A process holding simulated device nodes, as `proc/<pid>` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Process {
+    pub comm: String,
+    pub cmdline: String,
+    /// Descriptor number → host path of the node (`/dev/vfio/42`).
+    pub fds: BTreeMap<u32, String>,
+}
+
+/// The holders of the node's device nodes.
+#[derive(Debug)]
+pub(crate) struct Holders {
+    /// The sim's root as the host's `/proc/<pid>/fd/<n>` links show it (canonical).
+    root: String,
+    synthetic: Vec<Synthetic>,
+    /// Open descriptions of device nodes by FUSE file handle: the node opened.
+    open: HashMap<u64, OpenKind>,
+    next_fd: u32,
+}
+
+impl Holders {
+    pub fn new(root: &Path) -> Holders {
+        Holders {
+            root: root.to_string_lossy().into_owned(),
+            synthetic: Vec::new(),
+            open: HashMap::new(),
+            next_fd: 3,
+        }
+    }
+
+    /// Whether anything holds the group: an open description or a synthetic holder.
+    pub fn group_held(&self, g: u32) -> bool {
+        self.synthetic.iter().any(|s| s.group == g)
+            || self.open.values().any(|k| *k == OpenKind::VfioGroup(g))
+    }
+
+    /// An open of a device node (FUSE handle `fh`); `Err(EBUSY)` when it is a VFIO group that
+    /// is held already (one open description per group).
+    pub fn open(&mut self, kind: OpenKind, fh: u64) -> Result<(), Errno> {
+        if let OpenKind::VfioGroup(g) = kind
+            && self.group_held(g)
+        {
+            return Err(libc::EBUSY);
+        }
+        self.open.insert(fh, kind);
+        Ok(())
+    }
+
+    /// A close of one descriptor of handle `fh` (FUSE's FLUSH). The description ends here when
+    /// no process has a descriptor of its node any more; otherwise at RELEASE.
+    pub fn flush(&mut self, fh: u64) {
+        let Some(kind) = self.open.get(&fh).copied() else {
+            return;
+        };
+        let target = host_path(kind);
+        let held = pids().any(|pid| self.scan(pid).values().any(|(t, _)| *t == target));
+        if !held {
+            self.open.remove(&fh);
+        }
+    }
+
+    /// The end of the description of handle `fh` (FUSE's RELEASE).
+    pub fn release(&mut self, fh: u64) {
+        self.open.remove(&fh);
+    }
+
+    /// `hold <group>`: a synthetic VM holding the group.
+    pub fn hold(&mut self, group: u32, pid: Option<u32>, comm: &str) -> Result<(), String> {
+        if self.group_held(group) {
+            return Err("group is already held".into());
+        }
+        let fd = self.next_fd;
+        self.next_fd += 1;
+        self.synthetic.push(Synthetic {
+            pid: pid.unwrap_or(900_000 + group),
+            comm: comm.to_string(),
+            group,
+            fd,
+        });
+        Ok(())
+    }
+
+    /// `release <group>`: ends a synthetic hold.
+    pub fn release_synthetic(&mut self, group: u32) -> Result<(), String> {
+        let before = self.synthetic.len();
+        self.synthetic.retain(|s| s.group != group);
+        if self.synthetic.len() == before {
+            return Err("no synthetic holder of that group".into());
+        }
+        Ok(())
+    }
+
+    /// The pids `proc` lists now.
+    pub fn pids(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = self.synthetic.iter().map(|s| s.pid).collect();
+        if !self.open.is_empty() {
+            v.extend(pids().filter(|pid| !self.scan(*pid).is_empty()));
+        }
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// What `proc/<pid>` shows, if the process holds a simulated device node now. `exists`
+    /// says whether a node (`dev/vfio/42`) is still there: a link to one that is gone reads
+    /// `… (deleted)`, as the kernel's does.
+    pub fn process(&self, pid: u32, exists: impl Fn(&str) -> bool) -> Option<Process> {
+        let mut fds: BTreeMap<u32, String> = self
+            .synthetic
+            .iter()
+            .filter(|s| s.pid == pid)
+            .map(|s| (s.fd, host_path(OpenKind::VfioGroup(s.group))))
+            .collect();
+        if let Some(s) = self.synthetic.iter().find(|s| s.pid == pid) {
+            return Some(Process {
+                comm: format!("{}\n", s.comm),
+                cmdline: format!("/usr/libexec/qemu-kvm\0-name\0guest=sim-vm-{}\0", s.group),
+                fds,
+            });
+        }
+        if self.open.is_empty() {
+            return None;
+        }
+        for (fd, (target, deleted)) in self.scan(pid) {
+            let shown = if deleted || !exists(target.trim_start_matches('/')) {
+                format!("{target} (deleted)")
+            } else {
+                target
+            };
+            fds.insert(fd, shown);
+        }
+        if fds.is_empty() {
+            return None;
+        }
+        Some(Process {
+            comm: std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default(),
+            cmdline: std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default(),
+            fds,
+        })
+    }
+
+    /// The descriptors of host process `pid` that are open on this sim's device nodes with an
+    /// open description: fd → (host path, whether the node was removed meanwhile).
+    fn scan(&self, pid: u32) -> BTreeMap<u32, (String, bool)> {
+        let mut out = BTreeMap::new();
+        let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+            return out;
+        };
+        for e in dir.flatten() {
+            let Some(fd) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            let Ok(link) = std::fs::read_link(e.path()) else {
+                continue;
+            };
+            let link = link.to_string_lossy();
+            let (path, deleted) = match link.strip_suffix(" (deleted)") {
+                Some(p) => (p, true),
+                None => (link.as_ref(), false),
+            };
+            let Some(target) = path.strip_prefix(self.root.as_str()) else {
+                continue;
+            };
+            if self.open.values().any(|k| host_path(*k) == target) {
+                out.insert(fd, (target.to_string(), deleted));
+            }
+        }
+        out
+    }
+}
+
+/// The host's process ids.
+fn pids() -> impl Iterator<Item = u32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse().ok()))
+}

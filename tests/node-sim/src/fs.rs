@@ -12,6 +12,7 @@ use fuser::{
     ReplyOpen, ReplyWrite, Request, TimeOrNow, WriteFlags,
 };
 
+use crate::faults::Faults;
 use crate::holders::Holders;
 use crate::state::State;
 use crate::tree::{Content, File, Node, Tree, WriteTarget};
@@ -123,9 +124,9 @@ impl Shared {
                 libc::EINVAL
             });
         }
-        let keys = State::fault_keys(target, value);
+        let keys = Faults::keys(target, value);
         let (delay, errno) = match &keys {
-            Some((op, keys)) => self.lock().state.take_faults(op, keys),
+            Some((op, keys)) => self.lock().state.faults.take(op, keys),
             None => (Duration::ZERO, None),
         };
         if !delay.is_zero() {
@@ -136,7 +137,7 @@ impl Shared {
             Some(e) => Err(e),
             None => inner.state.write(target, value),
         };
-        inner.state.log(path, value, result);
+        inner.state.ops.log(path, value, result);
         inner.dirty();
         self.flush_events(&mut inner);
         result
@@ -335,7 +336,7 @@ impl Filesystem for SimFs {
         let data = match &file.content {
             Content::Text(s) => s.clone().into_bytes(),
             Content::WriteOnly => Vec::new(),
-            Content::Ops => inner.state.ops_text().into_bytes(),
+            Content::Ops => inner.state.ops.text().into_bytes(),
         };
         // Writes to one attribute from several processes (every GPU's unbind goes to
         // drivers/nvidia/unbind) run in parallel, as sysfs runs them: without this flag FUSE

@@ -12,8 +12,13 @@
 
 pub mod catalogue;
 pub mod configmap;
+mod control;
+mod errno;
+mod faults;
 mod fs;
 mod holders;
+mod ops;
+mod render;
 mod state;
 pub mod topology;
 mod tree;
@@ -25,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 pub use catalogue::{Catalogue, GpuModel, VgpuTypeDef, catalogue};
-pub use state::Op;
+pub use ops::Op;
 pub use topology::{Topology, topology};
 
 use fs::{Inner, Shared, SimFs};
@@ -251,7 +256,7 @@ impl Sim {
 
     /// The op log: every write to a simulated kernel file, in order.
     pub fn ops(&self) -> Vec<Op> {
-        self.shared.lock().state.ops.clone()
+        self.shared.lock().state.ops.all().to_vec()
     }
 
     /// Empties the op log.

@@ -1,97 +1,21 @@
-//! The simulated node's state and the kernel's answer to each write.
+//! The kernel model: the node's PCI functions, VFs, mdevs and vendor vGPUs, what the vGPU
+//! placement rules offer, and the kernel's answer to each write (its effects and errnos).
+//! Rendering the state as files is [`crate::render`]; control commands, fault injection, the op
+//! log and device-node holders sit beside it in their own modules.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::time::Duration;
 
 use crate::catalogue::{Attach, GpuModel, VgpuTypeDef, catalogue};
+use crate::errno::Errno;
+use crate::faults::Faults;
 use crate::holders::Holders;
-use crate::topology::{Topology, parse_bdf};
-use crate::tree::{Content, OpenKind, Tree, WriteTarget};
+use crate::ops::OpLog;
+use crate::topology::Topology;
+use crate::tree::WriteTarget;
+use crate::uevent::Uevent;
 
-/// An errno a write fails with.
-pub(crate) type Errno = i32;
-
-/// The kernel's name of an errno (`EBUSY`).
-pub(crate) fn errno_name(e: Errno) -> String {
-    ERRNOS
-        .iter()
-        .find(|(_, n)| *n == e)
-        .map(|(s, _)| s.to_string())
-        .unwrap_or_else(|| format!("E{e}"))
-}
-
-fn errno_from_name(s: &str) -> Option<Errno> {
-    ERRNOS.iter().find(|(n, _)| *n == s).map(|(_, e)| *e)
-}
-
-const ERRNOS: &[(&str, Errno)] = &[
-    ("EPERM", libc::EPERM),
-    ("ENOENT", libc::ENOENT),
-    ("EIO", libc::EIO),
-    ("ENXIO", libc::ENXIO),
-    ("EAGAIN", libc::EAGAIN),
-    ("ENOMEM", libc::ENOMEM),
-    ("EACCES", libc::EACCES),
-    ("EBUSY", libc::EBUSY),
-    ("EEXIST", libc::EEXIST),
-    ("ENODEV", libc::ENODEV),
-    ("EINVAL", libc::EINVAL),
-    ("ENOSPC", libc::ENOSPC),
-    ("ERANGE", libc::ERANGE),
-    ("EINTR", libc::EINTR),
-    ("ETIMEDOUT", libc::ETIMEDOUT),
-    ("EUSERS", libc::EUSERS),
-    ("EOPNOTSUPP", libc::EOPNOTSUPP),
-];
-
-/// One line of the op log: a write to a simulated kernel file.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Op {
-    /// Sequence number, from 1, in completion order.
-    pub seq: u64,
-    /// The file, relative to the sim's root (`sys/bus/pci/drivers/nvidia/unbind`).
-    pub path: String,
-    /// The value written, one trailing newline removed.
-    pub value: String,
-    /// `ok`, or the errno's name (`EBUSY`).
-    pub result: String,
-}
-
-impl Op {
-    /// Whether the write succeeded.
-    pub fn is_ok(&self) -> bool {
-        self.result == "ok"
-    }
-
-    /// The log line: `<seq> <path> <value> <result>`; an empty value or one with whitespace
-    /// is written quoted.
-    pub fn line(&self) -> String {
-        let v = if self.value.is_empty()
-            || self
-                .value
-                .chars()
-                .any(|c| c.is_whitespace() || c == '"' || c.is_control())
-        {
-            format!("{:?}", self.value)
-        } else {
-            self.value.clone()
-        };
-        format!("{} {} {} {}", self.seq, self.path, v, self.result)
-    }
-}
-
-/// A kernel-like change, broadcast as a uevent.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Uevent {
-    pub action: &'static str,
-    /// Relative to the sim's sys (`/devices/pci0000:40/...`).
-    pub devpath: String,
-    pub subsystem: &'static str,
-    pub driver: Option<String>,
-    pub extra: Vec<(String, String)>,
-}
-
+/// A PCI function (a bridge, a GPU, one of its VFs, a companion function).
 #[derive(Clone, Debug)]
 pub(crate) struct Dev {
     pub addr: String,
@@ -126,10 +50,6 @@ impl Dev {
         matches!(self.class >> 8, 0x0300 | 0x0302)
     }
 
-    fn is_bridge(&self) -> bool {
-        self.class >> 16 == 0x06
-    }
-
     /// Drivers whose id tables match this device.
     fn id_drivers(&self) -> Vec<String> {
         let mut v: Vec<String> = self.default_driver.iter().cloned().collect();
@@ -143,7 +63,7 @@ impl Dev {
         v
     }
 
-    fn modalias(&self) -> String {
+    pub fn modalias(&self) -> String {
         format!(
             "pci:v{:08X}d{:08X}sv{:08X}sd{:08X}bc{:02X}sc{:02X}i{:02X}",
             self.vendor,
@@ -157,6 +77,7 @@ impl Dev {
     }
 }
 
+/// A mediated device.
 #[derive(Clone, Debug)]
 pub(crate) struct Mdev {
     pub uuid: String,
@@ -164,31 +85,6 @@ pub(crate) struct Mdev {
     pub type_id: u32,
     pub group: u32,
 }
-
-#[derive(Clone, Debug)]
-enum FaultAction {
-    Errno(Errno),
-    Delay(Duration),
-}
-
-#[derive(Clone, Debug)]
-struct Fault {
-    op: String,
-    target: String,
-    action: FaultAction,
-    remaining: Option<u32>,
-}
-
-const FAULT_OPS: &[&str] = &[
-    "bind",
-    "unbind",
-    "probe",
-    "driver_override",
-    "create",
-    "remove",
-    "sriov_numvfs",
-    "current_vgpu_type",
-];
 
 /// The node.
 #[derive(Debug)]
@@ -199,9 +95,8 @@ pub(crate) struct State {
     pub devs: BTreeMap<String, Dev>,
     pub mdevs: BTreeMap<String, Mdev>,
     pub holders: Holders,
-    faults: Vec<Fault>,
-    pub ops: Vec<Op>,
-    seq: u64,
+    pub faults: Faults,
+    pub ops: OpLog,
     next_group: u32,
     next_minor: u32,
     next_vfio_dev: u32,
@@ -209,7 +104,7 @@ pub(crate) struct State {
     pub events: Vec<Uevent>,
 }
 
-fn root_dir(addr: &str) -> String {
+pub(crate) fn root_dir(addr: &str) -> String {
     // The root complex a function without a bridge sits under: pciDDDD:BB.
     format!("sys/devices/pci{}", &addr[..7])
 }
@@ -319,9 +214,8 @@ impl State {
             devs,
             mdevs: BTreeMap::new(),
             holders: Holders::new(root),
-            faults: Vec::new(),
-            ops: Vec::new(),
-            seq: 0,
+            faults: Faults::default(),
+            ops: OpLog::default(),
             next_group: max_group + 1,
             next_minor,
             next_vfio_dev: 0,
@@ -340,7 +234,7 @@ impl State {
         g
     }
 
-    fn model_of(&self, d: &Dev) -> Option<&'static GpuModel> {
+    pub fn model_of(&self, d: &Dev) -> Option<&'static GpuModel> {
         d.model.as_deref().and_then(|m| catalogue().model(m))
     }
 
@@ -472,114 +366,54 @@ impl State {
 
     // ---------------------------------------------------------------- events
 
-    fn devpath(dir: &str) -> String {
-        dir.strip_prefix("sys").unwrap_or(dir).to_string()
-    }
-
     fn pci_event(&mut self, action: &'static str, addr: &str) {
-        let Some(d) = self.devs.get(addr) else {
-            return;
-        };
-        let ev = Uevent {
-            action,
-            devpath: Self::devpath(&d.dir()),
-            subsystem: "pci",
-            driver: d.driver.clone(),
-            extra: vec![
-                ("PCI_CLASS".into(), format!("{:X}", d.class)),
-                (
-                    "PCI_ID".into(),
-                    format!("{:04X}:{:04X}", d.vendor, d.device),
-                ),
-                (
-                    "PCI_SUBSYS_ID".into(),
-                    format!("{:04X}:{:04X}", d.subsystem_vendor, d.subsystem_device),
-                ),
-                ("PCI_SLOT_NAME".into(), d.addr.clone()),
-                ("MODALIAS".into(), d.modalias()),
-            ],
-        };
-        self.events.push(ev);
+        if let Some(d) = self.devs.get(addr) {
+            self.events.push(Uevent::pci(action, d));
+        }
     }
 
     fn mdev_event(&mut self, action: &'static str, m: &Mdev) {
-        let Some(p) = self.devs.get(&m.parent) else {
-            return;
-        };
-        self.events.push(Uevent {
-            action,
-            devpath: Self::devpath(&format!("{}/{}", p.dir(), m.uuid)),
-            subsystem: "mdev",
-            driver: (action != "remove").then(|| "vfio_mdev".to_string()),
-            extra: vec![("MDEV_TYPE".into(), format!("nvidia-{}", m.type_id))],
-        });
-    }
-
-    // ---------------------------------------------------------------- faults and log
-
-    /// Consumes the faults matching a write: the delay to wait and the errno to fail with.
-    pub fn take_faults(&mut self, op: &str, keys: &[String]) -> (Duration, Option<Errno>) {
-        let mut delay = Duration::ZERO;
-        let mut errno = None;
-        for f in &mut self.faults {
-            if f.op != op || !(f.target == "*" || keys.contains(&f.target)) {
-                continue;
-            }
-            if f.remaining == Some(0) {
-                continue;
-            }
-            if let Some(n) = &mut f.remaining {
-                *n -= 1;
-            }
-            match f.action {
-                FaultAction::Delay(d) => delay += d,
-                FaultAction::Errno(e) => {
-                    errno.get_or_insert(e);
-                }
-            }
+        if let Some(p) = self.devs.get(&m.parent) {
+            self.events.push(Uevent::mdev(action, p, m));
         }
-        self.faults.retain(|f| f.remaining != Some(0));
-        (delay, errno)
-    }
-
-    pub fn log(&mut self, path: &str, value: &str, result: Result<(), Errno>) {
-        self.seq += 1;
-        self.ops.push(Op {
-            seq: self.seq,
-            path: path.to_string(),
-            value: value.strip_suffix('\n').unwrap_or(value).to_string(),
-            result: match result {
-                Ok(()) => "ok".into(),
-                Err(e) => errno_name(e),
-            },
-        });
-    }
-
-    pub fn ops_text(&self) -> String {
-        let mut s = String::new();
-        for op in &self.ops {
-            s.push_str(&op.line());
-            s.push('\n');
-        }
-        s
     }
 
     // ---------------------------------------------------------------- writes
 
-    /// The fault op name and the keys a fault target may name, for a write.
-    pub fn fault_keys(target: &WriteTarget, value: &str) -> Option<(&'static str, Vec<String>)> {
-        let v = value.trim().to_ascii_lowercase();
-        Some(match target {
-            WriteTarget::DriverOverride(a) => ("driver_override", vec![a.clone()]),
-            WriteTarget::Bind(_) => ("bind", vec![v]),
-            WriteTarget::Unbind(_) => ("unbind", vec![v]),
-            WriteTarget::Probe => ("probe", vec![v]),
-            WriteTarget::SriovNumvfs(a) => ("sriov_numvfs", vec![a.clone()]),
-            WriteTarget::Create { parent, .. } => ("create", vec![parent.clone(), v]),
-            WriteTarget::Remove(u) => ("remove", vec![u.clone()]),
-            WriteTarget::CurrentVgpu(a) => ("current_vgpu_type", vec![a.clone()]),
-            WriteTarget::Control | WriteTarget::Ignore => return None,
-        })
+    /// A new GPU of catalogue `model` appears at `addr` on `nvidia` (hot-plug): in `group`, or
+    /// a fresh one.
+    pub fn hotplug(&mut self, addr: &str, model: &GpuModel, group: Option<u32>, numa: i32) {
+        let group = group.unwrap_or_else(|| self.alloc_group());
+        self.next_group = self.next_group.max(group + 1);
+        let minor = self.next_minor;
+        self.next_minor += 1;
+        self.devs.insert(
+            addr.to_string(),
+            Dev {
+                addr: addr.to_string(),
+                vendor: 0x10de,
+                device: model.device,
+                subsystem_vendor: model.subsystem_vendor,
+                subsystem_device: model.subsystem_device,
+                class: model.class,
+                numa,
+                group,
+                parent_dir: root_dir(addr),
+                driver: Some("nvidia".into()),
+                default_driver: Some("nvidia".into()),
+                driver_override: None,
+                model: Some(model.model.clone()),
+                physfn: None,
+                vf_index: 0,
+                totalvfs: model.sriov_totalvfs,
+                numvfs: 0,
+                current_vgpu: 0,
+                nvidia_minor: Some(minor),
+                vfio_dev: None,
+            },
+        );
+        self.pci_event("add", addr);
+        self.pci_event("bind", addr);
     }
 
     /// Applies a write to a kernel file.
@@ -792,7 +626,7 @@ impl State {
     }
 
     /// A device vanishes with its mdevs and VFs (hot-unplug, VF disable).
-    fn remove_device(&mut self, addr: &str) {
+    pub fn remove_device(&mut self, addr: &str) {
         let vfs: Vec<String> = self
             .devs
             .values()
@@ -882,416 +716,6 @@ impl State {
         self.pci_event("change", vf);
         Ok(())
     }
-
-    // ---------------------------------------------------------------- control
-
-    /// Runs control commands (one per line). The error says what is wrong.
-    pub fn control(&mut self, text: &str) -> Result<(), String> {
-        for line in text.lines() {
-            let line = line.trim();
-            if line.is_empty() || line.starts_with('#') {
-                continue;
-            }
-            self.control_one(line)?;
-        }
-        Ok(())
-    }
-
-    fn control_one(&mut self, line: &str) -> Result<(), String> {
-        let words: Vec<&str> = line.split_whitespace().collect();
-        let (positional, opts): (Vec<&str>, Vec<&str>) =
-            words.iter().skip(1).partition(|w| !w.contains('='));
-        let opt = |k: &str| {
-            opts.iter()
-                .find_map(|o| o.strip_prefix(k).and_then(|r| r.strip_prefix('=')))
-        };
-        let bad = |why: &str| format!("{line:?}: {why}");
-        match words.first().copied() {
-            Some("fault") => {
-                let [op, target, rest @ ..] = positional.as_slice() else {
-                    return Err(bad(
-                        "usage: fault <op> <BDF|uuid|*> <ERRNO|delay=MS> [count=N]",
-                    ));
-                };
-                if !FAULT_OPS.contains(op) {
-                    return Err(bad(&format!("unknown op; one of {}", FAULT_OPS.join(", "))));
-                }
-                let action = match (rest, opt("delay")) {
-                    ([e], None) => FaultAction::Errno(
-                        errno_from_name(e).ok_or_else(|| bad(&format!("unknown errno {e}")))?,
-                    ),
-                    ([], Some(ms)) => FaultAction::Delay(Duration::from_millis(
-                        ms.parse().map_err(|_| bad("delay is not a number of ms"))?,
-                    )),
-                    _ => return Err(bad("give one errno name or delay=MS")),
-                };
-                let remaining = opt("count")
-                    .map(|c| c.parse::<u32>().map_err(|_| bad("count is not a number")))
-                    .transpose()?;
-                let target = if *target == "*" {
-                    "*".to_string()
-                } else {
-                    target.to_ascii_lowercase()
-                };
-                self.faults.push(Fault {
-                    op: op.to_string(),
-                    target,
-                    action,
-                    remaining,
-                });
-            }
-            Some("clear-faults") => self.faults.clear(),
-            Some("clear-ops") => self.ops.clear(),
-            Some("hold") => {
-                let [g] = positional.as_slice() else {
-                    return Err(bad("usage: hold <group> [pid=N] [comm=NAME]"));
-                };
-                let g: u32 = g.parse().map_err(|_| bad("group is not a number"))?;
-                let pid = opt("pid")
-                    .map(|p| p.parse().map_err(|_| bad("pid is not a number")))
-                    .transpose()?;
-                let comm = opt("comm").unwrap_or("qemu-kvm");
-                self.holders.hold(g, pid, comm).map_err(|e| bad(&e))?;
-            }
-            Some("release") => {
-                let [g] = positional.as_slice() else {
-                    return Err(bad("usage: release <group>"));
-                };
-                let g: u32 = g.parse().map_err(|_| bad("group is not a number"))?;
-                self.holders.release_synthetic(g).map_err(|e| bad(&e))?;
-            }
-            Some("hotplug") => {
-                let [bdf, model] = positional.as_slice() else {
-                    return Err(bad("usage: hotplug <BDF> <model> [group=G] [numa=N]"));
-                };
-                let addr = parse_bdf(bdf).ok_or_else(|| bad("not a PCI address"))?;
-                if self.devs.contains_key(&addr) {
-                    return Err(bad("address exists"));
-                }
-                let m = catalogue()
-                    .model(model)
-                    .ok_or_else(|| bad("unknown model"))?;
-                let group = match opt("group") {
-                    Some(g) => g.parse().map_err(|_| bad("group is not a number"))?,
-                    None => self.alloc_group(),
-                };
-                self.next_group = self.next_group.max(group + 1);
-                let numa = match opt("numa") {
-                    Some(n) => n.parse().map_err(|_| bad("numa is not a number"))?,
-                    None => 0,
-                };
-                let minor = self.next_minor;
-                self.next_minor += 1;
-                self.devs.insert(
-                    addr.clone(),
-                    Dev {
-                        addr: addr.clone(),
-                        vendor: 0x10de,
-                        device: m.device,
-                        subsystem_vendor: m.subsystem_vendor,
-                        subsystem_device: m.subsystem_device,
-                        class: m.class,
-                        numa,
-                        group,
-                        parent_dir: root_dir(&addr),
-                        driver: Some("nvidia".into()),
-                        default_driver: Some("nvidia".into()),
-                        driver_override: None,
-                        model: Some(m.model.clone()),
-                        physfn: None,
-                        vf_index: 0,
-                        totalvfs: m.sriov_totalvfs,
-                        numvfs: 0,
-                        current_vgpu: 0,
-                        nvidia_minor: Some(minor),
-                        vfio_dev: None,
-                    },
-                );
-                self.pci_event("add", &addr);
-                self.pci_event("bind", &addr);
-            }
-            Some("unplug") => {
-                let [bdf] = positional.as_slice() else {
-                    return Err(bad("usage: unplug <BDF>"));
-                };
-                let addr = parse_bdf(bdf).ok_or_else(|| bad("not a PCI address"))?;
-                if !self.devs.contains_key(&addr) {
-                    return Err(bad("no such device"));
-                }
-                self.remove_device(&addr);
-            }
-            _ => {
-                return Err(bad(
-                    "unknown command; one of fault, clear-faults, hold, release, hotplug, unplug, clear-ops",
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    // ---------------------------------------------------------------- render
-
-    pub fn render(&self) -> Tree {
-        let mut t = Tree::default();
-        t.dir("sys/bus/pci/devices");
-        t.dir("sys/bus/mdev/devices");
-        t.dir("sys/class/mdev_bus");
-        t.dir("sys/kernel/iommu_groups");
-        t.wo("sys/bus/pci/drivers_probe", WriteTarget::Probe);
-        t.wo("sys/bus/pci/rescan", WriteTarget::Ignore);
-        t.ro("sys/bus/pci/drivers_autoprobe", "1\n");
-        for drv in &self.drivers {
-            let dd = format!("sys/bus/pci/drivers/{drv}");
-            t.wo(&format!("{dd}/bind"), WriteTarget::Bind(drv.clone()));
-            t.wo(&format!("{dd}/unbind"), WriteTarget::Unbind(drv.clone()));
-            t.wo(&format!("{dd}/new_id"), WriteTarget::Ignore);
-            t.wo(&format!("{dd}/remove_id"), WriteTarget::Ignore);
-        }
-        t.dir("sys/bus/mdev/drivers/vfio_mdev");
-        t.file(
-            "sys/kernel/node-sim/control",
-            Content::Text(CONTROL_HELP.to_string()),
-            0o600,
-            Some(WriteTarget::Control),
-        );
-        t.file("sys/kernel/node-sim/ops", Content::Ops, 0o444, None);
-
-        for d in self.devs.values() {
-            self.render_dev(&mut t, d);
-        }
-        for m in self.mdevs.values() {
-            self.render_mdev(&mut t, m);
-        }
-
-        // dev
-        t.devnode("dev/vfio/vfio", 0o666, None);
-        for g in self.vfio_groups() {
-            t.devnode(
-                &format!("dev/vfio/{g}"),
-                0o600,
-                Some(OpenKind::VfioGroup(g)),
-            );
-        }
-        if self.topo.iommufd {
-            t.devnode("dev/iommu", 0o666, None);
-            t.dir("dev/vfio/devices");
-            for d in self.devs.values() {
-                if let Some(n) = d.vfio_dev {
-                    t.devnode(
-                        &format!("dev/vfio/devices/vfio{n}"),
-                        0o600,
-                        Some(OpenKind::VfioCdev(n)),
-                    );
-                }
-            }
-        }
-        let mut any_nvidia = false;
-        for d in self.devs.values() {
-            if d.driver.as_deref() == Some("nvidia")
-                && let Some(n) = d.nvidia_minor
-            {
-                any_nvidia = true;
-                t.devnode(&format!("dev/nvidia{n}"), 0o666, Some(OpenKind::Nvidia(n)));
-            }
-        }
-        if any_nvidia {
-            t.devnode("dev/nvidiactl", 0o666, None);
-        }
-        // The nvidia driver's own proc files: which /dev/nvidia<N> is which GPU.
-        for d in self.devs.values() {
-            if d.driver.as_deref() == Some("nvidia")
-                && let Some(n) = d.nvidia_minor
-            {
-                t.ro(
-                    &format!("proc/driver/nvidia/gpus/{}/information", d.addr),
-                    format!(
-                        "Model: \t\t NVIDIA {}\nIRQ:   \t\t 0\nGPU UUID: \t GPU-00000000-0000-0000-0000-{:012x}\nDevice Minor: \t {n}\nBus Location: \t {}\n",
-                        d.model.as_deref().unwrap_or("GPU"),
-                        n,
-                        d.addr
-                    ),
-                );
-            }
-        }
-
-        // proc
-        t.ro(
-            "proc/sys/kernel/osrelease",
-            format!("{}\n", self.topo.release),
-        );
-        t
-    }
-
-    fn render_dev(&self, t: &mut Tree, d: &Dev) {
-        let dir = d.dir();
-        let f = |n: &str| format!("{dir}/{n}");
-        t.ro(&f("vendor"), format!("0x{:04x}\n", d.vendor));
-        t.ro(&f("device"), format!("0x{:04x}\n", d.device));
-        t.ro(
-            &f("subsystem_vendor"),
-            format!("0x{:04x}\n", d.subsystem_vendor),
-        );
-        t.ro(
-            &f("subsystem_device"),
-            format!("0x{:04x}\n", d.subsystem_device),
-        );
-        t.ro(&f("class"), format!("0x{:06x}\n", d.class));
-        t.ro(&f("numa_node"), format!("{}\n", d.numa));
-        t.ro(&f("modalias"), format!("{}\n", d.modalias()));
-        t.ro(&f("enable"), "1\n");
-        t.ro(&f("irq"), "0\n");
-        let mut uevent = String::new();
-        if let Some(drv) = &d.driver {
-            uevent.push_str(&format!("DRIVER={drv}\n"));
-        }
-        uevent.push_str(&format!(
-            "PCI_CLASS={:X}\nPCI_ID={:04X}:{:04X}\nPCI_SUBSYS_ID={:04X}:{:04X}\nPCI_SLOT_NAME={}\nMODALIAS={}\n",
-            d.class,
-            d.vendor,
-            d.device,
-            d.subsystem_vendor,
-            d.subsystem_device,
-            d.addr,
-            d.modalias()
-        ));
-        t.rw(&f("uevent"), uevent, WriteTarget::Ignore);
-        t.rw(
-            &f("driver_override"),
-            match &d.driver_override {
-                Some(o) => format!("{o}\n"),
-                None => "(null)\n".into(),
-            },
-            WriteTarget::DriverOverride(d.addr.clone()),
-        );
-        t.link(&f("subsystem"), "sys/bus/pci");
-        t.link(
-            &f("iommu_group"),
-            &format!("sys/kernel/iommu_groups/{}", d.group),
-        );
-        t.link(
-            &format!("sys/kernel/iommu_groups/{}/devices/{}", d.group, d.addr),
-            &dir,
-        );
-        t.ro(
-            &format!("sys/kernel/iommu_groups/{}/type", d.group),
-            "DMA\n",
-        );
-        t.link(&format!("sys/bus/pci/devices/{}", d.addr), &dir);
-        if let Some(drv) = &d.driver {
-            t.link(&f("driver"), &format!("sys/bus/pci/drivers/{drv}"));
-            t.link(&format!("sys/bus/pci/drivers/{drv}/{}", d.addr), &dir);
-        }
-        if let Some(n) = d.vfio_dev {
-            // Linux 6.1 already has the vfio-dev class device (no cdev, no `dev`): the VM
-            // tier's conformance run shows `vfio-dev/vfio0` without iommufd.
-            t.dir(&f(&format!("vfio-dev/vfio{n}")));
-            if self.topo.iommufd {
-                t.ro(&f(&format!("vfio-dev/vfio{n}/dev")), format!("511:{n}\n"));
-            }
-        }
-        if let Some(pf) = d.physfn.as_ref().and_then(|p| self.devs.get(p)) {
-            t.link(&f("physfn"), &pf.dir());
-            t.link(&format!("{}/virtfn{}", pf.dir(), d.vf_index), &dir);
-        }
-        if d.totalvfs > 0 {
-            t.ro(&f("sriov_totalvfs"), format!("{}\n", d.totalvfs));
-            t.rw(
-                &f("sriov_numvfs"),
-                format!("{}\n", d.numvfs),
-                WriteTarget::SriovNumvfs(d.addr.clone()),
-            );
-            t.ro(&f("sriov_offset"), "4\n");
-            t.ro(&f("sriov_stride"), "1\n");
-            let vf_dev = self
-                .model_of(d)
-                .and_then(|m| m.vf_device)
-                .unwrap_or(d.device);
-            t.ro(&f("sriov_vf_device"), format!("{vf_dev:04x}\n"));
-            t.ro(&f("sriov_drivers_autoprobe"), "1\n");
-        }
-        if let Some(types) = self.mdev_types(d) {
-            t.link(&format!("sys/class/mdev_bus/{}", d.addr), &dir);
-            for (ty, avail) in types {
-                let td = format!("{dir}/mdev_supported_types/{}", ty.sysfs_id());
-                t.ro(&format!("{td}/name"), format!("{}\n", ty.full_name));
-                t.ro(
-                    &format!("{td}/description"),
-                    format!("{}\n", ty.description()),
-                );
-                t.ro(&format!("{td}/available_instances"), format!("{avail}\n"));
-                t.ro(&format!("{td}/device_api"), "vfio-pci\n");
-                t.wo(
-                    &format!("{td}/create"),
-                    WriteTarget::Create {
-                        parent: d.addr.clone(),
-                        type_id: ty.id,
-                    },
-                );
-                t.dir(&format!("{td}/devices"));
-                for m in self
-                    .mdevs
-                    .values()
-                    .filter(|m| m.parent == d.addr && m.type_id == ty.id)
-                {
-                    t.link(
-                        &format!("{td}/devices/{}", m.uuid),
-                        &format!("{dir}/{}", m.uuid),
-                    );
-                }
-            }
-        }
-        if let Some(creatable) = self.creatable(d) {
-            let mut s = String::from("ID    : vGPU Name\n");
-            for ty in creatable {
-                s.push_str(&format!("{:<5} : {}\n", ty.id, ty.full_name));
-            }
-            t.ro(&f("nvidia/creatable_vgpu_types"), s);
-            t.rw(
-                &f("nvidia/current_vgpu_type"),
-                format!("{}\n", d.current_vgpu),
-                WriteTarget::CurrentVgpu(d.addr.clone()),
-            );
-        }
-        let _ = d.is_bridge();
-    }
-
-    fn render_mdev(&self, t: &mut Tree, m: &Mdev) {
-        let Some(p) = self.devs.get(&m.parent) else {
-            return;
-        };
-        let dir = format!("{}/{}", p.dir(), m.uuid);
-        t.link(
-            &format!("{dir}/mdev_type"),
-            &format!("{}/mdev_supported_types/nvidia-{}", p.dir(), m.type_id),
-        );
-        t.link(
-            &format!("{dir}/iommu_group"),
-            &format!("sys/kernel/iommu_groups/{}", m.group),
-        );
-        t.link(&format!("{dir}/driver"), "sys/bus/mdev/drivers/vfio_mdev");
-        t.link(&format!("{dir}/subsystem"), "sys/bus/mdev");
-        t.wo(
-            &format!("{dir}/remove"),
-            WriteTarget::Remove(m.uuid.clone()),
-        );
-        t.rw(
-            &format!("{dir}/uevent"),
-            format!("DRIVER=vfio_mdev\nMDEV_TYPE=nvidia-{}\n", m.type_id),
-            WriteTarget::Ignore,
-        );
-        t.ro(&format!("{dir}/nvidia/vm_name"), "\n");
-        t.ro(&format!("{dir}/nvidia/vgpu_params"), "\n");
-        t.link(&format!("sys/bus/mdev/devices/{}", m.uuid), &dir);
-        t.link(&format!("sys/bus/mdev/drivers/vfio_mdev/{}", m.uuid), &dir);
-        t.link(
-            &format!("sys/kernel/iommu_groups/{}/devices/{}", m.group, m.uuid),
-            &dir,
-        );
-        t.ro(
-            &format!("sys/kernel/iommu_groups/{}/type", m.group),
-            "DMA\n",
-        );
-    }
 }
 
 /// A UUID in the kernel's textual form, lower-cased.
@@ -1312,15 +736,3 @@ pub(crate) fn parse_uuid(s: &str) -> Option<String> {
     }
     Some(s.to_ascii_lowercase())
 }
-
-const CONTROL_HELP: &str = "\
-# node-sim control: write one command per write.
-#   fault <op> <BDF|uuid|*> <ERRNO|delay=MS> [count=N]
-#       op: bind unbind probe driver_override create remove sriov_numvfs current_vgpu_type
-#   clear-faults
-#   hold <group> [pid=N] [comm=NAME]      a synthetic VM holding /dev/vfio/<group>
-#   release <group>
-#   hotplug <BDF> <model> [group=G] [numa=N]
-#   unplug <BDF>
-#   clear-ops
-";

@@ -9,7 +9,59 @@ use nix::sys::socket::{
     AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, bind, sendto, socket,
 };
 
-use crate::state::Uevent;
+use crate::state::{Dev, Mdev};
+
+/// A kernel-like change, broadcast as a uevent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Uevent {
+    pub action: &'static str,
+    /// Relative to the sim's sys (`/devices/pci0000:40/...`).
+    pub devpath: String,
+    pub subsystem: &'static str,
+    pub driver: Option<String>,
+    pub extra: Vec<(String, String)>,
+}
+
+impl Uevent {
+    /// A PCI function's event.
+    pub fn pci(action: &'static str, d: &Dev) -> Uevent {
+        Uevent {
+            action,
+            devpath: devpath(&d.dir()),
+            subsystem: "pci",
+            driver: d.driver.clone(),
+            extra: vec![
+                ("PCI_CLASS".into(), format!("{:X}", d.class)),
+                (
+                    "PCI_ID".into(),
+                    format!("{:04X}:{:04X}", d.vendor, d.device),
+                ),
+                (
+                    "PCI_SUBSYS_ID".into(),
+                    format!("{:04X}:{:04X}", d.subsystem_vendor, d.subsystem_device),
+                ),
+                ("PCI_SLOT_NAME".into(), d.addr.clone()),
+                ("MODALIAS".into(), d.modalias()),
+            ],
+        }
+    }
+
+    /// An mdev's event; `parent` is the device it sits under.
+    pub fn mdev(action: &'static str, parent: &Dev, m: &Mdev) -> Uevent {
+        Uevent {
+            action,
+            devpath: devpath(&format!("{}/{}", parent.dir(), m.uuid)),
+            subsystem: "mdev",
+            driver: (action != "remove").then(|| "vfio_mdev".to_string()),
+            extra: vec![("MDEV_TYPE".into(), format!("nvidia-{}", m.type_id))],
+        }
+    }
+}
+
+/// A tree path's DEVPATH: relative to the sim's `sys`.
+fn devpath(dir: &str) -> String {
+    dir.strip_prefix("sys").unwrap_or(dir).to_string()
+}
 
 /// The udev multicast group.
 const UDEV_GROUP: u32 = 2;

@@ -24,10 +24,9 @@ pub mod topology;
 mod tree;
 mod uevent;
 
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::SystemTime;
 
 pub use catalogue::{Catalogue, GpuModel, VgpuTypeDef, catalogue};
 pub use ops::Op;
@@ -113,7 +112,10 @@ pub fn skip_test(what: &str, why: &str) {
 }
 
 /// Mounts `topology` at `dir` (created if missing; stale node-sim mounts under it are removed
-/// first). Returns once the mounts answer.
+/// first). Returns once the mounts answer: each mount's FUSE handshake is done when it is made.
+///
+/// node-sim itself never makes a request to its own mounts: a thread of a killed node-sim
+/// waiting for its own (dead) server would keep the process, and its mounts, alive for ever.
 pub fn mount(topology: &Topology, dir: &Path) -> Result<Sim> {
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     let root = dir.canonicalize().map_err(io_err(dir))?;
@@ -170,40 +172,31 @@ pub fn mount(topology: &Topology, dir: &Path) -> Result<Sim> {
         })?;
         sim.sessions_lock().push((mp, session));
     }
-    // Wait until every mount answers (the session threads serve from the start; this only
-    // guards against a slow first request).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    for probe in [
-        "sys/kernel/node-sim/control",
-        "dev/vfio/vfio",
-        "proc/sys/kernel/osrelease",
-    ] {
-        let p = root.join(probe);
-        while std::fs::metadata(&p).is_err() {
-            if Instant::now() > deadline {
-                return Err(Error::Mount {
-                    path: p,
-                    source: std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        "the mount does not answer",
-                    ),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
     Ok(sim)
+}
+
+/// The mounts of this mount namespace: mount point and the superblock's minor device number
+/// (a FUSE connection's number under `/sys/fs/fuse/connections`).
+fn mounts() -> Vec<(PathBuf, u32)> {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return Vec::new();
+    };
+    info.lines()
+        .filter_map(|l| {
+            let mut f = l.split(' ');
+            let dev = f.nth(2)?;
+            let mp = f.nth(1)?;
+            let minor = dev.split_once(':')?.1.parse().ok()?;
+            Some((PathBuf::from(unescape_mountinfo(mp)), minor))
+        })
+        .collect()
 }
 
 /// Unmounts (lazily) every mount at or under `root`: left-overs of a killed node-sim.
 fn remove_stale_mounts(root: &Path) {
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return;
-    };
-    let mut stale: Vec<PathBuf> = info
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(|mp| PathBuf::from(unescape_mountinfo(mp)))
+    let mut stale: Vec<PathBuf> = mounts()
+        .into_iter()
+        .map(|(mp, _)| mp)
         .filter(|mp| mp.starts_with(root) && mp != root)
         .collect();
     // Deepest first.
@@ -273,19 +266,19 @@ impl Sim {
         let sessions = std::mem::take(&mut *self.sessions_lock());
         let mut first_err = None;
         for (mp, session) in sessions.into_iter().rev() {
-            let dev = std::fs::metadata(&mp).map(|m| m.dev()).ok();
+            let connection = mounts()
+                .into_iter()
+                .rev()
+                .find(|(p, _)| *p == mp)
+                .map(|(_, minor)| minor);
             match session.umount_and_join() {
                 Ok(()) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
                     // A process still has a file open: detach now and abort the connection
                     // so that the session thread ends.
                     let _ = nix::mount::umount2(&mp, nix::mount::MntFlags::MNT_DETACH);
-                    if let Some(dev) = dev {
-                        let abort = format!(
-                            "/sys/fs/fuse/connections/{}/abort",
-                            nix::sys::stat::minor(dev)
-                        );
-                        let _ = std::fs::write(abort, "1");
+                    if let Some(c) = connection {
+                        let _ = std::fs::write(format!("/sys/fs/fuse/connections/{c}/abort"), "1");
                     }
                 }
                 Err(source) => {

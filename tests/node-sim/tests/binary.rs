@@ -117,11 +117,6 @@ fn binary_mounts_serves_shell_writes_and_unmounts_on_sigterm() {
 }
 
 #[test]
-// Known intermittent hang (about one run in three): after a SIGKILLed run's mounts are
-// detached and new ones made at the same mountpoints, the second node-sim can block in a
-// lookup on a mount no thread serves any more (seen without fusectl mounted, so the abort
-// fallback in `Sim::unmount` could not work). Run it by hand with `--ignored` until fixed.
-#[ignore = "intermittent hang on unmount after a killed run; see the comment above"]
 fn binary_replaces_stale_mounts_of_a_killed_run() {
     if !can_run() {
         return;

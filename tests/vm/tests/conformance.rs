@@ -3,7 +3,7 @@
 //!
 //! Known, documented differences are listed in [`KNOWN_DIFFERENCES`]; every other difference fails.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -20,9 +20,11 @@ fn observations(text: &str) -> Vec<(String, String)> {
         .collect()
 }
 
-/// A node-sim mount that is unmounted (SIGTERM) when dropped.
+/// A node-sim process serving a mount directory; dropping it ends node-sim (SIGTERM: it
+/// unmounts) and leaves no mount behind, whatever happened to node-sim.
 struct Sim {
     child: Child,
+    dir: PathBuf,
 }
 
 impl Drop for Sim {
@@ -35,12 +37,31 @@ impl Drop for Sim {
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.child.try_wait() {
-                return;
+                break;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        // A node-sim that did not unmount (killed, crashed) leaves dead mounts ("Transport
+        // endpoint is not connected"): detach them, deepest first.
+        let mut left: Vec<PathBuf> = std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .map(PathBuf::from)
+            .filter(|mp| mp.starts_with(&self.dir) && *mp != self.dir)
+            .collect();
+        left.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        for mp in left {
+            vm_tier::visible(&format!(
+                "VM tier: conformance: node-sim left {} mounted; detaching it",
+                mp.display()
+            ));
+            let _ = Command::new("umount").arg("-l").arg(&mp).status();
+        }
     }
 }
 
@@ -56,7 +77,11 @@ fn mount_sim(bin: &Path, topology: &Path, dir: &Path) -> Result<Sim, String> {
         .stderr(Stdio::inherit())
         .spawn()
         .map_err(|e| format!("cannot start node-sim: {e}"))?;
-    let mut sim = Sim { child };
+    let mut sim = Sim {
+        child,
+        // As /proc/self/mountinfo names it.
+        dir: dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf()),
+    };
     let ready = dir.join("sys/bus/pci/devices");
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
@@ -77,8 +102,11 @@ fn mount_sim(bin: &Path, topology: &Path, dir: &Path) -> Result<Sim, String> {
 #[test]
 fn node_sim_answers_like_the_kernel() {
     let Some(p) = require_or_skip() else { return };
-    if !Path::new("/dev/fuse").exists() || !is_root() {
-        skip("node-sim needs root and /dev/fuse");
+    if let Some(why) = testkit::sim::unavailable() {
+        // A skip unless either tier is required: NODE_SIM=required panics here, VM_TIER=required
+        // in `skip`.
+        testkit::sim::skip_test("VM tier conformance", &why);
+        skip(&format!("node-sim cannot run: {why}"));
         return;
     }
     let bin = build_binaries("node-sim").unwrap_or_else(|e| panic!("VM tier: {e}"));
@@ -164,11 +192,4 @@ fn node_sim_answers_like_the_kernel() {
         "node-sim differs from the kernel:\n  {}",
         failures.join("\n  ")
     );
-}
-
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).trim() == "0")
 }

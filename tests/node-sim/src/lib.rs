@@ -140,10 +140,10 @@ pub fn mount(topology: &Topology, dir: &Path) -> Result<Sim> {
     }
     std::fs::write(&alias, text).map_err(io_err(&alias))?;
 
-    let shared = Arc::new(Shared {
-        inner: Mutex::new(Inner::new(state::State::new(topology, &root))),
-        uevents: uevent::UeventSender::new(),
-    });
+    let shared = Arc::new(Shared::new(
+        Inner::new(state::State::new(topology, &root)),
+        uevent::UeventSender::new(),
+    ));
     let sim = Sim {
         root: root.clone(),
         shared: shared.clone(),
@@ -165,11 +165,12 @@ pub fn mount(topology: &Topology, dir: &Path) -> Result<Sim> {
             fuser::MountOption::NoSuid,
         ];
         cfg.acl = fuser::SessionACL::All;
-        cfg.n_threads = Some(16);
+        cfg.n_threads = Some(threads(m));
         let session = fuser::spawn_mount(fs, &mp, &cfg).map_err(|source| Error::Mount {
             path: mp.clone(),
             source,
         })?;
+        shared.add_notifier(m, session.notifier());
         sim.sessions_lock().push((mp, session));
     }
     Ok(sim)
@@ -190,6 +191,17 @@ fn mounts() -> Vec<(PathBuf, u32)> {
             Some((PathBuf::from(unescape_mountinfo(mp)), minor))
         })
         .collect()
+}
+
+/// FUSE threads serving mount `m`. A write to `sys` holds its thread while a `delay` fault
+/// lasts and while the kernel's caches forget what it changed, which waits for lookups in
+/// flight: `sys` keeps threads to spare for them even with one delayed write per GPU of a
+/// large node in parallel.
+fn threads(m: &str) -> usize {
+    match m {
+        "sys" => 64,
+        _ => 16,
+    }
 }
 
 /// Unmounts (lazily) every mount at or under `root`: left-overs of a killed node-sim.
@@ -240,11 +252,9 @@ impl Sim {
 
     /// Runs a control command, as a write to `sys/kernel/node-sim/control` would.
     pub fn control(&self, cmd: &str) -> Result<()> {
-        let mut inner = self.shared.lock();
-        let r = inner.state.control(cmd);
-        inner.dirty();
-        self.shared.flush_events(&mut inner);
-        r.map_err(Error::Control)
+        self.shared
+            .change(|st| st.control(cmd))
+            .map_err(Error::Control)
     }
 
     /// The op log: every write to a simulated kernel file, in order.

@@ -1,12 +1,96 @@
-//! Rendering: the file tree `sys`, `dev` and `proc` show for the node's state.
+//! Rendering: the files `sys`, `dev` and `proc` show for the node's state, one fragment per
+//! part of the node (see [`crate::tree`]). The state marks the parts a change touches; only
+//! those are rendered again. Values that follow the state (`available_instances`,
+//! `sriov_numvfs`, `driver_override`, …) are [`Attr`]s read at open, so a change of value alone
+//! renders nothing.
 
 use crate::control::CONTROL_HELP;
 use crate::state::{Dev, Mdev, State};
-use crate::tree::{Content, OpenKind, Tree, WriteTarget};
+use crate::tree::{Attr, Changes, Content, Fragment, OpenKind, Owner, Tree, WriteTarget};
 
 impl State {
-    pub fn render(&self) -> Tree {
-        let mut t = Tree::default();
+    /// Brings `tree` up to date with the parts of the node changed since the last call.
+    pub fn refresh(&mut self, tree: &mut Tree) -> Changes {
+        let mut changes = Changes::default();
+        for owner in std::mem::take(&mut self.dirty) {
+            let fragment = self.render(&owner);
+            tree.apply(owner, fragment, &mut changes);
+        }
+        changes
+    }
+
+    /// What `owner` contributes now (nothing when it is gone).
+    pub fn render(&self, owner: &Owner) -> Fragment {
+        let mut t = Fragment::default();
+        match owner {
+            Owner::Base => self.render_base(&mut t),
+            Owner::Dev(a) => {
+                if let Some(d) = self.devs.get(a) {
+                    self.render_dev(&mut t, d);
+                }
+            }
+            Owner::Mdev(u) => {
+                if let Some(m) = self.mdevs.get(u) {
+                    self.render_mdev(&mut t, m);
+                }
+            }
+        }
+        t
+    }
+
+    /// An attribute's contents now; empty when its device is gone (its file is gone too).
+    pub fn attr(&self, attr: &Attr) -> String {
+        let dev = |a: &str| self.devs.get(a);
+        match attr {
+            Attr::DriverOverride(a) => dev(a).map_or_else(String::new, |d| {
+                match &d.driver_override {
+                    Some(o) => format!("{o}\n"),
+                    None => "(null)\n".into(),
+                }
+            }),
+            Attr::Uevent(a) => dev(a).map_or_else(String::new, |d| {
+                let mut s = String::new();
+                if let Some(drv) = &d.driver {
+                    s.push_str(&format!("DRIVER={drv}\n"));
+                }
+                s.push_str(&format!(
+                    "PCI_CLASS={:X}\nPCI_ID={:04X}:{:04X}\nPCI_SUBSYS_ID={:04X}:{:04X}\nPCI_SLOT_NAME={}\nMODALIAS={}\n",
+                    d.class,
+                    d.vendor,
+                    d.device,
+                    d.subsystem_vendor,
+                    d.subsystem_device,
+                    d.addr,
+                    d.modalias()
+                ));
+                s
+            }),
+            Attr::SriovNumvfs(a) => dev(a).map_or_else(String::new, |d| format!("{}\n", d.numvfs)),
+            Attr::AvailableInstances { parent, type_id } => dev(parent)
+                .and_then(|d| self.mdev_types(d))
+                .and_then(|types| types.into_iter().find(|(t, _)| t.id == *type_id))
+                .map_or_else(String::new, |(_, avail)| format!("{avail}\n")),
+            Attr::Creatable(a) => dev(a)
+                .and_then(|d| self.creatable(d))
+                .map_or_else(String::new, |types| {
+                    let mut s = String::from("ID    : vGPU Name\n");
+                    for ty in types {
+                        s.push_str(&format!("{:<5} : {}\n", ty.id, ty.full_name));
+                    }
+                    s
+                }),
+            Attr::CurrentVgpu(a) => dev(a).map_or_else(String::new, |d| format!("{}\n", d.current_vgpu)),
+        }
+    }
+
+    /// Every part of the node.
+    pub fn owners(&self) -> impl Iterator<Item = Owner> + '_ {
+        std::iter::once(Owner::Base)
+            .chain(self.devs.keys().map(|a| Owner::Dev(a.clone())))
+            .chain(self.mdevs.keys().map(|u| Owner::Mdev(u.clone())))
+    }
+
+    fn render_base(&self, t: &mut Fragment) {
         t.dir("sys/bus/pci/devices");
         t.dir("sys/bus/mdev/devices");
         t.dir("sys/class/mdev_bus");
@@ -29,74 +113,18 @@ impl State {
             Some(WriteTarget::Control),
         );
         t.file("sys/kernel/node-sim/ops", Content::Ops, 0o444, None);
-
-        for d in self.devs.values() {
-            self.render_dev(&mut t, d);
-        }
-        for m in self.mdevs.values() {
-            self.render_mdev(&mut t, m);
-        }
-
-        // dev
         t.devnode("dev/vfio/vfio", 0o666, None);
-        for g in self.vfio_groups() {
-            t.devnode(
-                &format!("dev/vfio/{g}"),
-                0o600,
-                Some(OpenKind::VfioGroup(g)),
-            );
-        }
         if self.topo.iommufd {
             t.devnode("dev/iommu", 0o666, None);
             t.dir("dev/vfio/devices");
-            for d in self.devs.values() {
-                if let Some(n) = d.vfio_dev {
-                    t.devnode(
-                        &format!("dev/vfio/devices/vfio{n}"),
-                        0o600,
-                        Some(OpenKind::VfioCdev(n)),
-                    );
-                }
-            }
         }
-        let mut any_nvidia = false;
-        for d in self.devs.values() {
-            if d.driver.as_deref() == Some("nvidia")
-                && let Some(n) = d.nvidia_minor
-            {
-                any_nvidia = true;
-                t.devnode(&format!("dev/nvidia{n}"), 0o666, Some(OpenKind::Nvidia(n)));
-            }
-        }
-        if any_nvidia {
-            t.devnode("dev/nvidiactl", 0o666, None);
-        }
-        // The nvidia driver's own proc files: which /dev/nvidia<N> is which GPU.
-        for d in self.devs.values() {
-            if d.driver.as_deref() == Some("nvidia")
-                && let Some(n) = d.nvidia_minor
-            {
-                t.ro(
-                    &format!("proc/driver/nvidia/gpus/{}/information", d.addr),
-                    format!(
-                        "Model: \t\t NVIDIA {}\nIRQ:   \t\t 0\nGPU UUID: \t GPU-00000000-0000-0000-0000-{:012x}\nDevice Minor: \t {n}\nBus Location: \t {}\n",
-                        d.model.as_deref().unwrap_or("GPU"),
-                        n,
-                        d.addr
-                    ),
-                );
-            }
-        }
-
-        // proc
         t.ro(
             "proc/sys/kernel/osrelease",
             format!("{}\n", self.topo.release),
         );
-        t
     }
 
-    fn render_dev(&self, t: &mut Tree, d: &Dev) {
+    fn render_dev(&self, t: &mut Fragment, d: &Dev) {
         let dir = d.dir();
         let f = |n: &str| format!("{dir}/{n}");
         t.ro(&f("vendor"), format!("0x{:04x}\n", d.vendor));
@@ -114,27 +142,14 @@ impl State {
         t.ro(&f("modalias"), format!("{}\n", d.modalias()));
         t.ro(&f("enable"), "1\n");
         t.ro(&f("irq"), "0\n");
-        let mut uevent = String::new();
-        if let Some(drv) = &d.driver {
-            uevent.push_str(&format!("DRIVER={drv}\n"));
-        }
-        uevent.push_str(&format!(
-            "PCI_CLASS={:X}\nPCI_ID={:04X}:{:04X}\nPCI_SUBSYS_ID={:04X}:{:04X}\nPCI_SLOT_NAME={}\nMODALIAS={}\n",
-            d.class,
-            d.vendor,
-            d.device,
-            d.subsystem_vendor,
-            d.subsystem_device,
-            d.addr,
-            d.modalias()
-        ));
-        t.rw(&f("uevent"), uevent, WriteTarget::Ignore);
-        t.rw(
+        t.rw_attr(
+            &f("uevent"),
+            Attr::Uevent(d.addr.clone()),
+            WriteTarget::Ignore,
+        );
+        t.rw_attr(
             &f("driver_override"),
-            match &d.driver_override {
-                Some(o) => format!("{o}\n"),
-                None => "(null)\n".into(),
-            },
+            Attr::DriverOverride(d.addr.clone()),
             WriteTarget::DriverOverride(d.addr.clone()),
         );
         t.link(&f("subsystem"), "sys/bus/pci");
@@ -169,9 +184,9 @@ impl State {
         }
         if d.totalvfs > 0 {
             t.ro(&f("sriov_totalvfs"), format!("{}\n", d.totalvfs));
-            t.rw(
+            t.rw_attr(
                 &f("sriov_numvfs"),
-                format!("{}\n", d.numvfs),
+                Attr::SriovNumvfs(d.addr.clone()),
                 WriteTarget::SriovNumvfs(d.addr.clone()),
             );
             t.ro(&f("sriov_offset"), "4\n");
@@ -185,14 +200,21 @@ impl State {
         }
         if let Some(types) = self.mdev_types(d) {
             t.link(&format!("sys/class/mdev_bus/{}", d.addr), &dir);
-            for (ty, avail) in types {
+            let mine: Vec<&Mdev> = self.mdevs.values().filter(|m| m.parent == d.addr).collect();
+            for (ty, _) in types {
                 let td = format!("{dir}/mdev_supported_types/{}", ty.sysfs_id());
                 t.ro(&format!("{td}/name"), format!("{}\n", ty.full_name));
                 t.ro(
                     &format!("{td}/description"),
                     format!("{}\n", ty.description()),
                 );
-                t.ro(&format!("{td}/available_instances"), format!("{avail}\n"));
+                t.ro_attr(
+                    &format!("{td}/available_instances"),
+                    Attr::AvailableInstances {
+                        parent: d.addr.clone(),
+                        type_id: ty.id,
+                    },
+                );
                 t.ro(&format!("{td}/device_api"), "vfio-pci\n");
                 t.wo(
                     &format!("{td}/create"),
@@ -202,11 +224,7 @@ impl State {
                     },
                 );
                 t.dir(&format!("{td}/devices"));
-                for m in self
-                    .mdevs
-                    .values()
-                    .filter(|m| m.parent == d.addr && m.type_id == ty.id)
-                {
+                for m in mine.iter().filter(|m| m.type_id == ty.id) {
                     t.link(
                         &format!("{td}/devices/{}", m.uuid),
                         &format!("{dir}/{}", m.uuid),
@@ -214,21 +232,59 @@ impl State {
                 }
             }
         }
-        if let Some(creatable) = self.creatable(d) {
-            let mut s = String::from("ID    : vGPU Name\n");
-            for ty in creatable {
-                s.push_str(&format!("{:<5} : {}\n", ty.id, ty.full_name));
-            }
-            t.ro(&f("nvidia/creatable_vgpu_types"), s);
-            t.rw(
+        if self.creatable(d).is_some() {
+            t.ro_attr(
+                &f("nvidia/creatable_vgpu_types"),
+                Attr::Creatable(d.addr.clone()),
+            );
+            t.rw_attr(
                 &f("nvidia/current_vgpu_type"),
-                format!("{}\n", d.current_vgpu),
+                Attr::CurrentVgpu(d.addr.clone()),
                 WriteTarget::CurrentVgpu(d.addr.clone()),
+            );
+        }
+        self.render_dev_nodes(t, d);
+    }
+
+    /// The device nodes a function has now, and the nvidia driver's proc file for a GPU on it.
+    fn render_dev_nodes(&self, t: &mut Fragment, d: &Dev) {
+        let on_nvidia = d.driver.as_deref() == Some("nvidia");
+        // A VFIO driver's group node; on the vendor path, a VF with a vGPU type is registered
+        // with VFIO by the nvidia driver itself, and its group node appears while it stays on
+        // `nvidia`.
+        if self.is_vfio_driver(d.driver.as_ref()) || (d.current_vgpu != 0 && on_nvidia) {
+            t.devnode(
+                &format!("dev/vfio/{}", d.group),
+                0o600,
+                Some(OpenKind::VfioGroup(d.group)),
+            );
+        }
+        if self.topo.iommufd
+            && let Some(n) = d.vfio_dev
+        {
+            t.devnode(
+                &format!("dev/vfio/devices/vfio{n}"),
+                0o600,
+                Some(OpenKind::VfioCdev(n)),
+            );
+        }
+        if on_nvidia && let Some(n) = d.nvidia_minor {
+            t.devnode(&format!("dev/nvidia{n}"), 0o666, Some(OpenKind::Nvidia(n)));
+            t.devnode("dev/nvidiactl", 0o666, None);
+            // Which /dev/nvidia<N> is which GPU.
+            t.ro(
+                &format!("proc/driver/nvidia/gpus/{}/information", d.addr),
+                format!(
+                    "Model: \t\t NVIDIA {}\nIRQ:   \t\t 0\nGPU UUID: \t GPU-00000000-0000-0000-0000-{:012x}\nDevice Minor: \t {n}\nBus Location: \t {}\n",
+                    d.model.as_deref().unwrap_or("GPU"),
+                    n,
+                    d.addr
+                ),
             );
         }
     }
 
-    fn render_mdev(&self, t: &mut Tree, m: &Mdev) {
+    fn render_mdev(&self, t: &mut Fragment, m: &Mdev) {
         let Some(p) = self.devs.get(&m.parent) else {
             return;
         };
@@ -264,5 +320,131 @@ impl State {
             &format!("sys/kernel/iommu_groups/{}/type", m.group),
             "DMA\n",
         );
+        t.devnode(
+            &format!("dev/vfio/{}", m.group),
+            0o600,
+            Some(OpenKind::VfioGroup(m.group)),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::topology::topology;
+
+    /// The tree kept up to date write by write equals one rendered from scratch.
+    fn check(st: &mut State, tree: &mut Tree, what: &str) {
+        st.refresh(tree);
+        let mut fresh = Tree::default();
+        for owner in st.owners().collect::<Vec<_>>() {
+            let f = st.render(&owner);
+            fresh.apply(owner, f, &mut Changes::default());
+        }
+        let (a, b) = (tree.nodes(), fresh.nodes());
+        let only_a: Vec<_> = a.keys().filter(|p| !b.contains_key(*p)).take(5).collect();
+        let only_b: Vec<_> = b.keys().filter(|p| !a.contains_key(*p)).take(5).collect();
+        assert!(
+            only_a.is_empty() && only_b.is_empty(),
+            "{what}: kept only {only_a:?}…; fresh only {only_b:?}…"
+        );
+        for (p, n) in &a {
+            assert_eq!(Some(n), b.get(p), "{what}: {p}");
+        }
+    }
+
+    fn write(st: &mut State, tree: &mut Tree, target: WriteTarget, value: &str) {
+        let what = format!("{target:?} {value:?}");
+        let r = st.write(&target, value);
+        assert!(r.is_ok(), "{what}: {r:?}");
+        check(st, tree, &what);
+    }
+
+    fn control(st: &mut State, tree: &mut Tree, cmd: &str) {
+        st.control(cmd).unwrap();
+        check(st, tree, cmd);
+    }
+
+    #[test]
+    fn the_tree_kept_up_to_date_equals_a_fresh_rendering() {
+        use WriteTarget as W;
+        let dir = std::path::Path::new("/nonexistent");
+        // vf-mdev: VFs, mdevs, unbinding the PF with mdevs, rebinding, VFs off.
+        let mut st = State::new(&topology("2xA10").unwrap(), dir);
+        let mut tree = Tree::default();
+        check(&mut st, &mut tree, "start");
+        let pf = "0000:41:00.0";
+        write(&mut st, &mut tree, W::SriovNumvfs(pf.into()), "4\n");
+        let u = |i: u32| format!("5a3b2c1d-0000-4000-8000-{i:012x}");
+        for (i, vf) in ["0000:41:00.4", "0000:41:00.5"].iter().enumerate() {
+            let create = W::Create {
+                parent: vf.to_string(),
+                type_id: 593,
+            };
+            write(&mut st, &mut tree, create, &u(i as u32));
+        }
+        write(&mut st, &mut tree, W::Remove(u(1)), "1\n");
+        write(&mut st, &mut tree, W::Unbind("nvidia".into()), pf);
+        write(&mut st, &mut tree, W::Probe, pf);
+        write(&mut st, &mut tree, W::SriovNumvfs(pf.into()), "0\n");
+        // Passthrough: override, unbind, probe onto vfio-pci, back.
+        write(
+            &mut st,
+            &mut tree,
+            W::DriverOverride(pf.into()),
+            "vfio-pci\n",
+        );
+        write(&mut st, &mut tree, W::Unbind("nvidia".into()), pf);
+        write(&mut st, &mut tree, W::Probe, pf);
+        write(&mut st, &mut tree, W::Unbind("vfio-pci".into()), pf);
+        write(&mut st, &mut tree, W::DriverOverride(pf.into()), "\n");
+        write(&mut st, &mut tree, W::Probe, pf);
+        control(&mut st, &mut tree, "hotplug 0000:81:00.0 A10 numa=1");
+        write(
+            &mut st,
+            &mut tree,
+            W::SriovNumvfs("0000:81:00.0".into()),
+            "2\n",
+        );
+        control(&mut st, &mut tree, "unplug 0000:81:00.0");
+
+        // pf-mdev (T4) and the vendor path (H100).
+        let mut st = State::new(&topology("4xT4").unwrap(), dir);
+        let mut tree = Tree::default();
+        check(&mut st, &mut tree, "start");
+        let create = W::Create {
+            parent: "0000:3b:00.0".into(),
+            type_id: 232,
+        };
+        write(&mut st, &mut tree, create, &u(9));
+        write(
+            &mut st,
+            &mut tree,
+            W::Unbind("nvidia".into()),
+            "0000:3b:00.0",
+        );
+        let mut st = State::new(&topology("8xH100-sriov").unwrap(), dir);
+        let mut tree = Tree::default();
+        check(&mut st, &mut tree, "start");
+        let pf = "0000:13:00.0";
+        write(&mut st, &mut tree, W::SriovNumvfs(pf.into()), "3\n");
+        let vf = "0000:13:00.4";
+        let id = st.creatable(&st.devs[vf]).unwrap()[0].id;
+        write(
+            &mut st,
+            &mut tree,
+            W::CurrentVgpu(vf.into()),
+            &id.to_string(),
+        );
+        write(&mut st, &mut tree, W::CurrentVgpu(vf.into()), "0");
+        write(
+            &mut st,
+            &mut tree,
+            W::CurrentVgpu(vf.into()),
+            &id.to_string(),
+        );
+        write(&mut st, &mut tree, W::Unbind("nvidia".into()), pf);
+        write(&mut st, &mut tree, W::Probe, pf);
+        control(&mut st, &mut tree, "unplug 0000:13:00.0");
     }
 }

@@ -12,7 +12,7 @@ use crate::faults::Faults;
 use crate::holders::Holders;
 use crate::ops::OpLog;
 use crate::topology::Topology;
-use crate::tree::WriteTarget;
+use crate::tree::{Owner, WriteTarget};
 use crate::uevent::Uevent;
 
 /// A PCI function (a bridge, a GPU, one of its VFs, a companion function).
@@ -102,6 +102,8 @@ pub(crate) struct State {
     next_vfio_dev: u32,
     /// Uevents not yet sent.
     pub events: Vec<Uevent>,
+    /// The parts of the node whose files changed since the tree was last brought up to date.
+    pub dirty: BTreeSet<Owner>,
 }
 
 pub(crate) fn root_dir(addr: &str) -> String {
@@ -220,12 +222,39 @@ impl State {
             next_minor,
             next_vfio_dev: 0,
             events: Vec::new(),
+            dirty: BTreeSet::new(),
         };
         let addrs: Vec<String> = st.devs.keys().cloned().collect();
         for a in addrs {
             st.attach_vfio_dev(&a);
         }
+        st.dirty = st.owners().collect();
         st
+    }
+
+    /// Marks a function's files for rendering again.
+    fn mark(&mut self, addr: &str) {
+        self.dirty.insert(Owner::Dev(addr.to_string()));
+    }
+
+    /// Marks a function and its VFs (whose vGPU types follow the PF's driver).
+    fn mark_with_vfs(&mut self, addr: &str) {
+        let vfs: Vec<String> = self
+            .devs
+            .values()
+            .filter(|d| d.physfn.as_deref() == Some(addr))
+            .map(|d| d.addr.clone())
+            .collect();
+        self.mark(addr);
+        for vf in vfs {
+            self.mark(&vf);
+        }
+    }
+
+    /// Marks an mdev and its parent (whose type lists it).
+    fn mark_mdev(&mut self, m: &Mdev) {
+        self.dirty.insert(Owner::Mdev(m.uuid.clone()));
+        self.mark(&m.parent);
     }
 
     fn alloc_group(&mut self) -> u32 {
@@ -245,7 +274,7 @@ impl State {
             .unwrap_or(d)
     }
 
-    fn is_vfio_driver(&self, drv: Option<&String>) -> bool {
+    pub fn is_vfio_driver(&self, drv: Option<&String>) -> bool {
         drv.is_some_and(|d| self.vfio_drivers.contains(d))
     }
 
@@ -344,26 +373,6 @@ impl State {
         )
     }
 
-    /// Groups whose `/dev/vfio/<g>` exists.
-    pub fn vfio_groups(&self) -> BTreeSet<u32> {
-        let mut g: BTreeSet<u32> = self
-            .devs
-            .values()
-            .filter(|d| self.is_vfio_driver(d.driver.as_ref()))
-            .map(|d| d.group)
-            .collect();
-        g.extend(self.mdevs.values().map(|m| m.group));
-        // Vendor path: a VF with a vGPU type is registered with VFIO by the nvidia driver
-        // itself, and its group node appears while it stays on `nvidia`.
-        g.extend(
-            self.devs
-                .values()
-                .filter(|d| d.current_vgpu != 0 && d.driver.as_deref() == Some("nvidia"))
-                .map(|d| d.group),
-        );
-        g
-    }
-
     // ---------------------------------------------------------------- events
 
     fn pci_event(&mut self, action: &'static str, addr: &str) {
@@ -412,6 +421,7 @@ impl State {
                 vfio_dev: None,
             },
         );
+        self.mark(addr);
         self.pci_event("add", addr);
         self.pci_event("bind", addr);
     }
@@ -458,6 +468,7 @@ impl State {
             d.driver = Some(drv.to_string());
         }
         self.attach_vfio_dev(bdf);
+        self.mark_with_vfs(bdf);
         self.pci_event("bind", bdf);
     }
 
@@ -507,6 +518,7 @@ impl State {
             for m in gone {
                 self.mdev_event("remove", &m);
                 self.mdevs.remove(&m.uuid);
+                self.mark_mdev(&m);
             }
             for a in &affected {
                 if let Some(x) = self.devs.get_mut(a) {
@@ -519,6 +531,7 @@ impl State {
             d.driver = None;
             d.vfio_dev = None;
         }
+        self.mark_with_vfs(bdf);
     }
 
     fn probe(&mut self, bdf: &str) -> Result<(), Errno> {
@@ -602,6 +615,7 @@ impl State {
             d.numvfs = n;
         }
         for a in created {
+            self.mark(&a);
             self.pci_event("add", &a);
             if self.devs.get(&a).is_some_and(|d| d.driver.is_some()) {
                 self.pci_event("bind", &a);
@@ -645,7 +659,9 @@ impl State {
         for m in gone {
             self.mdev_event("remove", &m);
             self.mdevs.remove(&m.uuid);
+            self.mark_mdev(&m);
         }
+        self.mark(addr);
         if self.devs.get(addr).is_some_and(|d| d.driver.is_some()) {
             self.pci_event("unbind", addr);
         }
@@ -676,6 +692,7 @@ impl State {
             group,
         };
         self.mdevs.insert(uuid, m.clone());
+        self.mark_mdev(&m);
         self.mdev_event("add", &m);
         self.mdev_event("bind", &m);
         Ok(())
@@ -690,6 +707,7 @@ impl State {
         self.mdev_event("unbind", &m);
         self.mdev_event("remove", &m);
         self.mdevs.remove(uuid);
+        self.mark_mdev(&m);
         Ok(())
     }
 
@@ -701,6 +719,7 @@ impl State {
             if let Some(d) = self.devs.get_mut(vf) {
                 d.current_vgpu = 0;
             }
+            self.mark(vf);
             self.pci_event("change", vf);
             return Ok(());
         }
@@ -713,6 +732,7 @@ impl State {
         if let Some(d) = self.devs.get_mut(vf) {
             d.current_vgpu = id;
         }
+        self.mark(vf);
         self.pci_event("change", vf);
         Ok(())
     }

@@ -11,7 +11,7 @@ use anyhow::{Context as _, bail};
 use hyper_util::rt::TokioIo;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
-use tokio_stream::wrappers::{UnixListenerStream, WatchStream};
+use tokio_stream::wrappers::WatchStream;
 use tokio_stream::{Stream, StreamExt as _};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint, Server, Uri};
@@ -261,15 +261,14 @@ impl ResourceTask {
                 stop.clone(),
             ));
             let stop2 = stop.clone();
-            let mut server = tokio::spawn(async move {
-                Server::builder()
-                    .add_service(svc)
-                    .serve_with_incoming_shutdown(
-                        UnixListenerStream::new(listener),
-                        stop2.cancelled_owned(),
-                    )
-                    .await
-            });
+            // Served through daemon-kit so that every client is answered, whatever
+            // `:authority` it sends (kubelet sends `localhost`, grpcio the socket path).
+            let router = Server::builder().add_service(svc);
+            let mut server = tokio::spawn(daemon_kit::grpc::serve_unix(
+                router,
+                listener,
+                stop2.cancelled_owned(),
+            ));
             self.check_answers(&path).await?;
             tracing::info!(resource = %self.name, socket = %path.display(), "serving");
             let mut registered = Registered::No;

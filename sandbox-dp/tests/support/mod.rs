@@ -1,6 +1,8 @@
 //! Helpers for running sandbox-dp as a process against a host root and a fake kubelet.
 #![allow(dead_code)]
 
+pub mod tree;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};

@@ -1,0 +1,135 @@
+//! A plain sysfs-like tree in a tempdir: a host root for cases node-sim does not model.
+
+use std::os::unix::fs::symlink;
+use std::path::PathBuf;
+
+/// A host root with sys, dev and nothing else.
+pub struct Tree {
+    _dir: tempfile::TempDir,
+    pub root: PathBuf,
+}
+
+pub struct Func<'a> {
+    pub bdf: &'a str,
+    /// Bridges from the root port down.
+    pub bridges: &'a [&'a str],
+    pub vendor: u16,
+    pub device: u16,
+    pub class: u32,
+    pub driver: Option<&'a str>,
+    pub group: u32,
+    pub numa: i32,
+}
+
+impl Tree {
+    pub fn new() -> Tree {
+        let dir = tempfile::Builder::new()
+            .prefix("sdp-tree-")
+            .tempdir()
+            .unwrap();
+        let root = dir.path().to_path_buf();
+        for d in [
+            "sys/bus/pci/devices",
+            "sys/bus/pci/drivers/vfio-pci",
+            "sys/bus/pci/drivers/nvidia",
+            "sys/kernel/iommu_groups",
+            "dev/vfio",
+        ] {
+            std::fs::create_dir_all(root.join(d)).unwrap();
+        }
+        std::fs::write(root.join("dev/vfio/vfio"), "").unwrap();
+        Tree { _dir: dir, root }
+    }
+
+    pub fn func_dir(&self, f: &Func) -> PathBuf {
+        let mut dir = self.root.join("sys/devices/pci0000:00");
+        for b in f.bridges {
+            dir = dir.join(b);
+        }
+        dir.join(f.bdf)
+    }
+
+    pub fn add(&self, f: &Func) -> PathBuf {
+        let dir = self.func_dir(f);
+        std::fs::create_dir_all(&dir).unwrap();
+        let put = |name: &str, v: String| std::fs::write(dir.join(name), v + "\n").unwrap();
+        put("vendor", format!("0x{:04x}", f.vendor));
+        put("device", format!("0x{:04x}", f.device));
+        put("class", format!("0x{:06x}", f.class));
+        put("numa_node", f.numa.to_string());
+        put("driver_override", "(null)".into());
+        if let Some(d) = f.driver {
+            std::fs::create_dir_all(self.root.join("sys/bus/pci/drivers").join(d)).unwrap();
+            symlink(
+                self.root.join("sys/bus/pci/drivers").join(d),
+                dir.join("driver"),
+            )
+            .unwrap();
+        }
+        let g = self
+            .root
+            .join(format!("sys/kernel/iommu_groups/{}", f.group));
+        std::fs::create_dir_all(&g).unwrap();
+        symlink(&g, dir.join("iommu_group")).unwrap();
+        symlink(&dir, self.root.join("sys/bus/pci/devices").join(f.bdf)).unwrap();
+        dir
+    }
+
+    /// An H100 on nvidia (`0000:13:00.0`, group 100) with two SR-IOV VFs: `0000:13:00.4`
+    /// (group 130, its node present) holding an NVIDIA H100XM-4C vGPU, `0000:13:00.5`
+    /// (group 131) free.
+    pub fn add_h100_with_vgpu(&self) {
+        let pf = self.add(&Func {
+            driver: Some("nvidia"),
+            device: 0x2330,
+            ..a10("0000:13:00.0", 100)
+        });
+        for (vf, group, current, creatable) in [
+            ("0000:13:00.4", 130, "1000", "ID    : vGPU Name\n"),
+            (
+                "0000:13:00.5",
+                131,
+                "0",
+                "ID    : vGPU Name\n1000  : NVIDIA H100XM-4C\n",
+            ),
+        ] {
+            let dir = self.add(&Func {
+                driver: Some("nvidia"),
+                device: 0x2330,
+                bridges: &["0000:00:01.0", "0000:13:00.0"],
+                ..a10(vf, group)
+            });
+            // A VF sits beside its PF in the real tree; the nesting here only fakes the bridges.
+            symlink(&pf, dir.join("physfn")).unwrap();
+            std::fs::create_dir_all(dir.join("nvidia")).unwrap();
+            std::fs::write(dir.join("nvidia/current_vgpu_type"), format!("{current}\n")).unwrap();
+            std::fs::write(dir.join("nvidia/creatable_vgpu_types"), creatable).unwrap();
+        }
+        std::fs::write(self.vfio_node(130), "").unwrap();
+    }
+
+    pub fn vfio_node(&self, group: u32) -> PathBuf {
+        self.root.join(format!("dev/vfio/{group}"))
+    }
+}
+
+pub fn a10<'a>(bdf: &'a str, group: u32) -> Func<'a> {
+    Func {
+        bdf,
+        bridges: &["0000:00:01.0"],
+        vendor: 0x10de,
+        device: 0x2236,
+        class: 0x030200,
+        driver: Some("vfio-pci"),
+        group,
+        numa: 1,
+    }
+}
+
+/// Passthrough A10 on vfio-pci, with its node.
+pub fn one_a10() -> Tree {
+    let t = Tree::new();
+    t.add(&a10("0000:01:00.0", 21));
+    std::fs::write(t.vfio_node(21), "").unwrap();
+    t
+}

@@ -15,6 +15,8 @@ use crate::error::{Error, Result};
 use crate::paths::HostPaths;
 use crate::pci::PciAddress;
 
+mod refresh;
+
 /// What [`Inventory::read_with`] reads.
 #[derive(Clone, Debug)]
 pub struct ReadOptions {
@@ -188,7 +190,7 @@ impl PciDevice {
 }
 
 /// One snapshot of the node.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Inventory {
     /// Every readable PCI function, by address.
     pub devices: BTreeMap<PciAddress, PciDevice>,
@@ -225,21 +227,7 @@ impl Inventory {
                 });
                 continue;
             };
-            match read_pci_device(&path, address, opts) {
-                Ok(Some(dev)) => {
-                    inv.devices.insert(address, dev);
-                }
-                Ok(None) => {} // vanished while we read it
-                Err(e) => {
-                    if let Ok(Some(g)) = link_number(&path.join("iommu_group")) {
-                        inv.unreadable_in_group.entry(g).or_default().push(address);
-                    }
-                    inv.unreadable.push(Unreadable {
-                        path,
-                        reason: error_chain(&e),
-                    })
-                }
-            }
+            inv.read_function(path, address, opts);
         }
         if !opts.vf_identity {
             inv.fill_vf_identity();
@@ -256,6 +244,33 @@ impl Inventory {
             }),
         }
         Ok(inv)
+    }
+
+    /// Reads one function into the inventory (or into [`Inventory::unreadable`]). Returns the
+    /// UUIDs of the mdevs under it, `None` when it is gone or could not be read.
+    fn read_function(
+        &mut self,
+        path: PathBuf,
+        address: PciAddress,
+        opts: &ReadOptions,
+    ) -> Option<Vec<String>> {
+        match read_pci_device(&path, address, opts) {
+            Ok(Some((dev, mdevs))) => {
+                self.devices.insert(address, dev);
+                Some(mdevs)
+            }
+            Ok(None) => None, // vanished while we read it
+            Err(e) => {
+                if let Ok(Some(g)) = link_number(&path.join("iommu_group")) {
+                    self.unreadable_in_group.entry(g).or_default().push(address);
+                }
+                self.unreadable.push(Unreadable {
+                    path,
+                    reason: error_chain(&e),
+                });
+                None
+            }
+        }
     }
 
     /// VFs read without their identity take their PF's (ids, class, modalias, NUMA node).
@@ -359,23 +374,33 @@ impl Inventory {
             }
         };
         for name in names {
-            let path = dir.join(&name);
-            match read_mdev(&path, &name) {
-                Ok(Some(mut m)) => {
-                    if m.type_name.is_none() {
-                        m.type_name = self
-                            .mdev_parents
-                            .get(&m.parent)
-                            .and_then(|p| p.types.iter().find(|t| t.id == m.type_id))
-                            .and_then(|t| t.name.clone());
-                    }
-                    self.mdevs.insert(m.uuid.clone(), m);
+            self.read_mdev_entry(dir.join(&name), &name);
+        }
+    }
+
+    /// Reads one mdev (`<mdev bus>/devices/<name>`) into the inventory (or into
+    /// [`Inventory::unreadable`]); returns its IOMMU group.
+    fn read_mdev_entry(&mut self, path: PathBuf, name: &str) -> Option<u32> {
+        match read_mdev(&path, name) {
+            Ok(Some(mut m)) => {
+                if m.type_name.is_none() {
+                    m.type_name = self
+                        .mdev_parents
+                        .get(&m.parent)
+                        .and_then(|p| p.types.iter().find(|t| t.id == m.type_id))
+                        .and_then(|t| t.name.clone());
                 }
-                Ok(None) => {}
-                Err(e) => self.unreadable.push(Unreadable {
+                let group = m.iommu_group;
+                self.mdevs.insert(m.uuid.clone(), m);
+                group
+            }
+            Ok(None) => None,
+            Err(e) => {
+                self.unreadable.push(Unreadable {
                     path,
                     reason: error_chain(&e),
-                }),
+                });
+                None
             }
         }
     }
@@ -568,11 +593,12 @@ fn resolve_link(link: &Path) -> io::Result<PathBuf> {
     Ok(out)
 }
 
+/// Reads one function; with it, the UUIDs of the mdevs whose directories sit in its own.
 fn read_pci_device(
     link: &Path,
     address: PciAddress,
     opts: &ReadOptions,
-) -> Result<Option<PciDevice>> {
+) -> Result<Option<(PciDevice, Vec<String>)>> {
     let dir = match resolve_link(link) {
         Ok(d) => d,
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -597,6 +623,7 @@ fn read_pci_device(
     let mut virtfns: Vec<(u32, PciAddress)> = Vec::new();
     let mut mdev_parent = false;
     let mut vfio_cdev = None;
+    let mut mdevs = Vec::new();
     // Optional attributes are opened only when the listing has them: a failed open costs as
     // much as a read, and most functions lack most of them (SR-IOV, physfn, nvidia/).
     let names = list_dir(&dir)?;
@@ -624,6 +651,8 @@ fn read_pci_device(
             vfio_cdev = list_dir(&dir.join(name))
                 .ok()
                 .and_then(|v| v.into_iter().next());
+        } else if let Some(uuid) = crate::uevent::parse_uuid(name) {
+            mdevs.push(uuid);
         }
     }
     virtfns.sort();
@@ -691,7 +720,7 @@ fn read_pci_device(
     } else {
         None
     };
-    Ok(Some(PciDevice {
+    let dev = PciDevice {
         address,
         vendor: req_hex("vendor")?,
         device: req_hex("device")?,
@@ -713,7 +742,8 @@ fn read_pci_device(
         mdev_types,
         mdev_parent,
         nvidia_vgpu,
-    }))
+    };
+    Ok(Some((dev, mdevs)))
 }
 
 /// A sysfs directory opened once, its attributes read relative to it: each read then resolves

@@ -43,6 +43,14 @@
 //! kubelet runs with it (kubelet's PodResources API, or its checkpoint while kubelet is down),
 //! or a source that cannot be read (unknown, which counts as in use).
 //!
+//! # Following changes
+//!
+//! sysfs emits no inotify events: the kernel announces changes as uevents, which
+//! [`uevent::Monitor`] hears and turns into the device each names. A reader that keeps an
+//! [`Inventory`] re-reads just that device ([`Inventory::refresh_pci`],
+//! [`Inventory::refresh_mdev`]) or group node ([`Inventory::refresh_vfio_node`]) instead of the
+//! node.
+//!
 //! Writes block while drivers probe: call this crate from async code via `spawn_blocking`.
 #![warn(missing_docs)]
 
@@ -52,6 +60,7 @@ pub mod naming;
 pub mod ops;
 pub mod paths;
 pub mod pci;
+pub mod uevent;
 pub mod usage;
 pub mod vgpu_names;
 

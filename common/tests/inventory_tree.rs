@@ -460,3 +460,256 @@ fn a_relative_host_root_above_the_current_directory_reads_the_same() {
         Some(a("0000:00:01.0"))
     );
 }
+
+// ---------------------------------------------------------------------------------- refreshes
+
+/// What sandbox-dp reads: no mdev types, a VF's identity from its PF.
+fn light() -> ReadOptions {
+    ReadOptions {
+        mdev_types: false,
+        vf_identity: false,
+    }
+}
+
+/// A kept inventory, refreshed event by event, compared with a full read after each change.
+struct Follower {
+    paths: HostPaths,
+    opts: ReadOptions,
+    inv: Inventory,
+}
+
+impl Follower {
+    fn new(t: &Tree, opts: ReadOptions) -> Self {
+        let inv = Inventory::read_with(&t.paths(), &opts).unwrap();
+        Follower {
+            paths: t.paths(),
+            opts,
+            inv,
+        }
+    }
+
+    fn pci(&mut self, bdf: &str) -> &mut Self {
+        self.inv.refresh_pci(&self.paths, a(bdf), &self.opts);
+        self
+    }
+
+    fn mdev(&mut self, uuid: &str) -> &mut Self {
+        self.inv.refresh_mdev(&self.paths, uuid);
+        self
+    }
+
+    fn group_node(&mut self, g: u32) -> &mut Self {
+        self.inv.refresh_vfio_node(&self.paths, g);
+        self
+    }
+
+    /// The refreshed inventory is what a full read sees now.
+    fn matches(&self, step: &str) {
+        let full = Inventory::read_with(&self.paths, &self.opts).unwrap();
+        assert_eq!(self.inv, full, "{step}");
+    }
+}
+
+const UUID: &str = "3b1a9d2e-0a51-4c5e-9f0e-6c7a8d9e0f11";
+
+impl Tree {
+    /// A VF of 0000:41:00.0 (`virtfn<n>`), an mdev parent.
+    fn add_vf(&self, n: u32, bdf: &str, group: u32) -> PathBuf {
+        let pf = self.root().join("sys/devices/pci0000:00/0000:41:00.0");
+        let vf = self.device(
+            "pci0000:00",
+            bdf,
+            ("0x10de", "0x2236", "0x030200"),
+            Some("nvidia"),
+            group,
+        );
+        symlink("../0000:41:00.0", vf.join("physfn")).unwrap();
+        symlink(format!("../{bdf}"), pf.join(format!("virtfn{n}"))).unwrap();
+        let td = vf.join("mdev_supported_types/nvidia-593");
+        fs::create_dir_all(td.join("devices")).unwrap();
+        fs::write(td.join("name"), "NVIDIA A10-4Q\n").unwrap();
+        fs::write(td.join("available_instances"), "1\n").unwrap();
+        symlink(
+            format!("../../devices/pci0000:00/{bdf}"),
+            self.root().join("sys/class/mdev_bus").join(bdf),
+        )
+        .unwrap();
+        fs::write(pf.join("sriov_numvfs"), format!("{}\n", n + 1)).unwrap();
+        vf
+    }
+
+    fn remove_vf(&self, n: u32, bdf: &str) {
+        let pf = self.root().join("sys/devices/pci0000:00/0000:41:00.0");
+        fs::remove_file(pf.join(format!("virtfn{n}"))).unwrap();
+        fs::remove_file(self.root().join("sys/class/mdev_bus").join(bdf)).unwrap();
+        fs::remove_file(self.root().join("sys/bus/pci/devices").join(bdf)).unwrap();
+        fs::remove_dir_all(self.root().join("sys/devices/pci0000:00").join(bdf)).unwrap();
+        fs::write(pf.join("sriov_numvfs"), format!("{n}\n")).unwrap();
+    }
+
+    /// An A10-4Q mdev on a VF, in its own group, with its node.
+    fn add_mdev(&self, vf: &str, uuid: &str, group: u32) {
+        let m = self
+            .root()
+            .join("sys/devices/pci0000:00")
+            .join(vf)
+            .join(uuid);
+        fs::create_dir_all(&m).unwrap();
+        symlink("../mdev_supported_types/nvidia-593", m.join("mdev_type")).unwrap();
+        fs::create_dir_all(self.root().join(format!("sys/kernel/iommu_groups/{group}"))).unwrap();
+        symlink(
+            format!("../../../../kernel/iommu_groups/{group}"),
+            m.join("iommu_group"),
+        )
+        .unwrap();
+        symlink(
+            format!("../../../devices/pci0000:00/{vf}/{uuid}"),
+            self.root().join("sys/bus/mdev/devices").join(uuid),
+        )
+        .unwrap();
+        fs::write(self.root().join(format!("dev/vfio/{group}")), "").unwrap();
+    }
+
+    fn remove_mdev(&self, vf: &str, uuid: &str, group: u32) {
+        fs::remove_file(self.root().join("sys/bus/mdev/devices").join(uuid)).unwrap();
+        fs::remove_dir_all(
+            self.root()
+                .join("sys/devices/pci0000:00")
+                .join(vf)
+                .join(uuid),
+        )
+        .unwrap();
+        fs::remove_file(self.root().join(format!("dev/vfio/{group}"))).unwrap();
+    }
+
+    fn set_driver(&self, bdf: &str, driver: Option<&str>) {
+        let d = self.root().join("sys/devices/pci0000:00").join(bdf);
+        let _ = fs::remove_file(d.join("driver"));
+        if let Some(drv) = driver {
+            symlink(format!("../../../bus/pci/drivers/{drv}"), d.join("driver")).unwrap();
+        }
+    }
+}
+
+/// A PF with SR-IOV (no VFs yet) and a second GPU, on nvidia.
+fn sriov_node() -> Tree {
+    let t = Tree::new();
+    let pf = t.device(
+        "pci0000:00",
+        "0000:41:00.0",
+        ("0x10de", "0x2236", "0x030200"),
+        Some("nvidia"),
+        30,
+    );
+    fs::write(pf.join("sriov_totalvfs"), "32\n").unwrap();
+    fs::write(pf.join("sriov_numvfs"), "0\n").unwrap();
+    t.device(
+        "pci0000:00",
+        "0000:61:00.0",
+        ("0x10de", "0x2236", "0x030200"),
+        Some("nvidia"),
+        31,
+    );
+    t
+}
+
+#[test]
+fn refreshing_what_an_event_names_matches_a_full_read() {
+    for opts in [ReadOptions::default(), light()] {
+        let t = sriov_node();
+        let mut f = Follower::new(&t, opts);
+
+        // A GPU moves to vfio-pci and its group node appears (one `bind` event).
+        t.set_driver("0000:61:00.0", Some("vfio-pci"));
+        fs::write(t.root().join("dev/vfio/31"), "").unwrap();
+        f.pci("0000:61:00.0").matches("bind");
+
+        // VFs enabled: the PF's event (sriov_numvfs) brings both.
+        t.add_vf(0, "0000:41:00.4", 40);
+        t.add_vf(1, "0000:41:00.5", 41);
+        f.pci("0000:41:00.0").matches("VFs enabled, PF event");
+
+        // One more VF, announced by its own `add` only: the PF learns of it too.
+        t.add_vf(2, "0000:41:00.6", 42);
+        f.pci("0000:41:00.6").matches("VF added, VF event");
+
+        // mdevs: created and removed, each announced by an mdev event.
+        t.add_mdev("0000:41:00.4", UUID, 120);
+        f.mdev(UUID).matches("mdev created");
+        t.remove_mdev("0000:41:00.4", UUID, 120);
+        f.mdev(UUID).matches("mdev removed");
+
+        // An mdev created, but only its parent named (a `change` of the VF).
+        t.add_mdev("0000:41:00.5", UUID, 121);
+        f.pci("0000:41:00.5").matches("mdev created, parent event");
+
+        // A VF goes away with its mdev, announced by the VF's `remove`.
+        t.remove_mdev("0000:41:00.5", UUID, 121);
+        t.remove_vf(1, "0000:41:00.5");
+        f.pci("0000:41:00.5").matches("VF removed");
+
+        // A group node goes (the only change: inotify on /dev/vfio).
+        fs::remove_file(t.root().join("dev/vfio/31")).unwrap();
+        f.group_node(31).matches("group node removed");
+        fs::write(t.root().join("dev/vfio/31"), "").unwrap();
+        f.group_node(31).matches("group node back");
+
+        // The GPU is unplugged: gone with its VFs and their mdevs.
+        t.add_mdev("0000:41:00.4", UUID, 120);
+        f.mdev(UUID);
+        for (n, vf) in [(0, "0000:41:00.4"), (2, "0000:41:00.6")] {
+            t.remove_vf(n, vf);
+        }
+        fs::remove_dir_all(t.root().join("sys/devices/pci0000:00/0000:41:00.0")).unwrap();
+        fs::remove_file(t.root().join("sys/bus/pci/devices/0000:41:00.0")).unwrap();
+        fs::remove_file(t.root().join("sys/bus/mdev/devices").join(UUID)).unwrap();
+        fs::remove_file(t.root().join("dev/vfio/120")).unwrap();
+        f.pci("0000:41:00.0").matches("GPU unplugged");
+        assert!(f.inv.mdevs.is_empty() && f.inv.devices.len() == 1);
+
+        // And hot-plugged back, on its own.
+        t.device(
+            "pci0000:00",
+            "0000:41:00.0",
+            ("0x10de", "0x2236", "0x030200"),
+            Some("nvidia"),
+            30,
+        );
+        f.pci("0000:41:00.0").matches("GPU hot-plugged");
+
+        // A function whose files turn to garbage is reported, the rest kept.
+        fs::write(
+            t.root().join("sys/devices/pci0000:00/0000:61:00.0/vendor"),
+            "garbage\n",
+        )
+        .unwrap();
+        f.pci("0000:61:00.0").matches("unreadable");
+        assert_eq!(f.inv.unreadable.len(), 1, "{:?}", f.inv.unreadable);
+        assert_eq!(f.inv.unreadable_in_group[&31], [a("0000:61:00.0")]);
+        fs::write(
+            t.root().join("sys/devices/pci0000:00/0000:61:00.0/vendor"),
+            "0x10de\n",
+        )
+        .unwrap();
+        f.pci("0000:61:00.0").matches("readable again");
+    }
+}
+
+#[test]
+fn a_refresh_reads_only_what_it_names() {
+    let t = sriov_node();
+    let mut f = Follower::new(&t, light());
+    // Two changes, one event: the other GPU's driver change is not seen until its own event.
+    t.set_driver("0000:41:00.0", Some("vfio-pci"));
+    t.set_driver("0000:61:00.0", None);
+    f.pci("0000:41:00.0");
+    let driver = |f: &Follower, bdf: &str| f.inv.device(&a(bdf)).unwrap().driver.clone();
+    assert_eq!(driver(&f, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    assert_eq!(driver(&f, "0000:61:00.0").as_deref(), Some("nvidia"));
+    // A group node is checked, no device read.
+    fs::write(t.root().join("dev/vfio/30"), "").unwrap();
+    f.group_node(30);
+    assert!(f.inv.vfio_nodes.contains(&30));
+    assert_eq!(driver(&f, "0000:61:00.0").as_deref(), Some("nvidia"));
+    f.pci("0000:61:00.0").matches("both events seen");
+}

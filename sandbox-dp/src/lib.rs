@@ -1,11 +1,14 @@
 //! sandbox-dp: the kubelet device plugin for passthrough GPUs and vGPUs, compatible with the
 //! resource names and env vars of NVIDIA's kubevirt-gpu-device-plugin.
 //!
-//! [`run`] reads the node ([`common::Inventory`]), builds the resources ([`discovery`]), and
-//! for each resource serves the device-plugin API on `<kubelet-dir>/sandbox-dp-<name>.sock`
-//! ([`plugin`]) and registers it with kubelet. Any event ([`events`]: uevents, `/dev/vfio`, a
-//! slow resync) re-reads the node after a short debounce and pushes changed device lists to
-//! ListAndWatch through each resource's `watch` channel.
+//! [`run`] reads the node once ([`common::Inventory`]), builds the resources ([`discovery`]),
+//! and for each resource serves the device-plugin API on `<kubelet-dir>/sandbox-dp-<name>.sock`
+//! ([`plugin`]) and registers it with kubelet. It keeps the inventory and follows the node event
+//! by event ([`events`]): a uevent re-reads only the device it names (with its VFs and mdevs),
+//! a `/dev/vfio/<group>` change flips that group's health without reading any device; what no
+//! device explains, and a slow resync, read the whole node again. Each change (a short debounce
+//! gathers bursts) rebuilds the resources from the inventory in memory and pushes changed device
+//! lists to ListAndWatch through each resource's `watch` channel.
 
 pub mod alloc;
 pub mod discovery;
@@ -26,12 +29,13 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use common::{HostPaths, Inventory, ReadOptions};
-use tokio::sync::{Notify, watch};
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::alloc::DevNodes;
 use crate::discovery::{DiscoverConfig, Resource, Snapshot};
+use crate::events::Pending;
 use crate::metrics::Metrics;
 use crate::plugin::{ResourceState, ResourceTask};
 
@@ -52,30 +56,91 @@ pub struct Config {
     pub debounce: Duration,
 }
 
+/// What sandbox-dp reads of the node. Instances carry their type name; the parents' type lists
+/// (dozens per VF) are not needed. A vGPU VF's identity is its GPU's; a VF passed through on
+/// its own is read in full.
+const READ_OPTIONS: ReadOptions = ReadOptions {
+    mdev_types: false,
+    vf_identity: false,
+};
+
 /// One read of the node: inventory → resources, plus the iommufd device nodes.
 pub fn read_node(paths: &HostPaths, cfg: &DiscoverConfig) -> anyhow::Result<(Snapshot, DevNodes)> {
-    // Instances carry their type name; the parents' type lists (dozens per VF) are not needed.
-    // A vGPU VF's identity is its GPU's; a VF passed through on its own is read in full.
-    let opts = ReadOptions {
-        mdev_types: false,
-        vf_identity: false,
-    };
-    let inv = Inventory::read_with(paths, &opts)
-        .with_context(|| format!("reading the node under {}", paths.root().display()))?;
-    for u in &inv.unreadable {
-        tracing::debug!(path = %u.path.display(), reason = %u.reason, "unreadable");
-    }
-    Ok((discovery::discover(&inv, cfg), DevNodes::read(paths)))
+    let view = NodeView::read(paths)?;
+    Ok((discovery::discover(&view.inv, cfg), view.nodes))
 }
 
-async fn read_node_async(
-    paths: &HostPaths,
-    cfg: &DiscoverConfig,
-) -> anyhow::Result<(Snapshot, DevNodes)> {
-    let (p, c) = (paths.clone(), cfg.clone());
-    tokio::task::spawn_blocking(move || read_node(&p, &c))
-        .await
-        .context("inventory task")?
+/// The node as the daemon keeps it between events.
+#[derive(Debug, Default)]
+struct NodeView {
+    inv: Inventory,
+    nodes: DevNodes,
+}
+
+impl NodeView {
+    fn read(paths: &HostPaths) -> anyhow::Result<NodeView> {
+        let inv = Inventory::read_with(paths, &READ_OPTIONS)
+            .with_context(|| format!("reading the node under {}", paths.root().display()))?;
+        for u in &inv.unreadable {
+            tracing::debug!(path = %u.path.display(), reason = %u.reason, "unreadable");
+        }
+        Ok(NodeView {
+            inv,
+            nodes: DevNodes::read(paths),
+        })
+    }
+
+    /// Reads again what `pending` names: the whole node, or only the devices, group nodes and
+    /// iommufd nodes events named.
+    fn update(&mut self, paths: &HostPaths, pending: &Pending) -> anyhow::Result<()> {
+        if pending.node {
+            *self = NodeView::read(paths)?;
+            return Ok(());
+        }
+        for a in &pending.pci {
+            self.inv.refresh_pci(paths, *a, &READ_OPTIONS);
+        }
+        for u in &pending.mdevs {
+            self.inv.refresh_mdev(paths, u);
+        }
+        for g in &pending.groups {
+            self.inv.refresh_vfio_node(paths, *g);
+        }
+        if pending.dev_nodes {
+            self.nodes = DevNodes::read(paths);
+        }
+        Ok(())
+    }
+
+    /// [`NodeView::update`], then the resources. Device reads run on the blocking pool; a group
+    /// node's check (one `stat`) and the rebuild in memory run here.
+    async fn update_async(
+        &mut self,
+        paths: &HostPaths,
+        cfg: &DiscoverConfig,
+        pending: Pending,
+    ) -> anyhow::Result<Snapshot> {
+        if !pending.reads_devices() {
+            self.update(paths, &pending)?;
+            return Ok(discovery::discover(&self.inv, cfg));
+        }
+        let mut view = std::mem::take(self);
+        let (p, c) = (paths.clone(), cfg.clone());
+        let done = tokio::task::spawn_blocking(move || {
+            let res = view.update(&p, &pending);
+            let snap = discovery::discover(&view.inv, &c);
+            (view, res.map(|()| snap))
+        })
+        .await;
+        match done {
+            Ok((view, res)) => {
+                *self = view;
+                res
+            }
+            // The view went with the task: the next update must read the whole node.
+            Err(e) => Err(anyhow::Error::new(e).context("inventory task")),
+        }
+    }
 }
 
 struct Manager {
@@ -179,7 +244,7 @@ pub async fn run(
     let metrics = Arc::new(Metrics::default());
     std::fs::create_dir_all(&config.kubelet_dir)
         .with_context(|| format!("creating {}", config.kubelet_dir.display()))?;
-    let changes = Arc::new(Notify::new());
+    let (changes_tx, mut changes) = mpsc::unbounded_channel();
     let (wake_tx, _) = watch::channel(0u64);
     let wake = Arc::new(wake_tx);
     let kubelet_generation = Arc::new(AtomicU64::new(0));
@@ -187,13 +252,18 @@ pub async fn run(
         &config.kubelet_dir,
         &paths.dev(),
         &paths.dev_vfio(),
-        changes.clone(),
+        changes_tx.clone(),
         wake.clone(),
         kubelet_generation.clone(),
     )?;
-    events::spawn_udev(changes.clone());
+    let _uevents = events::start_uevents(changes_tx);
 
-    let (snap, nodes) = read_node_async(&paths, &config.discover).await?;
+    let mut view = NodeView::default();
+    let first = Pending {
+        node: true,
+        ..Pending::default()
+    };
+    let snap = view.update_async(&paths, &config.discover, first).await?;
     let mut tasks: JoinSet<anyhow::Result<()>> = JoinSet::new();
     let task_stop = shutdown.child_token();
     if let Some(addr) = config.metrics_addr {
@@ -211,19 +281,25 @@ pub async fn run(
     if snap.resources.is_empty() {
         tracing::info!("no devices to advertise yet; watching for them");
     }
-    mgr.apply(snap, nodes, &mut tasks);
+    mgr.apply(snap, view.nodes.clone(), &mut tasks);
 
     let mut resync = tokio::time::interval(config.resync_interval);
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     resync.tick().await;
     let mut last_read = tokio::time::Instant::now();
+    let mut pending = Pending::default();
     let result = loop {
         tokio::select! {
             _ = shutdown.cancelled() => break Ok(()),
-            _ = changes.notified() => {
+            Some(c) = changes.recv() => {
+                pending.add(c);
                 tokio::time::sleep_until(last_read + config.debounce).await;
+                while let Ok(c) = changes.try_recv() {
+                    pending.add(c);
+                }
             }
             _ = resync.tick() => {
+                pending.node = true;
                 wake.send_modify(|c| *c += 1);
             }
             Some(done) = tasks.join_next() => {
@@ -238,12 +314,17 @@ pub async fn run(
         }
         files.refresh();
         last_read = tokio::time::Instant::now();
-        match read_node_async(&paths, &config.discover).await {
-            Ok((snap, nodes)) => mgr.apply(snap, nodes, &mut tasks),
-            Err(e) => tracing::warn!(
-                error = format!("{e:#}"),
-                "cannot re-read the node; keeping the last state"
-            ),
+        let work = std::mem::take(&mut pending);
+        tracing::debug!(?work, "reading again");
+        match view.update_async(&paths, &config.discover, work).await {
+            Ok(snap) => mgr.apply(snap, view.nodes.clone(), &mut tasks),
+            Err(e) => {
+                tracing::warn!(
+                    error = format!("{e:#}"),
+                    "cannot re-read the node; keeping the last state and reading it all next time"
+                );
+                pending.node = true;
+            }
         }
     };
     task_stop.cancel();

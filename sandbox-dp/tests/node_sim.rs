@@ -14,11 +14,8 @@ const A10_4Q: &str = "nvidia.com/NVIDIA_A10-4Q";
 const GPU_A: &str = "0000:41:00.0";
 const GPU_B: &str = "0000:61:00.0";
 
-/// The resync for tests that change node-sim while the daemon runs. node-sim's change signal is
-/// a uevent on the udev netlink group (its README), and its sender is still a stub, so these
-/// tests lean on a short resync; with uevents flowing, `Daemon::start` (an hour) is the
-/// stricter check. The plain-tree tests (`tree.rs`) cover the event path through inotify.
-const NODE_SIM_RESYNC: &str = "2s";
+// Every daemon here runs with an hour's resync (`Daemon::start`): what a test waits for after
+// changing node-sim can only come from the uevent node-sim sends for that change.
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn passthrough_a10s_register_list_and_allocate() {
@@ -30,7 +27,7 @@ async fn passthrough_a10s_register_list_and_allocate() {
     bind_vfio(root, GPU_B);
     let (_k, kdir) = kubelet_dir();
     let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
-    let mut d = Daemon::start_with_resync(root, &kdir, NODE_SIM_RESYNC, &[]);
+    let mut d = Daemon::start(root, &kdir, &[]);
 
     let reg = kubelet.next_registration(DEADLINE).await.unwrap();
     assert_eq!(reg.resource_name, A10);
@@ -144,7 +141,7 @@ async fn mdevs_created_and_removed_while_running() {
     let root = sim.root();
     let (_k, kdir) = kubelet_dir();
     let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
-    let _d = Daemon::start_with_resync(root, &kdir, NODE_SIM_RESYNC, &[]);
+    let _d = Daemon::start(root, &kdir, &[]);
 
     // Nothing to advertise yet; vgpu-device-manager then creates two A10-4Q on GPU B.
     write(
@@ -199,6 +196,57 @@ async fn mdevs_created_and_removed_while_running() {
     // And back.
     create_mdev(root, "0000:61:00.6", "nvidia-593", u1);
     lw.wait_until(DEADLINE, |l| ids(l) == [u1]).await.unwrap();
+}
+
+fn control(root: &Path, command: &str) {
+    write(root, "sys/kernel/node-sim/control", command);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_plugged_and_unplugged_gpus_follow_their_uevents() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    bind_vfio(root, GPU_A);
+    let (_k, kdir) = kubelet_dir();
+    let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
+    let _d = Daemon::start(root, &kdir, &[]);
+    let reg = kubelet.next_registration(DEADLINE).await.unwrap();
+    let mut plugin = kubelet.plugin(&reg.endpoint).await.unwrap();
+    let mut lw = plugin.list_and_watch().await.unwrap();
+    assert_eq!(ids(&lw.next(DEADLINE).await.unwrap()), [GPU_A]);
+
+    // A GPU hot-plugged (on nvidia: not advertised), then bound to vfio-pci.
+    let new = "0000:81:00.0";
+    control(root, &format!("hotplug {new} A10 numa=1"));
+    bind_vfio(root, new);
+    let list = lw
+        .wait_until(DEADLINE, |l| ids(l) == [GPU_A, new])
+        .await
+        .unwrap();
+    assert_eq!(list[1].health, "Healthy");
+    assert_eq!(numa(&list[1]), [1]);
+    let resp = plugin.allocate(&[&[new]]).await.unwrap();
+    assert_eq!(
+        resp.container_responses[0]
+            .envs
+            .get("PCI_RESOURCE_NVIDIA_COM_GA102GL_A10")
+            .map(String::as_str),
+        Some(new)
+    );
+
+    // Unplugged while bound: it leaves the list and is refused.
+    control(root, &format!("unplug {new}"));
+    lw.wait_until(DEADLINE, |l| ids(l) == [GPU_A])
+        .await
+        .unwrap();
+    let e = plugin.allocate(&[&[new]]).await.unwrap_err();
+    assert!(e.message().contains(new), "{}", e.message());
+    // The last one too: the resource stays, empty.
+    control(root, &format!("unplug {GPU_A}"));
+    lw.wait_until(DEADLINE, |l| l.is_empty()).await.unwrap();
+    assert!(kdir.join(&reg.endpoint).exists());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -305,25 +353,38 @@ async fn sriov_vgpu_vfs_are_pci_resources() {
         .unwrap();
     assert_eq!(ids(&list), [vf]);
     assert_eq!(numa(&list[0]), [0]);
+    // The nvidia driver registers a VF holding a vGPU with VFIO itself: its group node exists
+    // while it stays on nvidia, so the VF is Healthy and allocated as a PCI device.
     let group =
         std::fs::read_link(root.join(format!("sys/bus/pci/devices/{vf}/iommu_group"))).unwrap();
     let group = group.file_name().unwrap().to_str().unwrap().to_string();
-    if root.join(format!("dev/vfio/{group}")).exists() {
-        assert_eq!(list[0].health, "Healthy", "{list:?}");
-        let resp = plugin.allocate(&[&[vf]]).await.unwrap();
-        let c = &resp.container_responses[0];
-        assert_eq!(c.envs.get(&env).map(String::as_str), Some(vf));
-        assert_eq!(
-            host_paths(c),
-            ["/dev/vfio/vfio".to_string(), format!("/dev/vfio/{group}")]
-        );
-    } else {
-        // No VFIO group node for the VF (node-sim does not model the vendor VFIO device):
-        // advertised, but Unhealthy and refused.
-        assert_eq!(list[0].health, "Unhealthy", "{list:?}");
-        let e = plugin.allocate(&[&[vf]]).await.unwrap_err();
-        assert!(e.message().contains(vf), "{}", e.message());
-    }
+    assert!(root.join(format!("dev/vfio/{group}")).exists());
+    assert_eq!(list[0].health, "Healthy", "{list:?}");
+    let resp = plugin.allocate(&[&[vf]]).await.unwrap();
+    let c = &resp.container_responses[0];
+    assert_eq!(c.envs.get(&env).map(String::as_str), Some(vf));
+    assert_eq!(
+        host_paths(c),
+        ["/dev/vfio/vfio".to_string(), format!("/dev/vfio/{group}")]
+    );
+
+    // The vGPU removed (type 0): the VF leaves the list, on the VF's uevent alone.
+    let mut lw = plugin.list_and_watch().await.unwrap();
+    lw.next(DEADLINE).await.unwrap();
+    write(
+        root,
+        &format!("sys/bus/pci/devices/{vf}/nvidia/current_vgpu_type"),
+        "0",
+    );
+    lw.wait_until(DEADLINE, |l| l.is_empty()).await.unwrap();
+    assert!(!root.join(format!("dev/vfio/{group}")).exists());
+    write(
+        root,
+        &format!("sys/bus/pci/devices/{vf}/nvidia/current_vgpu_type"),
+        &id,
+    );
+    let list = lw.wait_until(DEADLINE, |l| l.len() == 1).await.unwrap();
+    assert_eq!(list[0].health, "Healthy", "{list:?}");
 
     let out = run(&["permitted-devices"], root);
     assert!(out.status.success());

@@ -11,8 +11,8 @@ use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use common::uevent::{Monitor, Subject, Uevent};
 use common::{HostPaths, PciAddress, error_chain};
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -49,88 +49,6 @@ impl Default for DaemonConfig {
 /// The readiness file's path.
 pub fn ready_path(paths: &HostPaths) -> PathBuf {
     paths.validations_dir().join(READY_FILE)
-}
-
-/// A udev event on the pci subsystem: its action and the function's address.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct PciEvent {
-    action: String,
-    address: Option<PciAddress>,
-}
-
-/// Starts a thread that forwards pci uevents to `tx` until `shutdown`. Returns once the
-/// monitor socket is open (or could not be).
-fn start_udev(
-    tx: mpsc::UnboundedSender<PciEvent>,
-    shutdown: CancellationToken,
-) -> Result<(), String> {
-    let (opened_tx, opened_rx) = std::sync::mpsc::channel::<Result<(), String>>();
-    std::thread::Builder::new()
-        .name("udev-monitor".into())
-        .spawn(move || {
-            // The sockets are not Send: they live and die on this thread. Two monitors: the
-            // kernel's own uevents (heard with no udevd: minimal hosts, the VM tier) and udevd's
-            // re-broadcasts (what containers without the host network namespace's kernel
-            // group, and node-sim, send). A device may be heard twice; a resync is idempotent.
-            let mut sockets = Vec::new();
-            let mut errors = Vec::new();
-            for (kernel, name) in [(true, "kernel"), (false, "udev")] {
-                let b = if kernel {
-                    udev::MonitorBuilder::new_kernel()
-                } else {
-                    udev::MonitorBuilder::new()
-                };
-                match b.and_then(|b| b.listen()) {
-                    Ok(s) => sockets.push(s),
-                    Err(e) => errors.push(format!("{name} group: {e}")),
-                }
-            }
-            if sockets.is_empty() {
-                let _ = opened_tx.send(Err(format!(
-                    "cannot open a udev monitor ({})",
-                    errors.join("; ")
-                )));
-                return;
-            }
-            for e in &errors {
-                tracing::debug!("udev monitor not available: {e}");
-            }
-            let _ = opened_tx.send(Ok(()));
-            use std::os::fd::AsFd;
-            while !shutdown.is_cancelled() {
-                let mut fds: Vec<PollFd> = sockets
-                    .iter()
-                    .map(|s| PollFd::new(s.as_fd(), PollFlags::POLLIN))
-                    .collect();
-                match poll(&mut fds, PollTimeout::from(200u16)) {
-                    Ok(0) => continue,
-                    Ok(_) => {}
-                    Err(nix::errno::Errno::EINTR) => continue,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "udev sockets failed; resync only");
-                        return;
-                    }
-                }
-                drop(fds);
-                for socket in &sockets {
-                    for ev in socket.iter() {
-                        if ev.subsystem().and_then(|s| s.to_str()) != Some("pci") {
-                            continue;
-                        }
-                        let action = ev.event_type().to_string();
-                        let address = ev.sysname().to_str().and_then(|s| s.parse().ok());
-                        tracing::debug!(%action, device = ?address, "udev event");
-                        if tx.send(PciEvent { action, address }).is_err() {
-                            return;
-                        }
-                    }
-                }
-            }
-        })
-        .map_err(|e| format!("cannot start the udev monitor thread: {e}"))?;
-    opened_rx
-        .recv()
-        .map_err(|_| "the udev monitor thread ended".to_string())?
 }
 
 /// Writes the readiness file (when `report` is clean) or removes it.
@@ -208,15 +126,22 @@ async fn reconcile(cfg: &Config, paths: &HostPaths) -> Option<Report> {
 
 /// Runs the daemon until `shutdown`; returns the exit status (0: clean shutdown).
 pub async fn run_daemon(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToken) -> i32 {
-    let (tx, mut rx) = mpsc::unbounded_channel::<PciEvent>();
-    let watcher = shutdown.child_token();
-    if cfg.udev {
-        if let Err(e) = start_udev(tx, watcher.clone()) {
-            tracing::warn!(error = %e, "udev events unavailable; relying on the resync interval");
-        }
+    let (tx, mut rx) = mpsc::unbounded_channel::<Uevent>();
+    // pci uevents (kernel and udev groups: common::uevent), until the monitor is dropped.
+    let monitor = if cfg.udev {
+        Monitor::start(&["pci"], move |ev| tx.send(ev).is_ok())
+            .inspect_err(|e| {
+                tracing::warn!(error = %e, "udev events unavailable; relying on the resync interval")
+            })
+            .ok()
     } else {
         drop(tx);
-    }
+        None
+    };
+    let address = |ev: &Uevent| match ev.subject {
+        Subject::Pci(a) => Some(a),
+        _ => None,
+    };
     let mut ticker = tokio::time::interval(cfg.resync_interval.max(Duration::from_millis(100)));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut events_open = cfg.udev;
@@ -235,7 +160,7 @@ pub async fn run_daemon(cfg: DaemonConfig, paths: HostPaths, shutdown: Cancellat
             }
             ev = rx.recv(), if events_open => match ev {
                 Some(ev) => {
-                    tracing::debug!(action = %ev.action, device = ?ev.address, "change seen");
+                    tracing::debug!(action = %ev.action, device = ?address(&ev), "change seen");
                     // Let a burst of events (a driver's remove + add) settle.
                     let settle = tokio::time::Instant::now() + Duration::from_millis(100);
                     tokio::select! {
@@ -273,13 +198,13 @@ pub async fn run_daemon(cfg: DaemonConfig, paths: HostPaths, shutdown: Cancellat
                 .map(|r| r.address)
                 .collect();
             while let Ok(ev) = rx.try_recv() {
-                if !failed || ev.address.is_none_or(|a| !touched.contains(&a)) {
+                if !failed || address(&ev).is_none_or(|a| !touched.contains(&a)) {
                     again = true;
                 }
             }
         }
     }
-    watcher.cancel();
+    drop(monitor);
     if cfg.unbind_on_exit {
         tracing::info!("shutting down: giving the devices back (--unbind-on-exit)");
         set_ready(&paths, None);

@@ -128,6 +128,21 @@ pub fn host_paths(c: &ContainerAllocateResponse) -> Vec<String> {
     c.devices.iter().map(|d| d.host_path.clone()).collect()
 }
 
+/// Whether this process may send uevents (root, for `CAP_NET_ADMIN`). When it may not, prints
+/// `skipped: ...`, or panics when `NODE_SIM=required` (where node-sim runs, root is there:
+/// CI requires every root-only test).
+pub fn may_send_uevents(what: &str) -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    let line = format!("skipped: {what}: not root (sending a uevent needs CAP_NET_ADMIN)");
+    if std::env::var("NODE_SIM").is_ok_and(|v| v == "required") {
+        panic!("NODE_SIM=required but {line}");
+    }
+    eprintln!("{line}");
+    false
+}
+
 /// A kubelet directory outside the host root (node-sim's is a plain directory too).
 pub fn kubelet_dir() -> (tempfile::TempDir, PathBuf) {
     let d = tempfile::Builder::new()

@@ -108,6 +108,21 @@ impl Tree {
         std::fs::write(self.vfio_node(130), "").unwrap();
     }
 
+    /// Moves a function's `driver` link (sysfs only: no event announces it).
+    pub fn set_driver(&self, bdf: &str, driver: Option<&str>) {
+        let link = self
+            .root
+            .join("sys/bus/pci/devices")
+            .join(bdf)
+            .join("driver");
+        let _ = std::fs::remove_file(&link);
+        if let Some(d) = driver {
+            let target = self.root.join("sys/bus/pci/drivers").join(d);
+            std::fs::create_dir_all(&target).unwrap();
+            symlink(target, link).unwrap();
+        }
+    }
+
     pub fn vfio_node(&self, group: u32) -> PathBuf {
         self.root.join(format!("dev/vfio/{group}"))
     }

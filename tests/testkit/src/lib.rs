@@ -5,3 +5,4 @@ pub mod apiserver;
 pub mod h2raw;
 pub mod sim;
 pub mod tree;
+pub mod uevent;

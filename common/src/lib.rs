@@ -69,7 +69,7 @@ pub use inventory::{
     Inventory, MdevDevice, MdevParent, MdevType, NvidiaVgpu, PciDevice, ReadOptions, Unreadable,
     VgpuType, error_chain, is_vfio_driver,
 };
-pub use naming::{PciIds, env_var_name, passthrough_resource_name, vgpu_resource_name};
+pub use naming::{IdsSource, PciIds, env_var_name, passthrough_resource_name, vgpu_resource_name};
 pub use ops::Sysfs;
 pub use paths::{HostPaths, host_vfio_group_path};
 pub use pci::PciAddress;

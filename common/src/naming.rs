@@ -10,83 +10,15 @@
 //! - KubeVirt's env var: prefix + `_` + the resource name upper-cased with `/` and `.` → `_`:
 //!   `PCI_RESOURCE_NVIDIA_COM_GA102GL_A10`.
 
-use std::collections::HashMap;
-use std::path::Path;
+mod pci_ids;
 
-use crate::error::{Error, Result};
+pub use pci_ids::{IdsSource, PciIds};
 
 /// The resource-name prefix.
 pub const RESOURCE_PREFIX: &str = "nvidia.com/";
 
+/// The pinned NVIDIA block of `pci.ids`, the names used without `--pci-ids`.
 const EMBEDDED: &str = include_str!("../data/nvidia-pci.ids");
-
-/// Device names from a `pci.ids` file.
-#[derive(Clone, Debug, Default)]
-pub struct PciIds {
-    names: HashMap<(u16, u16), String>,
-}
-
-impl PciIds {
-    /// The pinned NVIDIA block embedded in the binary.
-    pub fn embedded() -> Self {
-        Self::parse(EMBEDDED)
-    }
-
-    /// A full `pci.ids` file (`--pci-ids`).
-    pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
-            path: path.to_path_buf(),
-            source: e,
-        })?;
-        let ids = Self::parse(&text);
-        if ids.names.is_empty() {
-            return Err(Error::Parse {
-                path: path.to_path_buf(),
-                reason: "no vendor/device lines: not a pci.ids file".into(),
-            });
-        }
-        Ok(ids)
-    }
-
-    /// Parses `pci.ids` text: vendor lines `10de  NVIDIA Corporation`, device lines
-    /// `\t2236  GA102GL [A10]`; subsystem lines and the class section are skipped.
-    pub fn parse(text: &str) -> Self {
-        let mut names = HashMap::new();
-        let mut vendor: Option<u16> = None;
-        for line in text.lines() {
-            if line.starts_with('#') || line.trim().is_empty() {
-                continue;
-            }
-            if line.starts_with("C ") {
-                break; // device classes follow the vendors
-            }
-            if let Some(rest) = line.strip_prefix('\t') {
-                if rest.starts_with('\t') {
-                    continue; // subsystem
-                }
-                if let (Some(v), Some((id, name))) = (vendor, split_id(rest)) {
-                    names.insert((v, id), name.to_string());
-                }
-            } else {
-                vendor = split_id(line).map(|(id, _)| id);
-            }
-        }
-        PciIds { names }
-    }
-
-    /// The device's name (`GA102GL [A10]`).
-    pub fn device_name(&self, vendor: u16, device: u16) -> Option<&str> {
-        self.names.get(&(vendor, device)).map(String::as_str)
-    }
-}
-
-fn split_id(s: &str) -> Option<(u16, &str)> {
-    let (id, name) = s.split_once(' ')?;
-    if id.len() != 4 {
-        return None;
-    }
-    Some((u16::from_str_radix(id, 16).ok()?, name.trim()))
-}
 
 /// `GA102GL [A10]` → `GA102GL_A10`.
 pub fn sanitize_device_name(name: &str) -> String {
@@ -114,7 +46,7 @@ pub fn sanitize_device_name(name: &str) -> String {
 pub fn passthrough_resource_name(ids: &PciIds, vendor: u16, device: u16) -> String {
     let name = ids
         .device_name(vendor, device)
-        .map(sanitize_device_name)
+        .map(|n| sanitize_device_name(&n))
         .filter(|n| !n.is_empty())
         .unwrap_or_else(|| format!("{device:04x}"));
     format!("{RESOURCE_PREFIX}{name}")
@@ -217,7 +149,11 @@ mod tests {
             "nvidia.com/VIRTUAL_VIDEO_CONTROLLER"
         );
         std::fs::write(&f, "garbage\n").unwrap();
-        assert!(PciIds::from_file(&f).is_err());
+        let e = PciIds::from_file(&f).unwrap_err();
+        assert!(e.to_string().contains("not a pci.ids file"), "{e}");
+        assert!(e.to_string().contains(&*f.to_string_lossy()), "{e}");
+        let e = PciIds::from_file(&dir.path().join("missing")).unwrap_err();
+        assert!(e.to_string().contains("missing"), "{e}");
     }
 
     proptest! {

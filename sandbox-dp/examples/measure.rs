@@ -12,7 +12,8 @@
 //!   group node removed and its `change` uevent sent → the VF gone from ListAndWatch. Needs root
 //!   (the uevent); skipped otherwise.
 //!
-//! Each figure: median (min–max) over the runs. Timings only; nothing is asserted.
+//! Each change follows a quiet spell of 100 ms (no debounce of an earlier event running). Each
+//! figure: median (min–max) over the runs. Timings only; nothing is asserted.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a measuring tool: a failed step should stop it
 
 use std::os::unix::fs::symlink;
@@ -24,6 +25,8 @@ use testkit::kubelet::FakeKubelet;
 use testkit::kubelet::api::Device;
 
 const WAIT: Duration = Duration::from_secs(30);
+/// A quiet spell before each change, so that no earlier event's debounce is still running.
+const QUIET: Duration = Duration::from_millis(100);
 
 struct Args {
     dp: PathBuf,
@@ -274,12 +277,14 @@ async fn main() {
     let (id, node) = ("0000:13:00.0", t.root.join("dev/vfio/103"));
     let (mut down, mut up) = (Vec::new(), Vec::new());
     for _ in 0..a.runs {
+        tokio::time::sleep(QUIET).await;
         let s = Instant::now();
         std::fs::remove_file(&node).unwrap();
         lw.wait_until(WAIT, |l| healthy(l, id) == Some(false))
             .await
             .unwrap();
         down.push(s.elapsed());
+        tokio::time::sleep(QUIET).await;
         let s = Instant::now();
         std::fs::write(&node, "").unwrap();
         lw.wait_until(WAIT, |l| healthy(l, id) == Some(true))
@@ -315,12 +320,14 @@ async fn main() {
         let (bdf, group) = &vfs[(i * 37) % vfs.len()];
         let dir = t.root.join("sys/bus/pci/devices").join(bdf);
         let devpath = format!("/devices/pci0000:00/x/{bdf}");
+        tokio::time::sleep(QUIET).await;
         let s = Instant::now();
         std::fs::write(dir.join("nvidia/current_vgpu_type"), "0\n").unwrap();
         std::fs::remove_file(t.root.join(format!("dev/vfio/{group}"))).unwrap();
         testkit::uevent::send("change", &devpath, "pci").unwrap();
         lw.wait_until(WAIT, |l| l.len() == n - 1).await.unwrap();
         gone.push(s.elapsed());
+        tokio::time::sleep(QUIET).await;
         let s = Instant::now();
         std::fs::write(dir.join("nvidia/current_vgpu_type"), "1147\n").unwrap();
         std::fs::write(t.root.join(format!("dev/vfio/{group}")), "").unwrap();

@@ -550,6 +550,56 @@ mod tests {
     }
 
     #[test]
+    fn a_re_read_looks_no_name_up_again() {
+        use common::IdsSource;
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+
+        /// pci.ids text that counts its reads.
+        struct Counting(&'static [u8], Arc<AtomicUsize>);
+        impl IdsSource for Counting {
+            fn size(&self) -> u64 {
+                self.0.len() as u64
+            }
+            fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<usize> {
+                self.1.fetch_add(1, Ordering::SeqCst);
+                self.0.read_at(offset, buf)
+            }
+        }
+        let text = "10de  NVIDIA Corporation\n\t2236  GA102GL [A10]\n\t\t10de 1482  A10\n\
+                    8086  Intel Corporation\n\t1572  Ethernet Controller X710\n";
+        let reads = Arc::new(AtomicUsize::new(0));
+        let ids =
+            PciIds::from_source(Box::new(Counting(text.as_bytes(), reads.clone())), "t").unwrap();
+        let indexed = reads.load(Ordering::SeqCst);
+        let inv = inventory(
+            vec![
+                func("0000:13:00.0", 0x10de, 0x2236, 0x030200, "vfio-pci", 1),
+                func("0000:14:00.0", 0x10de, 0x2236, 0x030200, "vfio-pci", 2),
+            ],
+            Vec::new(),
+            &[1, 2],
+        );
+        let c = DiscoverConfig {
+            pci_ids: ids,
+            ..cfg(Some(0x10de))
+        };
+        let first = discover(&inv, &c);
+        assert_eq!(
+            first.resources.keys().collect::<Vec<_>>(),
+            ["nvidia.com/GA102GL_A10"]
+        );
+        // Two GPUs of one model: one lookup.
+        let looked_up = reads.load(Ordering::SeqCst);
+        assert_eq!(looked_up, indexed + 1);
+        // Each re-read (the daemon clones its configuration for it) reads no pci.ids again.
+        for _ in 0..5 {
+            assert_eq!(discover(&inv, &c.clone()), first);
+        }
+        assert_eq!(reads.load(Ordering::SeqCst), looked_up);
+    }
+
+    #[test]
     fn names_over_63_chars_are_refused() {
         let long = format!("nvidia.com/{}", "A".repeat(64));
         assert!(name_problem(&long).is_some_and(|p| p.contains("64 characters")));

@@ -101,23 +101,7 @@ async fn a_malformed_connection_ends_alone() {
     let s = serve();
     let mut good = RawGrpc::connect(&s.sock, Some("localhost")).await.unwrap();
     good.unary("/test.Echo/One", b"").await.unwrap();
-    let garbage: Vec<Vec<u8>> = vec![
-        // CONTINUATION without HEADERS.
-        h2raw::frame(0x9, 0x4, 1, &[0x82]),
-        // Undecodable HPACK (an index past both tables).
-        h2raw::frame(0x1, 0x4, 1, &[0xff, 0x7f]),
-        // A header block interrupted by DATA.
-        [
-            h2raw::frame(0x1, 0, 1, &[0x83]),
-            h2raw::frame(0x0, 0, 1, b"x"),
-        ]
-        .concat(),
-        // Padding longer than the frame.
-        h2raw::frame(0x1, 0x8 | 0x4, 1, &[200, 0x82]),
-        // A header block announced at 16 MiB.
-        vec![0xff, 0xff, 0xff, 0x1, 0, 0, 0, 0, 1],
-    ];
-    for g in garbage {
+    for g in h2raw::malformed_streams() {
         let mut bad = RawGrpc::connect(&s.sock, None).await.unwrap();
         bad.send_raw(&g).await.unwrap();
         assert!(bad.closed_by_server().await, "{g:02x?} left open");

@@ -50,9 +50,10 @@ pub struct Config {
     pub metrics_addr: Option<SocketAddr>,
     /// Re-read the node this often even without events.
     pub resync_interval: Duration,
-    /// The shortest time between two event-driven re-reads. The first event after a quiet
-    /// spell is read at once; a burst (twelve mdevs created, a driver's remove and add) costs at
-    /// most one read per interval, its last event included.
+    /// The shortest time between two event-driven reads of devices. The first event after a
+    /// quiet spell is read at once; a burst (twelve mdevs created, a driver's remove and add)
+    /// costs at most one read per interval, its last event included. Group-node checks do not
+    /// count.
     pub debounce: Duration,
 }
 
@@ -293,9 +294,15 @@ pub async fn run(
             _ = shutdown.cancelled() => break Ok(()),
             Some(c) = changes.recv() => {
                 pending.add(c);
-                tokio::time::sleep_until(last_read + config.debounce).await;
                 while let Ok(c) = changes.try_recv() {
                     pending.add(c);
+                }
+                // Checking group nodes is never delayed; reading devices is debounced.
+                if pending.reads_devices() {
+                    tokio::time::sleep_until(last_read + config.debounce).await;
+                    while let Ok(c) = changes.try_recv() {
+                        pending.add(c);
+                    }
                 }
             }
             _ = resync.tick() => {
@@ -313,8 +320,13 @@ pub async fn run(
             }
         }
         files.refresh();
-        last_read = tokio::time::Instant::now();
         let work = std::mem::take(&mut pending);
+        // Only reads of devices count for the debounce: a group node's check costs a `stat`,
+        // and the uevent that often follows it (a vGPU removed: its node goes, then its VF's
+        // event comes) is read at once.
+        if work.reads_devices() {
+            last_read = tokio::time::Instant::now();
+        }
         tracing::debug!(?work, "reading again");
         match view.update_async(&paths, &config.discover, work).await {
             Ok(snap) => mgr.apply(snap, view.nodes.clone(), &mut tasks),

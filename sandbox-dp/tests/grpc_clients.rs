@@ -59,11 +59,21 @@ async fn two_resources() -> (Tree, tempfile::TempDir, Daemon, Vec<Served>) {
     (t, k, d, served)
 }
 
-fn answered(r: &Reply, what: &str) -> Vec<u8> {
-    assert_eq!(r.reset, None, "{what}: stream reset: {r:?}");
-    assert_eq!(r.grpc_status(), Some("0"), "{what}: {r:?}");
-    assert_eq!(r.messages.len(), 1, "{what}: {r:?}");
-    r.messages[0].clone()
+/// A unary call that must be answered with status 0 and one message.
+async fn call<T: prost::Message + Default>(
+    c: &mut RawGrpc,
+    method: &str,
+    request: &impl prost::Message,
+    what: &str,
+) -> T {
+    let r: Reply = c
+        .unary(&format!("{SERVICE}{method}"), &request.encode_to_vec())
+        .await
+        .unwrap();
+    assert_eq!(r.reset, None, "{what}: {method}: stream reset: {r:?}");
+    assert_eq!(r.grpc_status(), Some("0"), "{what}: {method}: {r:?}");
+    assert_eq!(r.messages.len(), 1, "{what}: {method}: {r:?}");
+    T::decode(&r.messages[0][..]).unwrap()
 }
 
 fn allocate_request(id: &str) -> AllocateRequest {
@@ -89,14 +99,7 @@ async fn every_rpc(s: &Served, authority: Option<&str>) {
     let what = format!("{} with :authority {authority:?}", s.socket.display());
     let mut c = RawGrpc::connect(&s.socket, authority).await.unwrap();
 
-    let r = c
-        .unary(
-            &format!("{SERVICE}GetDevicePluginOptions"),
-            &Empty {}.encode_to_vec(),
-        )
-        .await
-        .unwrap();
-    let opts = DevicePluginOptions::decode(&answered(&r, &what)[..]).unwrap();
+    let opts: DevicePluginOptions = call(&mut c, "GetDevicePluginOptions", &Empty {}, &what).await;
     assert!(opts.get_preferred_allocation_available, "{what}");
 
     let stream = c
@@ -109,14 +112,7 @@ async fn every_rpc(s: &Served, authority: Option<&str>) {
     assert_eq!(list.devices[0].health, "Healthy", "{what}");
 
     // With ListAndWatch still open on the same connection.
-    let r = c
-        .unary(
-            &format!("{SERVICE}Allocate"),
-            &allocate_request(s.device).encode_to_vec(),
-        )
-        .await
-        .unwrap();
-    let resp = AllocateResponse::decode(&answered(&r, &what)[..]).unwrap();
+    let resp: AllocateResponse = call(&mut c, "Allocate", &allocate_request(s.device), &what).await;
     assert_eq!(
         resp.container_responses[0]
             .envs
@@ -126,14 +122,13 @@ async fn every_rpc(s: &Served, authority: Option<&str>) {
         "{what}"
     );
 
-    let r = c
-        .unary(
-            &format!("{SERVICE}GetPreferredAllocation"),
-            &preferred_request(s.device).encode_to_vec(),
-        )
-        .await
-        .unwrap();
-    let resp = PreferredAllocationResponse::decode(&answered(&r, &what)[..]).unwrap();
+    let resp: PreferredAllocationResponse = call(
+        &mut c,
+        "GetPreferredAllocation",
+        &preferred_request(s.device),
+        &what,
+    )
+    .await;
     assert_eq!(
         resp.container_responses[0].device_i_ds,
         [s.device],
@@ -161,25 +156,7 @@ async fn every_rpc_is_answered_whatever_the_authority() {
 async fn malformed_http2_ends_the_connection_not_the_daemon() {
     let (_t, k, mut d, served) = two_resources().await;
     let s = &served[0];
-    let garbage: Vec<Vec<u8>> = vec![
-        // CONTINUATION without HEADERS.
-        h2raw::frame(0x9, 0x4, 1, &[0x82]),
-        // Undecodable HPACK (an index past both tables).
-        h2raw::frame(0x1, 0x4, 1, &[0xff, 0x7f]),
-        // A header block interrupted by a DATA frame.
-        [
-            h2raw::frame(0x1, 0, 1, &[0x83]),
-            h2raw::frame(0x0, 0, 1, b"x"),
-        ]
-        .concat(),
-        // Padding longer than the frame.
-        h2raw::frame(0x1, 0x8 | 0x4, 1, &[200, 0x82]),
-        // A header block announced at 16 MiB.
-        vec![0xff, 0xff, 0xff, 0x1, 0, 0, 0, 0, 1],
-        // A Huffman string with an invalid padding.
-        h2raw::frame(0x1, 0x4, 1, &[0x00, 0x81, 0x00, 0x81, 0x00]),
-    ];
-    for g in &garbage {
+    for g in &h2raw::malformed_streams() {
         let mut bad = RawGrpc::connect(&s.socket, None).await.unwrap();
         bad.send_raw(g).await.unwrap();
         assert!(bad.closed_by_server().await, "{g:02x?} left open");

@@ -231,16 +231,10 @@ impl RawGrpc {
                 r.ended = true;
             }
             HEADERS => {
-                let mut start = 0;
-                let mut end = payload.len();
-                if flags & PADDED != 0 {
-                    start = 1;
-                    end -= usize::from(payload[0]);
-                }
+                let mut block = unpadded(flags, &payload)?;
                 if flags & PRIORITY != 0 {
-                    start += 5;
+                    block.drain(..5.min(block.len()));
                 }
-                let mut block = payload[start..end].to_vec();
                 let mut last = flags;
                 while last & END_HEADERS == 0 {
                     let (t, f, _, p) = self.next_frame().await?;
@@ -273,14 +267,9 @@ impl RawGrpc {
                 }
             }
             DATA => {
-                let mut start = 0;
-                let mut end = payload.len();
-                if flags & PADDED != 0 {
-                    start = 1;
-                    end -= usize::from(payload[0]);
-                }
+                let data = unpadded(flags, &payload)?;
                 let r = self.streams.entry(stream).or_default();
-                r.data.extend_from_slice(&payload[start..end]);
+                r.data.extend_from_slice(&data);
                 while r.data.len() >= 5 {
                     let len =
                         u32::from_be_bytes([r.data[1], r.data[2], r.data[3], r.data[4]]) as usize;
@@ -305,6 +294,37 @@ impl RawGrpc {
         }
         Ok(())
     }
+}
+
+/// A HEADERS or DATA payload without its padding.
+fn unpadded(flags: u8, payload: &[u8]) -> anyhow::Result<Vec<u8>> {
+    if flags & PADDED == 0 {
+        return Ok(payload.to_vec());
+    }
+    let pad = usize::from(
+        *payload
+            .first()
+            .ok_or_else(|| anyhow!("empty padded frame"))?,
+    );
+    payload
+        .get(1..payload.len().saturating_sub(pad))
+        .map(<[u8]>::to_vec)
+        .ok_or_else(|| anyhow!("padding longer than the frame"))
+}
+
+/// Byte streams a server must refuse by ending the connection, each after the preface:
+/// a CONTINUATION without HEADERS, undecodable HPACK (an index past both tables), a header
+/// block interrupted by DATA, padding longer than its frame, a header block announced at
+/// 16 MiB, a Huffman string with invalid padding.
+pub fn malformed_streams() -> Vec<Vec<u8>> {
+    vec![
+        frame(CONTINUATION, END_HEADERS, 1, &[0x82]),
+        frame(HEADERS, END_HEADERS, 1, &[0xff, 0x7f]),
+        [frame(HEADERS, 0, 1, &[0x83]), frame(DATA, 0, 1, b"x")].concat(),
+        frame(HEADERS, PADDED | END_HEADERS, 1, &[200, 0x82]),
+        vec![0xff, 0xff, 0xff, HEADERS, 0, 0, 0, 0, 1],
+        frame(HEADERS, END_HEADERS, 1, &[0x00, 0x81, 0x00, 0x81, 0x00]),
+    ]
 }
 
 /// One HTTP/2 frame.

@@ -159,15 +159,45 @@ impl Monitor {
     where
         F: FnMut(Uevent) -> bool + Send + 'static,
     {
+        Self::spawn(subsystems, handler)?.wait()
+    }
+
+    /// [`Monitor::start`] in two steps: the thread starts joining the groups, and
+    /// [`Starting::wait`] returns once it listens. Setting up other watches in between takes
+    /// their time off the start.
+    pub fn spawn<F>(
+        subsystems: &'static [&'static str],
+        handler: F,
+    ) -> Result<Starting, MonitorError>
+    where
+        F: FnMut(Uevent) -> bool + Send + 'static,
+    {
         let (stop_read, stop_write) =
             nix::unistd::pipe().map_err(|e| MonitorError::Thread(e.into()))?;
-        let (opened_tx, opened_rx) = mpsc::channel::<Result<(), String>>();
+        let (opened_tx, opened) = mpsc::channel::<Result<(), String>>();
         std::thread::Builder::new()
             .name("uevents".into())
             .spawn(move || listen(subsystems, handler, stop_read, opened_tx))
             .map_err(MonitorError::Thread)?;
-        match opened_rx.recv() {
-            Ok(Ok(())) => Ok(Monitor { _stop: stop_write }),
+        Ok(Starting {
+            stop: stop_write,
+            opened,
+        })
+    }
+}
+
+/// A [`Monitor`] whose thread is joining the netlink groups.
+#[derive(Debug)]
+pub struct Starting {
+    stop: OwnedFd,
+    opened: mpsc::Receiver<Result<(), String>>,
+}
+
+impl Starting {
+    /// Waits until the monitor listens (events from then on are heard).
+    pub fn wait(self) -> Result<Monitor, MonitorError> {
+        match self.opened.recv() {
+            Ok(Ok(())) => Ok(Monitor { _stop: self.stop }),
             Ok(Err(e)) => Err(MonitorError::NoSocket(e)),
             Err(_) => Err(MonitorError::NoSocket("the uevent thread ended".into())),
         }

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use common::PciAddress;
-use common::uevent::{Monitor, Subject};
+use common::uevent::{Monitor, MonitorError, Starting, Subject};
 use notify::{EventKind, RecommendedWatcher, RecursiveMode, Watcher as _};
 use tokio::sync::{mpsc, watch};
 
@@ -99,14 +99,19 @@ impl Pending {
     }
 }
 
-/// Listens to uevents (both netlink groups, [`common::uevent::Monitor`]) and sends what each
-/// names to `changes`, until the returned monitor is dropped. Without uevents (no
-/// `CAP_NET_ADMIN` in the host's network namespace) it logs why: inotify and the resync still
-/// run.
-pub fn start_uevents(changes: mpsc::UnboundedSender<Change>) -> Option<Monitor> {
-    match Monitor::start(RELEVANT_SUBSYSTEMS, move |ev| {
+/// Starts listening to uevents (both netlink groups, [`common::uevent::Monitor`]), sending
+/// what each names to `changes`; [`listening`] waits until it listens.
+pub fn start_uevents(changes: mpsc::UnboundedSender<Change>) -> Result<Starting, MonitorError> {
+    Monitor::spawn(RELEVANT_SUBSYSTEMS, move |ev| {
         changes.send(Change::from(ev.subject)).is_ok()
-    }) {
+    })
+}
+
+/// The monitor [`start_uevents`] started, once it listens; it stops when dropped. Without
+/// uevents (no `CAP_NET_ADMIN` in the host's network namespace) this logs why: inotify and the
+/// resync still run.
+pub fn listening(started: Result<Starting, MonitorError>) -> Option<Monitor> {
+    match started.and_then(Starting::wait) {
         Ok(m) => Some(m),
         Err(e) => {
             tracing::warn!(error = %e, "no uevents: relying on inotify and the resync interval");

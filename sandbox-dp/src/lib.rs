@@ -246,6 +246,9 @@ pub async fn run(
     std::fs::create_dir_all(&config.kubelet_dir)
         .with_context(|| format!("creating {}", config.kubelet_dir.display()))?;
     let (changes_tx, mut changes) = mpsc::unbounded_channel();
+    // The uevent monitor joins its groups while the file watches are set up; both listen
+    // before the node is read, so no change after the read goes unseen.
+    let uevents = events::start_uevents(changes_tx.clone());
     let (wake_tx, _) = watch::channel(0u64);
     let wake = Arc::new(wake_tx);
     let kubelet_generation = Arc::new(AtomicU64::new(0));
@@ -253,11 +256,11 @@ pub async fn run(
         &config.kubelet_dir,
         &paths.dev(),
         &paths.dev_vfio(),
-        changes_tx.clone(),
+        changes_tx,
         wake.clone(),
         kubelet_generation.clone(),
     )?;
-    let _uevents = events::start_uevents(changes_tx);
+    let _uevents = events::listening(uevents);
 
     let mut view = NodeView::default();
     let first = Pending {

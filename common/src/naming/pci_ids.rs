@@ -12,7 +12,7 @@
 //! controller`, with its own tab-indented lines), which name no device.
 
 use std::collections::HashMap;
-use std::io;
+use std::io::{self, BufRead as _};
 use std::ops::Range;
 use std::os::unix::fs::FileExt as _;
 use std::path::Path;
@@ -206,6 +206,20 @@ pub(super) fn split_id(s: &str) -> Option<(u16, &str)> {
     Some((u16::from_str_radix(id, 16).ok()?, name.trim()))
 }
 
+/// Reads a source front to back.
+struct SourceReader<'a> {
+    source: &'a dyn IdsSource,
+    offset: u64,
+}
+
+impl io::Read for SourceReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.source.read_at(self.offset, buf)?;
+        self.offset += n as u64;
+        Ok(n)
+    }
+}
+
 /// One pass over the source: the byte range of each vendor's section, up to the classes.
 fn index(source: &dyn IdsSource) -> io::Result<HashMap<u16, Range<u64>>> {
     let mut vendors = HashMap::new();
@@ -215,44 +229,26 @@ fn index(source: &dyn IdsSource) -> io::Result<HashMap<u16, Range<u64>>> {
             vendors.entry(v).or_insert(start..end);
         }
     };
-    let mut chunk = vec![0u8; CHUNK];
-    // The unfinished line at the end of what was read, and where it starts.
-    let mut partial: Vec<u8> = Vec::new();
-    let mut partial_at = 0u64;
-    let mut offset = 0u64;
-    'read: loop {
-        let n = source.read_at(offset, &mut chunk)?;
-        let last = n == 0;
-        let mut data = std::mem::take(&mut partial);
-        data.extend_from_slice(&chunk[..n]);
-        offset += n as u64;
-        let mut line_at = partial_at;
-        let mut rest = &data[..];
-        loop {
-            let (line, next) = match rest.iter().position(|b| *b == b'\n') {
-                Some(i) => (&rest[..i], &rest[i + 1..]),
-                None if last && !rest.is_empty() => (rest, &rest[rest.len()..]),
-                None => break,
-            };
-            let next_at = line_at + (line.len() + 1) as u64;
-            if line.starts_with(b"C ") {
-                // The device classes: no vendor after them.
-                close(&mut current, line_at);
-                break 'read;
-            }
-            if let Some(v) = vendor_line(line) {
-                close(&mut current, line_at);
-                current = Some((v, next_at.min(source.size())));
-            }
-            line_at = next_at;
-            rest = next;
-        }
-        if last {
-            close(&mut current, source.size());
+    let mut reader = io::BufReader::with_capacity(CHUNK, SourceReader { source, offset: 0 });
+    let mut line = Vec::with_capacity(256);
+    let mut at = 0u64;
+    loop {
+        line.clear();
+        let n = reader.read_until(b'\n', &mut line)? as u64;
+        if n == 0 {
+            close(&mut current, at);
             break;
         }
-        partial = rest.to_vec();
-        partial_at = line_at;
+        if line.starts_with(b"C ") {
+            // The device classes: no vendor after them.
+            close(&mut current, at);
+            break;
+        }
+        if let Some(v) = vendor_line(&line) {
+            close(&mut current, at);
+            current = Some((v, at + n));
+        }
+        at += n;
     }
     Ok(vendors)
 }

@@ -12,6 +12,8 @@
 //!   group node removed and its `change` uevent sent → the VF gone from ListAndWatch. Needs root
 //!   (the uevent); skipped otherwise.
 //!
+//! With `--root DIR` (a node-sim mount, say), only start → registered on that host root.
+//!
 //! Each change follows a quiet spell of 100 ms (no debounce of an earlier event running). Each
 //! figure: median (min–max) over the runs. Timings only; nothing is asserted.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a measuring tool: a failed step should stop it
@@ -32,6 +34,8 @@ struct Args {
     dp: PathBuf,
     pci_ids: Option<PathBuf>,
     runs: usize,
+    /// Only the registration figure, on this host root (a node-sim mount).
+    root: Option<PathBuf>,
 }
 
 fn args() -> Args {
@@ -40,17 +44,19 @@ fn args() -> Args {
         dp: PathBuf::new(),
         pci_ids: None,
         runs: 20,
+        root: None,
     };
     while let Some(x) = it.next() {
         match x.as_str() {
             "--pci-ids" => a.pci_ids = it.next().map(PathBuf::from),
             "--runs" => a.runs = it.next().and_then(|n| n.parse().ok()).expect("--runs N"),
+            "--root" => a.root = it.next().map(PathBuf::from),
             _ => a.dp = PathBuf::from(x),
         }
     }
     assert!(
         a.dp.is_file(),
-        "usage: measure SANDBOX_DP [--pci-ids FILE] [--runs N]"
+        "usage: measure SANDBOX_DP [--pci-ids FILE] [--runs N] [--root DIR]"
     );
     a
 }
@@ -193,11 +199,15 @@ impl Drop for Daemon {
 }
 
 fn start(a: &Args, t: &Tree) -> Daemon {
+    start_on(a, &t.root, &t.kubelet_dir())
+}
+
+fn start_on(a: &Args, root: &Path, kubelet_dir: &Path) -> Daemon {
     let mut c = Command::new(&a.dp);
     c.arg("--host-root")
-        .arg(&t.root)
+        .arg(root)
         .arg("--kubelet-dir")
-        .arg(t.kubelet_dir())
+        .arg(kubelet_dir)
         .args(["--resync-interval", "1h"])
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null());
@@ -243,6 +253,22 @@ async fn main() {
             .map(|p| format!("--pci-ids {}", p.display()))
             .unwrap_or_else(|| "(embedded names)".into())
     );
+
+    if let Some(root) = &a.root {
+        let kdir = root.join("var/lib/kubelet/device-plugins");
+        let mut reg = Vec::new();
+        for _ in 0..a.runs {
+            let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
+            let start_at = Instant::now();
+            let d = start_on(&a, root, &kdir);
+            kubelet.next_registration(WAIT).await.unwrap();
+            reg.push(start_at.elapsed());
+            drop(d);
+            kubelet.stop().await;
+        }
+        summary(&format!("{} start → registered", root.display()), reg);
+        return;
+    }
 
     // register + RSS
     let t = a10s(8);

@@ -93,6 +93,11 @@ impl Pending {
         *self == Pending::default()
     }
 
+    /// Whether group nodes are all there is to check.
+    pub fn only_group_nodes(&self) -> bool {
+        !self.groups.is_empty() && !self.reads_devices() && !self.dev_nodes
+    }
+
     /// Whether any device (or the node) must be read, rather than device nodes checked.
     pub fn reads_devices(&self) -> bool {
         self.node || !self.pci.is_empty() || !self.mdevs.is_empty()
@@ -258,8 +263,15 @@ mod tests {
         let mut p = Pending::default();
         assert!(p.is_empty());
         p.add(Change::GroupNode(3));
-        assert!(!p.reads_devices());
+        assert!(!p.reads_devices() && p.only_group_nodes());
+        let mut q = p.clone();
+        q.add(Change::DevNodes);
+        assert!(
+            !q.only_group_nodes(),
+            "iommufd nodes are listed again, not only group nodes"
+        );
         p.add(Change::Pci(a));
+        assert!(!p.only_group_nodes());
         p.add(Change::Pci(a));
         p.add(Change::from(Subject::Mdev("u".into())));
         assert_eq!(p.pci.len(), 1);

@@ -183,6 +183,42 @@ impl Manager {
         }
     }
 
+    /// Sets the health of every device in `groups` from whether its group node exists
+    /// (`present`), as a new snapshot would, without rebuilding the resources; pushes only the
+    /// resources that changed.
+    fn set_group_health(
+        &mut self,
+        groups: &BTreeSet<u32>,
+        present: &BTreeSet<u32>,
+        nodes: &DevNodes,
+        tasks: &mut JoinSet<anyhow::Result<()>>,
+    ) {
+        let changed: Vec<(String, Resource)> = self
+            .resources
+            .iter()
+            .filter_map(|(name, tx)| {
+                let cur = tx.borrow();
+                let mut r: Option<Resource> = None;
+                for (id, d) in &cur.resource.devices {
+                    let Some(g) = d.iommu_group.filter(|g| groups.contains(g)) else {
+                        continue;
+                    };
+                    let healthy = present.contains(&g);
+                    if d.healthy != healthy {
+                        let r = r.get_or_insert_with(|| cur.resource.clone());
+                        if let Some(d) = r.devices.get_mut(id) {
+                            d.healthy = healthy;
+                        }
+                    }
+                }
+                r.map(|r| (name.clone(), r))
+            })
+            .collect();
+        for (name, r) in changed {
+            self.push(name, r, nodes, tasks);
+        }
+    }
+
     fn push(
         &mut self,
         name: String,
@@ -331,6 +367,19 @@ pub async fn run(
             last_read = tokio::time::Instant::now();
         }
         tracing::debug!(?work, "reading again");
+        if work.only_group_nodes() {
+            // A group node came or went: its devices' health follows it, nothing else changes.
+            if let Err(e) = view.update(&paths, &work) {
+                tracing::warn!(
+                    error = format!("{e:#}"),
+                    "cannot check the group nodes; reading the node"
+                );
+                pending.node = true;
+                continue;
+            }
+            mgr.set_group_health(&work.groups, &view.inv.vfio_nodes, &view.nodes, &mut tasks);
+            continue;
+        }
         match view.update_async(&paths, &config.discover, work).await {
             Ok(snap) => mgr.apply(snap, view.nodes.clone(), &mut tasks),
             Err(e) => {

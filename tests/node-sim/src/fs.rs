@@ -285,8 +285,8 @@ fn proc_node(tree: &Tree, holders: &Holders, path: &str) -> Option<Option<Node>>
         "" => Some(Node::Dir(BTreeSet::from(
             ["comm", "cmdline", "fd"].map(String::from),
         ))),
-        "comm" => Some(file(p.comm)),
-        "cmdline" => Some(file(p.cmdline)),
+        "comm" => Some(file(p.comm())),
+        "cmdline" => Some(file(p.cmdline())),
         "fd" => Some(Node::Dir(p.fds.keys().map(u32::to_string).collect())),
         _ => rest
             .strip_prefix("fd/")

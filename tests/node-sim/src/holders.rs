@@ -43,10 +43,35 @@ struct Synthetic {
 /// A process holding simulated device nodes, as `proc/<pid>` shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Process {
-    pub comm: String,
-    pub cmdline: String,
+    pid: u32,
+    /// A synthetic holder's comm and cmdline; a host process's are read when asked for.
+    synthetic: Option<(String, String)>,
     /// Descriptor number → host path of the node (`/dev/vfio/42`).
     pub fds: BTreeMap<u32, String>,
+}
+
+impl Process {
+    /// `comm`, as the host's `/proc/<pid>/comm` shows it now.
+    pub fn comm(&self) -> String {
+        match &self.synthetic {
+            Some((comm, _)) => comm.clone(),
+            None => self.host_file("comm"),
+        }
+    }
+
+    /// `cmdline`, as the host's `/proc/<pid>/cmdline` shows it now. Read only when asked for:
+    /// reading another process's cmdline takes its memory map's lock, which listing `proc`
+    /// or reading a descriptor link must never wait on.
+    pub fn cmdline(&self) -> String {
+        match &self.synthetic {
+            Some((_, cmdline)) => cmdline.clone(),
+            None => self.host_file("cmdline"),
+        }
+    }
+
+    fn host_file(&self, name: &str) -> String {
+        std::fs::read_to_string(format!("/proc/{}/{name}", self.pid)).unwrap_or_default()
+    }
 }
 
 /// The holders of the node's device nodes.
@@ -155,8 +180,11 @@ impl Holders {
             .collect();
         if let Some(s) = self.synthetic.iter().find(|s| s.pid == pid) {
             return Some(Process {
-                comm: format!("{}\n", s.comm),
-                cmdline: format!("/usr/libexec/qemu-kvm\0-name\0guest=sim-vm-{}\0", s.group),
+                pid,
+                synthetic: Some((
+                    format!("{}\n", s.comm),
+                    format!("/usr/libexec/qemu-kvm\0-name\0guest=sim-vm-{}\0", s.group),
+                )),
                 fds,
             });
         }
@@ -175,8 +203,8 @@ impl Holders {
             return None;
         }
         Some(Process {
-            comm: std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default(),
-            cmdline: std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default(),
+            pid,
+            synthetic: None,
             fds,
         })
     }

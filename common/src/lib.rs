@@ -72,5 +72,5 @@ pub use inventory::{
 pub use naming::{IdsSource, PciIds, env_var_name, passthrough_resource_name, vgpu_resource_name};
 pub use ops::Sysfs;
 pub use paths::{HostPaths, host_vfio_group_path};
-pub use pci::PciAddress;
+pub use pci::{PciAddress, VendorSelector, parse_hex16};
 pub use usage::{Usage, Use, User};

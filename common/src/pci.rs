@@ -1,4 +1,4 @@
-//! PCI addresses.
+//! PCI addresses, 16-bit PCI ids and the `--vendor` selector every binary takes.
 
 use std::fmt;
 use std::str::FromStr;
@@ -96,6 +96,64 @@ impl<'de> serde::Deserialize<'de> for PciAddress {
     }
 }
 
+/// Parses a 16-bit hex id (a PCI vendor or device id), with or without `0x`, 1 to 4 digits.
+pub fn parse_hex16(s: &str) -> Option<u16> {
+    let digits = s
+        .strip_prefix("0x")
+        .or_else(|| s.strip_prefix("0X"))
+        .unwrap_or(s);
+    if digits.is_empty() || digits.len() > 4 || !digits.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    u16::from_str_radix(digits, 16).ok()
+}
+
+/// `--vendor`: a PCI vendor id in hex (`10de`, `0x10DE`), or `any`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum VendorSelector {
+    /// Devices of this PCI vendor.
+    Pci(u16),
+    /// Any vendor's devices (and, where a binary says so, mdev parents that are not PCI).
+    Any,
+}
+
+impl VendorSelector {
+    /// The vendor id; `None` for [`VendorSelector::Any`].
+    pub fn pci(self) -> Option<u16> {
+        match self {
+            VendorSelector::Pci(v) => Some(v),
+            VendorSelector::Any => None,
+        }
+    }
+}
+
+/// A string that is neither a hex PCI vendor id nor `any`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not a PCI vendor id in hex (e.g. 10de) or \"any\"")]
+pub struct ParseVendorError(pub String);
+
+impl FromStr for VendorSelector {
+    type Err = ParseVendorError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.eq_ignore_ascii_case("any") {
+            return Ok(VendorSelector::Any);
+        }
+        parse_hex16(s)
+            .map(VendorSelector::Pci)
+            .ok_or_else(|| ParseVendorError(s.to_string()))
+    }
+}
+
+impl fmt::Display for VendorSelector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            VendorSelector::Pci(v) => write!(f, "{v:04x}"),
+            VendorSelector::Any => f.write_str("any"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -132,6 +190,24 @@ mod tests {
         ] {
             assert!(bad.parse::<PciAddress>().is_err(), "{bad:?} parsed");
         }
+    }
+
+    #[test]
+    fn vendor_selectors_parse() {
+        assert_eq!("10de".parse(), Ok(VendorSelector::Pci(0x10de)));
+        assert_eq!("0x10DE".parse(), Ok(VendorSelector::Pci(0x10de)));
+        assert_eq!("ANY".parse(), Ok(VendorSelector::Any));
+        assert_eq!(VendorSelector::Pci(0x1af4).to_string(), "1af4");
+        for bad in ["", "0x", "nvidia", "10de0", "+10de", "10de "] {
+            let e = bad.parse::<VendorSelector>().unwrap_err();
+            assert!(
+                e.to_string().contains("not a PCI vendor id"),
+                "{bad:?}: {e}"
+            );
+        }
+        assert_eq!(parse_hex16("2236"), Some(0x2236));
+        assert_eq!(parse_hex16("0X1f"), Some(0x1f));
+        assert_eq!(parse_hex16("12345"), None);
     }
 
     proptest! {

@@ -1,0 +1,67 @@
+//! The flags every binary shares, as clap argument groups to `#[command(flatten)]`.
+
+use std::path::PathBuf;
+
+use common::HostPaths;
+
+use crate::logging::{self, LogFormat};
+
+/// `--host-root` and `--kubelet-dir`: where the host's files are.
+#[derive(Clone, Debug, clap::Args)]
+pub struct HostArgs {
+    /// The host's root directory: sys, dev, proc, run, lib/modules and the kubelet directory
+    /// are found under it. In a pod the host's / is usually mounted at /host.
+    #[arg(long, env = "HOST_ROOT", default_value = "/", global = true)]
+    pub host_root: PathBuf,
+
+    /// kubelet's device-plugin directory: its socket, and its checkpoint
+    /// (kubelet_internal_checkpoint), which says which devices it gave to pods.
+    /// Default: <host-root>/var/lib/kubelet/device-plugins.
+    #[arg(long, env = "KUBELET_DIR", value_name = "DIR", global = true)]
+    pub kubelet_dir: Option<PathBuf>,
+}
+
+impl HostArgs {
+    /// The host's paths these flags name.
+    pub fn paths(&self) -> HostPaths {
+        HostPaths::new(&self.host_root).with_kubelet_dir(self.kubelet_dir.clone())
+    }
+}
+
+/// `--pod-resources-socket`, for the binaries that ask kubelet who uses a device.
+#[derive(Clone, Debug, clap::Args)]
+pub struct PodResourcesArgs {
+    /// kubelet's PodResources socket, asked which pods hold which devices.
+    /// Default: pod-resources/kubelet.sock beside the kubelet directory.
+    #[arg(long, env = "POD_RESOURCES_SOCKET", value_name = "PATH", global = true)]
+    pub pod_resources_socket: Option<PathBuf>,
+}
+
+impl PodResourcesArgs {
+    /// `paths` with this socket, when one is given.
+    pub fn apply(&self, paths: HostPaths) -> HostPaths {
+        paths.with_pod_resources_socket(self.pod_resources_socket.clone())
+    }
+}
+
+/// `--log-format`.
+#[derive(Clone, Copy, Debug, clap::Args)]
+pub struct LogArgs {
+    /// Log format on stderr: text, or json (one JSON object per line). The level comes from
+    /// RUST_LOG (default info).
+    #[arg(
+        long,
+        env = "LOG_FORMAT",
+        value_enum,
+        default_value_t = LogFormat::Text,
+        global = true
+    )]
+    pub log_format: LogFormat,
+}
+
+impl LogArgs {
+    /// Sets up logging (see [`logging::init`]).
+    pub fn init(&self, debug: bool) {
+        logging::init(self.log_format, debug);
+    }
+}

@@ -352,17 +352,6 @@ fn selector(d: &PciDevice) -> String {
     format!("{:04X}:{:04X}", d.vendor, d.device)
 }
 
-/// Parses `--vendor`: hex (`10de`, `0x10de`) or `any`.
-pub fn parse_vendor(s: &str) -> Result<Option<u16>, String> {
-    if s.eq_ignore_ascii_case("any") {
-        return Ok(None);
-    }
-    let digits = s.strip_prefix("0x").unwrap_or(s);
-    u16::from_str_radix(digits, 16)
-        .map(Some)
-        .map_err(|_| format!("not a hex vendor id or \"any\": {s:?}"))
-}
-
 /// Parses one `--resource-alias OLD=NEW`.
 pub fn parse_alias(s: &str) -> Result<(String, String), String> {
     let (old, new) = s
@@ -623,13 +612,5 @@ mod tests {
         );
         assert!(parse_alias("nope").is_err());
         assert!(parse_alias("=x").is_err());
-    }
-
-    #[test]
-    fn vendor_parses() {
-        assert_eq!(parse_vendor("10de"), Ok(Some(0x10de)));
-        assert_eq!(parse_vendor("0x1234"), Ok(Some(0x1234)));
-        assert_eq!(parse_vendor("any"), Ok(None));
-        assert!(parse_vendor("zz").is_err());
     }
 }

@@ -29,6 +29,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use common::{HostPaths, Inventory, ReadOptions};
+use daemon_kit::exit;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -272,12 +273,14 @@ impl Manager {
     }
 }
 
-/// Runs the device plugin until `shutdown`; returns an error when any of its tasks fails.
-pub async fn run(
-    config: Config,
-    paths: HostPaths,
-    shutdown: CancellationToken,
-) -> anyhow::Result<()> {
+/// Runs the device plugin until `shutdown`; returns an error (exit 1) when any of its tasks
+/// fails.
+pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) -> exit::Result {
+    tracing::info!(
+        host_root = %paths.root().display(),
+        kubelet_dir = %config.kubelet_dir.display(),
+        "starting"
+    );
     let metrics = Arc::new(Metrics::default());
     std::fs::create_dir_all(&config.kubelet_dir)
         .with_context(|| format!("creating {}", config.kubelet_dir.display()))?;
@@ -399,5 +402,5 @@ pub async fn run(
             Err(e) => tracing::warn!(error = %e, "task failed"),
         }
     }
-    result
+    Ok(result?)
 }

@@ -7,35 +7,31 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::{Parser, Subcommand, ValueEnum};
-use common::{HostPaths, PciIds};
-use sandbox_dp::discovery::{DiscoverConfig, parse_alias, parse_vendor};
+use clap::{Parser, Subcommand};
+use common::{PciIds, VendorSelector};
+use daemon_kit::cli::{HostArgs, LogArgs};
+use daemon_kit::daemon::Threads;
+use daemon_kit::duration;
+use daemon_kit::exit::{self, Report};
+use sandbox_dp::discovery::{DiscoverConfig, parse_alias};
 use sandbox_dp::{Config, report};
-use tokio_util::sync::CancellationToken;
 
 /// Kubelet device plugin for NVIDIA GPUs given to KubeVirt VMs: whole GPUs on vfio-pci, mdev
 /// vGPUs and SR-IOV vGPU VFs. Resource names and env vars match NVIDIA's
 /// kubevirt-gpu-device-plugin, so existing VM specs keep working.
 #[derive(Debug, Parser)]
-#[command(name = "sandbox-dp", version)]
+#[command(name = "sandbox-dp", version, after_help = EXIT_STATUS)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
 
-    /// The host's root directory; /sys, /dev and the kubelet directory are found under it. In a
-    /// pod the host's / is usually mounted at /host.
-    #[arg(long, env = "HOST_ROOT", default_value = "/", global = true)]
-    host_root: PathBuf,
-
-    /// The kubelet device-plugin directory (holds kubelet.sock and our sockets).
-    /// Default: <host-root>/var/lib/kubelet/device-plugins.
-    #[arg(long, env = "KUBELET_DIR", value_name = "DIR", global = true)]
-    kubelet_dir: Option<PathBuf>,
+    #[command(flatten)]
+    host: HostArgs,
 
     /// PCI vendor id (hex) whose devices are advertised, or "any" (also admits mdevs on
     /// non-PCI parents such as the kernel's mtty sample).
-    #[arg(long, default_value = "10de", value_parser = parse_vendor_arg, global = true)]
-    vendor: Vendor,
+    #[arg(long, default_value = "10de", global = true)]
+    vendor: VendorSelector,
 
     /// A pci.ids file to name passthrough resources from, instead of the embedded NVIDIA list.
     #[arg(long, value_name = "FILE", global = true)]
@@ -50,14 +46,28 @@ struct Cli {
     #[arg(long, value_name = "ADDR", global = true)]
     metrics_addr: Option<SocketAddr>,
 
-    /// Re-read the node this often even without events (a safety net; events drive updates).
-    #[arg(long, default_value = "30s", value_parser = parse_duration, global = true)]
+    /// Re-read the node this often even without events, a safety net; events drive updates
+    /// (30s, 5m; a bare number is seconds).
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = "30s",
+        value_parser = duration::parse,
+        global = true
+    )]
     resync_interval: Duration,
 
-    /// Log format.
-    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
-    log_format: LogFormat,
+    #[command(flatten)]
+    log: LogArgs,
 }
+
+/// The exit-status table, shown after `--help`.
+const EXIT_STATUS: &str = "\
+Exit status:
+  0  done (serve: stopped by SIGTERM/SIGINT)
+  1  failed: the node or --pci-ids cannot be read, a socket cannot be served, a task of the
+     plugin failed (the error is logged)
+  2  usage error (a bad flag or value)";
 
 #[derive(Debug, Subcommand)]
 enum Command {
@@ -74,75 +84,18 @@ enum Command {
     PermittedDevices,
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
-}
-
-/// `--vendor`: a PCI vendor id, or `None` for any.
-#[derive(Clone, Copy, Debug)]
-struct Vendor(Option<u16>);
-
-fn parse_vendor_arg(s: &str) -> Result<Vendor, String> {
-    parse_vendor(s).map(Vendor)
-}
-
-fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, mult) = if let Some(n) = s.strip_suffix("ms") {
-        (n, 0.001)
-    } else if let Some(n) = s.strip_suffix('s') {
-        (n, 1.0)
-    } else if let Some(n) = s.strip_suffix('m') {
-        (n, 60.0)
-    } else if let Some(n) = s.strip_suffix('h') {
-        (n, 3600.0)
-    } else {
-        (s, 1.0)
-    };
-    let v: f64 = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("not a duration (like 30s, 500ms, 5m): {s:?}"))?;
-    if !(v > 0.0 && v.is_finite()) {
-        return Err(format!("duration must be positive: {s:?}"));
-    }
-    Ok(Duration::from_secs_f64(v * mult))
-}
-
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let b = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => b.init(),
-        LogFormat::Json => b.json().init(),
-    }
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_format);
-    let serving = matches!(cli.command, None | Some(Command::Serve));
-    match real_main(cli) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            // The daemon reports through its log (text or JSON); the one-shot commands plainly.
-            if serving {
-                tracing::error!("{e:#}");
-            } else {
-                eprintln!("sandbox-dp: {e:#}");
-            }
-            ExitCode::FAILURE
-        }
-    }
+    cli.log.init(false);
+    let report = match cli.command {
+        None | Some(Command::Serve) => Report::Log,
+        Some(_) => Report::Stderr,
+    };
+    exit::finish(run(cli), report)
 }
 
-fn real_main(cli: Cli) -> anyhow::Result<()> {
-    let paths = HostPaths::new(&cli.host_root).with_kubelet_dir(cli.kubelet_dir);
+fn run(cli: Cli) -> exit::Result {
+    let paths = cli.host.paths();
     let pci_ids = match &cli.pci_ids {
         Some(p) => {
             PciIds::from_file(p).with_context(|| format!("reading --pci-ids {}", p.display()))?
@@ -150,7 +103,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         None => PciIds::embedded(),
     };
     let discover = DiscoverConfig {
-        vendor: cli.vendor.0,
+        vendor: cli.vendor.pci(),
         pci_ids,
         aliases: cli
             .resource_alias
@@ -185,50 +138,17 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 debounce: Duration::from_millis(20),
             };
             // One thread serves every resource: a device plugin answers a few calls a minute,
-            // and each worker thread costs memory (its stack, its allocator arena). Node reads
-            // run on the blocking pool, whose threads exit when idle.
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .thread_keep_alive(Duration::from_secs(1))
-                .enable_all()
-                .build()
-                .context("starting the async runtime")?;
-            rt.block_on(serve(config, paths))
+            // and each worker thread costs memory. Node reads run on the blocking pool.
+            daemon_kit::daemon::run(Threads::Current, |shutdown| {
+                sandbox_dp::run(config, paths, shutdown)
+            })
         }
     }
-}
-
-async fn serve(config: Config, paths: HostPaths) -> anyhow::Result<()> {
-    let shutdown = CancellationToken::new();
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("installing the SIGTERM handler")?;
-    let stop = shutdown.clone();
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
-        }
-        stop.cancel();
-    });
-    tracing::info!(
-        host_root = %paths.root().display(),
-        kubelet_dir = %config.kubelet_dir.display(),
-        "starting"
-    );
-    sandbox_dp::run(config, paths, shutdown).await
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn durations_parse() {
-        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
-        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
-        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
-        assert!(parse_duration("0s").is_err());
-        assert!(parse_duration("abc").is_err());
-    }
 
     #[test]
     fn cli_is_consistent() {

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use common::uevent::{Monitor, Subject, Uevent};
 use common::{HostPaths, PciAddress, error_chain};
+use daemon_kit::exit;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -124,8 +125,9 @@ async fn reconcile(cfg: &Config, paths: &HostPaths) -> Option<Report> {
     }
 }
 
-/// Runs the daemon until `shutdown`; returns the exit status (0: clean shutdown).
-pub async fn run_daemon(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToken) -> i32 {
+/// Runs the daemon until `shutdown`. A clean shutdown is `Ok`; with `--unbind-on-exit`, a
+/// device not given back ends it with exit status 1.
+pub async fn run(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToken) -> exit::Result {
     let (tx, mut rx) = mpsc::unbounded_channel::<Uevent>();
     // pci uevents (kernel and udev groups: common::uevent), until the monitor is dropped.
     let monitor = if cfg.udev {
@@ -212,18 +214,20 @@ pub async fn run_daemon(cfg: DaemonConfig, paths: HostPaths, shutdown: Cancellat
         match tokio::task::spawn_blocking(move || run_unbind(&c, &p)).await {
             Ok(Ok(r)) => {
                 print_report(&r, false);
-                return r.exit_code();
+                return exit::status(r.exit_code());
             }
             Ok(Err(e)) => {
-                tracing::error!(error = %error_chain(&e), "unbind on exit failed");
-                return 1;
+                return Err(anyhow::Error::new(e)
+                    .context("unbind on exit failed")
+                    .into());
             }
             Err(e) => {
-                tracing::error!(error = %e, "unbind on exit failed");
-                return 1;
+                return Err(anyhow::Error::new(e)
+                    .context("unbind on exit failed")
+                    .into());
             }
         }
     }
     tracing::info!("shutting down; devices stay bound");
-    0
+    Ok(())
 }

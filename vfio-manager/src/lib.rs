@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use common::{HostPaths, Inventory, Usage, Use, error_chain};
 
-pub use daemon::{DaemonConfig, READY_FILE, run_daemon};
+pub use daemon::{DaemonConfig, READY_FILE};
 pub use ops::OpOptions;
 pub use report::{Action, DeviceResult, Outcome, Report};
 pub use select::{DeviceId, Selection, Selector, Target};

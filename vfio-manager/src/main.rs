@@ -3,11 +3,13 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
-use common::{HostPaths, PciAddress, error_chain};
-use tokio_util::sync::CancellationToken;
+use clap::{Args, Parser, Subcommand};
+use common::{PciAddress, VendorSelector};
+use daemon_kit::cli::{HostArgs, LogArgs, PodResourcesArgs};
+use daemon_kit::daemon::Threads;
+use daemon_kit::duration;
+use daemon_kit::exit::{self, Failure, OrExit, Report};
 use vfio_manager::daemon::print_report;
-use vfio_manager::select::parse_hex16;
 use vfio_manager::{Config, DaemonConfig, DeviceId, Selector};
 
 /// Bind selected GPUs, and every other function of their IOMMU groups, to vfio-pci for PCI
@@ -21,40 +23,27 @@ use vfio_manager::{Config, DaemonConfig, DeviceId, Selector};
 /// /dev/nvidia<N>), one kubelet gave to a pod (its PodResources API; its checkpoint while
 /// kubelet is down), or one for which either cannot be read (unknown counts as in use). A GPU
 /// is in use when any of its functions, VFs or vGPUs is.
-///
-/// Exit status: 0 every selected device is bound (or, for unbind, released); 1 some failed or
-/// were refused (each is named; the others are still done); 2 usage or configuration error.
 #[derive(Debug, Parser)]
-#[command(name = "vfio-manager", version)]
+#[command(name = "vfio-manager", version, after_help = EXIT_STATUS)]
 struct Cli {
-    /// The host's root filesystem: sys, dev, proc, run and lib/modules are found under it.
-    #[arg(long, env = "HOST_ROOT", default_value = "/", global = true)]
-    host_root: std::path::PathBuf,
-
-    /// kubelet's device-plugin directory, where its checkpoint (kubelet_internal_checkpoint)
-    /// says which devices it gave to pods while kubelet is not running.
-    /// Default: <host-root>/var/lib/kubelet/device-plugins.
-    #[arg(long, env = "KUBELET_DIR", value_name = "DIR", global = true)]
-    kubelet_dir: Option<std::path::PathBuf>,
-
-    /// kubelet's PodResources socket, asked which pods hold which devices.
-    /// Default: pod-resources/kubelet.sock beside the kubelet directory.
-    #[arg(long, env = "POD_RESOURCES_SOCKET", value_name = "PATH", global = true)]
-    pod_resources_socket: Option<std::path::PathBuf>,
-
-    /// Log format on stderr. The level comes from RUST_LOG (default info).
-    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
-    log_format: LogFormat,
-
+    #[command(flatten)]
+    host: HostArgs,
+    #[command(flatten)]
+    pod_resources: PodResourcesArgs,
+    #[command(flatten)]
+    log: LogArgs,
     #[command(subcommand)]
     command: Command,
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
-}
+/// The exit-status table, shown after `--help`.
+const EXIT_STATUS: &str = "\
+Exit status:
+  0  every selected device is bound (unbind: released; status: every selected function is
+     bound; daemon: stopped by SIGTERM/SIGINT)
+  1  some failed or were refused (each is named; the others are still done), or the node
+     could not be read; daemon: --unbind-on-exit could not give every device back
+  2  usage or configuration error (a bad flag, a --host-root without sys/); nothing changed";
 
 #[derive(Debug, Subcommand)]
 enum Command {
@@ -106,8 +95,9 @@ struct SelectArgs {
     /// modules.alias names for the device.
     #[arg(long, value_name = "NAME")]
     driver: Option<String>,
-    /// The most one function may take (every write and wait together), in seconds.
-    #[arg(long, value_name = "SECONDS", default_value = "30", value_parser = parse_secs)]
+    /// The most one function may take, every write and wait together (500ms, 30s, 2m; a bare
+    /// number is seconds).
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = duration::parse)]
     timeout: Duration,
 }
 
@@ -140,26 +130,24 @@ struct StatusArgs {
 struct DaemonArgs {
     #[command(flatten)]
     select: SelectArgs,
-    /// Reconcile this often even without udev events, in seconds (a safety net).
-    #[arg(long, value_name = "SECONDS", default_value = "60", value_parser = parse_secs)]
+    /// Reconcile this often even without udev events, a safety net (30s, 5m; a bare number is
+    /// seconds).
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = duration::parse)]
     resync_interval: Duration,
     /// On SIGTERM/SIGINT give the devices back to their default drivers before exiting.
     #[arg(long)]
     unbind_on_exit: bool,
 }
 
+/// `--vendor`: the shared selector syntax; `any` is refused, since binding every vendor's
+/// display functions to VFIO would take the host's own console GPU too.
 fn parse_vendor(s: &str) -> Result<u16, String> {
-    parse_hex16(s).ok_or_else(|| format!("not a hex vendor id: {s:?}"))
-}
-
-fn parse_secs(s: &str) -> Result<Duration, String> {
-    let v: f64 = s
-        .parse()
-        .map_err(|_| format!("not a number of seconds: {s:?}"))?;
-    if !v.is_finite() || v <= 0.0 || v > 86_400.0 {
-        return Err(format!("must be between 0 and 86400 seconds: {s:?}"));
+    match s.parse::<VendorSelector>().map_err(|e| e.to_string())? {
+        VendorSelector::Pci(v) => Ok(v),
+        VendorSelector::Any => {
+            Err("vfio-manager needs a vendor id (e.g. 10de), not \"any\"".into())
+        }
     }
-    Ok(Duration::from_secs_f64(v))
 }
 
 impl SelectArgs {
@@ -179,77 +167,53 @@ impl SelectArgs {
     }
 }
 
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
-}
-
-fn code(c: i32) -> ExitCode {
-    ExitCode::from(u8::try_from(c).unwrap_or(1))
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_format);
-    let paths = HostPaths::new(&cli.host_root)
-        .with_kubelet_dir(cli.kubelet_dir)
-        .with_pod_resources_socket(cli.pod_resources_socket);
+    cli.log.init(false);
+    let report = match cli.command {
+        Command::Daemon(_) => Report::Log,
+        _ => Report::Stderr,
+    };
+    exit::finish(run(cli), report)
+}
+
+fn run(cli: Cli) -> exit::Result {
+    let paths = cli.pod_resources.apply(cli.host.paths());
     if !paths.sys().is_dir() {
-        eprintln!(
-            "error: {} is not a directory; is --host-root ({}) the host's root?",
-            paths.sys().display(),
-            cli.host_root.display()
-        );
-        return ExitCode::from(2);
+        return Err(Failure::new(
+            exit::USAGE,
+            anyhow::anyhow!(
+                "{} is not a directory; is --host-root ({}) the host's root?",
+                paths.sys().display(),
+                cli.host.host_root.display()
+            ),
+        ));
     }
     match cli.command {
-        Command::Bind(a) => match vfio_manager::run_bind(&a.select.config(false), &paths) {
-            Ok(r) => {
-                print_report(&r, false);
-                code(r.exit_code())
+        Command::Bind(a) => {
+            let r =
+                vfio_manager::run_bind(&a.select.config(false), &paths).or_exit(exit::FAILED)?;
+            print_report(&r, false);
+            exit::status(r.exit_code())
+        }
+        Command::Unbind(a) => {
+            let r = vfio_manager::run_unbind(&a.select.config(a.force), &paths)
+                .or_exit(exit::FAILED)?;
+            print_report(&r, false);
+            exit::status(r.exit_code())
+        }
+        Command::Status(a) => {
+            let st =
+                vfio_manager::run_status(&a.select.config(false), &paths).or_exit(exit::FAILED)?;
+            if a.json {
+                let json = serde_json::to_string_pretty(&st)
+                    .map_err(|e| anyhow::anyhow!("cannot format the status: {e}"))?;
+                println!("{json}");
+            } else {
+                print!("{}", st.to_text());
             }
-            Err(e) => {
-                eprintln!("error: {}", error_chain(&e));
-                ExitCode::from(1)
-            }
-        },
-        Command::Unbind(a) => match vfio_manager::run_unbind(&a.select.config(a.force), &paths) {
-            Ok(r) => {
-                print_report(&r, false);
-                code(r.exit_code())
-            }
-            Err(e) => {
-                eprintln!("error: {}", error_chain(&e));
-                ExitCode::from(1)
-            }
-        },
-        Command::Status(a) => match vfio_manager::run_status(&a.select.config(false), &paths) {
-            Ok(st) => {
-                if a.json {
-                    match serde_json::to_string_pretty(&st) {
-                        Ok(s) => println!("{s}"),
-                        Err(e) => {
-                            eprintln!("error: cannot format the status: {e}");
-                            return ExitCode::from(1);
-                        }
-                    }
-                } else {
-                    print!("{}", st.to_text());
-                }
-                code(st.exit_code())
-            }
-            Err(e) => {
-                eprintln!("error: {}", error_chain(&e));
-                ExitCode::from(1)
-            }
-        },
+            exit::status(st.exit_code())
+        }
         Command::Daemon(a) => {
             let cfg = DaemonConfig {
                 config: a.select.config(false),
@@ -257,46 +221,20 @@ fn main() -> ExitCode {
                 unbind_on_exit: a.unbind_on_exit,
                 udev: true,
             };
-            let rt = match tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-            {
-                Ok(rt) => rt,
-                Err(e) => {
-                    eprintln!("error: cannot start the async runtime: {e}");
-                    return ExitCode::from(1);
-                }
-            };
-            let shutdown = CancellationToken::new();
-            let status = rt.block_on(async {
-                let s = shutdown.clone();
-                tokio::spawn(async move {
-                    wait_for_signal().await;
-                    s.cancel();
-                });
-                vfio_manager::run_daemon(cfg, paths, shutdown).await
-            });
-            code(status)
+            daemon_kit::daemon::run(Threads::Workers(2), |shutdown| {
+                vfio_manager::daemon::run(cfg, paths, shutdown)
+            })
         }
     }
 }
 
-async fn wait_for_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (mut term, mut int) = match (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) {
-        (Ok(t), Ok(i)) => (t, i),
-        _ => {
-            tracing::error!("cannot install signal handlers; only Ctrl-C stops the daemon");
-            let _ = tokio::signal::ctrl_c().await;
-            return;
-        }
-    };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM"),
-        _ = int.recv() => tracing::info!("SIGINT"),
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cli_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
     }
 }

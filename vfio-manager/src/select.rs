@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::str::FromStr;
 
-use common::{Inventory, PciAddress, PciDevice};
+use common::{Inventory, PciAddress, PciDevice, parse_hex16};
 use serde::Serialize;
 
 use crate::alias::{AliasTable, VFIO_PCI};
@@ -44,18 +44,6 @@ impl fmt::Display for DeviceId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{:04x}:{:04x}", self.vendor, self.device)
     }
-}
-
-/// Parses a 16-bit hex id, with or without `0x`, exactly 1 to 4 digits.
-pub fn parse_hex16(s: &str) -> Option<u16> {
-    let digits = s
-        .strip_prefix("0x")
-        .or_else(|| s.strip_prefix("0X"))
-        .unwrap_or(s);
-    if digits.is_empty() || digits.len() > 4 || !digits.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return None;
-    }
-    u16::from_str_radix(digits, 16).ok()
 }
 
 /// What the operator selected on the command line.

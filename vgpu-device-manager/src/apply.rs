@@ -56,11 +56,17 @@ pub enum ApplyError {
 impl ApplyError {
     /// The exit status for this error: 2 for a config or profile that does not fit, 1 for a
     /// node that cannot be read.
-    pub fn exit_code(&self) -> i32 {
+    pub fn exit_code(&self) -> u8 {
         match self {
-            ApplyError::Config(_) | ApplyError::Invalid(_) => 2,
-            ApplyError::Read(_) => 1,
+            ApplyError::Config(_) | ApplyError::Invalid(_) => daemon_kit::exit::USAGE,
+            ApplyError::Read(_) => daemon_kit::exit::FAILED,
         }
+    }
+}
+
+impl From<ApplyError> for daemon_kit::Failure {
+    fn from(e: ApplyError) -> Self {
+        daemon_kit::Failure::new(e.exit_code(), e)
     }
 }
 

@@ -55,6 +55,13 @@ pub enum ConfigError {
     },
 }
 
+/// A config or profile that does not fit ends a command with exit status 2 (nothing changed).
+impl From<ConfigError> for daemon_kit::Failure {
+    fn from(e: ConfigError) -> Self {
+        daemon_kit::Failure::new(daemon_kit::exit::USAGE, e)
+    }
+}
+
 /// The whole file.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

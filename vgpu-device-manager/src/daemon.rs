@@ -13,6 +13,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
+use common::HostPaths;
+use daemon_kit::exit;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, Patch, PatchParams};
@@ -23,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::apply::{ApplyError, Options, apply};
 use crate::config::Config;
-use crate::plan::PlanError;
+use crate::plan::{PlanError, VendorSel};
 
 /// The label that names the profile.
 pub const CONFIG_LABEL: &str = "nvidia.com/vgpu.config";
@@ -50,11 +52,13 @@ pub enum Source {
     Fixed(String),
 }
 
-/// Everything the daemon needs.
+/// Everything the daemon needs besides the host's paths.
 #[derive(Clone, Debug)]
 pub struct DaemonConfig {
-    /// Paths and device selection.
-    pub opts: Options,
+    /// Which devices `devices:` counts (`--vendor`).
+    pub vendor: VendorSel,
+    /// Longest a single sysfs write may take (`--write-timeout`).
+    pub write_timeout: Duration,
     /// The config file.
     pub config_file: PathBuf,
     /// Where the profile name comes from.
@@ -122,8 +126,21 @@ impl Reporter {
     }
 }
 
-/// Runs until `shutdown`; an error means the daemon cannot go on (its watch ended).
-pub async fn run(cfg: DaemonConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
+/// Runs until `shutdown`; an error means the daemon cannot go on (its watch ended): exit 1.
+pub async fn run(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToken) -> exit::Result {
+    let opts = Options {
+        vendor: cfg.vendor,
+        write_timeout: cfg.write_timeout,
+        ..Options::new(paths)
+    };
+    Ok(keep_applied(cfg, opts, shutdown).await?)
+}
+
+async fn keep_applied(
+    cfg: DaemonConfig,
+    opts: Options,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     let (profile_tx, mut profile_rx) = watch::channel::<Option<String>>(None);
     let mut tasks = tokio::task::JoinSet::new();
     let mut reporter = match &cfg.source {
@@ -192,7 +209,7 @@ pub async fn run(cfg: DaemonConfig, shutdown: CancellationToken) -> anyhow::Resu
     let (file_tx, mut file_rx) = mpsc::channel::<()>(8);
     let _watcher = watch_file(&cfg.config_file, file_tx)?;
 
-    let ready = cfg.opts.paths.validations_dir().join(READY_FILE);
+    let ready = opts.paths.validations_dir().join(READY_FILE);
     let mut last_text: Option<String> = None;
     let mut retry: Option<tokio::time::Instant> = None;
     let mut delay = cfg.retry_min;
@@ -270,7 +287,7 @@ pub async fn run(cfg: DaemonConfig, shutdown: CancellationToken) -> anyhow::Resu
                     false,
                 )),
                 Ok(config) => {
-                    let opts = cfg.opts.clone();
+                    let opts = opts.clone();
                     let p = profile.clone();
                     match tokio::task::spawn_blocking(move || apply(&opts, &config, &p)).await {
                         Err(e) => Err((format!("the apply task failed: {e}"), true)),

@@ -20,9 +20,11 @@ use std::path::Path;
 pub use apply::{Options, Report, apply, export, make_plan};
 pub use config::Config;
 
-/// Reads the config file (`-` is stdin).
-pub fn read_config(path: &Path) -> anyhow::Result<Config> {
+/// Reads the config file (`-` is stdin): one that cannot be read fails with exit status 1, one
+/// that is not a valid config with 2.
+pub fn read_config(path: &Path) -> daemon_kit::Result<Config> {
     use anyhow::Context;
+    use daemon_kit::exit::{self, OrExit};
     let text = if path == Path::new("-") {
         let mut s = String::new();
         std::io::stdin()
@@ -33,5 +35,7 @@ pub fn read_config(path: &Path) -> anyhow::Result<Config> {
         std::fs::read_to_string(path)
             .with_context(|| format!("cannot read config file {}", path.display()))?
     };
-    Config::parse(&text).with_context(|| format!("config file {}", path.display()))
+    Config::parse(&text)
+        .with_context(|| format!("config file {}", path.display()))
+        .or_exit(exit::USAGE)
 }

@@ -5,10 +5,13 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand, ValueEnum};
-use common::HostPaths;
-use tokio_util::sync::CancellationToken;
-use vgpu_device_manager::apply::{ApplyError, Options};
+use clap::{Args, Parser, Subcommand};
+use common::VendorSelector;
+use daemon_kit::cli::{HostArgs, LogArgs, PodResourcesArgs};
+use daemon_kit::daemon::Threads;
+use daemon_kit::duration;
+use daemon_kit::exit::{self, Report};
+use vgpu_device_manager::apply::Options;
 use vgpu_device_manager::daemon::{DaemonConfig, Source};
 use vgpu_device_manager::plan::VendorSel;
 
@@ -19,12 +22,8 @@ use vgpu_device_manager::plan::VendorSel;
 /// cdev: a running VM), one kubelet gave to a pod (its PodResources API; its checkpoint while
 /// kubelet is down), or one for which either cannot be read (unknown counts as in use: a
 /// truncated checkpoint removes nothing). Its GPU is left as it is and the rest is applied.
-///
-/// Exit status: 0 done (assert: the profile is applied); 1 not applied (a vGPU in use, a write
-/// failed, assert found differences, the node cannot be read); 2 the config or profile is
-/// invalid for this node (nothing was changed).
 #[derive(Parser, Debug)]
-#[command(name = "vgpu-device-manager", version)]
+#[command(name = "vgpu-device-manager", version, after_help = EXIT_STATUS)]
 struct Cli {
     /// The config file (`-` reads stdin).
     #[arg(
@@ -44,25 +43,16 @@ struct Cli {
         global = true
     )]
     selected_config: Option<String>,
-    /// Directory the host's `/` is at: `sys`, `proc`, `run/nvidia/validations` are found under it.
-    #[arg(long, env = "HOST_ROOT", default_value = "/", global = true)]
-    host_root: PathBuf,
-    /// kubelet's device-plugin directory, where its checkpoint (kubelet_internal_checkpoint)
-    /// says which vGPUs it gave to pods while kubelet is not running.
-    /// Default: <host-root>/var/lib/kubelet/device-plugins.
-    #[arg(long, env = "KUBELET_DIR", value_name = "DIR", global = true)]
-    kubelet_dir: Option<PathBuf>,
-    /// kubelet's PodResources socket, asked which pods hold which vGPUs.
-    /// Default: pod-resources/kubelet.sock beside the kubelet directory.
-    #[arg(long, env = "POD_RESOURCES_SOCKET", value_name = "PATH", global = true)]
-    pod_resources_socket: Option<PathBuf>,
+    #[command(flatten)]
+    host: HostArgs,
+    #[command(flatten)]
+    pod_resources: PodResourcesArgs,
     /// PCI vendor (hex) whose display functions `devices:` counts, or `any`: any vendor's
     /// vGPU-capable functions, then non-PCI mdev parents (mtty, mbochs) by name.
     #[arg(long, default_value = "10de", global = true)]
-    vendor: VendorSel,
-    /// Log format on stderr (level from RUST_LOG, default info).
-    #[arg(long, value_enum, default_value = "text", global = true)]
-    log_format: LogFormat,
+    vendor: VendorSelector,
+    #[command(flatten)]
+    log: LogArgs,
     /// Debug-level logging: every sysfs write is logged (RUST_LOG sets finer filters).
     #[arg(
         short = 'd',
@@ -73,18 +63,26 @@ struct Cli {
         action = clap::ArgAction::SetTrue
     )]
     debug: bool,
-    /// Longest a single sysfs write may take, in seconds.
-    #[arg(long, default_value = "30", global = true)]
-    write_timeout: u64,
+    /// Longest a single sysfs write may take (500ms, 30s, 2m; a bare number is seconds).
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = "30s",
+        value_parser = duration::parse,
+        global = true
+    )]
+    write_timeout: Duration,
     #[command(subcommand)]
     command: Command,
 }
 
-#[derive(Copy, Clone, Debug, ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
-}
+/// The exit-status table, shown after `--help`.
+const EXIT_STATUS: &str = "\
+Exit status:
+  0  done (assert: the profile is applied; daemon: stopped by SIGTERM/SIGINT)
+  1  not applied: a vGPU in use, a write failed, assert found differences, the node or the
+     config file cannot be read; daemon: it cannot go on (its watch of the node ended)
+  2  usage error, or the config or profile is invalid for this node; nothing was changed";
 
 #[derive(Subcommand, Debug)]
 enum Command {
@@ -126,65 +124,76 @@ enum Command {
         /// The profile when the node has no `nvidia.com/vgpu.config` label.
         #[arg(long, default_value = "default")]
         default_config: String,
-        /// First retry delay (ms) after a failed or blocked apply; doubles up to --retry-max-ms.
-        #[arg(long, default_value = "2000")]
-        retry_min_ms: u64,
-        /// Longest retry delay (ms).
-        #[arg(long, default_value = "300000")]
-        retry_max_ms: u64,
+        #[command(flatten)]
+        retry: RetryArgs,
     },
 }
 
-fn init_logging(format: LogFormat, debug: bool) {
-    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    if debug {
-        filter = filter.add_directive(tracing::level_filters::LevelFilter::DEBUG.into());
-    }
-    let b = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => b.init(),
-        LogFormat::Json => b.json().init(),
+/// The daemon's retry delays after a failed or blocked apply.
+#[derive(Args, Debug)]
+struct RetryArgs {
+    /// First retry delay after a failed or blocked apply; doubles up to --retry-max. The
+    /// deprecated --retry-min-ms N (milliseconds) is still accepted.
+    #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = duration::parse)]
+    retry_min: Duration,
+    /// Deprecated: --retry-min in milliseconds.
+    #[arg(long, value_name = "MS", hide = true, value_parser = duration::parse_millis, conflicts_with = "retry_min")]
+    retry_min_ms: Option<Duration>,
+    /// Longest retry delay. The deprecated --retry-max-ms N (milliseconds) is still accepted.
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = duration::parse)]
+    retry_max: Duration,
+    /// Deprecated: --retry-max in milliseconds.
+    #[arg(long, value_name = "MS", hide = true, value_parser = duration::parse_millis, conflicts_with = "retry_max")]
+    retry_max_ms: Option<Duration>,
+}
+
+impl RetryArgs {
+    /// The first and the longest delay (never shorter than the first), warning about a
+    /// deprecated spelling.
+    fn delays(&self) -> (Duration, Duration) {
+        for (old, new, used) in [
+            ("--retry-min-ms", "--retry-min", self.retry_min_ms),
+            ("--retry-max-ms", "--retry-max", self.retry_max_ms),
+        ] {
+            if let Some(d) = used {
+                tracing::warn!("{old} is deprecated: write {new} {}", duration::format(d));
+            }
+        }
+        let min = self.retry_min_ms.unwrap_or(self.retry_min);
+        (min, self.retry_max_ms.unwrap_or(self.retry_max).max(min))
     }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_format, cli.debug);
-    match run(cli) {
-        Ok(code) => ExitCode::from(code),
-        Err(e) => {
-            let code = e
-                .downcast_ref::<ApplyError>()
-                .map_or(1, |a| a.exit_code() as u8);
-            let code = if e
-                .downcast_ref::<vgpu_device_manager::config::ConfigError>()
-                .is_some()
-            {
-                2
-            } else {
-                code
-            };
-            eprintln!("error: {e:#}");
-            ExitCode::from(code)
-        }
-    }
+    cli.log.init(cli.debug);
+    let report = match cli.command {
+        Command::Daemon { .. } => Report::Log,
+        _ => Report::Stderr,
+    };
+    exit::finish(run(cli), report)
 }
 
 fn need<T: Clone>(v: &Option<T>, what: &str) -> anyhow::Result<T> {
     v.clone().with_context(|| format!("{what} is required"))
 }
 
-fn run(cli: Cli) -> anyhow::Result<u8> {
-    let mut opts = Options::new(
-        HostPaths::new(&cli.host_root)
-            .with_kubelet_dir(cli.kubelet_dir)
-            .with_pod_resources_socket(cli.pod_resources_socket),
-    );
-    opts.vendor = cli.vendor;
-    opts.write_timeout = Duration::from_secs(cli.write_timeout);
+/// The shared selector as the planner's.
+fn vendor_sel(v: VendorSelector) -> VendorSel {
+    match v {
+        VendorSelector::Pci(id) => VendorSel::Pci(id),
+        VendorSelector::Any => VendorSel::Any,
+    }
+}
+
+fn run(cli: Cli) -> exit::Result {
+    let paths = cli.pod_resources.apply(cli.host.paths());
+    let vendor = vendor_sel(cli.vendor);
+    let opts = Options {
+        vendor,
+        write_timeout: cli.write_timeout,
+        ..Options::new(paths.clone())
+    };
     match cli.command {
         Command::Apply => {
             let file = need(&cli.config_file, "-f/--config-file")?;
@@ -192,7 +201,7 @@ fn run(cli: Cli) -> anyhow::Result<u8> {
             let profile = config.select(cli.selected_config.as_deref())?;
             let report = vgpu_device_manager::apply(&opts, &config, &profile)?;
             print!("{}", report.render());
-            Ok(if report.success() { 0 } else { 1 })
+            exit::status(if report.success() { 0 } else { 1 })
         }
         Command::Assert { valid_config } => {
             let file = need(&cli.config_file, "-f/--config-file")?;
@@ -200,16 +209,16 @@ fn run(cli: Cli) -> anyhow::Result<u8> {
             let profile = config.select(cli.selected_config.as_deref())?;
             if valid_config {
                 println!("profile {profile:?} is in a valid config file");
-                return Ok(0);
+                return Ok(());
             }
             let plan = vgpu_device_manager::make_plan(&opts, &config, &profile)?;
             if plan.is_applied() {
                 println!("profile {profile:?} is applied");
-                Ok(0)
+                Ok(())
             } else {
                 eprint!("{}", plan.render());
                 println!("profile {profile:?} is not applied");
-                Ok(1)
+                exit::status(1)
             }
         }
         Command::Plan { json } => {
@@ -218,24 +227,24 @@ fn run(cli: Cli) -> anyhow::Result<u8> {
             let profile = config.select(cli.selected_config.as_deref())?;
             let plan = vgpu_device_manager::make_plan(&opts, &config, &profile)?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&plan)?);
+                let json = serde_json::to_string_pretty(&plan).context("formatting the plan")?;
+                println!("{json}");
             } else {
                 print!("{}", plan.render());
             }
-            Ok(0)
+            Ok(())
         }
         Command::Export => {
             let name = cli.selected_config.unwrap_or_else(|| "current".into());
             let exported = vgpu_device_manager::export(&opts, &name)?;
             print!("{}", exported.to_yaml());
-            Ok(0)
+            Ok(())
         }
         Command::Daemon {
             node_name,
             kubeconfig,
             default_config,
-            retry_min_ms,
-            retry_max_ms,
+            retry,
         } => {
             let config_file = need(&cli.config_file, "-f/--config-file")?;
             let source = match (cli.selected_config, node_name) {
@@ -245,48 +254,33 @@ fn run(cli: Cli) -> anyhow::Result<u8> {
                     kubeconfig,
                     default_config,
                 },
-                (None, None) => {
-                    anyhow::bail!(
-                        "daemon needs --node-name (or NODE_NAME), or -c for a fixed profile"
-                    )
-                }
+                (None, None) => Err(anyhow::anyhow!(
+                    "daemon needs --node-name (or NODE_NAME), or -c for a fixed profile"
+                ))?,
             };
+            let (retry_min, retry_max) = retry.delays();
             let cfg = DaemonConfig {
-                opts,
+                vendor,
+                write_timeout: cli.write_timeout,
                 config_file,
                 source,
-                retry_min: Duration::from_millis(retry_min_ms),
-                retry_max: Duration::from_millis(retry_max_ms.max(retry_min_ms)),
+                retry_min,
+                retry_max,
             };
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-                .context("cannot start the async runtime")?;
-            rt.block_on(async move {
-                let shutdown = CancellationToken::new();
-                let s = shutdown.clone();
-                tokio::spawn(async move {
-                    wait_for_signal().await;
-                    tracing::info!("stopping");
-                    s.cancel();
-                });
-                vgpu_device_manager::daemon::run(cfg, shutdown).await
-            })?;
-            Ok(0)
+            daemon_kit::daemon::run(Threads::Workers(2), |shutdown| {
+                vgpu_device_manager::daemon::run(cfg, paths, shutdown)
+            })
         }
     }
 }
 
-async fn wait_for_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cli_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
     }
 }

@@ -45,13 +45,7 @@ fn daemon(root: &Path, args: &[&str]) -> Daemon {
         Command::new(BIN)
             .arg("daemon")
             .args(args)
-            .args([
-                "--retry-min-ms",
-                "200",
-                "--retry-max-ms",
-                "1000",
-                "--host-root",
-            ])
+            .args(["--retry-min", "200ms", "--retry-max", "1s", "--host-root"])
             .arg(root)
             .env_remove("NODE_NAME")
             .env_remove("KUBECONFIG")

@@ -16,6 +16,15 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// Writing or removing a file of the daemons' own node state failed.
+    #[error("cannot write {path}")]
+    Save {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
     /// The kernel refused a write.
     #[error("{device}: writing {value:?} to {path} failed")]
     Write {
@@ -76,7 +85,9 @@ impl Error {
     /// The errno behind the error, when there is one (EBUSY, ENODEV, ENOSPC, ...).
     pub fn errno(&self) -> Option<i32> {
         match self {
-            Error::Io { source, .. } | Error::Write { source, .. } => source.raw_os_error(),
+            Error::Io { source, .. } | Error::Save { source, .. } | Error::Write { source, .. } => {
+                source.raw_os_error()
+            }
             _ => None,
         }
     }

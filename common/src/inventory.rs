@@ -15,7 +15,10 @@ use crate::error::{Error, Result};
 use crate::paths::HostPaths;
 use crate::pci::PciAddress;
 
+mod dev_nodes;
 mod refresh;
+
+pub use dev_nodes::DevNodes;
 
 /// What [`Inventory::read_with`] reads.
 #[derive(Clone, Debug)]
@@ -205,6 +208,8 @@ pub struct Inventory {
     /// Functions that could not be read but whose IOMMU group could, by group: a group is
     /// given to a VM whole, so a member nobody can vouch for matters.
     pub unreadable_in_group: BTreeMap<u32, Vec<PciAddress>>,
+    /// `/dev/iommu` and the VFIO cdevs under `/dev/vfio/devices/`.
+    pub dev_nodes: DevNodes,
 }
 
 impl Inventory {
@@ -235,6 +240,7 @@ impl Inventory {
         inv.read_mdev_parents(paths, opts);
         inv.read_mdevs(paths);
         inv.fill_vendor_vgpu_names(paths);
+        inv.dev_nodes = DevNodes::read(paths);
         match list_dir(&paths.dev_vfio()) {
             Ok(names) => inv.vfio_nodes = names.iter().filter_map(|n| n.parse().ok()).collect(),
             Err(e) if is_not_found(&e) => {}
@@ -406,7 +412,8 @@ impl Inventory {
     }
 
     /// A VF's creatable list stops naming its own type once it is set; name it from a sibling,
-    /// else from the names remembered when the types were set ([`crate::vgpu_names`]).
+    /// else from the names `apply` recorded while the lists showed them
+    /// ([`crate::state::vgpu_names`]).
     fn fill_vendor_vgpu_names(&mut self, paths: &HostPaths) {
         let mut names: BTreeMap<u32, String> = BTreeMap::new();
         let mut remembered: Option<BTreeMap<u32, String>> = None;
@@ -424,7 +431,7 @@ impl Inventory {
             {
                 v.current_name = names.get(&v.current).cloned().or_else(|| {
                     remembered
-                        .get_or_insert_with(|| crate::vgpu_names::load(paths))
+                        .get_or_insert_with(|| crate::state::vgpu_names::load(paths))
                         .get(&v.current)
                         .cloned()
                 });

@@ -51,6 +51,11 @@
 //! [`Inventory::refresh_mdev`]) or group node ([`Inventory::refresh_vfio_node`]) instead of the
 //! node.
 //!
+//! # Node state
+//!
+//! What the daemons keep on the host themselves (readiness files, the vGPU type-name record)
+//! is read and written through [`state`], which replaces every file atomically.
+//!
 //! Writes block while drivers probe: call this crate from async code via `spawn_blocking`.
 #![warn(missing_docs)]
 
@@ -60,14 +65,14 @@ pub mod naming;
 pub mod ops;
 pub mod paths;
 pub mod pci;
+pub mod state;
 pub mod uevent;
 pub mod usage;
-pub mod vgpu_names;
 
 pub use error::{Error, Result};
 pub use inventory::{
-    Inventory, MdevDevice, MdevParent, MdevType, NvidiaVgpu, PciDevice, ReadOptions, Unreadable,
-    VgpuType, error_chain, is_vfio_driver,
+    DevNodes, Inventory, MdevDevice, MdevParent, MdevType, NvidiaVgpu, PciDevice, ReadOptions,
+    Unreadable, VgpuType, error_chain, is_vfio_driver,
 };
 pub use naming::{IdsSource, PciIds, env_var_name, passthrough_resource_name, vgpu_resource_name};
 pub use ops::Sysfs;

@@ -200,20 +200,10 @@ impl Sysfs {
 
     /// Sets a VF's vendor-path vGPU type (`nvidia/current_vgpu_type`); 0 deletes the vGPU.
     ///
-    /// Before setting a type, its name is read from the VF's `creatable_vgpu_types` and
-    /// remembered ([`crate::vgpu_names`]): once set, sysfs no longer names it.
+    /// Once set, sysfs no longer names the type: a caller that needs the name later records it
+    /// first ([`crate::state::vgpu_names::record`]).
     pub fn set_current_vgpu_type(&self, vf: &PciAddress, type_id: u32) -> Result<()> {
         let dir = self.device_dir(vf)?;
-        if type_id != 0 {
-            let list = dir.join("nvidia/creatable_vgpu_types");
-            if let Ok(text) = std::fs::read_to_string(&list)
-                && let Ok(types) = crate::inventory::parse_creatable_vgpu_types(&list, &text)
-                && let Some(t) = types.iter().find(|t| t.id == type_id)
-                && let Err(e) = crate::vgpu_names::remember(&self.paths, t.id, &t.name)
-            {
-                tracing::warn!(device = %vf, "cannot remember the vGPU type name: {}", crate::error_chain(&e));
-            }
-        }
         self.write(
             &vf.to_string(),
             dir.join("nvidia/current_vgpu_type"),

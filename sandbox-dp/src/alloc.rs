@@ -1,41 +1,14 @@
 //! Allocate and GetPreferredAllocation, as pure functions of a resource's current devices.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::fs;
 
-use common::HostPaths;
+pub use common::DevNodes;
 
 use crate::api::{ContainerAllocateResponse, DeviceSpec};
 use crate::discovery::{DeviceInfo, Resource};
 
 /// Permissions handed to kubelet for every device node.
 pub const PERMISSIONS: &str = "mrw";
-
-/// iommufd-era device nodes that exist on the host.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct DevNodes {
-    /// `/dev/iommu` exists.
-    pub iommufd: bool,
-    /// Names under `/dev/vfio/devices/` (`vfio0`).
-    pub cdevs: BTreeSet<String>,
-}
-
-impl DevNodes {
-    /// Looks under the host root.
-    pub fn read(paths: &HostPaths) -> DevNodes {
-        let cdevs = fs::read_dir(paths.vfio_cdev_dir())
-            .map(|rd| {
-                rd.filter_map(|e| e.ok())
-                    .filter_map(|e| e.file_name().to_str().map(str::to_string))
-                    .collect()
-            })
-            .unwrap_or_default();
-        DevNodes {
-            iommufd: paths.iommufd().exists(),
-            cdevs,
-        }
-    }
-}
 
 /// Why an Allocate request was refused.
 #[derive(Debug, PartialEq, Eq)]

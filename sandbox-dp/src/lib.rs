@@ -69,14 +69,13 @@ const READ_OPTIONS: ReadOptions = ReadOptions {
 /// One read of the node: inventory → resources, plus the iommufd device nodes.
 pub fn read_node(paths: &HostPaths, cfg: &DiscoverConfig) -> anyhow::Result<(Snapshot, DevNodes)> {
     let view = NodeView::read(paths)?;
-    Ok((discovery::discover(&view.inv, cfg), view.nodes))
+    Ok((discovery::discover(&view.inv, cfg), view.inv.dev_nodes))
 }
 
 /// The node as the daemon keeps it between events.
 #[derive(Debug, Default)]
 struct NodeView {
     inv: Inventory,
-    nodes: DevNodes,
 }
 
 impl NodeView {
@@ -86,10 +85,7 @@ impl NodeView {
         for u in &inv.unreadable {
             tracing::debug!(path = %u.path.display(), reason = %u.reason, "unreadable");
         }
-        Ok(NodeView {
-            inv,
-            nodes: DevNodes::read(paths),
-        })
+        Ok(NodeView { inv })
     }
 
     /// Reads again what `pending` names: the whole node, or only the devices, group nodes and
@@ -109,7 +105,7 @@ impl NodeView {
             self.inv.refresh_vfio_node(paths, *g);
         }
         if pending.dev_nodes {
-            self.nodes = DevNodes::read(paths);
+            self.inv.refresh_dev_nodes(paths);
         }
         Ok(())
     }
@@ -324,7 +320,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     if snap.resources.is_empty() {
         tracing::info!("no devices to advertise yet; watching for them");
     }
-    mgr.apply(snap, view.nodes.clone(), &mut tasks);
+    mgr.apply(snap, view.inv.dev_nodes.clone(), &mut tasks);
 
     let mut resync = tokio::time::interval(config.resync_interval);
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -380,11 +376,16 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
                 pending.node = true;
                 continue;
             }
-            mgr.set_group_health(&work.groups, &view.inv.vfio_nodes, &view.nodes, &mut tasks);
+            mgr.set_group_health(
+                &work.groups,
+                &view.inv.vfio_nodes,
+                &view.inv.dev_nodes,
+                &mut tasks,
+            );
             continue;
         }
         match view.update_async(&paths, &config.discover, work).await {
-            Ok(snap) => mgr.apply(snap, view.nodes.clone(), &mut tasks),
+            Ok(snap) => mgr.apply(snap, view.inv.dev_nodes.clone(), &mut tasks),
             Err(e) => {
                 tracing::warn!(
                     error = format!("{e:#}"),

@@ -11,6 +11,7 @@ use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use common::state::readiness;
 use common::uevent::{Monitor, Subject, Uevent};
 use common::{HostPaths, PciAddress, error_chain};
 use daemon_kit::exit;
@@ -49,7 +50,7 @@ impl Default for DaemonConfig {
 
 /// The readiness file's path.
 pub fn ready_path(paths: &HostPaths) -> PathBuf {
-    paths.validations_dir().join(READY_FILE)
+    readiness::path(paths, READY_FILE)
 }
 
 /// Writes the readiness file (when `report` is clean) or removes it.
@@ -70,25 +71,20 @@ fn set_ready(paths: &HostPaths, report: Option<&Report>) {
                 r.group.map(|g| g.to_string()).unwrap_or_else(|| "-".into())
             ));
         }
-        let dir = paths.validations_dir();
-        let tmp = dir.join(format!(".{READY_FILE}.tmp"));
-        let res = std::fs::create_dir_all(&dir)
-            .and_then(|_| std::fs::write(&tmp, body))
-            .and_then(|_| std::fs::rename(&tmp, &path));
-        match res {
+        match readiness::set(paths, READY_FILE, &body) {
             Ok(()) => tracing::info!(path = %path.display(), "all selected devices bound; ready"),
             Err(e) => {
-                tracing::error!(path = %path.display(), error = %e, "cannot write the readiness file")
+                tracing::error!(error = %error_chain(&e), "cannot write the readiness file")
             }
         }
     } else {
-        match std::fs::remove_file(&path) {
-            Ok(()) => {
+        match readiness::withdraw(paths, READY_FILE) {
+            Ok(true) => {
                 tracing::warn!(path = %path.display(), "not every selected device is bound; readiness withdrawn")
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Ok(false) => {}
             Err(e) => {
-                tracing::error!(path = %path.display(), error = %e, "cannot remove the readiness file")
+                tracing::error!(error = %error_chain(&e), "cannot remove the readiness file")
             }
         }
     }

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use common::{HostPaths, PciAddress};
+use common::{HostPaths, PciAddress, error_chain, state};
 
 /// The file's path.
 pub fn path(paths: &HostPaths) -> PathBuf {
@@ -20,16 +20,14 @@ pub type Originals = BTreeMap<PciAddress, Option<String>>;
 /// Reads the file; empty when absent. Unparsable lines are skipped with a warning.
 pub fn load(paths: &HostPaths) -> Originals {
     let p = path(paths);
-    let text = match std::fs::read_to_string(&p) {
-        Ok(t) => t,
+    match state::read_if_present(&p) {
+        Ok(Some(text)) => parse(&text, &p),
+        Ok(None) => Originals::new(),
         Err(e) => {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                tracing::warn!(path = %p.display(), error = %e, "cannot read original drivers");
-            }
-            return Originals::new();
+            tracing::warn!(error = %error_chain(&e), "cannot read original drivers");
+            Originals::new()
         }
-    };
-    parse(&text, &p)
+    }
 }
 
 fn parse(text: &str, p: &std::path::Path) -> Originals {
@@ -67,16 +65,8 @@ pub fn update(paths: &HostPaths, add: &[(PciAddress, Option<String>)], remove: &
     for a in remove {
         o.remove(a);
     }
-    let p = path(paths);
-    let tmp = p.with_extension("tmp");
-    let res = match p.parent() {
-        Some(dir) => std::fs::create_dir_all(dir),
-        None => Ok(()),
-    }
-    .and_then(|_| std::fs::write(&tmp, render(&o)))
-    .and_then(|_| std::fs::rename(&tmp, &p));
-    if let Err(e) = res {
-        tracing::warn!(path = %p.display(), error = %e, "cannot record original drivers; unbind will use the default driver");
+    if let Err(e) = state::write_atomic(&path(paths), render(&o).as_bytes()) {
+        tracing::warn!(error = %error_chain(&e), "cannot record original drivers; unbind will use the default driver");
     }
 }
 

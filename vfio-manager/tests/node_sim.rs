@@ -840,6 +840,20 @@ fn daemon_vouches_only_when_all_are_bound_binds_hotplug_and_leaves_devices_on_si
     wait_until("the readiness file to list the new GPU", || {
         std::fs::read_to_string(&ready).is_ok_and(|s| s.contains("0000:81:00.0"))
     });
+    // One whole `BDF DRIVER GROUP` line per function, and nothing else in the directory.
+    let body = std::fs::read_to_string(&ready).unwrap();
+    assert!(
+        body.lines().all(|l| {
+            let w: Vec<&str> = l.split(' ').collect();
+            w.len() == 3 && w[1] == "vfio-pci" && w[2].parse::<u32>().is_ok()
+        }),
+        "{body}"
+    );
+    let listed: Vec<_> = std::fs::read_dir(ready.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(listed, ["vfio-pci-ready"]);
 
     sigterm(&d.0);
     let status = d.0.wait().unwrap();

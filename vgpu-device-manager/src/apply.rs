@@ -163,7 +163,7 @@ impl Report {
 }
 
 /// The vendor-path type names the node's creatable lists show now. A VF stops listing its own
-/// type, and a full card lists none, so `apply` records them ([`common::vgpu_names`]) for later
+/// type, and a full card lists none, so `apply` records them ([`common::state::vgpu_names`]) for later
 /// reads.
 fn names_shown(inv: &Inventory) -> Vec<(u32, String)> {
     inv.devices
@@ -246,7 +246,7 @@ pub fn snapshot(opts: &Options) -> Result<Vec<Gpu>, ApplyError> {
 }
 
 /// [`snapshot`]; with `record_names` (apply only) the vendor-path type names the node shows
-/// are recorded first ([`common::vgpu_names`]).
+/// are recorded first ([`common::state::vgpu_names`]).
 fn read_gpus(opts: &Options, record_names: bool) -> Result<Vec<Gpu>, ApplyError> {
     // Types are read for one parent per GPU: every VF of a GPU lists the same types, and a
     // GPU has up to 32 VFs of ~25 types each. A VF's identity is its PF's for planning.
@@ -264,11 +264,11 @@ fn read_gpus(opts: &Options, record_names: bool) -> Result<Vec<Gpu>, ApplyError>
     let usage = Usage::read(&opts.paths);
     let shown = names_shown(&inv);
     if record_names
-        && let Err(e) = common::vgpu_names::remember_all(&opts.paths, shown.iter().cloned())
+        && let Err(e) = common::state::vgpu_names::record(&opts.paths, shown.iter().cloned())
     {
         tracing::warn!("cannot record vGPU type names: {}", error_chain(&e));
     }
-    let mut names = common::vgpu_names::load(&opts.paths);
+    let mut names = common::state::vgpu_names::load(&opts.paths);
     names.extend(shown);
     let gpus = plan::discover(&inv, opts.vendor, &usage, &names);
     for g in &gpus {

@@ -13,7 +13,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
-use common::HostPaths;
+use common::state::readiness;
+use common::{HostPaths, error_chain};
 use daemon_kit::exit;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
@@ -209,7 +210,6 @@ async fn keep_applied(
     let (file_tx, mut file_rx) = mpsc::channel::<()>(8);
     let _watcher = watch_file(&cfg.config_file, file_tx)?;
 
-    let ready = opts.paths.validations_dir().join(READY_FILE);
     let mut last_text: Option<String> = None;
     let mut retry: Option<tokio::time::Instant> = None;
     let mut delay = cfg.retry_min;
@@ -307,14 +307,16 @@ async fn keep_applied(
         match outcome {
             Ok(report) => {
                 tracing::info!(profile, writes = report.writes, "profile applied");
-                if let Err(e) = write_ready(&ready) {
-                    tracing::warn!(path = %ready.display(), "cannot write the readiness file: {e}");
+                if let Err(e) = readiness::set(&opts.paths, READY_FILE, "") {
+                    tracing::warn!("cannot write the readiness file: {}", error_chain(&e));
                 }
                 reporter.set(&State::Success).await;
                 delay = cfg.retry_min;
             }
             Err((reason, retryable)) => {
-                let _ = std::fs::remove_file(&ready);
+                if let Err(e) = readiness::withdraw(&opts.paths, READY_FILE) {
+                    tracing::warn!("cannot remove the readiness file: {}", error_chain(&e));
+                }
                 tracing::error!(profile, "profile not applied: {reason}");
                 reporter.set(&State::Failed(reason)).await;
                 if retryable {
@@ -343,13 +345,6 @@ async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> 
             .context("no in-cluster config and no kubeconfig")?,
     };
     kube::Client::try_from(config).context("cannot make a Kubernetes client")
-}
-
-fn write_ready(path: &Path) -> std::io::Result<()> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    std::fs::write(path, b"")
 }
 
 fn watch_file(file: &Path, tx: mpsc::Sender<()>) -> anyhow::Result<notify::RecommendedWatcher> {

@@ -145,7 +145,11 @@ fn daemon_follows_the_label_and_the_config_file() {
     assert_eq!(counts(root), each("NVIDIA A10-4Q", 6));
     let h = api.label_history(STATE);
     assert_eq!(h.first(), Some(&Some("pending".to_string())), "{h:?}");
-    assert!(ready_file(root).exists());
+    let listed: Vec<_> = std::fs::read_dir(ready_file(root).parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(listed, ["vgpu-devices-ready"], "the readiness file alone");
 
     // Label changed: reconfigured.
     api.clear_history();

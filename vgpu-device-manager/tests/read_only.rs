@@ -51,7 +51,24 @@ fn read_only_commands_write_nothing_on_the_vendor_path() {
     );
     let o = run(root, &["apply", "-f", f, "-c", "H100XM-8C"]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    assert!(root.join("run/gpu-vm-node/vgpu-type-names").exists());
+    // apply recorded every type the lists showed, whole, with no temporary file left beside it.
+    let record = root.join("run/gpu-vm-node/vgpu-type-names");
+    let text = std::fs::read_to_string(&record).unwrap();
+    assert!(
+        text.lines().any(|l| l.ends_with("\tNVIDIA H100XM-8C")),
+        "{text}"
+    );
+    assert!(
+        text.lines().all(|l| l
+            .split_once('\t')
+            .is_some_and(|(id, name)| id.parse::<u32>().is_ok() && name.starts_with("NVIDIA "))),
+        "{text}"
+    );
+    let dir: Vec<_> = std::fs::read_dir(record.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(dir, ["vgpu-type-names"]);
 }
 
 #[test]

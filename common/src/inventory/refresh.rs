@@ -10,6 +10,7 @@
 //!   `sriov_numvfs` and `virtfnN` changed with it), without the PF's other VFs.
 //! - [`Inventory::refresh_mdev`]: the mdev and its group node.
 //! - [`Inventory::refresh_vfio_node`]: whether `/dev/vfio/<group>` exists.
+//! - [`Inventory::refresh_dev_nodes`]: `/dev/iommu` and the VFIO cdevs.
 //!
 //! After each, the inventory equals a full [`Inventory::read_with`] of the node, provided every
 //! change was announced (the tests hold it to that); what no event announced is found by the

@@ -1,0 +1,176 @@
+//! The daemons' own node state: the files they keep on the host, and the one way they are
+//! written.
+//!
+//! | File under the host root | Written by | Read by |
+//! |---|---|---|
+//! | `run/nvidia/validations/vfio-pci-ready` | vfio-manager `daemon`, through [`readiness`] | the deployment's init containers |
+//! | `run/nvidia/validations/vgpu-devices-ready` | vgpu-device-manager `daemon`, through [`readiness`] | the deployment's init containers |
+//! | `run/gpu-vm-node/vgpu-type-names` | vgpu-device-manager `apply` only ([`vgpu_names::record`]) | [`crate::Inventory`] ([`vgpu_names::load`]) |
+//! | `run/vfio-manager/original-drivers` | vfio-manager `bind`/`unbind` ([`write_atomic`]) | vfio-manager `unbind` |
+//!
+//! All of them live in `/run`, emptied at boot with the bindings and vGPUs they describe.
+//! Every file is replaced whole by [`write_atomic`]: a reader, or the next run after a crash,
+//! sees the old content or the new, never part of either.
+
+pub mod readiness;
+pub mod vgpu_names;
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use crate::error::{Error, Result};
+
+/// Replaces `path` with `contents`, creating its directory when missing. The bytes go to a
+/// hidden temporary file in the same directory, are flushed to disk, and the file is renamed
+/// over `path`, so `path` holds the old content or the new at every moment, across a crash too.
+/// On failure the temporary file is removed and `path` is left as it was.
+pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<()> {
+    write_atomic_with(path, |f| f.write_all(contents))
+}
+
+/// [`write_atomic`] with the content written by `fill`.
+fn write_atomic_with(path: &Path, fill: impl FnOnce(&mut File) -> io::Result<()>) -> Result<()> {
+    let save = |source| Error::Save {
+        path: path.to_path_buf(),
+        source,
+    };
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    std::fs::create_dir_all(dir).map_err(save)?;
+    let tmp = temp_path(path);
+    let written = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .and_then(|mut f| {
+            fill(&mut f)?;
+            f.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = written {
+        // Best effort: the temporary file may not even exist.
+        let _ = std::fs::remove_file(&tmp);
+        return Err(save(e));
+    }
+    // The rename itself survives a power loss only once the directory is flushed.
+    File::open(dir).and_then(|d| d.sync_all()).map_err(save)
+}
+
+/// `<dir>/.<name>.<pid>.<n>.tmp`: hidden, and distinct per process and per write, so two
+/// writers never share a temporary file.
+fn temp_path(path: &Path) -> PathBuf {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    path.with_file_name(format!(".{name}.{}.{n}.tmp", std::process::id()))
+}
+
+/// The file's text; `None` when it does not exist.
+pub fn read_if_present(path: &Path) -> Result<Option<String>> {
+    match std::fs::read_to_string(path) {
+        Ok(t) => Ok(Some(t)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io(path, e)),
+    }
+}
+
+/// Removes the file; `Ok(false)` when there was none.
+pub fn remove_if_present(path: &Path) -> Result<bool> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(source) => Err(Error::Save {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn creates_the_directory_and_replaces_the_file_leaving_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a/b/state");
+        write_atomic(&path, b"one\n").unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "one\n");
+        write_atomic(&path, b"two\n").unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "two\n");
+        assert_eq!(names(&dir.path().join("a/b")), ["state"]);
+    }
+
+    #[test]
+    fn a_write_that_fails_half_way_leaves_the_old_file_and_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state");
+        write_atomic(&path, b"old content\n").unwrap();
+        let err = write_atomic_with(&path, |f| {
+            f.write_all(b"new con")?;
+            Err(io::Error::other("interrupted"))
+        })
+        .unwrap_err();
+        assert!(matches!(err, Error::Save { ref path, .. } if path.ends_with("state")));
+        assert_eq!(err.to_string(), format!("cannot write {}", path.display()));
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "old content\n");
+        assert_eq!(names(dir.path()), ["state"]);
+    }
+
+    #[test]
+    fn a_reader_sees_the_old_file_or_the_new_never_part_of_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state");
+        // Large enough that a plain write would be seen half done.
+        let a = vec![b'a'; 1 << 20];
+        let b = vec![b'b'; 1 << 20];
+        write_atomic(&path, &a).unwrap();
+        let writer = {
+            let (path, a, b) = (path.clone(), a.clone(), b.clone());
+            std::thread::spawn(move || {
+                for i in 0..50 {
+                    write_atomic(&path, if i % 2 == 0 { &b } else { &a }).unwrap();
+                }
+            })
+        };
+        let mut reads = 0;
+        while !writer.is_finished() || reads == 0 {
+            let seen = std::fs::read(&path).unwrap();
+            assert!(seen == a || seen == b, "saw {} bytes of a mix", seen.len());
+            reads += 1;
+        }
+        writer.join().unwrap();
+        assert_eq!(names(dir.path()), ["state"]);
+    }
+
+    #[test]
+    fn read_and_remove_treat_a_missing_file_as_absent() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state");
+        assert_eq!(read_if_present(&path).unwrap(), None);
+        assert!(!remove_if_present(&path).unwrap());
+        write_atomic(&path, b"x").unwrap();
+        assert!(remove_if_present(&path).unwrap());
+        assert!(!path.exists());
+        // A directory where the file should be is an error, naming it.
+        std::fs::create_dir(&path).unwrap();
+        let err = read_if_present(&path).unwrap_err();
+        assert!(err.to_string().contains("state"), "{err}");
+    }
+}

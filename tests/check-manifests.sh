@@ -16,7 +16,8 @@
 #      docs/configuration.md names every command and flag their --help lists.
 #   5. The generated vGPU ConfigMap applied by vgpu-device-manager on node-sim topologies (the
 #      `default` profile on each vGPU topology, A10-4Q on 2xA10), listed by sandbox-dp, then
-#      removed with `all-disabled`. Skipped without root and /dev/fuse.
+#      removed with `all-disabled`. Skipped without root and /dev/fuse; with NODE_SIM=required
+#      (as CI sets it) a skip of this step fails instead.
 #   6. Self-tests: a broken copy of a manifest and of a unit must make steps 1 and 2 fail.
 # SKIP_CLI_CHECK=1 skips steps 4 and 5 (they build the binaries).
 # Python packages go to a virtualenv under target/ (pinned versions, installed once).
@@ -30,6 +31,11 @@ CEL_PYTHON_VERSION=0.5.0
 
 step() { printf '\n== %s\n' "$*"; }
 die() { echo "check-manifests: $*" >&2; exit 1; }
+# A node-sim step that cannot run: a visible skip, or a failure under NODE_SIM=required.
+skip_sim_step() {
+    [ "${NODE_SIM:-}" = required ] && die "NODE_SIM=required but $*"
+    echo "skipped: $*"
+}
 
 # --- Python tools ------------------------------------------------------------------------------
 venv="$repo/target/check-manifests-venv"
@@ -175,9 +181,9 @@ stop_sim() {
 }
 trap 'stop_sim; rm -rf "$scratch"' EXIT
 if [ "${SKIP_CLI_CHECK:-}" = 1 ]; then
-    echo "skipped: the ConfigMap on simulated nodes (SKIP_CLI_CHECK=1: binaries not built)"
+    skip_sim_step "the ConfigMap on simulated nodes (SKIP_CLI_CHECK=1: binaries not built)"
 elif [ "$(id -u)" -ne 0 ] || [ ! -e /dev/fuse ]; then
-    echo "skipped: the ConfigMap on simulated nodes (needs root and /dev/fuse for node-sim)"
+    skip_sim_step "the ConfigMap on simulated nodes (needs root and /dev/fuse for node-sim)"
 else
     step "the default vGPU ConfigMap applies on simulated nodes"
     cargo build -q -p node-sim

@@ -11,7 +11,8 @@ use common::{HostPaths, Inventory, PciAddress, ReadOptions, Sysfs, Usage, error_
 use serde::Serialize;
 
 use crate::config::{Config, ConfigError, Count, Devices, Entry, TypeKey};
-use crate::plan::{self, Action, Gpu, Plan, PlanError, VendorSel};
+use crate::gpu::{self, Gpu, VendorSel};
+use crate::plan::{self, Action, Plan, PlanError};
 
 /// Where and how to work.
 #[derive(Clone, Debug)]
@@ -270,7 +271,7 @@ fn read_gpus(opts: &Options, record_names: bool) -> Result<Vec<Gpu>, ApplyError>
     }
     let mut names = common::state::vgpu_names::load(&opts.paths);
     names.extend(shown);
-    let gpus = plan::discover(&inv, opts.vendor, &usage, &names);
+    let gpus = gpu::discover(&inv, opts.vendor, &usage, &names);
     for g in &gpus {
         tracing::debug!(
             gpu = %g.label(),
@@ -332,7 +333,7 @@ pub fn apply(opts: &Options, config: &Config, profile: &str) -> Result<Report, A
                     g.pci == Some(*pf)
                         && !matches!(
                             g.backend,
-                            plan::Backend::NeedsVfs { .. } | plan::Backend::Unsupported { .. }
+                            gpu::Backend::NeedsVfs { .. } | gpu::Backend::Unsupported { .. }
                         )
                 })
             });
@@ -511,7 +512,7 @@ pub fn export(opts: &Options, name: &str) -> Result<Exported, ApplyError> {
         .collect();
     let mut groups: Vec<(BTreeMap<TypeKey, Count>, Vec<usize>)> = Vec::new();
     for g in &gpus {
-        if matches!(g.backend, plan::Backend::Unsupported { .. }) && g.vgpus.is_empty() {
+        if matches!(g.backend, gpu::Backend::Unsupported { .. }) && g.vgpus.is_empty() {
             continue;
         }
         let mut m: BTreeMap<TypeKey, Count> = BTreeMap::new();
@@ -519,7 +520,7 @@ pub fn export(opts: &Options, name: &str) -> Result<Exported, ApplyError> {
             // The name's last word is the usual key (`A10-4Q`), unless another type this GPU
             // offers ends in the same word (the mtty sample's "Single/Dual port serial"):
             // then the type id, which the parser reads back unambiguously.
-            let by_name = plan::type_key_of(v.type_name.as_deref(), &v.type_id);
+            let by_name = gpu::type_key_of(v.type_name.as_deref(), &v.type_id);
             let ambiguous = g
                 .types
                 .iter()

@@ -3,14 +3,15 @@
 //!
 //! - [`config`] parses and checks the file.
 //! - [`models`] knows what NVIDIA's GPU models make, for what sysfs does not show yet.
-//! - [`plan`] turns the node's inventory into per-GPU state and plans a profile against it
-//!   (a pure function).
+//! - [`gpu`] turns the node's inventory into per-GPU state: backend, types, vGPUs and users.
+//! - [`plan`] plans a profile against that state (a pure function).
 //! - [`apply`] reads, plans and executes, GPUs in parallel.
 //! - [`daemon`] keeps the node on the profile named by a node label or a flag.
 
 pub mod apply;
 pub mod config;
 pub mod daemon;
+pub mod gpu;
 pub mod models;
 pub mod plan;
 

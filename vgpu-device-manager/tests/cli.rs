@@ -2,9 +2,9 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
+mod support;
 
-use common::*;
+use support::*;
 
 fn ok(o: &std::process::Output) {
     assert_eq!(o.status.code(), Some(0), "{}", text(o));

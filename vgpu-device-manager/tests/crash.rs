@@ -3,12 +3,12 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
+mod support;
 
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::*;
+use support::*;
 
 /// Starts `apply`, kills it with SIGKILL once the op log holds at least `k` writes (each write
 /// is slowed down so the kill lands near the k-th), and returns how many writes it made.

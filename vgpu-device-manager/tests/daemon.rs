@@ -2,13 +2,13 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
+mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::*;
+use support::*;
 use testkit::apiserver::FakeApiServer;
 
 const CONFIG_LABEL: &str = "nvidia.com/vgpu.config";

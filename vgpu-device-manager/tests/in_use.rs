@@ -4,11 +4,11 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
+mod support;
 
 use std::path::{Path, PathBuf};
 
-use common::*;
+use support::*;
 use testkit::kubelet::FakePodResources;
 use testkit::kubelet::checkpoint::{self, entry};
 

@@ -3,11 +3,11 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
+mod support;
 
 use std::path::Path;
 
-use common::*;
+use support::*;
 use testkit::tree::Tree;
 
 /// Runs each command against `root`; none may change the tree.

@@ -3,9 +3,9 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
+mod support;
 
-use common::*;
+use support::*;
 
 const BAD: &str = r#"
 version: v1

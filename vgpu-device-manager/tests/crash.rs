@@ -95,14 +95,24 @@ fn killed_first_apply_converges_for_every_k() {
     let cfg = config_file(CONFIG);
     let f = cfg.path.to_str().unwrap();
     // From a node without VFs: 2 sriov_numvfs writes, then 12 creations.
+    let mut half_applied = 0;
     for k in 1..=14 {
         for pf in ["0000:41:00.0", "0000:61:00.0"] {
             write(root, &format!("sys/bus/pci/devices/{pf}/sriov_numvfs"), "0");
         }
         assert!(mdevs(root).is_empty());
         apply_killed_after(&sim, f, "A10-4Q", k);
+        // What the kill left: fewer than the profile's 12 vGPUs is a run cut short.
+        if mdevs(root).len() < 12 {
+            half_applied += 1;
+        }
         converge(&sim, f, "A10-4Q", "NVIDIA A10-4Q", 6);
     }
+    // The kills did land part-way, and the repair runs started from half-applied nodes.
+    assert!(
+        half_applied >= 11,
+        "only {half_applied} of 14 runs were left half-applied"
+    );
 }
 
 const VENDOR: &str = r#"
@@ -166,14 +176,23 @@ fn killed_vendor_path_applies_converge_for_every_k() {
     };
     assert_eq!(pfs.len(), 2, "{pfs:?}");
     // From a node without VFs: 2 sriov_numvfs writes, then 10 current_vgpu_type writes.
+    let mut half_applied = 0;
     for k in 1..=12 {
         for pf in &pfs {
             write(root, &format!("sys/bus/pci/devices/{pf}/sriov_numvfs"), "0");
         }
         assert!(vendor_vgpus(root).is_empty());
         apply_killed_after(&sim, f, "H100XM-16C", k);
+        // Fewer than the profile's 10 vGPUs: the kill cut the run short.
+        if vendor_vgpus(root).len() < 10 {
+            half_applied += 1;
+        }
         converge_vendor(&sim, f, "H100XM-16C", 1004, 5);
     }
+    assert!(
+        half_applied >= 9,
+        "only {half_applied} of 12 first runs were left half-applied"
+    );
     // 16C → 20C is 10 clears (`0`) and 8 sets, and back 8 clears and 10 sets: 18 writes each.
     let mut killed_mid_way = 0;
     for k in 1..=18 {

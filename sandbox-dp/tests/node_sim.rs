@@ -100,8 +100,15 @@ async fn passthrough_a10s_register_list_and_allocate() {
         .await
         .unwrap();
     assert_eq!(list.len(), 1);
+    // Gone from the resource, not merely unhealthy.
     let e = plugin.allocate(&[&[GPU_B]]).await.unwrap_err();
-    assert!(e.message().contains(GPU_B), "{}", e.message());
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(
+        e.message()
+            .ends_with(&format!("unknown device IDs: {GPU_B}")),
+        "{}",
+        e.message()
+    );
     bind_vfio(root, GPU_B);
     lw.wait_until(DEADLINE, |l| ids(l) == [GPU_A, GPU_B])
         .await
@@ -242,7 +249,12 @@ async fn hot_plugged_and_unplugged_gpus_follow_their_uevents() {
         .await
         .unwrap();
     let e = plugin.allocate(&[&[new]]).await.unwrap_err();
-    assert!(e.message().contains(new), "{}", e.message());
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(
+        e.message().ends_with(&format!("unknown device IDs: {new}")),
+        "{}",
+        e.message()
+    );
     // The last one too: the resource stays, empty.
     control(root, &format!("unplug {GPU_A}"));
     lw.wait_until(DEADLINE, |l| l.is_empty()).await.unwrap();

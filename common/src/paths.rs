@@ -190,6 +190,12 @@ impl HostPaths {
             .join(release)
             .join("modules.alias"))
     }
+
+    /// The text of the running kernel's `modules.alias` ([`HostPaths::modules_alias`]).
+    pub fn read_modules_alias(&self) -> Result<String> {
+        let path = self.modules_alias()?;
+        std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))
+    }
 }
 
 #[cfg(test)]

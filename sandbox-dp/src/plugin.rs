@@ -1,6 +1,5 @@
 //! One gRPC device-plugin server per resource, its socket and its registration with kubelet.
 
-use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -8,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
+use common::state::{self, file_identity};
 use hyper_util::rt::TokioIo;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
@@ -203,13 +203,6 @@ pub async fn unix_channel(path: &Path) -> anyhow::Result<Channel> {
     Ok(ch)
 }
 
-/// Identity of a socket file: (device, inode, change time); `None` when it is absent.
-fn file_identity(path: &Path) -> Option<(u64, u64, i64, i64)> {
-    std::fs::metadata(path)
-        .ok()
-        .map(|m| (m.dev(), m.ino(), m.ctime(), m.ctime_nsec()))
-}
-
 /// Everything one resource task needs.
 #[derive(Debug)]
 pub struct ResourceTask {
@@ -232,7 +225,7 @@ pub struct ResourceTask {
 enum Registered {
     No,
     /// Registered with the kubelet socket of this identity and generation.
-    Yes(Option<(u64, u64, i64, i64)>, u64),
+    Yes(Option<state::FileIdentity>, u64),
 }
 
 impl ResourceTask {
@@ -243,9 +236,9 @@ impl ResourceTask {
         let endpoint = socket_name(&self.name);
         let path = self.kubelet_dir.join(&endpoint);
         loop {
-            match std::fs::remove_file(&path) {
-                Ok(()) => tracing::debug!(socket = %path.display(), "removed a stale socket"),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            match state::remove_if_present(&path) {
+                Ok(true) => tracing::debug!(socket = %path.display(), "removed a stale socket"),
+                Ok(false) => {}
                 Err(e) => {
                     return Err(e).with_context(|| format!("removing {}", path.display()));
                 }
@@ -292,7 +285,7 @@ impl ResourceTask {
                         res.with_context(|| format!("gRPC server of {} on {}", self.name, path.display()))?;
                         if self.shutdown.is_cancelled() {
                             if file_identity(&path) == own {
-                                let _ = std::fs::remove_file(&path);
+                                let _ = state::remove_if_present(&path);
                             }
                             return Ok(());
                         }
@@ -324,7 +317,7 @@ impl ResourceTask {
             }
             if !rebind {
                 if file_identity(&path) == own {
-                    let _ = std::fs::remove_file(&path);
+                    let _ = state::remove_if_present(&path);
                 }
                 tracing::info!(resource = %self.name, "stopped");
                 return Ok(());

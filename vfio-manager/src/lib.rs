@@ -75,17 +75,10 @@ pub struct NodeError {
 /// The `modules.alias` of the running kernel; empty (everything on `vfio-pci`) when there is
 /// none to read.
 pub fn load_aliases(paths: &HostPaths) -> AliasTable {
-    let path = match paths.modules_alias() {
-        Ok(p) => p,
-        Err(e) => {
-            tracing::debug!(error = %error_chain(&e), "no kernel release; using vfio-pci for every device");
-            return AliasTable::default();
-        }
-    };
-    match std::fs::read_to_string(&path) {
+    match paths.read_modules_alias() {
         Ok(text) => AliasTable::parse(&text),
         Err(e) => {
-            tracing::debug!(path = %path.display(), error = %e, "no modules.alias; using vfio-pci for every device");
+            tracing::debug!(error = %error_chain(&e), "no modules.alias; using vfio-pci for every device");
             AliasTable::default()
         }
     }

@@ -86,7 +86,7 @@ mod tests {
         assert_eq!(o.get(&a), Some(&Some("nouveau".to_string())));
         assert_eq!(o.get(&b), Some(&None));
         assert_eq!(
-            std::fs::read_to_string(dir.path().join("run/vfio-manager/original-drivers")).unwrap(),
+            state::read_if_present(&path(&p)).unwrap().unwrap(),
             "0000:1b:00.0 nouveau\n0000:1d:00.0 -\n"
         );
         update(&p, &[], &[a]);

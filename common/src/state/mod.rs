@@ -7,6 +7,7 @@
 //! | `run/nvidia/validations/vgpu-devices-ready` | vgpu-device-manager `daemon`, through [`readiness`] | the deployment's init containers |
 //! | `run/gpu-vm-node/vgpu-type-names` | vgpu-device-manager `apply` only ([`vgpu_names::record`]) | [`crate::Inventory`] ([`vgpu_names::load`]) |
 //! | `run/vfio-manager/original-drivers` | vfio-manager `bind`/`unbind` ([`write_atomic`]) | vfio-manager `unbind` |
+//! | sandbox-dp's sockets in kubelet's device-plugin directory | sandbox-dp (bound by its servers; [`remove_if_present`]; [`file_identity`] tells one replaced, as for `kubelet.sock`) | kubelet |
 //!
 //! All of them live in `/run`, emptied at boot with the bindings and vGPUs they describe.
 //! Every file is replaced whole by [`write_atomic`]: a reader, or the next run after a crash,
@@ -93,6 +94,25 @@ pub fn remove_if_present(path: &Path) -> Result<bool> {
     }
 }
 
+/// Which file a path names now: device, inode and change time. A file replaced by another of
+/// the same name (a socket removed and bound again) has another identity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileIdentity {
+    dev: u64,
+    ino: u64,
+    ctime: (i64, i64),
+}
+
+/// The identity of the file at `path`; `None` when there is none (or it cannot be looked at).
+pub fn file_identity(path: &Path) -> Option<FileIdentity> {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata(path).ok().map(|m| FileIdentity {
+        dev: m.dev(),
+        ino: m.ino(),
+        ctime: (m.ctime(), m.ctime_nsec()),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -157,6 +177,22 @@ mod tests {
         }
         writer.join().unwrap();
         assert_eq!(names(dir.path()), ["state"]);
+    }
+
+    #[test]
+    fn a_file_replaced_under_the_same_name_has_another_identity() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plugin.sock");
+        assert_eq!(file_identity(&path), None);
+        std::fs::write(&path, "").unwrap();
+        let first = file_identity(&path);
+        assert!(first.is_some());
+        assert_eq!(file_identity(&path), first);
+        // Keep the old inode alive so the new file cannot reuse its number.
+        let kept = dir.path().join("kept");
+        std::fs::rename(&path, &kept).unwrap();
+        std::fs::write(&path, "").unwrap();
+        assert_ne!(file_identity(&path), first);
     }
 
     #[test]

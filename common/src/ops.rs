@@ -221,24 +221,14 @@ fn write_now(path: &Path, value: &str) -> std::io::Result<()> {
 mod tests {
     use super::*;
     use std::fs;
+    use testkit::sysfs::{A10, SysfsTree};
 
-    fn tree() -> (tempfile::TempDir, HostPaths, PciAddress) {
-        let dir = tempfile::tempdir().unwrap();
-        let dev = dir.path().join("sys/devices/pci0000:00/0000:41:00.0");
-        fs::create_dir_all(&dev).unwrap();
-        fs::create_dir_all(dir.path().join("sys/bus/pci/devices")).unwrap();
-        fs::create_dir_all(dir.path().join("sys/bus/pci/drivers/nvidia")).unwrap();
-        std::os::unix::fs::symlink(
-            "../../../devices/pci0000:00/0000:41:00.0",
-            dir.path().join("sys/bus/pci/devices/0000:41:00.0"),
-        )
-        .unwrap();
-        std::os::unix::fs::symlink("../../../../bus/pci/drivers/nvidia", dev.join("driver"))
-            .unwrap();
-        fs::write(dev.join("driver_override"), "(null)\n").unwrap();
-        fs::write(dir.path().join("sys/bus/pci/drivers/nvidia/unbind"), "").unwrap();
-        fs::write(dir.path().join("sys/bus/pci/drivers_probe"), "").unwrap();
-        let p = HostPaths::new(dir.path());
+    fn tree() -> (SysfsTree, HostPaths, PciAddress) {
+        let dir = SysfsTree::new();
+        dir.device("pci0000:00", "0000:41:00.0", A10, Some("nvidia"), 21);
+        fs::write(dir.root().join("sys/bus/pci/drivers/nvidia/unbind"), "").unwrap();
+        fs::write(dir.root().join("sys/bus/pci/drivers_probe"), "").unwrap();
+        let p = HostPaths::new(dir.root());
         (dir, p, "0000:41:00.0".parse().unwrap())
     }
 
@@ -249,7 +239,7 @@ mod tests {
         s.set_driver_override(&a, Some("vfio-pci")).unwrap();
         assert_eq!(
             fs::read_to_string(
-                dir.path()
+                dir.root()
                     .join("sys/bus/pci/devices/0000:41:00.0/driver_override")
             )
             .unwrap(),
@@ -257,12 +247,12 @@ mod tests {
         );
         assert_eq!(s.unbind(&a).unwrap().as_deref(), Some("nvidia"));
         assert_eq!(
-            fs::read_to_string(dir.path().join("sys/bus/pci/drivers/nvidia/unbind")).unwrap(),
+            fs::read_to_string(dir.root().join("sys/bus/pci/drivers/nvidia/unbind")).unwrap(),
             "0000:41:00.0"
         );
         s.drivers_probe(&a).unwrap();
         assert_eq!(
-            fs::read_to_string(dir.path().join("sys/bus/pci/drivers_probe")).unwrap(),
+            fs::read_to_string(dir.root().join("sys/bus/pci/drivers_probe")).unwrap(),
             "0000:41:00.0"
         );
     }

@@ -6,30 +6,18 @@ use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 
 use common::{HostPaths, Inventory, PciAddress, ReadOptions, is_vfio_driver};
+use testkit::sysfs::SysfsTree;
 
-struct Tree {
-    dir: tempfile::TempDir,
-}
+/// The shared builder ([`SysfsTree`]) and the node's paths.
+struct Tree(SysfsTree);
 
 impl Tree {
     fn new() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        for d in [
-            "sys/bus/pci/devices",
-            "sys/bus/pci/drivers/nvidia",
-            "sys/bus/pci/drivers/vfio-pci",
-            "sys/kernel/iommu_groups",
-            "sys/bus/mdev/devices",
-            "sys/class/mdev_bus",
-            "dev/vfio",
-        ] {
-            fs::create_dir_all(dir.path().join(d)).unwrap();
-        }
-        Tree { dir }
+        Tree(SysfsTree::new())
     }
 
     fn root(&self) -> &Path {
-        self.dir.path()
+        self.0.root()
     }
 
     /// A function under `parent` (a path below sys/devices), with the usual files.
@@ -41,36 +29,7 @@ impl Tree {
         driver: Option<&str>,
         group: u32,
     ) -> PathBuf {
-        let rel = format!("{parent}/{bdf}");
-        let d = self.root().join("sys/devices").join(&rel);
-        fs::create_dir_all(&d).unwrap();
-        fs::write(d.join("vendor"), format!("{}\n", ids.0)).unwrap();
-        fs::write(d.join("device"), format!("{}\n", ids.1)).unwrap();
-        fs::write(d.join("subsystem_vendor"), "0x10de\n").unwrap();
-        fs::write(d.join("subsystem_device"), "0x1482\n").unwrap();
-        fs::write(d.join("class"), format!("{}\n", ids.2)).unwrap();
-        fs::write(d.join("driver_override"), "(null)\n").unwrap();
-        fs::write(d.join("numa_node"), "1\n").unwrap();
-        let depth = rel.matches('/').count() + 2; // sys/devices/<rel>
-        let up = "../".repeat(depth);
-        if let Some(drv) = driver {
-            symlink(format!("{up}bus/pci/drivers/{drv}"), d.join("driver")).unwrap();
-        }
-        let g = self
-            .root()
-            .join(format!("sys/kernel/iommu_groups/{group}/devices"));
-        fs::create_dir_all(&g).unwrap();
-        symlink(
-            format!("{up}kernel/iommu_groups/{group}"),
-            d.join("iommu_group"),
-        )
-        .unwrap();
-        symlink(
-            format!("../../../devices/{rel}"),
-            self.root().join("sys/bus/pci/devices").join(bdf),
-        )
-        .unwrap();
-        d
+        self.0.device(parent, bdf, ids, driver, group)
     }
 
     fn paths(&self) -> HostPaths {
@@ -223,34 +182,19 @@ fn mdev_parents_types_and_instances() {
     );
     symlink("../0000:41:00.0", vf.join("physfn")).unwrap();
     symlink("../0000:41:00.4", pf.join("virtfn0")).unwrap();
-    for (id, name, avail) in [
-        ("nvidia-593", "NVIDIA A10-4Q", "0"),
-        ("nvidia-594", "NVIDIA A10-6Q", "0"),
+    for (id, name) in [
+        ("nvidia-593", "NVIDIA A10-4Q"),
+        ("nvidia-594", "NVIDIA A10-6Q"),
     ] {
-        let td = vf.join("mdev_supported_types").join(id);
-        fs::create_dir_all(td.join("devices")).unwrap();
-        fs::write(td.join("name"), format!("{name}\n")).unwrap();
-        fs::write(td.join("available_instances"), format!("{avail}\n")).unwrap();
+        let td = t.0.mdev_type(&vf, id, name, 0);
         fs::write(td.join("device_api"), "vfio-pci\n").unwrap();
     }
-    symlink(
-        "../../devices/pci0000:00/0000:41:00.4",
-        t.root().join("sys/class/mdev_bus/0000:41:00.4"),
-    )
-    .unwrap();
+    t.0.mdev_parent("pci0000:00/0000:41:00.4", "0000:41:00.4");
     let uuid = "3b1a9d2e-0a51-4c5e-9f0e-6c7a8d9e0f11";
-    let m = vf.join(uuid);
-    fs::create_dir_all(&m).unwrap();
-    symlink("../mdev_supported_types/nvidia-593", m.join("mdev_type")).unwrap();
-    fs::create_dir_all(t.root().join("sys/kernel/iommu_groups/120")).unwrap();
-    symlink("../../../../kernel/iommu_groups/120", m.join("iommu_group")).unwrap();
+    let m =
+        t.0.mdev("pci0000:00/0000:41:00.4", uuid, "nvidia-593", Some(120));
     // iommufd kernels: the mdev's own VFIO cdev.
     fs::create_dir_all(m.join("vfio-dev/vfio7")).unwrap();
-    symlink(
-        format!("../../../devices/pci0000:00/0000:41:00.4/{uuid}"),
-        t.root().join("sys/bus/mdev/devices").join(uuid),
-    )
-    .unwrap();
 
     let inv = Inventory::read(&t.paths()).unwrap();
     assert!(inv.unreadable.is_empty(), "{:?}", inv.unreadable);
@@ -525,15 +469,8 @@ impl Tree {
         );
         symlink("../0000:41:00.0", vf.join("physfn")).unwrap();
         symlink(format!("../{bdf}"), pf.join(format!("virtfn{n}"))).unwrap();
-        let td = vf.join("mdev_supported_types/nvidia-593");
-        fs::create_dir_all(td.join("devices")).unwrap();
-        fs::write(td.join("name"), "NVIDIA A10-4Q\n").unwrap();
-        fs::write(td.join("available_instances"), "1\n").unwrap();
-        symlink(
-            format!("../../devices/pci0000:00/{bdf}"),
-            self.root().join("sys/class/mdev_bus").join(bdf),
-        )
-        .unwrap();
+        self.0.mdev_type(&vf, "nvidia-593", "NVIDIA A10-4Q", 1);
+        self.0.mdev_parent(&format!("pci0000:00/{bdf}"), bdf);
         fs::write(pf.join("sriov_numvfs"), format!("{}\n", n + 1)).unwrap();
         vf
     }
@@ -549,25 +486,9 @@ impl Tree {
 
     /// An A10-4Q mdev on a VF, in its own group, with its node.
     fn add_mdev(&self, vf: &str, uuid: &str, group: u32) {
-        let m = self
-            .root()
-            .join("sys/devices/pci0000:00")
-            .join(vf)
-            .join(uuid);
-        fs::create_dir_all(&m).unwrap();
-        symlink("../mdev_supported_types/nvidia-593", m.join("mdev_type")).unwrap();
-        fs::create_dir_all(self.root().join(format!("sys/kernel/iommu_groups/{group}"))).unwrap();
-        symlink(
-            format!("../../../../kernel/iommu_groups/{group}"),
-            m.join("iommu_group"),
-        )
-        .unwrap();
-        symlink(
-            format!("../../../devices/pci0000:00/{vf}/{uuid}"),
-            self.root().join("sys/bus/mdev/devices").join(uuid),
-        )
-        .unwrap();
-        fs::write(self.root().join(format!("dev/vfio/{group}")), "").unwrap();
+        self.0
+            .mdev(&format!("pci0000:00/{vf}"), uuid, "nvidia-593", Some(group));
+        self.0.vfio_node(group);
     }
 
     fn remove_mdev(&self, vf: &str, uuid: &str, group: u32) {
@@ -583,11 +504,7 @@ impl Tree {
     }
 
     fn set_driver(&self, bdf: &str, driver: Option<&str>) {
-        let d = self.root().join("sys/devices/pci0000:00").join(bdf);
-        let _ = fs::remove_file(d.join("driver"));
-        if let Some(drv) = driver {
-            symlink(format!("../../../bus/pci/drivers/{drv}"), d.join("driver")).unwrap();
-        }
+        self.0.set_driver(bdf, driver);
     }
 }
 

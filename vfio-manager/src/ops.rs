@@ -384,23 +384,15 @@ pub fn unbind_one(
 mod tests {
     use super::*;
     use std::fs;
+    use testkit::sysfs::{A10, SysfsTree};
 
     /// A plain tree with one GPU on nvidia: enough to see whether anything is written.
-    fn tree() -> (tempfile::TempDir, HostPaths, Target) {
-        let dir = tempfile::tempdir().unwrap();
-        let dev = dir.path().join("sys/devices/pci0000:00/0000:41:00.0");
-        fs::create_dir_all(&dev).unwrap();
-        fs::create_dir_all(dir.path().join("sys/bus/pci/devices")).unwrap();
-        fs::create_dir_all(dir.path().join("sys/bus/pci/drivers/nvidia")).unwrap();
-        std::os::unix::fs::symlink(
-            "../../../devices/pci0000:00/0000:41:00.0",
-            dir.path().join("sys/bus/pci/devices/0000:41:00.0"),
-        )
-        .unwrap();
-        std::os::unix::fs::symlink("../../../../bus/pci/drivers/nvidia", dev.join("driver"))
-            .unwrap();
-        fs::write(dev.join("driver_override"), "(null)\n").unwrap();
-        fs::write(dir.path().join("sys/bus/pci/drivers/nvidia/unbind"), "").unwrap();
+    fn tree() -> (SysfsTree, HostPaths, Target) {
+        let dir = SysfsTree::new();
+        dir.device("pci0000:00", "0000:41:00.0", A10, Some("nvidia"), 21);
+        fs::write(dir.root().join("sys/bus/pci/drivers/nvidia/unbind"), "").unwrap();
+        // vfio-pci is not loaded.
+        fs::remove_dir(dir.root().join("sys/bus/pci/drivers/vfio-pci")).unwrap();
         let t = Target {
             address: "0000:41:00.0".parse().unwrap(),
             id: "10de:2236".into(),
@@ -411,7 +403,7 @@ mod tests {
             primary: true,
             vfio_cdev: None,
         };
-        let p = HostPaths::new(dir.path());
+        let p = HostPaths::new(dir.root());
         (dir, p, t)
     }
 
@@ -451,7 +443,7 @@ mod tests {
         assert!(reason.contains("pid 77 (nvidia-persiste)"), "{reason}");
         assert!(reason.contains("destroy its vGPUs"), "{reason}");
         assert!(reason.ends_with("so it is left on nvidia"), "{reason}");
-        assert_untouched(dir.path());
+        assert_untouched(dir.root());
     }
 
     #[test]
@@ -465,7 +457,7 @@ mod tests {
                 driver: Some("nvidia".into())
             }
         );
-        assert_override_clear(dir.path());
+        assert_override_clear(dir.root());
     }
 
     #[test]
@@ -476,7 +468,7 @@ mod tests {
             panic!("{out:?}")
         };
         assert!(error.contains("driver vfio-pci is not loaded"), "{error}");
-        assert_untouched(dir.path());
+        assert_untouched(dir.root());
     }
 
     #[test]
@@ -497,7 +489,7 @@ mod tests {
             "{reason}"
         );
         assert!(reason.contains("--force overrides"), "{reason}");
-        assert_override_clear(dir.path());
+        assert_override_clear(dir.root());
     }
 
     #[test]

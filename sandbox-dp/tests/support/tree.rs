@@ -1,11 +1,14 @@
-//! A plain sysfs-like tree in a tempdir: a host root for cases node-sim does not model.
+//! A plain sysfs-like tree in a tempdir ([`testkit::sysfs`]): a host root for cases node-sim
+//! does not model.
 
 use std::os::unix::fs::symlink;
 use std::path::PathBuf;
 
+use testkit::sysfs::SysfsTree;
+
 /// A host root with sys, dev and nothing else.
 pub struct Tree {
-    _dir: tempfile::TempDir,
+    sysfs: SysfsTree,
     pub root: PathBuf,
 }
 
@@ -23,55 +26,31 @@ pub struct Func<'a> {
 
 impl Tree {
     pub fn new() -> Tree {
-        let dir = tempfile::Builder::new()
-            .prefix("sdp-tree-")
-            .tempdir()
-            .unwrap();
-        let root = dir.path().to_path_buf();
-        for d in [
-            "sys/bus/pci/devices",
-            "sys/bus/pci/drivers/vfio-pci",
-            "sys/bus/pci/drivers/nvidia",
-            "sys/kernel/iommu_groups",
-            "dev/vfio",
-        ] {
-            std::fs::create_dir_all(root.join(d)).unwrap();
-        }
+        let sysfs = SysfsTree::new();
+        let root = sysfs.root().to_path_buf();
         std::fs::write(root.join("dev/vfio/vfio"), "").unwrap();
-        Tree { _dir: dir, root }
-    }
-
-    pub fn func_dir(&self, f: &Func) -> PathBuf {
-        let mut dir = self.root.join("sys/devices/pci0000:00");
-        for b in f.bridges {
-            dir = dir.join(b);
-        }
-        dir.join(f.bdf)
+        Tree { sysfs, root }
     }
 
     pub fn add(&self, f: &Func) -> PathBuf {
-        let dir = self.func_dir(f);
-        std::fs::create_dir_all(&dir).unwrap();
-        let put = |name: &str, v: String| std::fs::write(dir.join(name), v + "\n").unwrap();
-        put("vendor", format!("0x{:04x}", f.vendor));
-        put("device", format!("0x{:04x}", f.device));
-        put("class", format!("0x{:06x}", f.class));
-        put("numa_node", f.numa.to_string());
-        put("driver_override", "(null)".into());
-        if let Some(d) = f.driver {
-            std::fs::create_dir_all(self.root.join("sys/bus/pci/drivers").join(d)).unwrap();
-            symlink(
-                self.root.join("sys/bus/pci/drivers").join(d),
-                dir.join("driver"),
-            )
-            .unwrap();
-        }
-        let g = self
-            .root
-            .join(format!("sys/kernel/iommu_groups/{}", f.group));
-        std::fs::create_dir_all(&g).unwrap();
-        symlink(&g, dir.join("iommu_group")).unwrap();
-        symlink(&dir, self.root.join("sys/bus/pci/devices").join(f.bdf)).unwrap();
+        let parent = ["pci0000:00"]
+            .iter()
+            .chain(f.bridges)
+            .copied()
+            .collect::<Vec<_>>()
+            .join("/");
+        let dir = self.sysfs.device(
+            &parent,
+            f.bdf,
+            (
+                &format!("0x{:04x}", f.vendor),
+                &format!("0x{:04x}", f.device),
+                &format!("0x{:06x}", f.class),
+            ),
+            f.driver,
+            f.group,
+        );
+        self.sysfs.set_attr(f.bdf, "numa_node", &f.numa.to_string());
         dir
     }
 
@@ -110,17 +89,7 @@ impl Tree {
 
     /// Moves a function's `driver` link (sysfs only: no event announces it).
     pub fn set_driver(&self, bdf: &str, driver: Option<&str>) {
-        let link = self
-            .root
-            .join("sys/bus/pci/devices")
-            .join(bdf)
-            .join("driver");
-        let _ = std::fs::remove_file(&link);
-        if let Some(d) = driver {
-            let target = self.root.join("sys/bus/pci/drivers").join(d);
-            std::fs::create_dir_all(&target).unwrap();
-            symlink(target, link).unwrap();
-        }
+        self.sysfs.set_driver(bdf, driver);
     }
 
     pub fn vfio_node(&self, group: u32) -> PathBuf {

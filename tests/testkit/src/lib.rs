@@ -4,5 +4,6 @@ pub use fake_kubelet as kubelet;
 pub mod apiserver;
 pub mod h2raw;
 pub mod sim;
+pub mod sysfs;
 pub mod tree;
 pub mod uevent;

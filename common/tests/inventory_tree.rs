@@ -11,25 +11,17 @@ use testkit::sysfs::SysfsTree;
 /// The shared builder ([`SysfsTree`]) and the node's paths.
 struct Tree(SysfsTree);
 
+impl std::ops::Deref for Tree {
+    type Target = SysfsTree;
+
+    fn deref(&self) -> &SysfsTree {
+        &self.0
+    }
+}
+
 impl Tree {
     fn new() -> Self {
         Tree(SysfsTree::new())
-    }
-
-    fn root(&self) -> &Path {
-        self.0.root()
-    }
-
-    /// A function under `parent` (a path below sys/devices), with the usual files.
-    fn device(
-        &self,
-        parent: &str,
-        bdf: &str,
-        ids: (&str, &str, &str),
-        driver: Option<&str>,
-        group: u32,
-    ) -> PathBuf {
-        self.0.device(parent, bdf, ids, driver, group)
     }
 
     fn paths(&self) -> HostPaths {
@@ -501,10 +493,6 @@ impl Tree {
         )
         .unwrap();
         fs::remove_file(self.root().join(format!("dev/vfio/{group}"))).unwrap();
-    }
-
-    fn set_driver(&self, bdf: &str, driver: Option<&str>) {
-        self.0.set_driver(bdf, driver);
     }
 }
 

@@ -278,8 +278,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         "starting"
     );
     let metrics = Arc::new(Metrics::default());
-    std::fs::create_dir_all(&config.kubelet_dir)
-        .with_context(|| format!("creating {}", config.kubelet_dir.display()))?;
+    common::state::ensure_dir(&config.kubelet_dir).map_err(anyhow::Error::new)?;
     let (changes_tx, mut changes) = mpsc::unbounded_channel();
     // The uevent monitor joins its groups while the file watches are set up; both listen
     // before the node is read, so no change after the read goes unseen.

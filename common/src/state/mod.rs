@@ -82,6 +82,14 @@ pub fn read_if_present(path: &Path) -> Result<Option<String>> {
     }
 }
 
+/// Creates the directory and its parents when missing (a daemon's socket directory).
+pub fn ensure_dir(path: &Path) -> Result<()> {
+    std::fs::create_dir_all(path).map_err(|source| Error::Save {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
 /// Removes the file; `Ok(false)` when there was none.
 pub fn remove_if_present(path: &Path) -> Result<bool> {
     match std::fs::remove_file(path) {
@@ -124,6 +132,19 @@ mod tests {
             .collect();
         v.sort();
         v
+    }
+
+    #[test]
+    fn ensure_dir_creates_parents_and_names_what_blocks_it() {
+        let d = tempfile::tempdir().unwrap();
+        let nested = d.path().join("var/lib/kubelet/device-plugins");
+        ensure_dir(&nested).unwrap();
+        assert!(nested.is_dir());
+        ensure_dir(&nested).unwrap();
+        let file = d.path().join("a-file");
+        std::fs::write(&file, "").unwrap();
+        let e = ensure_dir(&file.join("sub")).unwrap_err().to_string();
+        assert!(e.contains("a-file/sub"), "{e}");
     }
 
     #[test]

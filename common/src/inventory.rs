@@ -3,6 +3,10 @@
 //!
 //! A device whose files are odd (missing, garbage, dangling links) is listed in
 //! [`Inventory::unreadable`] and left out; the rest of the node is still returned.
+//!
+//! Over 800 lines on purpose: the inventory's types and the one read that fills them (with the
+//! attribute and link readers it alone uses) are read together when a field changes; the
+//! per-event re-reads (`refresh`) and the iommufd nodes (`dev_nodes`) are modules of their own.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;

@@ -2,6 +2,10 @@
 //! nodes, the readiness file and node-sim's operation log are what is checked.
 //!
 //! Each test mounts its own node and prints `skipped: ...` when FUSE or root is missing.
+//!
+//! Over 800 lines on purpose: one file per daemon for its node-sim tier, so that its helpers
+//! (running the binary, reading driver links and the op log) are written once; each test is a
+//! user-visible scenario read top to bottom.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on setup failures
 

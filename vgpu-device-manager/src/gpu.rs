@@ -10,30 +10,9 @@ use serde::Serialize;
 
 use crate::config::TypeKey;
 
-/// Which devices `devices:` counts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum VendorSel {
-    /// Display-class PCI functions of this vendor.
-    Pci(u16),
-    /// Any vendor's vGPU-capable display functions, then non-PCI mdev parents by name.
-    Any,
-}
-
-impl std::str::FromStr for VendorSel {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        if s.eq_ignore_ascii_case("any") {
-            return Ok(VendorSel::Any);
-        }
-        let h = s
-            .strip_prefix("0x")
-            .or_else(|| s.strip_prefix("0X"))
-            .unwrap_or(s);
-        u16::from_str_radix(h, 16)
-            .map(VendorSel::Pci)
-            .map_err(|_| format!("{s:?} is not a PCI vendor id in hex (e.g. 10de) or \"any\""))
-    }
-}
+/// Which devices `devices:` counts: display-class PCI functions of one vendor, or any vendor's
+/// vGPU-capable display functions and then non-PCI mdev parents by name.
+pub use common::VendorSelector as VendorSel;
 
 /// How a GPU makes vGPUs.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -235,10 +214,7 @@ pub fn discover(
     usage: &Usage,
     names: &BTreeMap<u32, String>,
 ) -> Vec<Gpu> {
-    let pci_vendor = match vendor {
-        VendorSel::Pci(v) => Some(v),
-        VendorSel::Any => None,
-    };
+    let pci_vendor = vendor.pci();
     let mut out = Vec::new();
     for dev in inv.gpus(pci_vendor) {
         let g = pci_gpu(inv, dev, usage, names);
@@ -515,8 +491,5 @@ mod tests {
         assert!(t.matches(&TypeKey("A10-4Q".into())));
         assert!(t.matches(&TypeKey("nvidia-593".into())));
         assert!(!t.matches(&TypeKey("A10-4C".into())));
-        assert_eq!("any".parse::<VendorSel>(), Ok(VendorSel::Any));
-        assert_eq!("0x10DE".parse::<VendorSel>(), Ok(VendorSel::Pci(0x10de)));
-        assert!("nvidia".parse::<VendorSel>().is_err());
     }
 }

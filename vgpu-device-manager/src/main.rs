@@ -13,7 +13,6 @@ use daemon_kit::duration;
 use daemon_kit::exit::{self, Report};
 use vgpu_device_manager::apply::Options;
 use vgpu_device_manager::daemon::{DaemonConfig, Source};
-use vgpu_device_manager::plan::VendorSel;
 
 /// Make the node's NVIDIA vGPU devices (mdevs and SR-IOV vGPU VFs) match a named profile of a
 /// `version: v1` / `vgpu-configs` file, the format of NVIDIA's vgpu-device-manager.
@@ -178,17 +177,9 @@ fn need<T: Clone>(v: &Option<T>, what: &str) -> anyhow::Result<T> {
     v.clone().with_context(|| format!("{what} is required"))
 }
 
-/// The shared selector as the planner's.
-fn vendor_sel(v: VendorSelector) -> VendorSel {
-    match v {
-        VendorSelector::Pci(id) => VendorSel::Pci(id),
-        VendorSelector::Any => VendorSel::Any,
-    }
-}
-
 fn run(cli: Cli) -> exit::Result {
     let paths = cli.pod_resources.apply(cli.host.paths());
-    let vendor = vendor_sel(cli.vendor);
+    let vendor = cli.vendor;
     let opts = Options {
         vendor,
         write_timeout: cli.write_timeout,

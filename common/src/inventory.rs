@@ -175,6 +175,34 @@ pub struct PciDevice {
 }
 
 impl PciDevice {
+    /// A function with these ids and nothing else known: no driver, group, subsystem, NUMA
+    /// node, SR-IOV, bridges or vGPU state. For building inventories by hand (tests, tools).
+    pub fn new(address: PciAddress, vendor: u16, device: u16, class: u32) -> PciDevice {
+        PciDevice {
+            address,
+            vendor,
+            device,
+            subsystem_vendor: 0,
+            subsystem_device: 0,
+            class,
+            driver: None,
+            driver_override: None,
+            iommu_group: None,
+            numa_node: None,
+            physfn: None,
+            virtfns: Vec::new(),
+            sriov_totalvfs: None,
+            sriov_numvfs: None,
+            modalias: None,
+            upstream_bridge: None,
+            bridges: Vec::new(),
+            vfio_cdev: None,
+            mdev_types: Vec::new(),
+            mdev_parent: false,
+            nvidia_vgpu: None,
+        }
+    }
+
     /// Display controller: VGA (0x0300) or 3D (0x0302).
     pub fn is_display(&self) -> bool {
         matches!(self.class >> 8, 0x0300 | 0x0302)

@@ -393,31 +393,15 @@ mod tests {
         group: u32,
     ) -> PciDevice {
         PciDevice {
-            address: addr(bdf),
-            vendor,
-            device,
-            subsystem_vendor: 0,
-            subsystem_device: 0,
-            class,
             driver: Some(driver.to_string()),
-            driver_override: None,
             iommu_group: Some(group),
             numa_node: Some(1),
-            physfn: None,
-            virtfns: Vec::new(),
-            sriov_totalvfs: None,
-            sriov_numvfs: None,
-            modalias: None,
-            upstream_bridge: None,
             bridges: vec![
                 addr("0000:12:00.0"),
                 addr("0000:11:00.0"),
                 addr("0000:10:01.0"),
             ],
-            vfio_cdev: None,
-            mdev_types: Vec::new(),
-            mdev_parent: false,
-            nvidia_vgpu: None,
+            ..PciDevice::new(addr(bdf), vendor, device, class)
         }
     }
 

@@ -288,31 +288,14 @@ pub(crate) mod tests {
 
     pub(crate) fn dev(addr: &str, vendor: u16, device: u16, class: u32, group: u32) -> PciDevice {
         PciDevice {
-            address: addr.parse().unwrap(),
-            vendor,
-            device,
-            subsystem_vendor: 0,
-            subsystem_device: 0,
-            class,
             driver: Some("nvidia".into()),
-            driver_override: None,
             iommu_group: Some(group),
-            numa_node: None,
-            physfn: None,
-            virtfns: Vec::new(),
-            sriov_totalvfs: None,
-            sriov_numvfs: None,
             modalias: Some(format!(
                 "pci:v0000{vendor:04X}d0000{device:04X}sv00000000sd00000000bc{:02X}sc{:02X}i00",
                 class >> 16,
                 (class >> 8) & 0xff
             )),
-            upstream_bridge: None,
-            bridges: Vec::new(),
-            vfio_cdev: None,
-            mdev_types: Vec::new(),
-            mdev_parent: false,
-            nvidia_vgpu: None,
+            ..PciDevice::new(addr.parse().unwrap(), vendor, device, class)
         }
     }
 

@@ -7,27 +7,11 @@ fn a(s: &str) -> PciAddress {
 
 fn dev(addr: &str, driver: &str, group: u32) -> PciDevice {
     PciDevice {
-        address: a(addr),
-        vendor: 0x10de,
-        device: 0x2236,
         subsystem_vendor: 0x10de,
         subsystem_device: 0x1482,
-        class: 0x030200,
         driver: Some(driver.into()),
-        driver_override: None,
         iommu_group: Some(group),
-        numa_node: None,
-        physfn: None,
-        virtfns: Vec::new(),
-        sriov_totalvfs: None,
-        sriov_numvfs: None,
-        modalias: None,
-        upstream_bridge: None,
-        bridges: Vec::new(),
-        vfio_cdev: None,
-        mdev_types: Vec::new(),
-        mdev_parent: false,
-        nvidia_vgpu: None,
+        ..PciDevice::new(a(addr), 0x10de, 0x2236, 0x030200)
     }
 }
 

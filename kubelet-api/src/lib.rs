@@ -3,7 +3,11 @@
 //! - [`deviceplugin::v1beta1`]: `Registration` (kubelet's `kubelet.sock` in the device-plugin
 //!   directory) and `DevicePlugin` (each plugin's socket there);
 //! - [`podresources::v1`]: `PodResourcesLister` (kubelet's
-//!   `<kubelet-root>/pod-resources/kubelet.sock`): which devices the pods kubelet runs hold.
+//!   `<kubelet-root>/pod-resources/kubelet.sock`): which devices the pods kubelet runs hold;
+//! - [`dra::v1`] and [`dra::v1beta1`]: `DRAPlugin` (a DRA driver's socket under
+//!   `<kubelet-root>/plugins/<driver>/`), `NodePrepareResources` / `NodeUnprepareResources`;
+//! - [`pluginregistration`]: `Registration` (a plugin's socket in
+//!   `<kubelet-root>/plugins_registry/`), how kubelet discovers DRA drivers.
 //!
 //! Clients and servers are both generated. [`unix_channel`] and [`channel_over`] make a tonic
 //! channel over a Unix socket the way kubelet's own clients dial (`:authority` `localhost`).
@@ -33,6 +37,27 @@ pub mod podresources {
     pub mod v1 {
         tonic::include_proto!("v1");
     }
+}
+
+/// kubelet's DRA plugin API.
+pub mod dra {
+    /// Version `v1` (Kubernetes 1.34+).
+    #[allow(missing_docs, missing_debug_implementations, clippy::all)]
+    pub mod v1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
+    }
+    /// Version `v1beta1` (Kubernetes 1.32+), the same messages.
+    #[allow(missing_docs, missing_debug_implementations, clippy::all)]
+    pub mod v1beta1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
+    }
+}
+
+/// kubelet's plugin-registration API (`pluginregistration/v1`; the wire package is
+/// `pluginregistration`).
+#[allow(missing_docs, missing_debug_implementations, clippy::all)]
+pub mod pluginregistration {
+    tonic::include_proto!("pluginregistration");
 }
 
 /// The URI every channel is made with: the connector ignores it, and its host is the

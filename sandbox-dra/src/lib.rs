@@ -1,0 +1,153 @@
+//! `sandbox-dra`: a Kubernetes DRA (Dynamic Resource Allocation) driver that gives a node's
+//! GPUs to KubeVirt VMs through ResourceClaims.
+//!
+//! - [`registration`]: kubelet finds the driver through
+//!   `<kubelet-root>/plugins_registry/<driver>-reg.sock`;
+//! - [`plugin`]: kubelet calls `NodePrepareResources` / `NodeUnprepareResources` on
+//!   `<kubelet-root>/plugins/<driver>/dra.sock`, answered by [`prepare`];
+//! - [`slices`]: the node's devices published as ResourceSlices.
+//!
+//! Every path the driver gives kubelet or the container runtime is the host's view (its
+//! `--kubelet-root`, `/dev/vfio/<g>`); the driver reaches them under `--host-root`.
+
+pub mod plugin;
+pub mod prepare;
+pub mod registration;
+pub mod slices;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use common::HostPaths;
+use daemon_kit::exit;
+use kubelet_api::dra::{v1, v1beta1};
+use kubelet_api::pluginregistration::registration_server::RegistrationServer;
+use tokio::net::UnixListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::plugin::Plugin;
+use crate::prepare::Preparer;
+use crate::registration::Registrar;
+
+/// The driver name when `--driver-name` does not say otherwise.
+pub const DEFAULT_DRIVER_NAME: &str = "gpu.gpu-vm-node.io";
+
+/// kubelet's root directory as the host sees it, when `--kubelet-root` does not say otherwise.
+pub const DEFAULT_KUBELET_ROOT: &str = "/var/lib/kubelet";
+
+/// The `DRAPlugin` socket's file name in `<kubelet-root>/plugins/<driver>/`.
+pub const PLUGIN_SOCKET: &str = "dra.sock";
+
+/// kubelet's directories for one driver, each as the host names it (what kubelet is told) and
+/// as this process reaches it (under the host root).
+#[derive(Clone, Debug)]
+pub struct KubeletDirs {
+    host_root: PathBuf,
+    kubelet_root: PathBuf,
+    driver: String,
+}
+
+impl KubeletDirs {
+    /// The directories of `driver` under `kubelet_root` (a host path, absolute).
+    pub fn new(paths: &HostPaths, kubelet_root: &Path, driver: &str) -> Self {
+        KubeletDirs {
+            host_root: paths.root().to_path_buf(),
+            kubelet_root: kubelet_root.to_path_buf(),
+            driver: driver.to_string(),
+        }
+    }
+
+    /// `host` (a host path) as this process reaches it.
+    fn local(&self, host: &Path) -> PathBuf {
+        self.host_root.join(host.strip_prefix("/").unwrap_or(host))
+    }
+
+    /// The `DRAPlugin` socket as the host names it: what kubelet is told to dial.
+    pub fn plugin_socket_host(&self) -> PathBuf {
+        self.kubelet_root
+            .join("plugins")
+            .join(&self.driver)
+            .join(PLUGIN_SOCKET)
+    }
+
+    /// The `DRAPlugin` socket as this process reaches it.
+    pub fn plugin_socket(&self) -> PathBuf {
+        self.local(&self.plugin_socket_host())
+    }
+
+    /// The registration socket as this process reaches it.
+    pub fn registration_socket(&self) -> PathBuf {
+        self.local(
+            &self
+                .kubelet_root
+                .join("plugins_registry")
+                .join(format!("{}-reg.sock", self.driver)),
+        )
+    }
+}
+
+/// What `serve` needs besides the host paths.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// The DRA driver name (a DNS subdomain): ResourceSlices, DeviceClasses and claims name it.
+    pub driver: String,
+    /// kubelet's root directory as the host sees it.
+    pub kubelet_root: PathBuf,
+}
+
+/// Binds a Unix socket at `path`, replacing a stale one a killed run left.
+fn bind_socket(path: &Path) -> anyhow::Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        common::state::ensure_dir(dir)?;
+    }
+    common::state::remove_if_present(path)
+        .with_context(|| format!("cannot remove the stale socket {}", path.display()))?;
+    UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))
+}
+
+/// Serves the driver until `shutdown`: the `DRAPlugin` socket first, then the registration
+/// socket (kubelet dials the plugin as soon as it sees the registration); both are removed on
+/// the way out, which tells kubelet the driver is gone.
+pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) -> exit::Result {
+    let dirs = KubeletDirs::new(&paths, &config.kubelet_root, &config.driver);
+    tracing::info!(
+        driver = %config.driver,
+        host_root = %paths.root().display(),
+        kubelet_root = %config.kubelet_root.display(),
+        "starting"
+    );
+    let preparer = Arc::new(Preparer::default());
+    let plugin = Plugin::new(preparer);
+    let plugin_path = dirs.plugin_socket();
+    let plugin_listener = bind_socket(&plugin_path)?;
+    let plugin_server = tonic::transport::Server::builder()
+        .add_service(v1::dra_plugin_server::DraPluginServer::new(plugin.clone()))
+        .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(plugin));
+    let registrar = Registrar::new(config.driver.clone(), dirs.plugin_socket_host());
+    let reg_path = dirs.registration_socket();
+    let reg_listener = bind_socket(&reg_path)?;
+    let reg_server =
+        tonic::transport::Server::builder().add_service(RegistrationServer::new(registrar));
+    tracing::info!(
+        plugin = %plugin_path.display(),
+        registration = %reg_path.display(),
+        "serving"
+    );
+    let served = tokio::try_join!(
+        daemon_kit::grpc::serve_unix(
+            plugin_server,
+            plugin_listener,
+            shutdown.clone().cancelled_owned()
+        ),
+        daemon_kit::grpc::serve_unix(reg_server, reg_listener, shutdown.clone().cancelled_owned()),
+    );
+    for p in [&reg_path, &plugin_path] {
+        if let Err(e) = common::state::remove_if_present(p) {
+            tracing::warn!(socket = %p.display(), error = %e, "cannot remove the socket");
+        }
+    }
+    served.context("serving the driver's sockets")?;
+    tracing::info!("stopped");
+    Ok(())
+}

@@ -1,0 +1,96 @@
+//! `sandbox-dra`: the DRA driver for GPUs given to KubeVirt VMs.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use daemon_kit::cli::{HostArgs, LogArgs};
+use daemon_kit::daemon::Threads;
+use daemon_kit::exit::{self, Report};
+use sandbox_dra::{Config, DEFAULT_DRIVER_NAME, DEFAULT_KUBELET_ROOT};
+
+/// Kubernetes DRA driver for NVIDIA GPUs given to KubeVirt VMs: publishes the node's GPUs as
+/// ResourceSlices and, when kubelet prepares a claim, puts the allocated GPU and its whole IOMMU
+/// group on a VFIO driver and hands the VM's pod its /dev/vfio nodes through CDI.
+#[derive(Debug, Parser)]
+#[command(name = "sandbox-dra", version, after_help = EXIT_STATUS)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+
+    #[command(flatten)]
+    host: HostArgs,
+
+    /// The DRA driver name: ResourceSlices, DeviceClasses and claims' allocations name it.
+    #[arg(long, env = "DRIVER_NAME", default_value = DEFAULT_DRIVER_NAME, global = true)]
+    driver_name: String,
+
+    /// kubelet's root directory as the host sees it: the registration socket goes to
+    /// plugins_registry/ in it, the driver's socket to plugins/<driver>/. It is reached under
+    /// --host-root.
+    #[arg(
+        long,
+        env = "KUBELET_ROOT",
+        value_name = "DIR",
+        default_value = DEFAULT_KUBELET_ROOT,
+        global = true
+    )]
+    kubelet_root: PathBuf,
+
+    #[command(flatten)]
+    log: LogArgs,
+}
+
+/// The exit-status table, shown after `--help`.
+const EXIT_STATUS: &str = "\
+Exit status:
+  0  done (serve: stopped by SIGTERM/SIGINT)
+  1  failed: a socket cannot be served, the node cannot be read (the error is logged)
+  2  usage error (a bad flag or value)";
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve the driver (the default).
+    Serve,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    cli.log.init(false);
+    exit::finish(run(cli), Report::Log)
+}
+
+fn run(cli: Cli) -> exit::Result {
+    let paths = cli.host.paths();
+    if !cli.kubelet_root.is_absolute() {
+        return Err(exit::Failure::new(
+            exit::USAGE,
+            anyhow::anyhow!(
+                "--kubelet-root {} is not an absolute path (it is the host's view of kubelet's root)",
+                cli.kubelet_root.display()
+            ),
+        ));
+    }
+    match cli.command.unwrap_or(Command::Serve) {
+        Command::Serve => {
+            let config = Config {
+                driver: cli.driver_name,
+                kubelet_root: cli.kubelet_root,
+            };
+            daemon_kit::daemon::run(Threads::Current, |shutdown| {
+                sandbox_dra::run(config, paths, shutdown)
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cli_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}

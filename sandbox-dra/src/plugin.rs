@@ -1,0 +1,126 @@
+//! The `DRAPlugin` service kubelet calls on `<kubelet-root>/plugins/<driver>/dra.sock`, in both
+//! versions kubelet may choose (`v1`, `v1beta1`: the same messages), answered by one
+//! [`Preparer`].
+//!
+//! Every claim of a request gets an entry in the response: its devices, or the error that
+//! kept it from being prepared (kubelet reports it on the pod and calls again).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kubelet_api::dra::{v1, v1beta1};
+use tonic::{Request, Response, Status};
+
+use crate::prepare::{ClaimRef, PreparedDevice, Preparer};
+
+/// The `DRAPlugin` service, both versions.
+#[derive(Clone, Debug)]
+pub struct Plugin {
+    preparer: Arc<Preparer>,
+}
+
+impl Plugin {
+    /// The service answering with `preparer`.
+    pub fn new(preparer: Arc<Preparer>) -> Self {
+        Plugin { preparer }
+    }
+
+    async fn prepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> HashMap<String, Result<Vec<PreparedDevice>, String>> {
+        let mut out = HashMap::new();
+        for claim in claims {
+            let result = self.preparer.prepare(&claim).await.map_err(|e| {
+                let msg = common::error_chain(&e);
+                tracing::warn!(claim = %claim, error = %msg, "claim not prepared");
+                msg
+            });
+            out.insert(claim.uid.clone(), result);
+        }
+        out
+    }
+
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> HashMap<String, Result<(), String>> {
+        let mut out = HashMap::new();
+        for claim in claims {
+            let result = self.preparer.unprepare(&claim).await.map_err(|e| {
+                let msg = common::error_chain(&e);
+                tracing::warn!(claim = %claim, error = %msg, "claim not unprepared");
+                msg
+            });
+            out.insert(claim.uid.clone(), result);
+        }
+        out
+    }
+}
+
+/// Converts one version's messages to and from the shared types.
+macro_rules! dra_version {
+    ($v:ident) => {
+        #[tonic::async_trait]
+        impl $v::dra_plugin_server::DraPlugin for Plugin {
+            async fn node_prepare_resources(
+                &self,
+                request: Request<$v::NodePrepareResourcesRequest>,
+            ) -> Result<Response<$v::NodePrepareResourcesResponse>, Status> {
+                let claims = request.into_inner().claims.into_iter().map(|c| ClaimRef {
+                    namespace: c.namespace,
+                    name: c.name,
+                    uid: c.uid,
+                });
+                let claims = self
+                    .prepare(claims.collect())
+                    .await
+                    .into_iter()
+                    .map(|(uid, result)| {
+                        let response = match result {
+                            Ok(devices) => $v::NodePrepareResourceResponse {
+                                devices: devices
+                                    .into_iter()
+                                    .map(|d| $v::Device {
+                                        request_names: d.requests,
+                                        pool_name: d.pool,
+                                        device_name: d.device,
+                                        cdi_device_ids: d.cdi_ids,
+                                    })
+                                    .collect(),
+                                error: String::new(),
+                            },
+                            Err(error) => $v::NodePrepareResourceResponse {
+                                devices: Vec::new(),
+                                error,
+                            },
+                        };
+                        (uid, response)
+                    })
+                    .collect();
+                Ok(Response::new($v::NodePrepareResourcesResponse { claims }))
+            }
+
+            async fn node_unprepare_resources(
+                &self,
+                request: Request<$v::NodeUnprepareResourcesRequest>,
+            ) -> Result<Response<$v::NodeUnprepareResourcesResponse>, Status> {
+                let claims = request.into_inner().claims.into_iter().map(|c| ClaimRef {
+                    namespace: c.namespace,
+                    name: c.name,
+                    uid: c.uid,
+                });
+                let claims = self
+                    .unprepare(claims.collect())
+                    .await
+                    .into_iter()
+                    .map(|(uid, result)| {
+                        let error = result.err().unwrap_or_default();
+                        (uid, $v::NodeUnprepareResourceResponse { error })
+                    })
+                    .collect();
+                Ok(Response::new($v::NodeUnprepareResourcesResponse { claims }))
+            }
+        }
+    };
+}
+
+dra_version!(v1);
+dra_version!(v1beta1);

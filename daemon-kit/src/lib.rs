@@ -9,7 +9,8 @@
 //!   daemon's `run(config, paths, shutdown)` awaited on it;
 //! - [`grpc`]: serve tonic on a Unix socket so that every client is answered, whatever
 //!   `:authority` it sends (kubelet's device-plugin and plugin-registration clients, grpcio,
-//!   diagnostic tools). Every gRPC socket of ours is served through it.
+//!   diagnostic tools). Every gRPC socket of ours is served through it;
+//! - [`kube`]: a Kubernetes client from `--kubeconfig` or the pod's service account.
 #![warn(missing_docs)]
 
 pub mod cli;
@@ -18,6 +19,7 @@ pub mod duration;
 pub mod exit;
 pub mod grpc;
 pub mod h2_rewrite;
+pub mod kube;
 pub mod logging;
 
 pub use exit::{Failure, OrExit, Result};

@@ -10,6 +10,7 @@
 //! Every path the driver gives kubelet or the container runtime is the host's view (its
 //! `--kubelet-root`, `/dev/vfio/<g>`); the driver reaches them under `--host-root`.
 
+pub mod names;
 pub mod plugin;
 pub mod prepare;
 pub mod registration;
@@ -94,6 +95,10 @@ pub struct Config {
     pub driver: String,
     /// kubelet's root directory as the host sees it.
     pub kubelet_root: PathBuf,
+    /// This node's name: the pool's name and the slices' `nodeName`.
+    pub node_name: String,
+    /// `--kubeconfig`; in-cluster without one.
+    pub kubeconfig: Option<PathBuf>,
 }
 
 /// Binds a Unix socket at `path`, replacing a stale one a killed run left.
@@ -117,6 +122,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         kubelet_root = %config.kubelet_root.display(),
         "starting"
     );
+    let _client = daemon_kit::kube::client(config.kubeconfig.as_deref()).await?;
     let preparer = Arc::new(Preparer::default());
     let plugin = Plugin::new(preparer);
     let plugin_path = dirs.plugin_socket();

@@ -37,6 +37,14 @@ struct Cli {
     )]
     kubelet_root: PathBuf,
 
+    /// This node's name (the pool the node's devices are published in).
+    #[arg(long, env = "NODE_NAME", global = true)]
+    node_name: Option<String>,
+
+    /// A kubeconfig for the API server; in a pod, the service account's (or $KUBECONFIG's).
+    #[arg(long, env = "KUBECONFIG", value_name = "FILE", global = true)]
+    kubeconfig: Option<PathBuf>,
+
     #[command(flatten)]
     log: LogArgs,
 }
@@ -73,9 +81,17 @@ fn run(cli: Cli) -> exit::Result {
     }
     match cli.command.unwrap_or(Command::Serve) {
         Command::Serve => {
+            let Some(node_name) = cli.node_name else {
+                return Err(exit::Failure::new(
+                    exit::USAGE,
+                    anyhow::anyhow!("serve needs --node-name (or NODE_NAME)"),
+                ));
+            };
             let config = Config {
                 driver: cli.driver_name,
                 kubelet_root: cli.kubelet_root,
+                node_name,
+                kubeconfig: cli.kubeconfig,
             };
             daemon_kit::daemon::run(Threads::Current, |shutdown| {
                 sandbox_dra::run(config, paths, shutdown)

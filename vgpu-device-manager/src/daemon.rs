@@ -157,7 +157,7 @@ async fn keep_applied(
             kubeconfig,
             default_config,
         } => {
-            let client = kube_client(kubeconfig.as_deref()).await?;
+            let client = daemon_kit::kube::client(kubeconfig.as_deref()).await?;
             let meta: Api<PartialObjectMeta<Node>> = Api::all(client.clone());
             let (node, default) = (node_name.clone(), default_config.clone());
             let stop = shutdown.clone();
@@ -329,22 +329,6 @@ async fn keep_applied(
     }
     tasks.shutdown().await;
     Ok(())
-}
-
-async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
-    let config = match kubeconfig {
-        Some(p) => {
-            let kc = kube::config::Kubeconfig::read_from(p)
-                .with_context(|| format!("cannot read kubeconfig {}", p.display()))?;
-            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-                .await
-                .with_context(|| format!("kubeconfig {}", p.display()))?
-        }
-        None => kube::Config::infer()
-            .await
-            .context("no in-cluster config and no kubeconfig")?,
-    };
-    kube::Client::try_from(config).context("cannot make a Kubernetes client")
 }
 
 fn watch_file(file: &Path, tx: mpsc::Sender<()>) -> anyhow::Result<notify::RecommendedWatcher> {

@@ -491,6 +491,30 @@ fn unbind_restores_the_driver_and_refuses_a_group_in_use() {
     assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("nvidia"));
 }
 
+#[test]
+fn unbind_finishes_a_bind_cut_off_between_its_unbind_and_its_probe() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    // What a bind killed after its unbind leaves: no driver, the override on vfio-pci.
+    let dev = dev_dir(root, "0000:41:00.0");
+    std::fs::write(dev.join("driver_override"), "vfio-pci").unwrap();
+    std::fs::write(
+        root.join("sys/bus/pci/drivers/nvidia/unbind"),
+        "0000:41:00.0",
+    )
+    .unwrap();
+    assert_eq!(driver(root, "0000:41:00.0"), None);
+    let o = run(root, &["unbind"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("nvidia"));
+    assert_eq!(
+        std::fs::read_to_string(dev.join("driver_override")).unwrap(),
+        "(null)\n"
+    );
+}
+
 const VGPU: &str = "6f1d2c3b-4a59-4e8d-9c7b-0a1b2c3d4e5f";
 const VGPU_RESOURCE: &str = "nvidia.com/NVIDIA_A10-4Q";
 

@@ -1,7 +1,9 @@
 //! A fake kubelet for device-plugin tests: the `Registration` service on `<dir>/kubelet.sock`,
 //! recording each registration, and a client for a plugin's own socket; and
 //! [`FakePodResources`], kubelet's PodResources service answering from a list the test sets;
-//! and [`checkpoint`], kubelet's device-manager checkpoint in the shape kubelet writes.
+//! and [`checkpoint`], kubelet's device-manager checkpoint in the shape kubelet writes; and
+//! [`dra`], kubelet's side of a DRA driver (registration and `DRAPlugin` calls), dialled
+//! through [`h2raw`] with the `:authority` kubelet sends.
 //!
 //! ```no_run
 //! # async fn f() -> anyhow::Result<()> {
@@ -30,6 +32,8 @@ use tonic::transport::{Channel, Server};
 use tonic::{Request, Response, Status, Streaming};
 
 pub mod checkpoint;
+pub mod dra;
+pub mod h2raw;
 pub mod pod_resources;
 pub use pod_resources::FakePodResources;
 

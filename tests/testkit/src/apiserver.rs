@@ -14,6 +14,10 @@
 //! Tests change labels with [`FakeApiServer::set_label`] and read what the daemon wrote with
 //! [`FakeApiServer::label`], [`FakeApiServer::annotation`] and
 //! [`FakeApiServer::label_history`]. [`FakeApiServer::kubeconfig`] is a file pointing at it.
+//!
+//! It also holds ResourceClaims, put by tests with [`FakeApiServer::put_claim`].
+
+mod claims;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -57,6 +61,7 @@ impl Inner {
 #[derive(Debug)]
 struct Shared {
     inner: Mutex<Inner>,
+    claims: claims::Claims,
     changed: Condvar,
     stop: AtomicBool,
 }
@@ -103,6 +108,7 @@ impl FakeApiServer {
                 patched: Vec::new(),
                 requests: Vec::new(),
             }),
+            claims: Default::default(),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
         });
@@ -300,6 +306,10 @@ fn serve(s: &Shared, conn: TcpStream) -> std::io::Result<()> {
         s.lock()
             .requests
             .push(format!("{} {}?{:?}", req.method, req.path, req.query));
+        if let Some((code, body)) = claims::route(s, &req) {
+            respond(&mut w, code, &body)?;
+            continue;
+        }
         let node_path = format!("/api/v1/nodes/{name}");
         match (req.method.as_str(), req.path.as_str()) {
             ("GET", "/api/v1/nodes") => {

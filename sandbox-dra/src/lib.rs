@@ -4,15 +4,18 @@
 //! - [`registration`]: kubelet finds the driver through
 //!   `<kubelet-root>/plugins_registry/<driver>-reg.sock`;
 //! - [`plugin`]: kubelet calls `NodePrepareResources` / `NodeUnprepareResources` on
-//!   `<kubelet-root>/plugins/<driver>/dra.sock`, answered by [`prepare`];
+//!   `<kubelet-root>/plugins/<driver>/dra.sock`, answered by [`prepare`], which writes the
+//!   [`cdi`] spec and device metadata and keeps a [`record`] of each claim;
 //! - [`slices`]: the node's devices published as ResourceSlices.
 //!
 //! Every path the driver gives kubelet or the container runtime is the host's view (its
 //! `--kubelet-root`, `/dev/vfio/<g>`); the driver reaches them under `--host-root`.
 
+pub mod cdi;
 pub mod names;
 pub mod plugin;
 pub mod prepare;
+pub mod record;
 pub mod registration;
 pub mod slices;
 
@@ -28,7 +31,7 @@ use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::plugin::Plugin;
-use crate::prepare::Preparer;
+use crate::prepare::{OnUnprepare, PrepareConfig, Preparer};
 use crate::registration::Registrar;
 
 /// The driver name when `--driver-name` does not say otherwise.
@@ -36,6 +39,9 @@ pub const DEFAULT_DRIVER_NAME: &str = "gpu.gpu-vm-node.io";
 
 /// kubelet's root directory as the host sees it, when `--kubelet-root` does not say otherwise.
 pub const DEFAULT_KUBELET_ROOT: &str = "/var/lib/kubelet";
+
+/// The host's CDI spec directory, when `--cdi-root` does not say otherwise.
+pub const DEFAULT_CDI_ROOT: &str = "/var/run/cdi";
 
 /// The `DRAPlugin` socket's file name in `<kubelet-root>/plugins/<driver>/`.
 pub const PLUGIN_SOCKET: &str = "dra.sock";
@@ -64,12 +70,15 @@ impl KubeletDirs {
         self.host_root.join(host.strip_prefix("/").unwrap_or(host))
     }
 
+    /// The driver's own directory as the host names it: `<kubelet-root>/plugins/<driver>`
+    /// (its socket, its claim records, the claims' device metadata).
+    pub fn driver_dir_host(&self) -> PathBuf {
+        self.kubelet_root.join("plugins").join(&self.driver)
+    }
+
     /// The `DRAPlugin` socket as the host names it: what kubelet is told to dial.
     pub fn plugin_socket_host(&self) -> PathBuf {
-        self.kubelet_root
-            .join("plugins")
-            .join(&self.driver)
-            .join(PLUGIN_SOCKET)
+        self.driver_dir_host().join(PLUGIN_SOCKET)
     }
 
     /// The `DRAPlugin` socket as this process reaches it.
@@ -99,6 +108,12 @@ pub struct Config {
     pub node_name: String,
     /// `--kubeconfig`; in-cluster without one.
     pub kubeconfig: Option<PathBuf>,
+    /// The host's CDI spec directory (`--cdi-root`), reached under the host root.
+    pub cdi_root: PathBuf,
+    /// What unprepare does with a claim's GPUs (`--unprepare`).
+    pub on_unprepare: OnUnprepare,
+    /// The most one function's bind or unbind may take (`--timeout`).
+    pub timeout: std::time::Duration,
 }
 
 /// Binds a Unix socket at `path`, replacing a stale one a killed run left.
@@ -122,8 +137,21 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         kubelet_root = %config.kubelet_root.display(),
         "starting"
     );
-    let _client = daemon_kit::kube::client(config.kubeconfig.as_deref()).await?;
-    let preparer = Arc::new(Preparer::default());
+    let client = daemon_kit::kube::client(config.kubeconfig.as_deref()).await?;
+    let prepare_config = PrepareConfig {
+        driver: config.driver.clone(),
+        node_name: config.node_name.clone(),
+        layout: cdi::Layout {
+            driver: config.driver.clone(),
+            cdi_root: config.cdi_root.clone(),
+            driver_dir: dirs.driver_dir_host(),
+        },
+        on_unprepare: config.on_unprepare,
+        timeout: config.timeout,
+    };
+    let preparer = Arc::new(Preparer::new(prepare_config, paths.clone(), client));
+    // Before kubelet can call: what a crash left half done is brought in line first.
+    preparer.reconcile().await;
     let plugin = Plugin::new(preparer);
     let plugin_path = dirs.plugin_socket();
     let plugin_listener = bind_socket(&plugin_path)?;

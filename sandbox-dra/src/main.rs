@@ -2,12 +2,15 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use daemon_kit::cli::{HostArgs, LogArgs};
 use daemon_kit::daemon::Threads;
+use daemon_kit::duration;
 use daemon_kit::exit::{self, Report};
-use sandbox_dra::{Config, DEFAULT_DRIVER_NAME, DEFAULT_KUBELET_ROOT};
+use sandbox_dra::prepare::OnUnprepare;
+use sandbox_dra::{Config, DEFAULT_CDI_ROOT, DEFAULT_DRIVER_NAME, DEFAULT_KUBELET_ROOT};
 
 /// Kubernetes DRA driver for NVIDIA GPUs given to KubeVirt VMs: publishes the node's GPUs as
 /// ResourceSlices and, when kubelet prepares a claim, puts the allocated GPU and its whole IOMMU
@@ -45,6 +48,45 @@ struct Cli {
     #[arg(long, env = "KUBECONFIG", value_name = "FILE", global = true)]
     kubeconfig: Option<PathBuf>,
 
+    /// The container runtime's CDI spec directory as the host sees it (reached under
+    /// --host-root): each prepared claim gets one spec file there naming its /dev/vfio nodes
+    /// and mounting its device metadata.
+    #[arg(
+        long,
+        env = "CDI_ROOT",
+        value_name = "DIR",
+        default_value = DEFAULT_CDI_ROOT,
+        global = true
+    )]
+    cdi_root: PathBuf,
+
+    /// What unprepare does with a claim's GPUs once the CDI spec and metadata are gone.
+    /// keep: the whole IOMMU group stays on its VFIO driver, ready for the next claim; nothing
+    /// on the host can start using the GPU between two VMs, and no driver is unloaded and
+    /// probed again for each VM (the default: a node that gives GPUs to VMs keeps them for
+    /// VMs). restore: every function goes back to the driver it had before the first prepare
+    /// (nvidia, snd_hda_intel, or none), refused while a process still holds the group.
+    #[arg(
+        long = "unprepare",
+        env = "UNPREPARE",
+        value_enum,
+        value_name = "POLICY",
+        default_value = "keep",
+        global = true
+    )]
+    on_unprepare: OnUnprepare,
+
+    /// The most one PCI function's bind or unbind may take, every write and wait together
+    /// (500ms, 30s, 2m; a bare number is seconds).
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = "30s",
+        value_parser = duration::parse,
+        global = true
+    )]
+    timeout: Duration,
+
     #[command(flatten)]
     log: LogArgs,
 }
@@ -70,14 +112,19 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> exit::Result {
     let paths = cli.host.paths();
-    if !cli.kubelet_root.is_absolute() {
-        return Err(exit::Failure::new(
-            exit::USAGE,
-            anyhow::anyhow!(
-                "--kubelet-root {} is not an absolute path (it is the host's view of kubelet's root)",
-                cli.kubelet_root.display()
-            ),
-        ));
+    for (flag, dir) in [
+        ("--kubelet-root", &cli.kubelet_root),
+        ("--cdi-root", &cli.cdi_root),
+    ] {
+        if !dir.is_absolute() {
+            return Err(exit::Failure::new(
+                exit::USAGE,
+                anyhow::anyhow!(
+                    "{flag} {} is not an absolute path (it is the host's view of that directory)",
+                    dir.display()
+                ),
+            ));
+        }
     }
     match cli.command.unwrap_or(Command::Serve) {
         Command::Serve => {
@@ -92,6 +139,9 @@ fn run(cli: Cli) -> exit::Result {
                 kubelet_root: cli.kubelet_root,
                 node_name,
                 kubeconfig: cli.kubeconfig,
+                cdi_root: cli.cdi_root,
+                on_unprepare: cli.on_unprepare,
+                timeout: cli.timeout,
             };
             daemon_kit::daemon::run(Threads::Current, |shutdown| {
                 sandbox_dra::run(config, paths, shutdown)

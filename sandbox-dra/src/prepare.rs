@@ -1,7 +1,44 @@
 //! Preparing and unpreparing claims: the allocated GPU and its whole IOMMU group on a VFIO
-//! driver, a CDI spec naming its device nodes, and the device-metadata file KubeVirt reads.
+//! driver, a CDI spec naming its device nodes, and the device-metadata file KubeVirt reads
+//! ([`crate::cdi`]).
+//!
+//! **Prepare**, in this order (each step converges when repeated):
+//! 1. the claim: from the [`record`] when there is one, else from the API server (its UID must
+//!    be the one kubelet names; its allocation's results of this driver in this node's pool,
+//!    each device name mapped to its GPU by [`names::parse_gpu_device`]);
+//! 2. the node: each GPU must be here, its group hold nothing but GPU functions (a NIC in it is
+//!    refused), and no function that is to move may be in use (a process holding it, its VFs
+//!    or vGPUs, or a source that cannot be read) — the first refusal fails the claim with
+//!    nothing changed;
+//! 3. the record (claim, devices, each function's current driver) — before the first bind;
+//! 4. the binds (vfio-manager's [`ops::bind_all`]; a function already bound is not written);
+//! 5. the metadata files, the CDI spec, and the record marked prepared — each written only
+//!    when it differs, so a repeated prepare writes nothing.
+//!
+//! **Unprepare** removes the CDI spec and the metadata, then by [`OnUnprepare`] leaves the
+//! groups on their VFIO driver or gives each function back to the driver it had (refused,
+//! naming the holder, while the group is in use), and removes the record last. A claim with no
+//! record is already unprepared.
+//!
+//! **At start** ([`Preparer::reconcile`]) every record is brought back in line with the node:
+//! a prepare that did not finish is undone (its devices never reached a container), a
+//! finished one is prepared again (a GPU someone unbound is bound again, a lost file
+//! rewritten).
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use common::{HostPaths, Inventory, PciAddress, Usage, error_chain, is_vfio_driver, state};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use vfio_manager::report::Outcome;
+use vfio_manager::{OpOptions, Selection, Selector, Target, ops, select};
+
+use crate::cdi::{self, ClaimDevice, ClaimId, Layout};
+use crate::names;
+use crate::record::{self, Record};
 
 /// One claim kubelet names: namespace, name and UID of the ResourceClaim.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -33,26 +70,800 @@ pub struct PreparedDevice {
     pub cdi_ids: Vec<String>,
 }
 
-/// Why a claim was not prepared or unprepared.
-#[derive(Debug, thiserror::Error)]
-pub enum PrepareError {
-    /// Preparing is not built yet.
-    #[error("claim {0}: preparing devices is not built yet")]
-    NotBuilt(ClaimRef),
+/// What unprepare does with a claim's GPUs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnUnprepare {
+    /// Leave the groups on their VFIO driver, ready for the next claim.
+    Keep,
+    /// Give every function back to the driver it had before the first prepare.
+    Restore,
 }
 
-/// Prepares and unprepares the claims of this node.
-#[derive(Debug, Default)]
-pub struct Preparer {}
+/// Why a claim was not prepared or unprepared. Every message names the claim.
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    /// The API server did not give the claim.
+    #[error("claim {claim}: cannot read it from the API server")]
+    Api {
+        /// The claim.
+        claim: ClaimRef,
+        /// Why.
+        #[source]
+        source: Box<kube::Error>,
+    },
+    /// The claim or the node refuses it; nothing was changed unless the reason says so.
+    #[error("claim {claim}: {reason}")]
+    Refused {
+        /// The claim.
+        claim: ClaimRef,
+        /// Why, naming the device (and who holds it).
+        reason: String,
+    },
+    /// A file of the driver's could not be written or read.
+    #[error("claim {claim}: {what}")]
+    State {
+        /// The claim.
+        claim: ClaimRef,
+        /// What was being done.
+        what: String,
+        /// Why.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+/// Everything preparing needs besides the API server.
+#[derive(Clone, Debug)]
+pub struct PrepareConfig {
+    /// The driver's name.
+    pub driver: String,
+    /// This node's name: the pool the claims' devices come from.
+    pub node_name: String,
+    /// Where files go, as the host names them.
+    pub layout: Layout,
+    /// What unprepare does with the GPUs.
+    pub on_unprepare: OnUnprepare,
+    /// The most one function's bind or unbind may take.
+    pub timeout: Duration,
+}
+
+/// Prepares and unprepares the claims of this node, one at a time.
+pub struct Preparer {
+    node: Arc<Node>,
+    client: kube::Client,
+    lock: tokio::sync::Mutex<()>,
+}
+
+impl fmt::Debug for Preparer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Preparer")
+            .field("node", &self.node)
+            .finish_non_exhaustive()
+    }
+}
 
 impl Preparer {
+    /// A preparer reading claims through `client`.
+    pub fn new(config: PrepareConfig, paths: HostPaths, client: kube::Client) -> Self {
+        Preparer {
+            node: Arc::new(Node { config, paths }),
+            client,
+            lock: tokio::sync::Mutex::new(()),
+        }
+    }
+
     /// Prepares `claim`: idempotent, kubelet calls again after a failure or a restart.
     pub async fn prepare(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, PrepareError> {
-        Err(PrepareError::NotBuilt(claim.clone()))
+        let _one_at_a_time = self.lock.lock().await;
+        if !record::valid_uid(&claim.uid) {
+            return Err(refused(
+                claim,
+                format!("{:?} is not a claim UID", claim.uid),
+            ));
+        }
+        let existing = self.node.load(claim)?;
+        let (id, wanted) = match &existing {
+            Some(r) => (
+                r.claim.clone(),
+                r.devices.iter().map(Wanted::from).collect(),
+            ),
+            None => self.read_claim(claim).await?,
+        };
+        let node = self.node.clone();
+        let c = claim.clone();
+        blocking(claim, move || node.prepare(&c, id, wanted, existing)).await
     }
 
     /// Unprepares `claim`: idempotent, a claim never prepared is already unprepared.
     pub async fn unprepare(&self, claim: &ClaimRef) -> Result<(), PrepareError> {
-        Err(PrepareError::NotBuilt(claim.clone()))
+        let _one_at_a_time = self.lock.lock().await;
+        if !record::valid_uid(&claim.uid) {
+            return Err(refused(
+                claim,
+                format!("{:?} is not a claim UID", claim.uid),
+            ));
+        }
+        let node = self.node.clone();
+        let c = claim.clone();
+        blocking(claim, move || {
+            let rec = node.load(&c)?;
+            node.unprepare(&c, rec, node.config.on_unprepare)
+        })
+        .await
+    }
+
+    /// Brings every record in line with the node (at start, before kubelet is served): an
+    /// unfinished prepare is undone, a finished one prepared again. Failures are logged; the
+    /// record stays for kubelet's next call.
+    pub async fn reconcile(&self) {
+        let _one_at_a_time = self.lock.lock().await;
+        let node = self.node.clone();
+        if let Err(e) = tokio::task::spawn_blocking(move || node.reconcile()).await {
+            tracing::error!(error = %e, "reconciling the claims' records failed");
+        }
+    }
+
+    /// Reads the claim from the API server: its identity and the GPUs allocated to it here.
+    async fn read_claim(&self, claim: &ClaimRef) -> Result<(ClaimId, Vec<Wanted>), PrepareError> {
+        let api: kube::Api<ResourceClaim> =
+            kube::Api::namespaced(self.client.clone(), &claim.namespace);
+        let rc = match api.get(&claim.name).await {
+            Ok(rc) => rc,
+            Err(kube::Error::Api(e)) if e.code == 404 => {
+                return Err(refused(
+                    claim,
+                    "the API server has no such ResourceClaim (deleted?)".into(),
+                ));
+            }
+            Err(source) => {
+                return Err(PrepareError::Api {
+                    claim: claim.clone(),
+                    source: Box::new(source),
+                });
+            }
+        };
+        allocated(&self.node.config, claim, &rc)
+    }
+}
+
+/// Runs `f` on a blocking thread (sysfs writes wait on the kernel).
+async fn blocking<T: Send + 'static>(
+    claim: &ClaimRef,
+    f: impl FnOnce() -> Result<T, PrepareError> + Send + 'static,
+) -> Result<T, PrepareError> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r,
+        Err(e) => Err(PrepareError::State {
+            claim: claim.clone(),
+            what: "the worker preparing it failed".into(),
+            source: Box::new(e),
+        }),
+    }
+}
+
+fn refused(claim: &ClaimRef, reason: String) -> PrepareError {
+    PrepareError::Refused {
+        claim: claim.clone(),
+        reason,
+    }
+}
+
+/// A GPU the claim's allocation names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Wanted {
+    /// The requests it was allocated for.
+    pub requests: Vec<String>,
+    /// Its name in the pool.
+    pub device: String,
+    /// Its PCI address.
+    pub address: PciAddress,
+}
+
+impl From<&ClaimDevice> for Wanted {
+    fn from(d: &ClaimDevice) -> Self {
+        Wanted {
+            requests: d.requests.clone(),
+            device: d.device.clone(),
+            address: d.address,
+        }
+    }
+}
+
+/// The claim's identity and the GPUs its allocation gives this driver on this node. Refused
+/// when the UID is not kubelet's, the claim is not allocated, or a device name is not one of
+/// this driver's.
+pub fn allocated(
+    config: &PrepareConfig,
+    claim: &ClaimRef,
+    rc: &ResourceClaim,
+) -> Result<(ClaimId, Vec<Wanted>), PrepareError> {
+    let uid = rc.metadata.uid.as_deref().unwrap_or_default();
+    if uid != claim.uid {
+        return Err(refused(
+            claim,
+            format!(
+                "the API server's claim of that name has UID {uid:?}: it was deleted and made \
+                 again; not preparing it"
+            ),
+        ));
+    }
+    let results = rc
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.as_ref());
+    let Some(results) = results else {
+        return Err(refused(claim, "it is not allocated".into()));
+    };
+    let mut wanted: Vec<Wanted> = Vec::new();
+    for r in results
+        .iter()
+        .filter(|r| r.driver == config.driver && r.pool == config.node_name)
+    {
+        let Some(address) = names::parse_gpu_device(&r.device) else {
+            return Err(refused(
+                claim,
+                format!(
+                    "device {:?} of pool {} is not a GPU of driver {} (names look like \
+                     gpu-0000-41-00-0)",
+                    r.device, r.pool, config.driver
+                ),
+            ));
+        };
+        match wanted.iter_mut().find(|w| w.device == r.device) {
+            Some(w) if !w.requests.contains(&r.request) => w.requests.push(r.request.clone()),
+            Some(_) => {}
+            None => wanted.push(Wanted {
+                requests: vec![r.request.clone()],
+                device: r.device.clone(),
+                address,
+            }),
+        }
+    }
+    if wanted.is_empty() {
+        return Err(refused(
+            claim,
+            format!(
+                "its allocation has no device of driver {} in pool {}",
+                config.driver, config.node_name
+            ),
+        ));
+    }
+    let annotations = rc.metadata.annotations.as_ref();
+    let id = ClaimId {
+        namespace: claim.namespace.clone(),
+        name: claim.name.clone(),
+        uid: claim.uid.clone(),
+        pod_claim_name: annotations
+            .and_then(|a| a.get(cdi::POD_CLAIM_NAME_ANNOTATION))
+            .cloned(),
+    };
+    Ok((id, wanted))
+}
+
+/// The node side of preparing: sysfs and the driver's files.
+#[derive(Debug)]
+struct Node {
+    config: PrepareConfig,
+    paths: HostPaths,
+}
+
+impl Node {
+    /// A host path as this process reaches it.
+    fn local(&self, host: &Path) -> PathBuf {
+        self.paths
+            .root()
+            .join(host.strip_prefix("/").unwrap_or(host))
+    }
+
+    fn driver_dir(&self) -> PathBuf {
+        self.local(&self.config.layout.driver_dir)
+    }
+
+    fn state_err(
+        claim: &ClaimRef,
+        what: String,
+    ) -> impl FnOnce(common::Error) -> PrepareError + '_ {
+        move |e| PrepareError::State {
+            claim: claim.clone(),
+            what,
+            source: Box::new(e),
+        }
+    }
+
+    fn load(&self, claim: &ClaimRef) -> Result<Option<Record>, PrepareError> {
+        let p = record::path(&self.driver_dir(), &claim.uid);
+        record::load_path(&p).map_err(|e| PrepareError::State {
+            claim: claim.clone(),
+            what: format!("cannot read its record {}", p.display()),
+            source: Box::new(e),
+        })
+    }
+
+    fn inventory(&self, claim: &ClaimRef) -> Result<Inventory, PrepareError> {
+        Inventory::read(&self.paths).map_err(|e| {
+            refused(
+                claim,
+                format!("cannot read the node's PCI devices: {}", error_chain(&e)),
+            )
+        })
+    }
+
+    fn op_options(&self) -> OpOptions {
+        OpOptions {
+            timeout: self.config.timeout,
+            force: false,
+        }
+    }
+
+    /// Selects the GPUs and the rest of their groups, refusing a missing GPU or a group with a
+    /// foreign member.
+    fn select(
+        &self,
+        claim: &ClaimRef,
+        inv: &Inventory,
+        wanted: &[Wanted],
+    ) -> Result<Selection, PrepareError> {
+        for w in wanted {
+            if inv.device(&w.address).is_none() {
+                return Err(refused(
+                    claim,
+                    format!(
+                        "device {} ({}) is not on this node any more (removed or unplugged); \
+                         nothing was changed",
+                        w.device, w.address
+                    ),
+                ));
+            }
+        }
+        let selector = Selector {
+            addresses: wanted.iter().map(|w| w.address).collect(),
+            ..Selector::default()
+        };
+        let aliases = vfio_manager::load_aliases(&self.paths);
+        let sel = select::select(inv, &selector, None, &aliases);
+        if !sel.refused.is_empty() {
+            let reasons: Vec<&str> = sel.refused.iter().map(|r| r.reason.as_str()).collect();
+            return Err(refused(
+                claim,
+                format!("{}; nothing was changed", reasons.join("; ")),
+            ));
+        }
+        Ok(sel)
+    }
+
+    fn prepare(
+        &self,
+        claim: &ClaimRef,
+        id: ClaimId,
+        wanted: Vec<Wanted>,
+        existing: Option<Record>,
+    ) -> Result<Vec<PreparedDevice>, PrepareError> {
+        let inv = self.inventory(claim)?;
+        let sel = self.select(claim, &inv, &wanted)?;
+
+        // Who would lose something: asked of every function that is to move, before the
+        // first write, so that a claim refused for one GPU changes none.
+        let usage: OnceLock<Usage> = OnceLock::new();
+        let in_use = |t: &Target| -> Vec<String> {
+            let usage = usage.get_or_init(|| Usage::read(&self.paths));
+            vfio_manager::bind_blockers(usage, &inv, t)
+                .iter()
+                .map(|u| u.describe(&inv))
+                .collect()
+        };
+        let mut busy = Vec::new();
+        for t in sel.targets().filter(|t| !t.is_bound()) {
+            let users = in_use(t);
+            if !users.is_empty() {
+                busy.push(format!(
+                    "{} is in use ({}) on {}",
+                    t.address,
+                    users.join("; "),
+                    t.driver.as_deref().unwrap_or("no driver")
+                ));
+            }
+        }
+        if !busy.is_empty() {
+            return Err(refused(
+                claim,
+                format!("{}; nothing was changed", busy.join("; ")),
+            ));
+        }
+
+        let group_of = |a: &PciAddress| sel.targets().find(|t| t.address == *a).map(|t| t.group);
+        let mut rec = existing.unwrap_or_else(|| Record {
+            claim: id.clone(),
+            prepared: false,
+            devices: Vec::new(),
+            originals: BTreeMap::new(),
+        });
+        // A function on VFIO already (a claim before this one left it there) goes back, on
+        // restore, to the driver it had before anything moved it: vfio-manager's record of
+        // original drivers, shared with it, says which.
+        let remembered = vfio_manager::memory::load(&self.paths);
+        for t in sel.targets() {
+            let on_vfio = t.driver.as_deref().is_some_and(is_vfio_driver) || t.is_bound();
+            let original = match remembered.get(&t.address) {
+                Some(r) if on_vfio => r.clone(),
+                _ => t.driver.clone(),
+            };
+            rec.originals.entry(t.address).or_insert(original);
+        }
+        let moving: Vec<(PciAddress, Option<String>)> = sel
+            .targets()
+            .filter(|t| !t.is_bound() && !t.driver.as_deref().is_some_and(is_vfio_driver))
+            .map(|t| (t.address, t.driver.clone()))
+            .collect();
+        if rec.devices.is_empty() {
+            rec.devices = wanted
+                .iter()
+                .map(|w| ClaimDevice {
+                    requests: w.requests.clone(),
+                    pool: self.config.node_name.clone(),
+                    device: w.device.clone(),
+                    address: w.address,
+                    group: group_of(&w.address).unwrap_or_default(),
+                    nodes: Vec::new(),
+                })
+                .collect();
+        }
+        let rec_path = record::path(&self.driver_dir(), &claim.uid);
+        if !rec.prepared {
+            record::write_if_changed(&rec_path, &rec.to_bytes())
+                .map_err(Self::state_err(claim, "cannot save its record".into()))?;
+        }
+        vfio_manager::memory::update(&self.paths, &moving, &[]);
+
+        let results = ops::bind_all(&self.paths, &sel, &self.op_options(), &in_use);
+        let failures: Vec<String> = results
+            .iter()
+            .filter_map(|r| match &r.outcome {
+                Outcome::Failed { error } => Some(format!("{}: {error}", r.address)),
+                Outcome::Refused { reason } => Some(reason.clone()),
+                _ => None,
+            })
+            .collect();
+        if !failures.is_empty() {
+            return Err(refused(claim, failures.join("; ")));
+        }
+
+        // The VFIO cdevs appear with the bind: read them now.
+        let after = self.inventory(claim)?;
+        for d in &mut rec.devices {
+            d.group = group_of(&d.address).unwrap_or(d.group);
+            d.nodes = device_nodes(&after, d);
+        }
+        self.write_files(claim, &rec)?;
+        rec.prepared = true;
+        record::write_if_changed(&rec_path, &rec.to_bytes())
+            .map_err(Self::state_err(claim, "cannot save its record".into()))?;
+        let layout = &self.config.layout;
+        Ok(rec
+            .devices
+            .iter()
+            .map(|d| PreparedDevice {
+                requests: d.requests.clone(),
+                pool: d.pool.clone(),
+                device: d.device.clone(),
+                cdi_ids: layout.cdi_ids(&rec.claim, d),
+            })
+            .collect())
+    }
+
+    /// The metadata files, then the CDI spec that mounts them.
+    fn write_files(&self, claim: &ClaimRef, rec: &Record) -> Result<(), PrepareError> {
+        let layout = &self.config.layout;
+        for r in cdi::requests_of(&rec.devices) {
+            let host = layout.metadata_file(&rec.claim, &r);
+            let json = layout.metadata_json(&rec.claim, &r, &rec.devices);
+            write_json(&self.local(&host), &json).map_err(Self::state_err(
+                claim,
+                format!("cannot write its device metadata {}", host.display()),
+            ))?;
+        }
+        let host = layout.cdi_spec(&claim.uid);
+        let json = layout.cdi_spec_json(&rec.claim, &rec.devices);
+        write_json(&self.local(&host), &json).map_err(Self::state_err(
+            claim,
+            format!("cannot write its CDI spec {}", host.display()),
+        ))?;
+        Ok(())
+    }
+
+    fn remove_files(&self, claim: &ClaimRef, rec: Option<&Record>) -> Result<(), PrepareError> {
+        let layout = &self.config.layout;
+        let spec = layout.cdi_spec(&claim.uid);
+        state::remove_if_present(&self.local(&spec)).map_err(Self::state_err(
+            claim,
+            format!("cannot remove its CDI spec {}", spec.display()),
+        ))?;
+        if let Some(rec) = rec {
+            let dir = layout.metadata_dir(&rec.claim);
+            match std::fs::remove_dir_all(self.local(&dir)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(PrepareError::State {
+                        claim: claim.clone(),
+                        what: format!("cannot remove its device metadata {}", dir.display()),
+                        source: Box::new(e),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn unprepare(
+        &self,
+        claim: &ClaimRef,
+        rec: Option<Record>,
+        policy: OnUnprepare,
+    ) -> Result<(), PrepareError> {
+        self.remove_files(claim, rec.as_ref())?;
+        let Some(rec) = rec else {
+            tracing::debug!(%claim, "not prepared here; nothing to do");
+            return Ok(());
+        };
+        if policy == OnUnprepare::Restore {
+            self.restore(claim, &rec)?;
+        }
+        let p = record::path(&self.driver_dir(), &claim.uid);
+        state::remove_if_present(&p).map_err(Self::state_err(
+            claim,
+            format!("cannot remove its record {}", p.display()),
+        ))?;
+        tracing::info!(%claim, ?policy, "unprepared");
+        Ok(())
+    }
+
+    /// Gives every function of the record back to the driver it had, when that was not a
+    /// VFIO driver; refused while the group is in use.
+    fn restore(&self, claim: &ClaimRef, rec: &Record) -> Result<(), PrepareError> {
+        let inv = self.inventory(claim)?;
+        let present: Vec<PciAddress> = rec
+            .devices
+            .iter()
+            .map(|d| d.address)
+            .filter(|a| inv.device(a).is_some())
+            .collect();
+        if present.is_empty() {
+            return Ok(());
+        }
+        let selector = Selector {
+            addresses: present,
+            allow_foreign_in_group: true,
+            ..Selector::default()
+        };
+        let aliases = vfio_manager::load_aliases(&self.paths);
+        let mut sel = select::select(&inv, &selector, None, &aliases);
+        // Only what this driver moved goes back: a function that was on VFIO already stays.
+        let ours = |t: &Target| {
+            rec.originals
+                .get(&t.address)
+                .is_some_and(|d| !d.as_deref().is_some_and(is_vfio_driver))
+        };
+        for targets in sel.groups.values_mut() {
+            targets.retain(ours);
+        }
+        sel.groups.retain(|_, t| !t.is_empty());
+        sel.refused.clear();
+        let usage = Usage::read(&self.paths);
+        let in_use = |group: u32| -> Vec<String> {
+            usage
+                .of_group(&inv, group)
+                .iter()
+                .map(|u| u.describe(&inv))
+                .collect()
+        };
+        let results = ops::unbind_all(
+            &self.paths,
+            &sel,
+            &self.op_options(),
+            &in_use,
+            &rec.originals,
+        );
+        let released: Vec<PciAddress> = results
+            .iter()
+            .filter(|r| matches!(r.outcome, Outcome::Changed { .. }))
+            .map(|r| r.address)
+            .collect();
+        vfio_manager::memory::update(&self.paths, &[], &released);
+        let failures: BTreeSet<String> = results
+            .iter()
+            .filter_map(|r| match &r.outcome {
+                Outcome::Failed { error } => Some(format!("{}: {error}", r.address)),
+                Outcome::Refused { reason } => Some(reason.clone()),
+                _ => None,
+            })
+            .collect();
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            Err(refused(
+                claim,
+                format!(
+                    "cannot give its GPUs back: {}",
+                    failures.into_iter().collect::<Vec<_>>().join("; ")
+                ),
+            ))
+        }
+    }
+
+    fn reconcile(&self) {
+        for p in record::list(&self.driver_dir()) {
+            let rec = match record::load_path(&p) {
+                Ok(Some(r)) => r,
+                Ok(None) => continue,
+                Err(e) => {
+                    tracing::warn!(error = %error_chain(&e), "skipping a record that cannot be read");
+                    continue;
+                }
+            };
+            let claim = ClaimRef {
+                namespace: rec.claim.namespace.clone(),
+                name: rec.claim.name.clone(),
+                uid: rec.claim.uid.clone(),
+            };
+            if p != record::path(&self.driver_dir(), &claim.uid) {
+                tracing::warn!(path = %p.display(), "skipping a record whose name is not its claim's UID");
+                continue;
+            }
+            let outcome = if rec.prepared {
+                let wanted = rec.devices.iter().map(Wanted::from).collect();
+                self.prepare(&claim, rec.claim.clone(), wanted, Some(rec))
+                    .map(|_| "prepared again")
+            } else {
+                // Its devices never reached a container: undone whatever the policy.
+                self.unprepare(&claim, Some(rec), OnUnprepare::Restore)
+                    .map(|()| "unfinished prepare undone")
+            };
+            match outcome {
+                Ok(what) => tracing::info!(%claim, "{what}"),
+                Err(e) => {
+                    tracing::warn!(%claim, error = %error_chain(&e), "claim left for kubelet's next call")
+                }
+            }
+        }
+    }
+}
+
+/// The host paths of the VFIO nodes a container needs for `d`: the container and its group,
+/// plus `/dev/iommu` and the GPU's cdev where the kernel has them (as sandbox-dp hands out).
+fn device_nodes(inv: &Inventory, d: &ClaimDevice) -> Vec<String> {
+    let mut nodes = vec![
+        common::paths::HOST_VFIO_CONTAINER.to_string(),
+        common::host_vfio_group_path(d.group),
+    ];
+    let cdev = inv
+        .device(&d.address)
+        .and_then(|p| p.vfio_cdev.as_ref())
+        .filter(|c| inv.dev_nodes.cdevs.contains(*c));
+    if let (true, Some(c)) = (inv.dev_nodes.iommufd, cdev) {
+        nodes.push(common::paths::HOST_IOMMUFD.to_string());
+        nodes.push(common::paths::host_vfio_cdev_path(c));
+    }
+    nodes
+}
+
+fn write_json(p: &Path, v: &serde_json::Value) -> common::Result<bool> {
+    let mut bytes = serde_json::to_vec_pretty(v).unwrap_or_default();
+    bytes.push(b'\n');
+    record::write_if_changed(p, &bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::resource::v1::{
+        AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult,
+        ResourceClaimStatus,
+    };
+
+    fn config() -> PrepareConfig {
+        PrepareConfig {
+            driver: "gpu.example.io".into(),
+            node_name: "node-a".into(),
+            layout: Layout {
+                driver: "gpu.example.io".into(),
+                cdi_root: "/var/run/cdi".into(),
+                driver_dir: "/var/lib/kubelet/plugins/gpu.example.io".into(),
+            },
+            on_unprepare: OnUnprepare::Keep,
+            timeout: Duration::from_secs(1),
+        }
+    }
+
+    fn claim_ref() -> ClaimRef {
+        ClaimRef {
+            namespace: "vms".into(),
+            name: "c1".into(),
+            uid: "u-1".into(),
+        }
+    }
+
+    fn rc(uid: &str, results: &[(&str, &str, &str, &str)]) -> ResourceClaim {
+        let mut rc = ResourceClaim::default();
+        rc.metadata.uid = Some(uid.into());
+        rc.status = Some(ResourceClaimStatus {
+            allocation: Some(AllocationResult {
+                devices: Some(DeviceAllocationResult {
+                    results: Some(
+                        results
+                            .iter()
+                            .map(|(req, driver, pool, dev)| DeviceRequestAllocationResult {
+                                request: (*req).into(),
+                                driver: (*driver).into(),
+                                pool: (*pool).into(),
+                                device: (*dev).into(),
+                                ..Default::default()
+                            })
+                            .collect(),
+                    ),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        rc
+    }
+
+    fn reason(r: Result<(ClaimId, Vec<Wanted>), PrepareError>) -> String {
+        match r {
+            Err(PrepareError::Refused { reason, .. }) => reason,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn only_this_drivers_devices_in_this_nodes_pool_are_taken() {
+        let c = rc(
+            "u-1",
+            &[
+                ("gpu", "gpu.example.io", "node-a", "gpu-0000-41-00-0"),
+                ("gpu", "gpu.example.io", "node-b", "gpu-0000-61-00-0"),
+                ("nic", "nic.example.io", "node-a", "nic-0"),
+            ],
+        );
+        let (id, wanted) = allocated(&config(), &claim_ref(), &c).unwrap();
+        assert_eq!(id.uid, "u-1");
+        assert_eq!(id.pod_claim_name, None);
+        assert_eq!(
+            wanted,
+            vec![Wanted {
+                requests: vec!["gpu".into()],
+                device: "gpu-0000-41-00-0".into(),
+                address: "0000:41:00.0".parse().unwrap(),
+            }]
+        );
+    }
+
+    #[test]
+    fn a_claim_made_again_unallocated_or_naming_a_foreign_device_is_refused() {
+        let cfg = config();
+        let r = reason(allocated(&cfg, &claim_ref(), &rc("u-2", &[])));
+        assert!(r.contains("UID \"u-2\""), "{r}");
+        let mut unallocated = rc("u-1", &[]);
+        unallocated.status = None;
+        let r = reason(allocated(&cfg, &claim_ref(), &unallocated));
+        assert_eq!(r, "it is not allocated");
+        let r = reason(allocated(
+            &cfg,
+            &claim_ref(),
+            &rc("u-1", &[("gpu", "gpu.example.io", "node-a", "vgpu-7")]),
+        ));
+        assert!(r.contains("\"vgpu-7\""), "{r}");
+        let r = reason(allocated(
+            &cfg,
+            &claim_ref(),
+            &rc("u-1", &[("gpu", "other.io", "node-a", "gpu-0000-41-00-0")]),
+        ));
+        assert!(
+            r.contains("no device of driver gpu.example.io in pool node-a"),
+            "{r}"
+        );
     }
 }

@@ -6,10 +6,12 @@
 //! | `run/nvidia/validations/vfio-pci-ready` | vfio-manager `daemon`, through [`readiness`] | the deployment's init containers |
 //! | `run/nvidia/validations/vgpu-devices-ready` | vgpu-device-manager `daemon`, through [`readiness`] | the deployment's init containers |
 //! | `run/gpu-vm-node/vgpu-type-names` | vgpu-device-manager `apply` only ([`vgpu_names::record`]) | [`crate::Inventory`] ([`vgpu_names::load`]) |
-//! | `run/vfio-manager/original-drivers` | vfio-manager `bind`/`unbind` ([`write_atomic`]) | vfio-manager `unbind` |
+//! | `run/vfio-manager/original-drivers` | vfio-manager `bind`/`unbind`, sandbox-dra's prepare and unprepare ([`write_atomic`]) | vfio-manager `unbind`, sandbox-dra's unprepare |
+//! | `<kubelet-root>/plugins/<driver>/claims/<uid>.json`, `…/metadata/`, `<cdi-root>/<driver>_<uid>.json` | sandbox-dra's prepare ([`write_atomic`]); removed by its unprepare | sandbox-dra; the container runtime (CDI spec, metadata) |
 //! | sandbox-dp's sockets in kubelet's device-plugin directory | sandbox-dp (bound by its servers; [`remove_if_present`]; [`file_identity`] tells one replaced, as for `kubelet.sock`) | kubelet |
 //!
-//! All of them live in `/run`, emptied at boot with the bindings and vGPUs they describe.
+//! All but sandbox-dra's live in `/run`, emptied at boot with the bindings and vGPUs they
+//! describe; sandbox-dra's claim records follow kubelet's own record of prepared claims.
 //! Every file is replaced whole by [`write_atomic`]: a reader, or the next run after a crash,
 //! sees the old content or the new, never part of either.
 

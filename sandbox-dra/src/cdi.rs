@@ -1,0 +1,348 @@
+//! What a prepared claim hands the container runtime: a CDI spec naming the VFIO device nodes
+//! of each allocated GPU, and the device-metadata file KubeVirt's virt-launcher reads the GPU's
+//! PCI address from, bind-mounted through the same spec.
+//!
+//! **Device metadata** follows KEP-5304 ("DRA Device Attributes Downward API",
+//! kubernetes/enhancements `keps/sig-node/5304-dra-attributes-downward-api`), as the Kubernetes
+//! documentation states its protocol (concepts, "Dynamic Resource Allocation", "Device metadata
+//! protocol") and KubeVirt reads it (VEP 10 "Support GPUs with DRA in KubeVirt",
+//! kubevirt/enhancements `veps/sig-compute/10-dra-devices/vep.md`, `GPUsWithDRA`, KubeVirt 1.8+):
+//!
+//! - inside the container the file is
+//!   `/var/run/kubernetes.io/dra-device-attributes/resourceclaims/<claimName>/<requestName>/<driver>-metadata.json`
+//!   for a claim the pod names, and
+//!   `…/resourceclaimtemplates/<podClaimName>/<requestName>/<driver>-metadata.json` for a claim
+//!   made from a template (`podClaimName`: the pod's name for the claim, which the claim carries
+//!   in its `resource.kubernetes.io/pod-claim-name` annotation). `<requestName>` is the
+//!   top-level request (a `/subrequest` is dropped from the path, kept in the JSON);
+//! - the file is a stream of `DeviceMetadata` objects (`metadata.resource.k8s.io/v1alpha1`),
+//!   one per supported version, newest first: `metadata` (the claim's name, namespace, UID and a
+//!   `generation` that grows when the file changes), `podClaimName`, and `requests[]` with
+//!   `name` and `devices[]` (`driver`, `pool`, `name`, `attributes` in the ResourceSlice's
+//!   attribute form, e.g. `{"string": "0000:41:00.0"}`);
+//! - virt-launcher takes `resource.kubernetes.io/pciBusID` of the request's single device and
+//!   writes the libvirt `<hostdev>` from it.
+//!
+//! On the host the file lives in the driver's own directory under kubelet's root
+//! (`<kubelet-root>/plugins/<driver>/metadata/<namespace>_<claim>/<request>/metadata.json`),
+//! mounted read-only.
+//!
+//! **CDI**: one spec file per claim, `<cdi-root>/<driver>_<claim-uid>.json`, kind
+//! `<driver>/vfio`. Each allocated GPU is one CDI device `<claim-uid>-<device>` with the group's
+//! nodes (`/dev/vfio/vfio` and `/dev/vfio/<group>`, plus `/dev/iommu` and the functions'
+//! `/dev/vfio/devices/vfioN` where the kernel has them); each request is one more CDI device
+//! `<claim-uid>-metadata-<request>` mounting its metadata file. Paths in the spec are the host's.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+/// The CDI specification version written: device nodes and mounts need no newer one.
+pub const CDI_VERSION: &str = "0.5.0";
+
+/// The CDI class of the driver's devices (the kind is `<driver>/vfio`).
+pub const CDI_CLASS: &str = "vfio";
+
+/// The directory holding metadata files inside containers (KEP-5304).
+pub const CONTAINER_METADATA_DIR: &str = "/var/run/kubernetes.io/dra-device-attributes";
+
+/// The annotation on a claim made from a template that names it in the pod.
+pub const POD_CLAIM_NAME_ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
+
+/// The attribute carrying a device's PCI address, which virt-launcher reads.
+pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
+
+/// The metadata API version written.
+pub const METADATA_API_VERSION: &str = "metadata.resource.k8s.io/v1alpha1";
+
+/// One allocated GPU as the claim's record holds it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClaimDevice {
+    /// The claim's requests it was allocated for (`gpu`, or `gpu/subrequest`).
+    pub requests: Vec<String>,
+    /// Its pool (the node's name).
+    pub pool: String,
+    /// Its name in the pool (`gpu-0000-41-00-0`).
+    pub device: String,
+    /// The GPU's PCI address.
+    pub address: common::PciAddress,
+    /// Its IOMMU group.
+    pub group: u32,
+    /// The VFIO device nodes the container gets, as the host names them.
+    pub nodes: Vec<String>,
+}
+
+/// The claim's identity as the files name it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClaimId {
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// UID.
+    pub uid: String,
+    /// The pod's name for the claim, for a claim made from a template.
+    pub pod_claim_name: Option<String>,
+}
+
+/// The top-level request of a request reference (`gpu/big` → `gpu`).
+pub fn base_request(request: &str) -> &str {
+    request.split_once('/').map_or(request, |(base, _)| base)
+}
+
+/// Where one claim's files go, each as the host names it.
+#[derive(Clone, Debug)]
+pub struct Layout {
+    /// The driver's name.
+    pub driver: String,
+    /// The CDI spec directory (`--cdi-root`).
+    pub cdi_root: PathBuf,
+    /// `<kubelet-root>/plugins/<driver>`.
+    pub driver_dir: PathBuf,
+}
+
+impl Layout {
+    /// The claim's CDI spec file.
+    pub fn cdi_spec(&self, uid: &str) -> PathBuf {
+        self.cdi_root.join(format!("{}_{uid}.json", self.driver))
+    }
+
+    /// The directory of the claim's metadata files.
+    pub fn metadata_dir(&self, claim: &ClaimId) -> PathBuf {
+        self.driver_dir
+            .join("metadata")
+            .join(format!("{}_{}", claim.namespace, claim.name))
+    }
+
+    /// The metadata file of one (top-level) request of the claim.
+    pub fn metadata_file(&self, claim: &ClaimId, request: &str) -> PathBuf {
+        self.metadata_dir(claim).join(request).join("metadata.json")
+    }
+
+    /// Where the request's metadata file appears inside the container.
+    pub fn container_metadata_file(&self, claim: &ClaimId, request: &str) -> PathBuf {
+        let (kind, name) = match &claim.pod_claim_name {
+            Some(pod_name) => ("resourceclaimtemplates", pod_name.as_str()),
+            None => ("resourceclaims", claim.name.as_str()),
+        };
+        Path::new(CONTAINER_METADATA_DIR)
+            .join(kind)
+            .join(name)
+            .join(request)
+            .join(format!("{}-metadata.json", self.driver))
+    }
+
+    /// The CDI device name of an allocated GPU.
+    fn gpu_cdi_name(claim: &ClaimId, device: &ClaimDevice) -> String {
+        format!("{}-{}", claim.uid, device.device)
+    }
+
+    /// The CDI device name mounting a request's metadata.
+    fn metadata_cdi_name(claim: &ClaimId, request: &str) -> String {
+        format!("{}-metadata-{request}", claim.uid)
+    }
+
+    /// A fully qualified CDI device id (`<driver>/vfio=<name>`).
+    fn cdi_id(&self, name: &str) -> String {
+        format!("{}/{CDI_CLASS}={name}", self.driver)
+    }
+
+    /// The CDI ids of one device: its own, then its requests' metadata.
+    pub fn cdi_ids(&self, claim: &ClaimId, device: &ClaimDevice) -> Vec<String> {
+        let mut ids = vec![self.cdi_id(&Self::gpu_cdi_name(claim, device))];
+        for r in requests_of(std::slice::from_ref(device)) {
+            ids.push(self.cdi_id(&Self::metadata_cdi_name(claim, &r)));
+        }
+        ids
+    }
+
+    /// The claim's CDI spec.
+    pub fn cdi_spec_json(&self, claim: &ClaimId, devices: &[ClaimDevice]) -> Value {
+        let mut cdi_devices: Vec<Value> = devices
+            .iter()
+            .map(|d| {
+                json!({
+                    "name": Self::gpu_cdi_name(claim, d),
+                    "containerEdits": {
+                        "deviceNodes": d.nodes.iter().map(|p| json!({"path": p})).collect::<Vec<_>>(),
+                    },
+                })
+            })
+            .collect();
+        for r in requests_of(devices) {
+            cdi_devices.push(json!({
+                "name": Self::metadata_cdi_name(claim, &r),
+                "containerEdits": {
+                    "mounts": [{
+                        "hostPath": self.metadata_file(claim, &r),
+                        "containerPath": self.container_metadata_file(claim, &r),
+                        "options": ["ro", "bind"],
+                    }],
+                },
+            }));
+        }
+        json!({
+            "cdiVersion": CDI_VERSION,
+            "kind": format!("{}/{CDI_CLASS}", self.driver),
+            "devices": cdi_devices,
+        })
+    }
+
+    /// The metadata file of one top-level request: a `DeviceMetadata` for the devices
+    /// allocated to it (or to its subrequests).
+    pub fn metadata_json(&self, claim: &ClaimId, request: &str, devices: &[ClaimDevice]) -> Value {
+        let mut refs: Vec<&str> = Vec::new();
+        for d in devices {
+            for r in &d.requests {
+                if base_request(r) == request && !refs.contains(&r.as_str()) {
+                    refs.push(r);
+                }
+            }
+        }
+        let requests: Vec<Value> = refs
+            .iter()
+            .map(|r| {
+                let devs: Vec<Value> = devices
+                    .iter()
+                    .filter(|d| d.requests.iter().any(|x| x == r))
+                    .map(|d| {
+                        json!({
+                            "driver": self.driver,
+                            "pool": d.pool,
+                            "name": d.device,
+                            "attributes": {
+                                PCI_BUS_ID: {"string": d.address.to_string()},
+                            },
+                        })
+                    })
+                    .collect();
+                json!({"name": r, "devices": devs})
+            })
+            .collect();
+        let mut obj = json!({
+            "kind": "DeviceMetadata",
+            "apiVersion": METADATA_API_VERSION,
+            "metadata": {
+                "name": claim.name,
+                "namespace": claim.namespace,
+                "uid": claim.uid,
+                "generation": 1,
+            },
+            "requests": requests,
+        });
+        if let Some(p) = &claim.pod_claim_name {
+            obj["podClaimName"] = json!(p);
+        }
+        obj
+    }
+}
+
+/// The top-level requests of `devices`, each once, in order.
+pub fn requests_of(devices: &[ClaimDevice]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for d in devices {
+        for r in &d.requests {
+            let b = base_request(r);
+            if !out.iter().any(|x| x == b) {
+                out.push(b.to_string());
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> Layout {
+        Layout {
+            driver: "gpu.example.io".into(),
+            cdi_root: "/var/run/cdi".into(),
+            driver_dir: "/var/lib/kubelet/plugins/gpu.example.io".into(),
+        }
+    }
+
+    fn claim(pod_claim_name: Option<&str>) -> ClaimId {
+        ClaimId {
+            namespace: "vms".into(),
+            name: "vm1-gpu-x7k".into(),
+            uid: "u-1".into(),
+            pod_claim_name: pod_claim_name.map(str::to_string),
+        }
+    }
+
+    fn gpu(request: &str) -> ClaimDevice {
+        ClaimDevice {
+            requests: vec![request.into()],
+            pool: "node-a".into(),
+            device: "gpu-0000-41-00-0".into(),
+            address: "0000:41:00.0".parse().unwrap(),
+            group: 21,
+            nodes: vec!["/dev/vfio/vfio".into(), "/dev/vfio/21".into()],
+        }
+    }
+
+    #[test]
+    fn metadata_lands_where_virt_launcher_looks_for_both_kinds_of_claim() {
+        let l = layout();
+        assert_eq!(
+            l.container_metadata_file(&claim(None), "gpu"),
+            Path::new(
+                "/var/run/kubernetes.io/dra-device-attributes/resourceclaims/vm1-gpu-x7k/gpu/gpu.example.io-metadata.json"
+            )
+        );
+        assert_eq!(
+            l.container_metadata_file(&claim(Some("gpu")), "req"),
+            Path::new(
+                "/var/run/kubernetes.io/dra-device-attributes/resourceclaimtemplates/gpu/req/gpu.example.io-metadata.json"
+            )
+        );
+    }
+
+    #[test]
+    fn metadata_carries_the_pci_bus_id_under_the_full_request_name() {
+        let l = layout();
+        let c = claim(Some("gpu"));
+        let m = l.metadata_json(&c, "gpu", &[gpu("gpu/a10")]);
+        assert_eq!(m["apiVersion"], METADATA_API_VERSION);
+        assert_eq!(m["kind"], "DeviceMetadata");
+        assert_eq!(m["podClaimName"], "gpu");
+        assert_eq!(m["metadata"]["uid"], "u-1");
+        assert_eq!(m["requests"][0]["name"], "gpu/a10");
+        let d = &m["requests"][0]["devices"][0];
+        assert_eq!(d["driver"], "gpu.example.io");
+        assert_eq!(d["pool"], "node-a");
+        assert_eq!(d["name"], "gpu-0000-41-00-0");
+        assert_eq!(d["attributes"][PCI_BUS_ID]["string"], "0000:41:00.0");
+        assert!(l.metadata_json(&claim(None), "gpu", &[gpu("gpu")])["podClaimName"].is_null());
+    }
+
+    #[test]
+    fn the_cdi_spec_names_the_group_nodes_and_mounts_the_metadata_read_only() {
+        let l = layout();
+        let c = claim(None);
+        let d = gpu("gpu");
+        let spec = l.cdi_spec_json(&c, std::slice::from_ref(&d));
+        assert_eq!(spec["kind"], "gpu.example.io/vfio");
+        assert_eq!(spec["devices"][0]["name"], "u-1-gpu-0000-41-00-0");
+        assert_eq!(
+            spec["devices"][0]["containerEdits"]["deviceNodes"],
+            json!([{"path": "/dev/vfio/vfio"}, {"path": "/dev/vfio/21"}])
+        );
+        let m = &spec["devices"][1]["containerEdits"]["mounts"][0];
+        assert_eq!(
+            m["hostPath"],
+            "/var/lib/kubelet/plugins/gpu.example.io/metadata/vms_vm1-gpu-x7k/gpu/metadata.json"
+        );
+        assert_eq!(m["options"], json!(["ro", "bind"]));
+        assert_eq!(
+            l.cdi_ids(&c, &d),
+            vec![
+                "gpu.example.io/vfio=u-1-gpu-0000-41-00-0".to_string(),
+                "gpu.example.io/vfio=u-1-metadata-gpu".to_string()
+            ]
+        );
+    }
+}

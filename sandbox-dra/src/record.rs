@@ -1,0 +1,161 @@
+//! The driver's record of the claims it prepared: one JSON file per claim,
+//! `<kubelet-root>/plugins/<driver>/claims/<claim-uid>.json`, written before the first change
+//! to the node and removed after the last one of unprepare, so that a restart knows what a
+//! crash left half done.
+//!
+//! It holds the claim, its devices, whether preparing finished, and the driver every function
+//! of the devices' IOMMU groups had before the first prepare moved it (the first record wins:
+//! a retry never records `vfio-pci` as a function's original driver; a function an earlier
+//! claim left on VFIO takes its original from vfio-manager's node-wide record of original
+//! drivers, `run/vfio-manager/original-drivers`, which preparing keeps up to date too). It lives under kubelet's
+//! root rather than `/run` because a claim stays prepared across a reboot of the driver's pod,
+//! as kubelet's own DRA checkpoint does.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use common::{PciAddress, state};
+use serde::{Deserialize, Serialize};
+
+use crate::cdi::{ClaimDevice, ClaimId};
+
+/// One claim's record.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Record {
+    /// The claim.
+    pub claim: ClaimId,
+    /// Preparing finished: the devices are bound and the CDI spec and metadata written.
+    pub prepared: bool,
+    /// The allocated GPUs.
+    pub devices: Vec<ClaimDevice>,
+    /// Every function of the devices' groups → the driver it had before the first prepare
+    /// (`None`: no driver).
+    pub originals: BTreeMap<PciAddress, Option<String>>,
+}
+
+impl Record {
+    /// The record as written: pretty JSON, so an operator can read it.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut v = serde_json::to_vec_pretty(self).unwrap_or_default();
+        v.push(b'\n');
+        v
+    }
+}
+
+/// The directory of the records (as this process reaches it).
+pub fn dir(driver_dir: &Path) -> PathBuf {
+    driver_dir.join("claims")
+}
+
+/// A claim UID is used as a file name: only what a UID is made of is accepted.
+pub fn valid_uid(uid: &str) -> bool {
+    !uid.is_empty()
+        && uid.len() <= 128
+        && uid
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
+/// The record file of claim `uid`.
+pub fn path(driver_dir: &Path, uid: &str) -> PathBuf {
+    dir(driver_dir).join(format!("{uid}.json"))
+}
+
+/// Why a record cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    /// It cannot be read.
+    #[error(transparent)]
+    Read(#[from] common::Error),
+    /// It is not a record.
+    #[error("{path} is not a claim record: {source}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Reads the record at `p`; `None` when there is none.
+pub fn load_path(p: &Path) -> Result<Option<Record>, RecordError> {
+    let Some(text) = state::read_if_present(p)? else {
+        return Ok(None);
+    };
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|source| RecordError::Parse {
+            path: p.to_path_buf(),
+            source,
+        })
+}
+
+/// Every record file in the directory, in name order.
+pub fn list(driver_dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir(driver_dir)) else {
+        return Vec::new();
+    };
+    let mut out: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| {
+            p.extension().is_some_and(|x| x == "json")
+                && p.file_name()
+                    .is_some_and(|n| !n.to_string_lossy().starts_with('.'))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Writes `contents` to `p` unless it already holds exactly that: a repeated prepare writes
+/// nothing. Returns whether it wrote.
+pub fn write_if_changed(p: &Path, contents: &[u8]) -> common::Result<bool> {
+    if let Ok(Some(now)) = state::read_if_present(p)
+        && now.as_bytes() == contents
+    {
+        return Ok(false);
+    }
+    state::write_atomic(p, contents)?;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_survives_a_round_trip_and_is_not_rewritten_unchanged() {
+        let dir = tempfile::tempdir().unwrap();
+        let rec = Record {
+            claim: ClaimId {
+                namespace: "ns".into(),
+                name: "c".into(),
+                uid: "u1".into(),
+                pod_claim_name: None,
+            },
+            prepared: false,
+            devices: vec![],
+            originals: [
+                ("0000:41:00.0".parse().unwrap(), Some("nvidia".into())),
+                ("0000:41:00.1".parse().unwrap(), None),
+            ]
+            .into(),
+        };
+        let p = path(dir.path(), "u1");
+        assert!(write_if_changed(&p, &rec.to_bytes()).unwrap());
+        assert!(!write_if_changed(&p, &rec.to_bytes()).unwrap());
+        assert_eq!(load_path(&p).unwrap(), Some(rec));
+        assert_eq!(list(dir.path()), vec![p]);
+        assert_eq!(load_path(&path(dir.path(), "u2")).unwrap(), None);
+    }
+
+    #[test]
+    fn uids_that_are_not_file_names_are_refused() {
+        assert!(valid_uid("3f1e6c2a-4b5d-4e8f-9a0b-1c2d3e4f5a6b"));
+        for bad in ["", "../x", "a/b", "a b", "x.json"] {
+            assert!(!valid_uid(bad), "{bad}");
+        }
+    }
+}

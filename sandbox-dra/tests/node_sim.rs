@@ -1,0 +1,609 @@
+//! sandbox-dra as a process on simulated nodes (node-sim), driven by the fake kubelet the way
+//! kubelet 1.36 drives it (registration through the percent-encoded socket path as
+//! `:authority`, then `NodePrepareResources` / `NodeUnprepareResources`), reading claims from
+//! the fake API server. What is checked is what kubelet, the container runtime and KubeVirt
+//! see: driver links, the CDI spec and the `/dev/vfio` nodes it names, the device-metadata
+//! file, the answers' errors; and node-sim's log of writes.
+//!
+//! Each test mounts its own node and prints `skipped: ...` when FUSE or root is missing.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on setup failures
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use testkit::apiserver::FakeApiServer;
+use testkit::kubelet::dra::{self, Claim, DraDriver, Version};
+use testkit::sim::{SimDir, try_mount};
+
+const BIN: &str = env!("CARGO_BIN_EXE_sandbox-dra");
+const DRIVER: &str = "gpu.gpu-vm-node.io";
+const NODE: &str = "node-a";
+const NS: &str = "vms";
+/// How long a test waits for something that should happen promptly before it calls it lost.
+const PATIENCE: Duration = Duration::from_secs(30);
+
+/// The driver process, killed (SIGKILL) when the test ends however it ends.
+struct Driver {
+    child: Child,
+    log: PathBuf,
+    _logdir: tempfile::TempDir,
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Driver {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+fn reg_socket(root: &Path) -> PathBuf {
+    root.join(format!(
+        "var/lib/kubelet/plugins_registry/{DRIVER}-reg.sock"
+    ))
+}
+
+/// Starts `sandbox-dra serve` on `root` and waits for its registration socket.
+fn start(root: &Path, api: &FakeApiServer, extra: &[&str]) -> Driver {
+    // A socket left by a killed run must not count as the new one's.
+    let _ = std::fs::remove_file(reg_socket(root));
+    let logdir = tempfile::tempdir().unwrap();
+    let log = logdir.path().join("sandbox-dra.log");
+    let child = Command::new(BIN)
+        .arg("--host-root")
+        .arg(root)
+        .args(["--node-name", NODE, "--kubeconfig"])
+        .arg(api.kubeconfig())
+        .args(extra)
+        .arg("serve")
+        .env("RUST_LOG", "info")
+        .env_remove("HOST_ROOT")
+        .env_remove("KUBELET_DIR")
+        .env_remove("KUBECONFIG")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut d = Driver {
+        child,
+        log,
+        _logdir: logdir,
+    };
+    let start = Instant::now();
+    while !reg_socket(root).exists() {
+        if let Some(status) = d.child.try_wait().unwrap() {
+            panic!("sandbox-dra exited ({status}) before serving:\n{}", d.log());
+        }
+        assert!(
+            start.elapsed() < PATIENCE,
+            "no registration socket:\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    d
+}
+
+/// Registers the driver as kubelet does: the one socket in plugins_registry/.
+async fn register(root: &Path) -> DraDriver {
+    let kubelet_root = Path::new("/var/lib/kubelet");
+    let socks = dra::registration_sockets(root, kubelet_root);
+    assert_eq!(
+        socks,
+        vec![kubelet_root.join(format!("plugins_registry/{DRIVER}-reg.sock"))]
+    );
+    dra::register(root, &socks[0], None).await.unwrap()
+}
+
+/// A claim allocated the named devices of this node, for request `gpu`.
+fn claim_json(name: &str, uid: &str, devices: &[&str]) -> Value {
+    json!({
+        "metadata": {"namespace": NS, "name": name, "uid": uid},
+        "spec": {"devices": {"requests": [
+            {"name": "gpu", "exactly": {"deviceClassName": "vfio.gpu.gpu-vm-node.io"}}
+        ]}},
+        "status": {"allocation": {"devices": {"results": devices.iter().map(|d| json!({
+            "request": "gpu", "driver": DRIVER, "pool": NODE, "device": d,
+        })).collect::<Vec<_>>()}}},
+    })
+}
+
+fn claim(name: &str, uid: &str) -> Claim {
+    Claim {
+        namespace: NS.into(),
+        name: name.into(),
+        uid: uid.into(),
+    }
+}
+
+fn driver_of(root: &Path, bdf: &str) -> Option<String> {
+    std::fs::read_link(root.join("sys/bus/pci/devices").join(bdf).join("driver"))
+        .ok()
+        .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
+}
+
+fn cdi_spec_path(root: &Path, uid: &str) -> PathBuf {
+    root.join(format!("var/run/cdi/{DRIVER}_{uid}.json"))
+}
+
+fn read_json(p: &Path) -> Value {
+    let text = std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+fn under(root: &Path, host: &str) -> PathBuf {
+    root.join(host.trim_start_matches('/'))
+}
+
+/// The device nodes the CDI spec gives the device whose CDI name ends with `device`.
+fn spec_nodes(spec: &Value, device: &str) -> Vec<String> {
+    let d = spec["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["name"].as_str().unwrap().ends_with(device))
+        .unwrap_or_else(|| panic!("no CDI device for {device}: {spec}"));
+    d["containerEdits"]["deviceNodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["path"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// The one metadata mount of the spec: (host path, container path).
+fn spec_metadata_mount(spec: &Value) -> (String, String) {
+    let mounts: Vec<&Value> = spec["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|d| d["containerEdits"]["mounts"].as_array())
+        .flatten()
+        .collect();
+    assert_eq!(mounts.len(), 1, "{spec}");
+    (
+        mounts[0]["hostPath"].as_str().unwrap().to_string(),
+        mounts[0]["containerPath"].as_str().unwrap().to_string(),
+    )
+}
+
+fn record_path(root: &Path, uid: &str) -> PathBuf {
+    root.join(format!(
+        "var/lib/kubelet/plugins/{DRIVER}/claims/{uid}.json"
+    ))
+}
+
+async fn prepare_one(
+    d: &DraDriver,
+    v: Version,
+    c: &Claim,
+) -> Result<Vec<dra::PreparedDevice>, String> {
+    let mut out = d.prepare(v, std::slice::from_ref(c)).await.unwrap();
+    assert_eq!(out.len(), 1, "{out:?}");
+    assert_eq!(out[0].0, c.uid);
+    out.remove(0).1
+}
+
+async fn unprepare_one(d: &DraDriver, v: Version, c: &Claim) -> Result<(), String> {
+    let mut out = d.unprepare(v, std::slice::from_ref(c)).await.unwrap();
+    assert_eq!(out.len(), 1, "{out:?}");
+    out.remove(0).1
+}
+
+/// sysfs writes node-sim logged since the last clear.
+fn writes(sim: &SimDir) -> Vec<String> {
+    sim.ops()
+        .into_iter()
+        .filter(|o| !o.path.contains("node-sim/"))
+        .map(|o| format!("{} {} {}", o.path, o.value, o.result))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_a10_claim_binds_both_and_hands_kubevirt_the_vfio_nodes_and_pci_address() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let _d = start(root, &api, &[]);
+    let drv = register(root).await;
+    assert_eq!(drv.info.r#type, "DRAPlugin");
+    assert_eq!(drv.info.name, DRIVER);
+    assert_eq!(
+        drv.info.endpoint,
+        format!("/var/lib/kubelet/plugins/{DRIVER}/dra.sock")
+    );
+    assert!(drv.supports(Version::V1) && drv.supports(Version::V1beta1));
+
+    api.put_claim(claim_json(
+        "vm1-gpu",
+        "uid-1",
+        &["gpu-0000-41-00-0", "gpu-0000-61-00-0"],
+    ));
+    let c = claim("vm1-gpu", "uid-1");
+    let devices = prepare_one(&drv, Version::V1, &c).await.unwrap();
+    assert_eq!(devices.len(), 2, "{devices:?}");
+    for (bdf, name, group) in [
+        ("0000:41:00.0", "gpu-0000-41-00-0", 21),
+        ("0000:61:00.0", "gpu-0000-61-00-0", 37),
+    ] {
+        assert_eq!(driver_of(root, bdf).as_deref(), Some("vfio-pci"), "{bdf}");
+        let dev = devices.iter().find(|d| d.device_name == name).unwrap();
+        assert_eq!(dev.pool_name, NODE);
+        assert_eq!(dev.request_names, vec!["gpu".to_string()]);
+        assert_eq!(
+            dev.cdi_device_ids,
+            vec![
+                format!("{DRIVER}/vfio=uid-1-{name}"),
+                format!("{DRIVER}/vfio=uid-1-metadata-gpu"),
+            ]
+        );
+        let spec = read_json(&cdi_spec_path(root, "uid-1"));
+        assert_eq!(spec["kind"], format!("{DRIVER}/vfio"));
+        let nodes = spec_nodes(&spec, name);
+        assert_eq!(
+            nodes,
+            vec!["/dev/vfio/vfio".to_string(), format!("/dev/vfio/{group}")]
+        );
+        assert!(under(root, &nodes[1]).exists(), "{} exists", nodes[1]);
+    }
+    // The metadata file, where the spec mounts it from and to.
+    let spec = read_json(&cdi_spec_path(root, "uid-1"));
+    let (host, container) = spec_metadata_mount(&spec);
+    assert_eq!(
+        container,
+        format!(
+            "/var/run/kubernetes.io/dra-device-attributes/resourceclaims/vm1-gpu/gpu/{DRIVER}-metadata.json"
+        )
+    );
+    let meta = read_json(&under(root, &host));
+    assert_eq!(meta["apiVersion"], "metadata.resource.k8s.io/v1alpha1");
+    assert_eq!(meta["metadata"]["uid"], "uid-1");
+    let ids: Vec<&str> = meta["requests"][0]["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            d["attributes"]["resource.kubernetes.io/pciBusID"]["string"]
+                .as_str()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(ids, vec!["0000:41:00.0", "0000:61:00.0"]);
+
+    // kubelet calls again (here in v1beta1): the same answer, nothing written.
+    let files = [
+        cdi_spec_path(root, "uid-1"),
+        under(root, &host),
+        record_path(root, "uid-1"),
+    ];
+    let before: Vec<_> = files
+        .iter()
+        .map(|f| common::state::file_identity(f).unwrap())
+        .collect();
+    sim.clear_ops();
+    let again = prepare_one(&drv, Version::V1beta1, &c).await.unwrap();
+    assert_eq!(again, devices);
+    assert_eq!(writes(&sim), Vec::<String>::new());
+    let after: Vec<_> = files
+        .iter()
+        .map(|f| common::state::file_identity(f).unwrap())
+        .collect();
+    assert_eq!(before, after, "no file rewritten");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_gpu_and_its_audio_function_are_bound_together() {
+    let Some(sim) = try_mount("rtx-workstation") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let _d = start(root, &api, &["--unprepare", "restore"]);
+    let drv = register(root).await;
+    api.put_claim(claim_json("ws", "uid-ws", &["gpu-0000-01-00-0"]));
+    let c = claim("ws", "uid-ws");
+    prepare_one(&drv, Version::V1, &c).await.unwrap();
+    assert_eq!(driver_of(root, "0000:01:00.0").as_deref(), Some("vfio-pci"));
+    assert_eq!(driver_of(root, "0000:01:00.1").as_deref(), Some("vfio-pci"));
+    let spec = read_json(&cdi_spec_path(root, "uid-ws"));
+    assert_eq!(
+        spec_nodes(&spec, "gpu-0000-01-00-0"),
+        vec!["/dev/vfio/vfio", "/dev/vfio/12"]
+    );
+    // restore: each function back to its own driver.
+    unprepare_one(&drv, Version::V1, &c).await.unwrap();
+    assert_eq!(driver_of(root, "0000:01:00.0").as_deref(), Some("nvidia"));
+    assert_eq!(
+        driver_of(root, "0000:01:00.1").as_deref(),
+        Some("snd_hda_intel")
+    );
+    assert!(!cdi_spec_path(root, "uid-ws").exists());
+    assert!(!record_path(root, "uid-ws").exists());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_group_holding_a_nic_is_refused_and_nothing_written() {
+    let Some(sim) = try_mount("foreign-group") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let _d = start(root, &api, &[]);
+    let drv = register(root).await;
+    api.put_claim(claim_json("nic", "uid-nic", &["gpu-0000-41-00-0"]));
+    sim.clear_ops();
+    let err = prepare_one(&drv, Version::V1, &claim("nic", "uid-nic"))
+        .await
+        .unwrap_err();
+    assert!(err.contains("claim vms/nic (uid-nic)"), "{err}");
+    assert!(err.contains("0000:42:00.0"), "the NIC is named: {err}");
+    assert_eq!(writes(&sim), Vec::<String>::new());
+    assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("nvidia"));
+    assert!(!cdi_spec_path(root, "uid-nic").exists());
+    assert!(!record_path(root, "uid-nic").exists());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_gpu_a_process_holds_is_refused_naming_the_pid_and_nothing_changes() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let info =
+        std::fs::read_to_string(root.join("proc/driver/nvidia/gpus/0000:61:00.0/information"))
+            .unwrap();
+    let minor = info
+        .lines()
+        .find_map(|l| l.strip_prefix("Device Minor:"))
+        .unwrap()
+        .trim()
+        .to_string();
+    // This test process plays the CUDA job on the second GPU.
+    let held = std::fs::File::open(root.join(format!("dev/nvidia{minor}"))).unwrap();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let _d = start(root, &api, &[]);
+    let drv = register(root).await;
+    api.put_claim(claim_json(
+        "busy",
+        "uid-busy",
+        &["gpu-0000-41-00-0", "gpu-0000-61-00-0"],
+    ));
+    let c = claim("busy", "uid-busy");
+    sim.clear_ops();
+    let err = prepare_one(&drv, Version::V1, &c).await.unwrap_err();
+    assert!(err.contains("0000:61:00.0 is in use"), "{err}");
+    assert!(
+        err.contains(&format!("pid {}", std::process::id())),
+        "the holder is named: {err}"
+    );
+    assert!(err.contains("nothing was changed"), "{err}");
+    assert_eq!(writes(&sim), Vec::<String>::new());
+    for bdf in ["0000:41:00.0", "0000:61:00.0"] {
+        assert_eq!(driver_of(root, bdf).as_deref(), Some("nvidia"), "{bdf}");
+    }
+    assert!(!cdi_spec_path(root, "uid-busy").exists());
+    // The job ends; kubelet's retry succeeds.
+    drop(held);
+    prepare_one(&drv, Version::V1, &c).await.unwrap();
+    assert_eq!(driver_of(root, "0000:61:00.0").as_deref(), Some("vfio-pci"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_whose_device_vanished_or_is_not_ours_is_a_clear_error() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let _d = start(root, &api, &[]);
+    let drv = register(root).await;
+    sim.control("unplug 0000:61:00.0").unwrap();
+    api.put_claim(claim_json("gone", "uid-gone", &["gpu-0000-61-00-0"]));
+    sim.clear_ops();
+    let err = prepare_one(&drv, Version::V1, &claim("gone", "uid-gone"))
+        .await
+        .unwrap_err();
+    assert!(
+        err.contains("device gpu-0000-61-00-0 (0000:61:00.0) is not on this node"),
+        "{err}"
+    );
+    assert_eq!(writes(&sim), Vec::<String>::new());
+
+    // A claim the API server does not have, and one whose UID is another's.
+    let err = prepare_one(&drv, Version::V1, &claim("nope", "uid-nope"))
+        .await
+        .unwrap_err();
+    assert!(
+        err.contains("vms/nope") && err.contains("no such ResourceClaim"),
+        "{err}"
+    );
+    api.put_claim(claim_json("again", "uid-new", &["gpu-0000-41-00-0"]));
+    let err = prepare_one(&drv, Version::V1, &claim("again", "uid-old"))
+        .await
+        .unwrap_err();
+    assert!(err.contains("\"uid-new\""), "{err}");
+    assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("nvidia"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unprepare_keep_leaves_the_gpu_on_vfio_and_restore_refuses_a_held_group() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let d = start(root, &api, &[]);
+    let drv = register(root).await;
+    api.put_claim(claim_json("k", "uid-k", &["gpu-0000-41-00-0"]));
+    let c = claim("k", "uid-k");
+    let devices = prepare_one(&drv, Version::V1, &c).await.unwrap();
+    let spec = read_json(&cdi_spec_path(root, "uid-k"));
+    let (host, _) = spec_metadata_mount(&spec);
+    unprepare_one(&drv, Version::V1, &c).await.unwrap();
+    assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    assert!(!cdi_spec_path(root, "uid-k").exists());
+    assert!(!under(root, &host).exists(), "metadata removed");
+    assert!(!record_path(root, "uid-k").exists());
+    // Again, and a claim never prepared: already unprepared.
+    unprepare_one(&drv, Version::V1beta1, &c).await.unwrap();
+    unprepare_one(&drv, Version::V1, &claim("never", "uid-never"))
+        .await
+        .unwrap();
+    // Prepared again: the GPU is already on vfio-pci, the answer is the same.
+    assert_eq!(prepare_one(&drv, Version::V1, &c).await.unwrap(), devices);
+    drop(d);
+
+    // restore, while a VM still holds the group: refused, naming it; then released.
+    let _d = start(root, &api, &["--unprepare", "restore"]);
+    let drv = register(root).await;
+    sim.control("hold 21 pid=4242 comm=qemu-kvm").unwrap();
+    let err = unprepare_one(&drv, Version::V1, &c).await.unwrap_err();
+    assert!(err.contains("IOMMU group 21 is in use"), "{err}");
+    assert!(err.contains("4242"), "{err}");
+    assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    sim.control("release 21").unwrap();
+    unprepare_one(&drv, Version::V1, &c).await.unwrap();
+    assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("nvidia"));
+    assert!(!record_path(root, "uid-k").exists());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restart_prepares_a_finished_claim_again() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let d = start(root, &api, &[]);
+    let drv = register(root).await;
+    api.put_claim(claim_json("r", "uid-r", &["gpu-0000-41-00-0"]));
+    let c = claim("r", "uid-r");
+    let devices = prepare_one(&drv, Version::V1, &c).await.unwrap();
+    drop(d);
+    // Behind the driver's back: the GPU is given back and the spec lost; the claim is gone
+    // from the API server too, so only the record can tell.
+    std::fs::write(
+        root.join("sys/bus/pci/drivers/vfio-pci/unbind"),
+        "0000:41:00.0",
+    )
+    .unwrap();
+    std::fs::remove_file(cdi_spec_path(root, "uid-r")).unwrap();
+    api.delete_claim(NS, "r");
+    let _d = start(root, &api, &[]);
+    assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    assert!(cdi_spec_path(root, "uid-r").exists());
+    let drv = register(root).await;
+    assert_eq!(prepare_one(&drv, Version::V1, &c).await.unwrap(), devices);
+}
+
+/// Starts a prepare of both A10s with every sysfs write slowed, kills the driver (SIGKILL) once
+/// node-sim has logged `k` writes, and returns how many it made.
+async fn prepare_killed_after(sim: &SimDir, api: &FakeApiServer, c: &Claim, k: usize) -> usize {
+    let root = sim.root();
+    let mut d = start(root, api, &[]);
+    let drv = register(root).await;
+    for op in ["bind", "unbind", "probe", "driver_override"] {
+        sim.control(&format!("fault {op} * delay=15")).unwrap();
+    }
+    sim.clear_ops();
+    let c2 = c.clone();
+    let call = tokio::spawn(async move { drv.prepare(Version::V1, &[c2]).await });
+    let start = Instant::now();
+    loop {
+        if writes(sim).len() >= k || call.is_finished() {
+            d.child.kill().unwrap();
+            break;
+        }
+        assert!(
+            start.elapsed() < PATIENCE,
+            "the prepare neither wrote nor ended"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let _ = d.child.wait();
+    let _ = call.await;
+    sim.control("clear-faults").unwrap();
+    writes(sim).len()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_prepare_killed_at_any_write_is_undone_at_start_and_then_succeeds() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    api.put_claim(claim_json(
+        "crash",
+        "uid-crash",
+        &["gpu-0000-41-00-0", "gpu-0000-61-00-0"],
+    ));
+    let c = claim("crash", "uid-crash");
+    // Both GPUs: override, unbind, probe each (6 writes; the two groups in parallel, so a
+    // kill lands a write or two after the k-th).
+    let mut killed_mid_way = 0;
+    let mut left_without_driver = 0;
+    for k in 1..=6 {
+        let done = prepare_killed_after(&sim, &api, &c, k).await;
+        if done < 6 {
+            killed_mid_way += 1;
+        }
+        if ["0000:41:00.0", "0000:61:00.0"]
+            .iter()
+            .any(|bdf| driver_of(root, bdf).is_none())
+        {
+            left_without_driver += 1;
+        }
+        // The next start undoes the unfinished prepare: both GPUs back on nvidia, no spec.
+        let d = start(root, &api, &[]);
+        let rec = record_path(root, "uid-crash");
+        if rec.exists() {
+            let r = read_json(&rec);
+            assert_eq!(
+                r["prepared"], true,
+                "k={k}: an unfinished record survived the start"
+            );
+        } else {
+            for bdf in ["0000:41:00.0", "0000:61:00.0"] {
+                assert_eq!(
+                    driver_of(root, bdf).as_deref(),
+                    Some("nvidia"),
+                    "k={k} {bdf}:\n{}",
+                    d.log()
+                );
+            }
+            assert!(!cdi_spec_path(root, "uid-crash").exists(), "k={k}");
+        }
+        // kubelet's retry prepares it; unprepare with restore puts the node back for the next k.
+        let drv = register(root).await;
+        prepare_one(&drv, Version::V1, &c).await.unwrap();
+        for bdf in ["0000:41:00.0", "0000:61:00.0"] {
+            assert_eq!(driver_of(root, bdf).as_deref(), Some("vfio-pci"), "k={k}");
+        }
+        drop(d);
+        let _d = start(root, &api, &["--unprepare", "restore"]);
+        let drv = register(root).await;
+        unprepare_one(&drv, Version::V1, &c).await.unwrap();
+        for bdf in ["0000:41:00.0", "0000:61:00.0"] {
+            assert_eq!(driver_of(root, bdf).as_deref(), Some("nvidia"), "k={k}");
+        }
+    }
+    assert!(
+        killed_mid_way >= 2,
+        "the kills landed mid-way {killed_mid_way} times"
+    );
+    assert!(
+        left_without_driver >= 1,
+        "no kill landed between an unbind and its probe"
+    );
+}

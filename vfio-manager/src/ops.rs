@@ -314,8 +314,8 @@ pub fn unbind_all(
 /// Gives one function back: unbinds it from its VFIO driver and lets the driver it had before
 /// `bind` take it again (`original`: `Some(Some(d))` that driver, `Some(None)` no driver, `None`
 /// unknown: whichever driver probes, the default). `driver_override` ends cleared. A function
-/// not on a VFIO driver is not written to, unless a bind was cut off after its unbind (no
-/// driver, `driver_override` naming the VFIO driver).
+/// not on a VFIO driver is not written to, unless a bind or unbind was cut off after its
+/// unbind (no driver, `driver_override` set).
 pub fn unbind_one(
     paths: &HostPaths,
     t: &Target,
@@ -333,13 +333,11 @@ pub fn unbind_one(
     let on_vfio = current
         .as_deref()
         .is_some_and(|d| is_vfio_driver(d) || d == t.target);
-    // A bind cut off between its unbind and its probe left the function with no driver and
-    // its override on the VFIO driver: giving it back finishes that too.
-    let cut_off_bind = current.is_none()
-        && t.driver_override
-            .as_deref()
-            .is_some_and(|o| is_vfio_driver(o) || o == t.target);
-    if !on_vfio && !cut_off_bind {
+    // A bind or an unbind cut off between its unbind and its probe left the function with no
+    // driver and an override (the VFIO driver, or the original one): giving it back finishes
+    // either.
+    let cut_off = current.is_none() && t.driver_override.is_some();
+    if !on_vfio && !cut_off {
         return Outcome::Unchanged { driver: current };
     }
     let back_to = original

@@ -15,15 +15,15 @@
 //! 5. the metadata files, the CDI spec, and the record marked prepared — each written only
 //!    when it differs, so a repeated prepare writes nothing.
 //!
-//! **Unprepare** removes the CDI spec and the metadata, then by [`OnUnprepare`] leaves the
+//! **Unprepare** marks the record, removes the CDI spec and the metadata, then by [`OnUnprepare`] leaves the
 //! groups on their VFIO driver or gives each function back to the driver it had (refused,
 //! naming the holder, while the group is in use), and removes the record last. A claim with no
 //! record is already unprepared.
 //!
 //! **At start** ([`Preparer::reconcile`]) every record is brought back in line with the node:
-//! a prepare that did not finish is undone (its devices never reached a container), a
-//! finished one is prepared again (a GPU someone unbound is bound again, a lost file
-//! rewritten).
+//! a prepare that did not finish is undone (its devices never reached a container), an
+//! unprepare that did not finish is finished, a finished prepare is prepared again (a GPU
+//! someone unbound is bound again, a lost file rewritten).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -38,7 +38,7 @@ use vfio_manager::{OpOptions, Selection, Selector, Target, ops, select};
 
 use crate::cdi::{self, ClaimDevice, ClaimId, Layout};
 use crate::names;
-use crate::record::{self, Record};
+use crate::record::{self, ClaimState, Record};
 
 /// One claim kubelet names: namespace, name and UID of the ResourceClaim.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -475,7 +475,7 @@ impl Node {
         let group_of = |a: &PciAddress| sel.targets().find(|t| t.address == *a).map(|t| t.group);
         let mut rec = existing.unwrap_or_else(|| Record {
             claim: id.clone(),
-            prepared: false,
+            state: ClaimState::Preparing,
             devices: Vec::new(),
             originals: BTreeMap::new(),
         });
@@ -510,7 +510,8 @@ impl Node {
                 .collect();
         }
         let rec_path = record::path(&self.driver_dir(), &claim.uid);
-        if !rec.prepared {
+        if rec.state != ClaimState::Prepared {
+            rec.state = ClaimState::Preparing;
             record::write_if_changed(&rec_path, &rec.to_bytes())
                 .map_err(Self::state_err(claim, "cannot save its record".into()))?;
         }
@@ -536,7 +537,7 @@ impl Node {
             d.nodes = device_nodes(&after, d);
         }
         self.write_files(claim, &rec)?;
-        rec.prepared = true;
+        rec.state = ClaimState::Prepared;
         record::write_if_changed(&rec_path, &rec.to_bytes())
             .map_err(Self::state_err(claim, "cannot save its record".into()))?;
         let layout = &self.config.layout;
@@ -602,15 +603,24 @@ impl Node {
         rec: Option<Record>,
         policy: OnUnprepare,
     ) -> Result<(), PrepareError> {
-        self.remove_files(claim, rec.as_ref())?;
-        let Some(rec) = rec else {
+        let Some(mut rec) = rec else {
+            // Nothing was prepared: at most a spec a crash left (none does: the record is the
+            // first thing written and the last removed).
+            self.remove_files(claim, None)?;
             tracing::debug!(%claim, "not prepared here; nothing to do");
             return Ok(());
         };
+        // Marked first, so that a restart finishes the unprepare rather than preparing again.
+        let p = record::path(&self.driver_dir(), &claim.uid);
+        if rec.state == ClaimState::Prepared {
+            rec.state = ClaimState::Unpreparing;
+            record::write_if_changed(&p, &rec.to_bytes())
+                .map_err(Self::state_err(claim, "cannot save its record".into()))?;
+        }
+        self.remove_files(claim, Some(&rec))?;
         if policy == OnUnprepare::Restore {
             self.restore(claim, &rec)?;
         }
-        let p = record::path(&self.driver_dir(), &claim.uid);
         state::remove_if_present(&p).map_err(Self::state_err(
             claim,
             format!("cannot remove its record {}", p.display()),
@@ -711,14 +721,19 @@ impl Node {
                 tracing::warn!(path = %p.display(), "skipping a record whose name is not its claim's UID");
                 continue;
             }
-            let outcome = if rec.prepared {
-                let wanted = rec.devices.iter().map(Wanted::from).collect();
-                self.prepare(&claim, rec.claim.clone(), wanted, Some(rec))
-                    .map(|_| "prepared again")
-            } else {
+            let outcome = match rec.state {
+                ClaimState::Prepared => {
+                    let wanted = rec.devices.iter().map(Wanted::from).collect();
+                    self.prepare(&claim, rec.claim.clone(), wanted, Some(rec))
+                        .map(|_| "prepared again")
+                }
                 // Its devices never reached a container: undone whatever the policy.
-                self.unprepare(&claim, Some(rec), OnUnprepare::Restore)
-                    .map(|()| "unfinished prepare undone")
+                ClaimState::Preparing => self
+                    .unprepare(&claim, Some(rec), OnUnprepare::Restore)
+                    .map(|()| "unfinished prepare undone"),
+                ClaimState::Unpreparing => self
+                    .unprepare(&claim, Some(rec), self.config.on_unprepare)
+                    .map(|()| "unfinished unprepare finished"),
             };
             match outcome {
                 Ok(what) => tracing::info!(%claim, "{what}"),

@@ -19,13 +19,25 @@ use serde::{Deserialize, Serialize};
 
 use crate::cdi::{ClaimDevice, ClaimId};
 
+/// Where a claim is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClaimState {
+    /// Preparing began (nothing reached a container yet).
+    Preparing,
+    /// Preparing finished: the devices are bound and the CDI spec and metadata written.
+    Prepared,
+    /// Unpreparing began.
+    Unpreparing,
+}
+
 /// One claim's record.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Record {
     /// The claim.
     pub claim: ClaimId,
-    /// Preparing finished: the devices are bound and the CDI spec and metadata written.
-    pub prepared: bool,
+    /// Where it is.
+    pub state: ClaimState,
     /// The allocated GPUs.
     pub devices: Vec<ClaimDevice>,
     /// Every function of the devices' groups → the driver it had before the first prepare
@@ -135,7 +147,7 @@ mod tests {
                 uid: "u1".into(),
                 pod_claim_name: None,
             },
-            prepared: false,
+            state: ClaimState::Preparing,
             devices: vec![],
             originals: [
                 ("0000:41:00.0".parse().unwrap(), Some("nvidia".into())),

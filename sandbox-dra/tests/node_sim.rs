@@ -570,7 +570,7 @@ async fn a_prepare_killed_at_any_write_is_undone_at_start_and_then_succeeds() {
         if rec.exists() {
             let r = read_json(&rec);
             assert_eq!(
-                r["prepared"], true,
+                r["state"], "prepared",
                 "k={k}: an unfinished record survived the start"
             );
         } else {
@@ -606,4 +606,106 @@ async fn a_prepare_killed_at_any_write_is_undone_at_start_and_then_succeeds() {
         left_without_driver >= 1,
         "no kill landed between an unbind and its probe"
     );
+}
+
+/// Starts an unprepare (restore) of `c` with every sysfs write slowed, kills the driver once
+/// node-sim has logged `k` writes, and returns how many it made.
+async fn unprepare_killed_after(sim: &SimDir, api: &FakeApiServer, c: &Claim, k: usize) -> usize {
+    let root = sim.root();
+    let mut d = start(root, api, &["--unprepare", "restore"]);
+    let drv = register(root).await;
+    for op in ["bind", "unbind", "probe", "driver_override"] {
+        sim.control(&format!("fault {op} * delay=15")).unwrap();
+    }
+    sim.clear_ops();
+    let c2 = c.clone();
+    let call = tokio::spawn(async move { drv.unprepare(Version::V1, &[c2]).await });
+    let start = Instant::now();
+    loop {
+        if writes(sim).len() >= k || call.is_finished() {
+            d.child.kill().unwrap();
+            break;
+        }
+        assert!(
+            start.elapsed() < PATIENCE,
+            "the unprepare neither wrote nor ended"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let _ = d.child.wait();
+    let _ = call.await;
+    sim.control("clear-faults").unwrap();
+    writes(sim).len()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unprepare_killed_at_any_write_is_finished_at_start() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    api.put_claim(claim_json(
+        "undo",
+        "uid-undo",
+        &["gpu-0000-41-00-0", "gpu-0000-61-00-0"],
+    ));
+    let c = claim("undo", "uid-undo");
+    // Both GPUs: override, unbind, probe, override cleared each (8 writes).
+    let mut killed_mid_way = 0;
+    for k in 1..=8 {
+        {
+            let _d = start(root, &api, &[]);
+            let drv = register(root).await;
+            prepare_one(&drv, Version::V1, &c).await.unwrap();
+        }
+        if unprepare_killed_after(&sim, &api, &c, k).await < 8 {
+            killed_mid_way += 1;
+        }
+        // The next start finishes it, with the policy it runs with.
+        let d = start(root, &api, &["--unprepare", "restore"]);
+        let _drv = register(root).await;
+        for bdf in ["0000:41:00.0", "0000:61:00.0"] {
+            assert_eq!(
+                driver_of(root, bdf).as_deref(),
+                Some("nvidia"),
+                "k={k} {bdf}:\n{}",
+                d.log()
+            );
+        }
+        assert!(!record_path(root, "uid-undo").exists(), "k={k}");
+        assert!(!cdi_spec_path(root, "uid-undo").exists(), "k={k}");
+    }
+    assert!(
+        killed_mid_way >= 2,
+        "the kills landed mid-way {killed_mid_way} times"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_crash_between_the_file_writes_is_undone_at_start() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    api.put_claim(claim_json("files", "uid-files", &["gpu-0000-41-00-0"]));
+    let c = claim("files", "uid-files");
+    let d = start(root, &api, &[]);
+    let drv = register(root).await;
+    prepare_one(&drv, Version::V1, &c).await.unwrap();
+    let spec = read_json(&cdi_spec_path(root, "uid-files"));
+    let (host, _) = spec_metadata_mount(&spec);
+    drop(d);
+    // Killed after the spec was written, before the record said prepared.
+    let rec = record_path(root, "uid-files");
+    let mut r = read_json(&rec);
+    assert_eq!(r["state"], "prepared");
+    r["state"] = json!("preparing");
+    std::fs::write(&rec, r.to_string()).unwrap();
+    let _d = start(root, &api, &[]);
+    assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("nvidia"));
+    assert!(!cdi_spec_path(root, "uid-files").exists());
+    assert!(!under(root, &host).exists(), "metadata removed");
+    assert!(!rec.exists());
 }

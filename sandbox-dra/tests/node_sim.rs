@@ -506,32 +506,45 @@ async fn a_restart_prepares_a_finished_claim_again() {
     assert_eq!(prepare_one(&drv, Version::V1, &c).await.unwrap(), devices);
 }
 
-/// Starts a prepare of both A10s with every sysfs write slowed, kills the driver (SIGKILL) once
-/// node-sim has logged `k` writes, and returns how many it made.
-async fn prepare_killed_after(sim: &SimDir, api: &FakeApiServer, c: &Claim, k: usize) -> usize {
+/// What a crash test interrupts.
+#[derive(Clone, Copy, PartialEq)]
+enum Call {
+    Prepare,
+    /// Unprepare with `--unprepare restore`.
+    Unprepare,
+}
+
+/// Starts `call` on `c` with every sysfs write slowed, kills the driver (SIGKILL) once node-sim
+/// has logged `k` writes, and returns how many it made.
+async fn killed_after(sim: &SimDir, api: &FakeApiServer, c: &Claim, call: Call, k: usize) -> usize {
     let root = sim.root();
-    let mut d = start(root, api, &[]);
+    let mut d = start(root, api, &["--unprepare", "restore"]);
     let drv = register(root).await;
     for op in ["bind", "unbind", "probe", "driver_override"] {
         sim.control(&format!("fault {op} * delay=15")).unwrap();
     }
     sim.clear_ops();
     let c2 = c.clone();
-    let call = tokio::spawn(async move { drv.prepare(Version::V1, &[c2]).await });
+    let task = tokio::spawn(async move {
+        match call {
+            Call::Prepare => drv.prepare(Version::V1, &[c2]).await.map(|_| ()),
+            Call::Unprepare => drv.unprepare(Version::V1, &[c2]).await.map(|_| ()),
+        }
+    });
     let start = Instant::now();
     loop {
-        if writes(sim).len() >= k || call.is_finished() {
+        if writes(sim).len() >= k || task.is_finished() {
             d.child.kill().unwrap();
             break;
         }
         assert!(
             start.elapsed() < PATIENCE,
-            "the prepare neither wrote nor ended"
+            "the call neither wrote nor ended"
         );
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     let _ = d.child.wait();
-    let _ = call.await;
+    let _ = task.await;
     sim.control("clear-faults").unwrap();
     writes(sim).len()
 }
@@ -554,7 +567,7 @@ async fn a_prepare_killed_at_any_write_is_undone_at_start_and_then_succeeds() {
     let mut killed_mid_way = 0;
     let mut left_without_driver = 0;
     for k in 1..=6 {
-        let done = prepare_killed_after(&sim, &api, &c, k).await;
+        let done = killed_after(&sim, &api, &c, Call::Prepare, k).await;
         if done < 6 {
             killed_mid_way += 1;
         }
@@ -608,36 +621,6 @@ async fn a_prepare_killed_at_any_write_is_undone_at_start_and_then_succeeds() {
     );
 }
 
-/// Starts an unprepare (restore) of `c` with every sysfs write slowed, kills the driver once
-/// node-sim has logged `k` writes, and returns how many it made.
-async fn unprepare_killed_after(sim: &SimDir, api: &FakeApiServer, c: &Claim, k: usize) -> usize {
-    let root = sim.root();
-    let mut d = start(root, api, &["--unprepare", "restore"]);
-    let drv = register(root).await;
-    for op in ["bind", "unbind", "probe", "driver_override"] {
-        sim.control(&format!("fault {op} * delay=15")).unwrap();
-    }
-    sim.clear_ops();
-    let c2 = c.clone();
-    let call = tokio::spawn(async move { drv.unprepare(Version::V1, &[c2]).await });
-    let start = Instant::now();
-    loop {
-        if writes(sim).len() >= k || call.is_finished() {
-            d.child.kill().unwrap();
-            break;
-        }
-        assert!(
-            start.elapsed() < PATIENCE,
-            "the unprepare neither wrote nor ended"
-        );
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    let _ = d.child.wait();
-    let _ = call.await;
-    sim.control("clear-faults").unwrap();
-    writes(sim).len()
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn an_unprepare_killed_at_any_write_is_finished_at_start() {
     let Some(sim) = try_mount("2xA10") else {
@@ -659,7 +642,7 @@ async fn an_unprepare_killed_at_any_write_is_finished_at_start() {
             let drv = register(root).await;
             prepare_one(&drv, Version::V1, &c).await.unwrap();
         }
-        if unprepare_killed_after(&sim, &api, &c, k).await < 8 {
+        if killed_after(&sim, &api, &c, Call::Unprepare, k).await < 8 {
             killed_mid_way += 1;
         }
         // The next start finishes it, with the policy it runs with.

@@ -199,72 +199,9 @@ impl DraDriver {
     ) -> anyhow::Result<Vec<(String, Result<Vec<PreparedDevice>, String>)>> {
         let mut conn = self.endpoint().await?;
         let method = format!("{}/NodePrepareResources", version.service());
-        let mut out: Vec<(String, Result<Vec<PreparedDevice>, String>)> = match version {
-            Version::V1 => {
-                let req = v1::NodePrepareResourcesRequest {
-                    claims: claims
-                        .iter()
-                        .map(|c| v1::Claim {
-                            namespace: c.namespace.clone(),
-                            name: c.name.clone(),
-                            uid: c.uid.clone(),
-                        })
-                        .collect(),
-                };
-                let resp: v1::NodePrepareResourcesResponse = call(&mut conn, &method, &req).await?;
-                resp.claims
-                    .into_iter()
-                    .map(|(uid, r)| {
-                        let res = if r.error.is_empty() {
-                            Ok(r.devices
-                                .into_iter()
-                                .map(|d| PreparedDevice {
-                                    request_names: d.request_names,
-                                    pool_name: d.pool_name,
-                                    device_name: d.device_name,
-                                    cdi_device_ids: d.cdi_device_ids,
-                                })
-                                .collect())
-                        } else {
-                            Err(r.error)
-                        };
-                        (uid, res)
-                    })
-                    .collect()
-            }
-            Version::V1beta1 => {
-                let req = v1beta1::NodePrepareResourcesRequest {
-                    claims: claims
-                        .iter()
-                        .map(|c| v1beta1::Claim {
-                            namespace: c.namespace.clone(),
-                            name: c.name.clone(),
-                            uid: c.uid.clone(),
-                        })
-                        .collect(),
-                };
-                let resp: v1beta1::NodePrepareResourcesResponse =
-                    call(&mut conn, &method, &req).await?;
-                resp.claims
-                    .into_iter()
-                    .map(|(uid, r)| {
-                        let res = if r.error.is_empty() {
-                            Ok(r.devices
-                                .into_iter()
-                                .map(|d| PreparedDevice {
-                                    request_names: d.request_names,
-                                    pool_name: d.pool_name,
-                                    device_name: d.device_name,
-                                    cdi_device_ids: d.cdi_device_ids,
-                                })
-                                .collect())
-                        } else {
-                            Err(r.error)
-                        };
-                        (uid, res)
-                    })
-                    .collect()
-            }
+        let mut out = match version {
+            Version::V1 => v1_calls::prepare(&mut conn, &method, claims).await?,
+            Version::V1beta1 => v1beta1_calls::prepare(&mut conn, &method, claims).await?,
         };
         out.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(out)
@@ -278,37 +215,9 @@ impl DraDriver {
     ) -> anyhow::Result<Vec<(String, Result<(), String>)>> {
         let mut conn = self.endpoint().await?;
         let method = format!("{}/NodeUnprepareResources", version.service());
-        let errors: Vec<(String, String)> = match version {
-            Version::V1 => {
-                let req = v1::NodeUnprepareResourcesRequest {
-                    claims: claims
-                        .iter()
-                        .map(|c| v1::Claim {
-                            namespace: c.namespace.clone(),
-                            name: c.name.clone(),
-                            uid: c.uid.clone(),
-                        })
-                        .collect(),
-                };
-                let resp: v1::NodeUnprepareResourcesResponse =
-                    call(&mut conn, &method, &req).await?;
-                resp.claims.into_iter().map(|(u, r)| (u, r.error)).collect()
-            }
-            Version::V1beta1 => {
-                let req = v1beta1::NodeUnprepareResourcesRequest {
-                    claims: claims
-                        .iter()
-                        .map(|c| v1beta1::Claim {
-                            namespace: c.namespace.clone(),
-                            name: c.name.clone(),
-                            uid: c.uid.clone(),
-                        })
-                        .collect(),
-                };
-                let resp: v1beta1::NodeUnprepareResourcesResponse =
-                    call(&mut conn, &method, &req).await?;
-                resp.claims.into_iter().map(|(u, r)| (u, r.error)).collect()
-            }
+        let errors = match version {
+            Version::V1 => v1_calls::unprepare(&mut conn, &method, claims).await?,
+            Version::V1beta1 => v1beta1_calls::unprepare(&mut conn, &method, claims).await?,
         };
         let mut out: Vec<(String, Result<(), String>)> = errors
             .into_iter()
@@ -318,6 +227,72 @@ impl DraDriver {
         Ok(out)
     }
 }
+
+/// The calls in one version's messages (`v1` and `v1beta1` have the same ones).
+macro_rules! version_calls {
+    ($calls:ident, $v:ident) => {
+        mod $calls {
+            use super::*;
+
+            fn claims_of(claims: &[Claim]) -> Vec<$v::Claim> {
+                claims
+                    .iter()
+                    .map(|c| $v::Claim {
+                        namespace: c.namespace.clone(),
+                        name: c.name.clone(),
+                        uid: c.uid.clone(),
+                    })
+                    .collect()
+            }
+
+            pub(super) async fn prepare(
+                conn: &mut RawGrpc,
+                method: &str,
+                claims: &[Claim],
+            ) -> anyhow::Result<Vec<(String, Result<Vec<PreparedDevice>, String>)>> {
+                let req = $v::NodePrepareResourcesRequest {
+                    claims: claims_of(claims),
+                };
+                let resp: $v::NodePrepareResourcesResponse = call(conn, method, &req).await?;
+                Ok(resp
+                    .claims
+                    .into_iter()
+                    .map(|(uid, r)| {
+                        let res = if r.error.is_empty() {
+                            Ok(r.devices
+                                .into_iter()
+                                .map(|d| PreparedDevice {
+                                    request_names: d.request_names,
+                                    pool_name: d.pool_name,
+                                    device_name: d.device_name,
+                                    cdi_device_ids: d.cdi_device_ids,
+                                })
+                                .collect())
+                        } else {
+                            Err(r.error)
+                        };
+                        (uid, res)
+                    })
+                    .collect())
+            }
+
+            pub(super) async fn unprepare(
+                conn: &mut RawGrpc,
+                method: &str,
+                claims: &[Claim],
+            ) -> anyhow::Result<Vec<(String, String)>> {
+                let req = $v::NodeUnprepareResourcesRequest {
+                    claims: claims_of(claims),
+                };
+                let resp: $v::NodeUnprepareResourcesResponse = call(conn, method, &req).await?;
+                Ok(resp.claims.into_iter().map(|(u, r)| (u, r.error)).collect())
+            }
+        }
+    };
+}
+
+version_calls!(v1_calls, v1);
+version_calls!(v1beta1_calls, v1beta1);
 
 #[cfg(test)]
 mod tests {

@@ -62,6 +62,28 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> Error + '_ {
     }
 }
 
+/// The checks an in-guest test tool (`vm-kubelet`, `vm-dra-kubelet`) makes, each printed on
+/// stdout as the scenarios' results lines: `PASS <check>` or `FAIL <check>: <detail>`.
+#[derive(Debug, Default)]
+pub struct Checks {
+    /// How many failed.
+    pub failed: usize,
+}
+
+impl Checks {
+    /// Prints one check's line.
+    pub fn check(&mut self, name: &str, result: anyhow::Result<()>) {
+        match result {
+            Ok(()) => println!("PASS {name}"),
+            Err(e) => {
+                self.failed += 1;
+                let detail = format!("{e:#}").replace('\n', " ");
+                println!("FAIL {name}: {detail}");
+            }
+        }
+    }
+}
+
 /// What [`run`] needs from the machine: QEMU and the cached kernel assets.
 #[derive(Debug, Clone)]
 pub struct Prereqs {

@@ -19,6 +19,7 @@ use anyhow::{Context, bail, ensure};
 use serde_json::{Value, json};
 use testkit::apiserver::FakeApiServer;
 use testkit::kubelet::dra::{self, Claim, Version};
+use vm_tier::Checks;
 
 const DRIVER: &str = "gpu.gpu-vm-node.io";
 const NODE: &str = "vm";
@@ -58,24 +59,6 @@ fn parse_args() -> anyhow::Result<Args> {
     }
 }
 
-#[derive(Debug, Default)]
-struct Report {
-    failed: usize,
-}
-
-impl Report {
-    fn check(&mut self, name: &str, result: anyhow::Result<()>) {
-        match result {
-            Ok(()) => println!("PASS {name}"),
-            Err(e) => {
-                self.failed += 1;
-                let detail = format!("{e:#}").replace('\n', " ");
-                println!("FAIL {name}: {detail}");
-            }
-        }
-    }
-}
-
 fn link_name(p: &Path) -> anyhow::Result<String> {
     let t = std::fs::read_link(p).with_context(|| p.display().to_string())?;
     Ok(t.file_name()
@@ -109,7 +92,7 @@ async fn main() -> std::process::ExitCode {
 
 async fn run() -> anyhow::Result<usize> {
     let args = parse_args()?;
-    let mut report = Report::default();
+    let mut report = Checks::default();
     let bdf = args.device.as_str();
     // 0000:00:02.0 → gpu-0000-00-02-0, as the driver names devices.
     let device_name = format!("gpu-{}", bdf.replace([':', '.'], "-"));

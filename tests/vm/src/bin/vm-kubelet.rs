@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use testkit::kubelet::{FakeKubelet, summary};
+use vm_tier::Checks;
 
 #[derive(Debug)]
 struct Args {
@@ -61,24 +62,6 @@ fn parse_args() -> anyhow::Result<Args> {
         );
     }
     Ok(args)
-}
-
-#[derive(Debug, Default)]
-struct Report {
-    failed: usize,
-}
-
-impl Report {
-    fn check(&mut self, name: &str, result: anyhow::Result<()>) {
-        match result {
-            Ok(()) => println!("PASS {name}"),
-            Err(e) => {
-                self.failed += 1;
-                let detail = format!("{e:#}").replace('\n', " ");
-                println!("FAIL {name}: {detail}");
-            }
-        }
-    }
 }
 
 fn is_uuid(id: &str) -> bool {
@@ -131,7 +114,7 @@ async fn main() -> std::process::ExitCode {
 
 async fn run() -> anyhow::Result<usize> {
     let args = parse_args()?;
-    let mut report = Report::default();
+    let mut report = Checks::default();
     let mut kubelet = FakeKubelet::start(&args.dir).await?;
     let names: Vec<&str> = args.resources.iter().map(|(n, _)| n.as_str()).collect();
     let regs = kubelet.wait_for(&names, args.timeout).await;

@@ -1,4 +1,4 @@
-//! `gpu-vm-bench`: the three daemons measured as processes on node-sim, next to the floor (the
+//! `gpu-vm-bench`: the daemons measured as processes on node-sim, next to the floor (the
 //! same sysfs writes replayed by a bare loop on a fresh copy of the same simulated node); their
 //! read-only figures again on the plain tree (the simulated node copied onto tmpfs), next to the
 //! limit (the same reads replayed by a bare loop); and node-sim's own cost.
@@ -23,9 +23,10 @@ use clap::Parser;
 use harness::report::{Report, write_out};
 
 /// The report's sections, in order.
-const SECTIONS: [&str; 6] = ["vfio", "vgpu", "dp", "curve", "plain", "sim"];
+const SECTIONS: [&str; 7] = ["vfio", "vgpu", "dp", "dra", "curve", "plain", "sim"];
 
-/// Benchmarks of vfio-manager, vgpu-device-manager and sandbox-dp on simulated nodes.
+/// Benchmarks of vfio-manager, vgpu-device-manager, sandbox-dp and sandbox-dra on simulated
+/// nodes.
 #[derive(Parser, Debug)]
 #[command(name = "gpu-vm-bench")]
 pub struct Cli {
@@ -38,6 +39,9 @@ pub struct Cli {
     /// Allocate calls per topology.
     #[arg(long, default_value_t = 1000)]
     pub allocations: usize,
+    /// sandbox-dra prepare/unprepare cycles per run.
+    #[arg(long, default_value_t = 50)]
+    pub claims: usize,
     /// Simulated unbind delay (ms) for the parallel-bind figure.
     #[arg(long, default_value_t = 300)]
     pub unbind_delay_ms: u64,
@@ -51,7 +55,7 @@ pub struct Cli {
     /// Keep the strace logs the plain tree's limits are replayed from in this directory.
     #[arg(long, value_name = "DIR")]
     pub traces: Option<PathBuf>,
-    /// Only these sections: vfio, vgpu, dp, curve, plain, sim (repeatable; default all).
+    /// Only these sections: vfio, vgpu, dp, dra, curve, plain, sim (repeatable; default all).
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(SECTIONS))]
     pub only: Vec<String>,
 }
@@ -104,13 +108,16 @@ fn main() -> Result<()> {
     if want("vgpu") {
         sections::vgpu::bench(&cli, &b, &mut r)?;
     }
-    if want("dp") || want("curve") || want("plain") {
+    if want("dp") || want("dra") || want("curve") || want("plain") {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()?;
         if want("dp") {
             rt.block_on(sections::dp::bench(&cli, &b, &mut r))?;
+        }
+        if want("dra") {
+            rt.block_on(sections::dra::bench(&cli, &b, &mut r))?;
         }
         if want("curve") {
             rt.block_on(sections::curve::bench(&cli, &b, &mut r))?;

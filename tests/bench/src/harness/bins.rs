@@ -4,11 +4,12 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, anyhow, bail};
 
-/// Paths of the three daemons.
+/// Paths of the daemons.
 pub struct Bins {
     pub vfio: PathBuf,
     pub vgpu: PathBuf,
     pub dp: PathBuf,
+    pub dra: PathBuf,
 }
 
 /// Finds the daemons beside this binary.
@@ -21,8 +22,9 @@ pub fn bins() -> Result<Bins> {
         vfio: dir.join("vfio-manager"),
         vgpu: dir.join("vgpu-device-manager"),
         dp: dir.join("sandbox-dp"),
+        dra: dir.join("sandbox-dra"),
     };
-    for p in [&b.vfio, &b.vgpu, &b.dp] {
+    for p in [&b.vfio, &b.vgpu, &b.dp, &b.dra] {
         if !p.exists() {
             bail!(
                 "{} not found: build the daemons beside this binary first (cargo build --release --workspace --bins)",

@@ -307,7 +307,8 @@ fn child_running(parent: u32, exe: &Path) -> Option<u32> {
     None
 }
 
-/// sandbox-dp started for one run, as is or under strace; dropping it kills it (and strace).
+/// A daemon (sandbox-dp, sandbox-dra) started for one run, as is or under strace; dropping it
+/// kills it (and strace).
 #[derive(Debug)]
 pub struct Daemon {
     child: Option<tokio::process::Child>,
@@ -331,7 +332,7 @@ impl Daemon {
         let mut child = tokio::process::Command::from(cmd)
             .kill_on_drop(true)
             .spawn()
-            .context("starting sandbox-dp")?;
+            .with_context(|| format!("starting {}", inv.bin.display()))?;
         let id = child
             .id()
             .ok_or_else(|| anyhow!("sandbox-dp exited at once"))?;

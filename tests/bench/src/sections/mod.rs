@@ -2,6 +2,7 @@
 
 pub mod curve;
 pub mod dp;
+pub mod dra;
 pub mod plain;
 pub mod plain_dp;
 pub mod sim;

@@ -1,0 +1,182 @@
+//! sandbox-dra: start → registration socket, then `NodePrepareResources` and
+//! `NodeUnprepareResources` of a one-GPU claim through the fake kubelet's DRA client (dialled
+//! as kubelet dials), repeated; RSS after the cycles, beside sandbox-dp's on the same node.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use serde_json::json;
+use testkit::apiserver::FakeApiServer;
+use testkit::kubelet::dra::{self, Claim, DraDriver, Version};
+
+use crate::Cli;
+use crate::harness::bins::Bins;
+use crate::harness::process::Invocation;
+use crate::harness::procstat;
+use crate::harness::report::{Report, mib};
+use crate::harness::stats::{fmt_duration, fmt_summary, summarize};
+use crate::harness::topology::{builtin, mount};
+use crate::sections::dp::{Daemon, DpCase, dp_once, prep_passthrough};
+
+const DRIVER: &str = "gpu.gpu-vm-node.io";
+const NODE: &str = "bench";
+
+/// One run's figures.
+struct DraRun {
+    registered: Duration,
+    /// Prepare that binds (the GPU on nvidia).
+    prepare: Vec<Duration>,
+    /// Prepare repeated on a prepared claim (kubelet's retry).
+    again: Vec<Duration>,
+    /// Unprepare that gives the GPU back (`--unprepare restore`).
+    unprepare: Vec<Duration>,
+    rss_kib: u64,
+    hwm_kib: u64,
+}
+
+fn prepared_ok(out: Vec<(String, Result<Vec<dra::PreparedDevice>, String>)>) -> Result<()> {
+    match out.first() {
+        Some((_, Ok(d))) if !d.is_empty() => Ok(()),
+        other => bail!("prepare: {other:?}"),
+    }
+}
+
+async fn dra_once(b: &Bins, topology: &str, cycles: usize) -> Result<DraRun> {
+    let sim = mount(&builtin(topology)?);
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[])?;
+    let gpu = "gpu-0000-41-00-0";
+    api.put_claim(json!({
+        "metadata": {"namespace": "bench", "name": "c", "uid": "uid-bench"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "x"}}]}},
+        "status": {"allocation": {"devices": {"results": [
+            {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": gpu}
+        ]}}},
+    }));
+    let inv = Invocation::new(
+        &b.dra,
+        &[
+            &"--host-root",
+            &root,
+            &"--node-name",
+            &NODE,
+            &"--kubeconfig",
+            &api.kubeconfig(),
+            &"--unprepare",
+            &"restore",
+            &"serve",
+        ],
+    );
+    let start = Instant::now();
+    let daemon = Daemon::start(&inv, None).await?;
+    let kubelet_root = Path::new("/var/lib/kubelet");
+    let socket = loop {
+        if let Some(s) = dra::registration_sockets(root, kubelet_root).pop() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(10) {
+            bail!("sandbox-dra did not serve: {}", daemon.stderr_tail());
+        }
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    };
+    let drv: DraDriver = dra::register(root, &socket, None).await?;
+    let registered = start.elapsed();
+    let claim = [Claim {
+        namespace: "bench".into(),
+        name: "c".into(),
+        uid: "uid-bench".into(),
+    }];
+    let mut run = DraRun {
+        registered,
+        prepare: Vec::with_capacity(cycles),
+        again: Vec::with_capacity(cycles),
+        unprepare: Vec::with_capacity(cycles),
+        rss_kib: 0,
+        hwm_kib: 0,
+    };
+    for _ in 0..cycles {
+        let t = Instant::now();
+        prepared_ok(drv.prepare(Version::V1, &claim).await?)
+            .with_context(|| daemon.stderr_tail())?;
+        run.prepare.push(t.elapsed());
+        let t = Instant::now();
+        prepared_ok(drv.prepare(Version::V1, &claim).await?)?;
+        run.again.push(t.elapsed());
+        let t = Instant::now();
+        let out = drv.unprepare(Version::V1, &claim).await?;
+        run.unprepare.push(t.elapsed());
+        if !matches!(out.first(), Some((_, Ok(())))) {
+            bail!("unprepare: {out:?}: {}", daemon.stderr_tail());
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let s = procstat::sample(daemon.pid).ok_or_else(|| anyhow!("sandbox-dra died"))?;
+    run.rss_kib = s.rss_kib;
+    run.hwm_kib = s.hwm_kib;
+    daemon.stop().await;
+    Ok(run)
+}
+
+pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
+    let cycles = cli.claims;
+    r.line("### sandbox-dra");
+    r.line("");
+    r.line(format!("From process start to registered (the fake kubelet's GetInfo and NotifyRegistrationStatus through the percent-encoded socket path); then {cycles} cycles per run of a one-GPU claim (0000:41:00.0): NodePrepareResources that binds the GPU's group (nvidia → vfio-pci, record, metadata, CDI spec), the same call again (kubelet's retry: nothing written), and NodeUnprepareResources with `--unprepare restore` (spec and metadata removed, the GPU back on nvidia); p50 and p99 over all calls of all runs. RSS and peak RSS after the cycles, beside sandbox-dp's RSS after registration on the same node (its GPUs on vfio-pci)."));
+    r.line("");
+    r.table(&[
+        "node",
+        "registered",
+        "prepare p50",
+        "prepare p99",
+        "prepare again p50",
+        "prepare again p99",
+        "unprepare p50",
+        "unprepare p99",
+        "RSS",
+        "peak RSS",
+        "sandbox-dp RSS",
+    ]);
+    for topology in ["2xA10"] {
+        let mut runs = Vec::new();
+        for _ in 0..cli.runs {
+            runs.push(dra_once(b, topology, cycles).await?);
+        }
+        let all = |f: fn(&DraRun) -> &Vec<Duration>| -> Vec<Duration> {
+            runs.iter().flat_map(|x| f(x).iter().copied()).collect()
+        };
+        let pct = |v: Vec<Duration>| -> Result<(String, String)> {
+            let s = summarize(&v).ok_or_else(|| anyhow!("no samples"))?;
+            Ok((fmt_duration(s.median), fmt_duration(s.p99)))
+        };
+        let (p50, p99) = pct(all(|x| &x.prepare))?;
+        let (a50, a99) = pct(all(|x| &x.again))?;
+        let (u50, u99) = pct(all(|x| &x.unprepare))?;
+        let reg = summarize(&runs.iter().map(|x| x.registered).collect::<Vec<_>>())
+            .ok_or_else(|| anyhow!("no runs"))?;
+        let rss = runs.iter().map(|x| x.rss_kib).max().unwrap_or(0);
+        let hwm = runs.iter().map(|x| x.hwm_kib).max().unwrap_or(0);
+        let case = DpCase {
+            topo: builtin(topology)?,
+            label: topology.to_string(),
+            prepare: Box::new(prep_passthrough),
+        };
+        let cfg = tempfile::NamedTempFile::new()?;
+        let dp = dp_once(b, &case, cfg.path(), 100, None).await?;
+        r.row(&[
+            topology.to_string(),
+            fmt_summary(&reg),
+            p50,
+            p99,
+            a50,
+            a99,
+            u50,
+            u99,
+            mib(rss),
+            mib(hwm),
+            mib(dp.rss_kib),
+        ]);
+    }
+    r.line("");
+    Ok(())
+}

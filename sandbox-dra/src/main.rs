@@ -29,7 +29,9 @@ struct Cli {
     driver_name: String,
 
     /// kubelet's root directory as the host sees it: the registration socket goes to
-    /// plugins_registry/ in it, the driver's socket to plugins/<driver>/. It is reached under
+    /// plugins_registry/ in it, the driver's socket, claim records and device metadata to
+    /// plugins/<driver>/, and kubelet's device-plugin checkpoint (which devices pods hold) is
+    /// read from device-plugins/ in it unless --kubelet-dir says otherwise. It is reached under
     /// --host-root.
     #[arg(
         long,
@@ -111,7 +113,7 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> exit::Result {
-    let paths = cli.host.paths();
+    let mut paths = cli.host.paths();
     for (flag, dir) in [
         ("--kubelet-root", &cli.kubelet_root),
         ("--cdi-root", &cli.cdi_root),
@@ -125,6 +127,14 @@ fn run(cli: Cli) -> exit::Result {
                 ),
             ));
         }
+    }
+    if cli.host.kubelet_dir.is_none() {
+        let root = cli
+            .kubelet_root
+            .strip_prefix("/")
+            .unwrap_or(&cli.kubelet_root);
+        let device_plugins = paths.root().join(root).join("device-plugins");
+        paths = paths.with_kubelet_dir(Some(device_plugins));
     }
     match cli.command.unwrap_or(Command::Serve) {
         Command::Serve => {

@@ -530,8 +530,11 @@ impl Node {
             return Err(refused(claim, failures.join("; ")));
         }
 
-        // The VFIO cdevs appear with the bind: read them now.
-        let after = self.inventory(claim)?;
+        // The VFIO cdevs appear with the bind: read them again when something moved.
+        let moved = results
+            .iter()
+            .any(|r| matches!(r.outcome, Outcome::Changed { .. }));
+        let after = if moved { self.inventory(claim)? } else { inv };
         for d in &mut rec.devices {
             d.group = group_of(&d.address).unwrap_or(d.group);
             d.nodes = device_nodes(&after, d);

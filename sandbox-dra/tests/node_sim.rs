@@ -45,22 +45,36 @@ impl Driver {
     }
 }
 
-fn reg_socket(root: &Path) -> PathBuf {
-    root.join(format!(
-        "var/lib/kubelet/plugins_registry/{DRIVER}-reg.sock"
-    ))
+/// kubelet's root on the simulated host unless a test says otherwise.
+const KUBELET_ROOT: &str = "/var/lib/kubelet";
+
+fn reg_socket(root: &Path, kubelet_root: &str) -> PathBuf {
+    root.join(kubelet_root.trim_start_matches('/'))
+        .join(format!("plugins_registry/{DRIVER}-reg.sock"))
 }
 
 /// Starts `sandbox-dra serve` on `root` and waits for its registration socket.
 fn start(root: &Path, api: &FakeApiServer, extra: &[&str]) -> Driver {
+    start_at(root, api, extra, KUBELET_ROOT)
+}
+
+/// [`start`] with `--kubelet-root kubelet_root`.
+fn start_at(root: &Path, api: &FakeApiServer, extra: &[&str], kubelet_root: &str) -> Driver {
+    let reg = reg_socket(root, kubelet_root);
     // A socket left by a killed run must not count as the new one's.
-    let _ = std::fs::remove_file(reg_socket(root));
+    let _ = std::fs::remove_file(&reg);
     let logdir = tempfile::tempdir().unwrap();
     let log = logdir.path().join("sandbox-dra.log");
     let child = Command::new(BIN)
         .arg("--host-root")
         .arg(root)
-        .args(["--node-name", NODE, "--kubeconfig"])
+        .args([
+            "--node-name",
+            NODE,
+            "--kubelet-root",
+            kubelet_root,
+            "--kubeconfig",
+        ])
         .arg(api.kubeconfig())
         .args(extra)
         .arg("serve")
@@ -78,7 +92,7 @@ fn start(root: &Path, api: &FakeApiServer, extra: &[&str]) -> Driver {
         _logdir: logdir,
     };
     let start = Instant::now();
-    while !reg_socket(root).exists() {
+    while !reg.exists() {
         if let Some(status) = d.child.try_wait().unwrap() {
             panic!("sandbox-dra exited ({status}) before serving:\n{}", d.log());
         }
@@ -94,7 +108,12 @@ fn start(root: &Path, api: &FakeApiServer, extra: &[&str]) -> Driver {
 
 /// Registers the driver as kubelet does: the one socket in plugins_registry/.
 async fn register(root: &Path) -> DraDriver {
-    let kubelet_root = Path::new("/var/lib/kubelet");
+    register_at(root, KUBELET_ROOT).await
+}
+
+/// [`register`] with kubelet's root at `kubelet_root`.
+async fn register_at(root: &Path, kubelet_root: &str) -> DraDriver {
+    let kubelet_root = Path::new(kubelet_root);
     let socks = dra::registration_sockets(root, kubelet_root);
     assert_eq!(
         socks,
@@ -691,4 +710,51 @@ async fn a_crash_between_the_file_writes_is_undone_at_start() {
     assert!(!cdi_spec_path(root, "uid-files").exists());
     assert!(!under(root, &host).exists(), "metadata removed");
     assert!(!rec.exists());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_gpu_whose_vgpu_kubelet_gave_a_pod_is_refused_under_another_kubelet_root() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    // A vGPU on the second A10's first VF, which kubelet's checkpoint gives a pod; kubelet's
+    // root is k0s's.
+    let vgpu = "6f1d2c3b-4a59-4e8d-9c7b-0a1b2c3d4e5f";
+    std::fs::write(
+        root.join("sys/bus/pci/devices/0000:61:00.0/sriov_numvfs"),
+        "4",
+    )
+    .unwrap();
+    std::fs::write(
+        root.join("sys/class/mdev_bus/0000:61:00.4/mdev_supported_types/nvidia-593/create"),
+        vgpu,
+    )
+    .unwrap();
+    let kubelet_root = "/var/lib/k0s/kubelet";
+    testkit::kubelet::checkpoint::write(
+        &root.join("var/lib/k0s/kubelet/device-plugins"),
+        &[testkit::kubelet::checkpoint::entry(
+            "6f1c-pod",
+            "compute",
+            "nvidia.com/NVIDIA_A10-4Q",
+            &[vgpu],
+        )],
+    )
+    .unwrap();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let _d = start_at(root, &api, &[], kubelet_root);
+    let drv = register_at(root, kubelet_root).await;
+    assert_eq!(
+        drv.info.endpoint,
+        format!("{kubelet_root}/plugins/{DRIVER}/dra.sock")
+    );
+    api.put_claim(claim_json("vg", "uid-vg", &["gpu-0000-61-00-0"]));
+    sim.clear_ops();
+    let err = prepare_one(&drv, Version::V1, &claim("vg", "uid-vg"))
+        .await
+        .unwrap_err();
+    assert!(err.contains("pod 6f1c-pod"), "the pod is named: {err}");
+    assert_eq!(writes(&sim), Vec::<String>::new());
+    assert_eq!(driver_of(root, "0000:61:00.0").as_deref(), Some("nvidia"));
 }

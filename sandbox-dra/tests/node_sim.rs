@@ -758,3 +758,24 @@ async fn a_gpu_whose_vgpu_kubelet_gave_a_pod_is_refused_under_another_kubelet_ro
     assert_eq!(writes(&sim), Vec::<String>::new());
     assert_eq!(driver_of(root, "0000:61:00.0").as_deref(), Some("nvidia"));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_the_api_server_cannot_be_asked_about_is_an_error_naming_it() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let _d = start(root, &api, &[]);
+    let drv = register(root).await;
+    drop(api);
+    sim.clear_ops();
+    let err = prepare_one(&drv, Version::V1, &claim("down", "uid-down"))
+        .await
+        .unwrap_err();
+    assert!(
+        err.starts_with("claim vms/down (uid-down): cannot read it from the API server"),
+        "{err}"
+    );
+    assert_eq!(writes(&sim), Vec::<String>::new());
+}

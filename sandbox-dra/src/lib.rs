@@ -5,7 +5,8 @@
 //!   `<kubelet-root>/plugins_registry/<driver>-reg.sock`;
 //! - [`plugin`]: kubelet calls `NodePrepareResources` / `NodeUnprepareResources` on
 //!   `<kubelet-root>/plugins/<driver>/dra.sock`, answered by [`prepare`];
-//! - [`slices`]: the node's devices published as ResourceSlices.
+//! - [`slices`]: the node's devices as a ResourceSlice, kept true in the API server by
+//!   [`publish`].
 //!
 //! Every path the driver gives kubelet or the container runtime is the host's view (its
 //! `--kubelet-root`, `/dev/vfio/<g>`); the driver reaches them under `--host-root`.
@@ -13,14 +14,16 @@
 pub mod names;
 pub mod plugin;
 pub mod prepare;
+pub mod publish;
 pub mod registration;
 pub mod slices;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
-use common::HostPaths;
+use common::{HostPaths, PciIds};
 use daemon_kit::exit;
 use kubelet_api::dra::{v1, v1beta1};
 use kubelet_api::pluginregistration::registration_server::RegistrationServer;
@@ -99,6 +102,10 @@ pub struct Config {
     pub node_name: String,
     /// `--kubeconfig`; in-cluster without one.
     pub kubeconfig: Option<PathBuf>,
+    /// Product names for the slice's devices (`--pci-ids`, or the embedded NVIDIA block).
+    pub pci_ids: PciIds,
+    /// How often the slice is compared with the API server without an event.
+    pub resync_interval: Duration,
 }
 
 /// Binds a Unix socket at `path`, replacing a stale one a killed run left.
@@ -122,7 +129,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         kubelet_root = %config.kubelet_root.display(),
         "starting"
     );
-    let _client = daemon_kit::kube::client(config.kubeconfig.as_deref()).await?;
+    let client = daemon_kit::kube::client(config.kubeconfig.as_deref()).await?;
     let preparer = Arc::new(Preparer::default());
     let plugin = Plugin::new(preparer);
     let plugin_path = dirs.plugin_socket();
@@ -131,6 +138,20 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         .add_service(v1::dra_plugin_server::DraPluginServer::new(plugin.clone()))
         .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(plugin));
     let registrar = Registrar::new(config.driver.clone(), dirs.plugin_socket_host());
+    // The publisher stops with the sockets: when one fails, the process ends.
+    let stop_publishing = shutdown.child_token();
+    let publishing = tokio::spawn(publish::run(
+        client,
+        publish::PublishConfig {
+            driver: config.driver.clone(),
+            node_name: config.node_name.clone(),
+            pci_ids: config.pci_ids.clone(),
+            resync_interval: config.resync_interval,
+        },
+        paths.clone(),
+        registrar.subscribe(),
+        stop_publishing.clone(),
+    ));
     let reg_path = dirs.registration_socket();
     let reg_listener = bind_socket(&reg_path)?;
     let reg_server =
@@ -148,6 +169,10 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         ),
         daemon_kit::grpc::serve_unix(reg_server, reg_listener, shutdown.clone().cancelled_owned()),
     );
+    stop_publishing.cancel();
+    if let Err(e) = publishing.await {
+        tracing::error!(error = %e, "the ResourceSlice publisher failed");
+    }
     for p in [&reg_path, &plugin_path] {
         if let Err(e) = common::state::remove_if_present(p) {
             tracing::warn!(socket = %p.display(), error = %e, "cannot remove the socket");

@@ -1,0 +1,187 @@
+//! sandbox-dra as a process against node-sim and the fake API server: the node's ResourceSlice
+//! as published, followed through hot-plug, stale slices and the Node's deletion.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use testkit::apiserver::{FakeApiServer, NODE_UID};
+
+/// A generous deadline for anything the driver should do "within a second".
+const DEADLINE: Duration = Duration::from_secs(15);
+const BIN: &str = env!("CARGO_BIN_EXE_sandbox-dra");
+const NODE: &str = "node-a";
+const DRIVER: &str = "gpu.gpu-vm-node.io";
+const SLICE: &str = "node-a-gpu.gpu-vm-node.io";
+
+/// A running `sandbox-dra serve`; killed on drop.
+struct Driver(Child);
+
+impl Driver {
+    fn start(root: &Path, api: &FakeApiServer, resync: &str) -> Driver {
+        let child = Command::new(BIN)
+            .arg("serve")
+            .arg("--host-root")
+            .arg(root)
+            .args(["--node-name", NODE, "--resync-interval", resync])
+            .arg("--kubeconfig")
+            .arg(api.kubeconfig())
+            .env("RUST_LOG", "sandbox_dra=debug")
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
+        Driver(child)
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn names(slice: &Value) -> Vec<String> {
+    slice["spec"]["devices"]
+        .as_array()
+        .map(|d| {
+            d.iter()
+                .map(|d| d["name"].as_str().unwrap().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn generation(slice: &Value) -> i64 {
+    slice["spec"]["pool"]["generation"].as_i64().unwrap()
+}
+
+/// Waits until the node's slice holds exactly `want` devices; returns it.
+fn wait_for_devices(api: &FakeApiServer, want: &[&str]) -> Value {
+    let found = api.wait_for_slices(DEADLINE, |s| {
+        s.iter()
+            .any(|s| s["metadata"]["name"] == SLICE && names(s) == want)
+    });
+    let Some(slices) = found else {
+        panic!("the slice never held {want:?}: {:#?}", api.slices());
+    };
+    slices
+        .into_iter()
+        .find(|s| s["metadata"]["name"] == SLICE)
+        .unwrap()
+}
+
+#[test]
+fn a_2xa10_node_is_published_followed_through_hotplug_and_collected_with_its_node() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let _d = Driver::start(sim.root(), &api, "1h");
+
+    let slice = wait_for_devices(&api, &["gpu-0000-41-00-0", "gpu-0000-61-00-0"]);
+    assert_eq!(slice["spec"]["driver"], DRIVER);
+    assert_eq!(slice["spec"]["nodeName"], NODE);
+    assert_eq!(
+        slice["spec"]["pool"],
+        json!({"name": NODE, "generation": 1, "resourceSliceCount": 1})
+    );
+    assert_eq!(
+        slice["metadata"]["ownerReferences"],
+        json!([{"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": NODE_UID, "controller": true}])
+    );
+    let dev = &slice["spec"]["devices"][0];
+    assert_eq!(
+        dev["attributes"],
+        json!({
+            "mode": {"string": "passthrough"},
+            "vendorID": {"string": "10de"},
+            "deviceID": {"string": "2236"},
+            "productName": {"string": "GA102GL [A10]"},
+            "resource.kubernetes.io/pciBusID": {"string": "0000:41:00.0"},
+            "numaNode": {"int": 0},
+            "iommuGroup": {"int": 21},
+            "functions": {"int": 1},
+            "vfioDriver": {"string": "vfio-pci"},
+        })
+    );
+    assert_eq!(dev["capacity"], json!({"memory": {"value": "24Gi"}}));
+    assert_eq!(
+        slice["spec"]["devices"][1]["attributes"]["resource.kubernetes.io/pciBusID"],
+        json!({"string": "0000:61:00.0"})
+    );
+
+    // A GPU hot-plugged: published with the next generation, from the uevent alone (the
+    // resync is an hour).
+    sim.control("hotplug 0000:81:00.0 A10 group=50 numa=1")
+        .unwrap();
+    let slice = wait_for_devices(
+        &api,
+        &["gpu-0000-41-00-0", "gpu-0000-61-00-0", "gpu-0000-81-00-0"],
+    );
+    assert_eq!(generation(&slice), 2);
+    let new = &slice["spec"]["devices"][2]["attributes"];
+    assert_eq!(new["numaNode"], json!({"int": 1}));
+    assert_eq!(new["iommuGroup"], json!({"int": 50}));
+
+    sim.control("unplug 0000:81:00.0").unwrap();
+    let slice = wait_for_devices(&api, &["gpu-0000-41-00-0", "gpu-0000-61-00-0"]);
+    assert_eq!(generation(&slice), 3);
+
+    // The Node deleted: the garbage collector follows the owner reference.
+    assert_eq!(api.delete_node(), [SLICE]);
+    assert!(api.slices().is_empty());
+}
+
+#[test]
+fn stale_slices_go_at_start_and_a_wiped_slice_comes_back_with_a_higher_generation() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let slice = |name: &str, node: &str, driver: &str, generation: i64| {
+        json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"name": name},
+            "spec": {"driver": driver, "nodeName": node,
+                     "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
+                     "devices": []},
+        })
+    };
+    // Ours from an earlier run (its devices since gone), one under an older name, another
+    // node's and another driver's on this node.
+    api.put_slice(slice(SLICE, NODE, DRIVER, 7));
+    api.put_slice(slice("node-a-gpu.gpu-vm-node.io-x1z2", NODE, DRIVER, 2));
+    api.put_slice(slice("node-b-gpu.gpu-vm-node.io", "node-b", DRIVER, 1));
+    api.put_slice(slice(
+        "node-a-other.example.com",
+        NODE,
+        "other.example.com",
+        1,
+    ));
+    let _d = Driver::start(sim.root(), &api, "1s");
+
+    let slice = wait_for_devices(&api, &["gpu-0000-41-00-0", "gpu-0000-61-00-0"]);
+    assert_eq!(generation(&slice), 8, "one above the generation it found");
+    let left: Vec<String> = api
+        .slices()
+        .iter()
+        .map(|s| s["metadata"]["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        left,
+        [
+            "node-a-gpu.gpu-vm-node.io",
+            "node-a-other.example.com",
+            "node-b-gpu.gpu-vm-node.io"
+        ]
+    );
+
+    // kubelet wipes the node's slices when it starts: the resync puts it back, with a
+    // generation above any seen.
+    assert!(api.delete_slice(SLICE));
+    let slice = wait_for_devices(&api, &["gpu-0000-41-00-0", "gpu-0000-61-00-0"]);
+    assert_eq!(generation(&slice), 9);
+}

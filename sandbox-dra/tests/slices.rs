@@ -184,4 +184,69 @@ fn stale_slices_go_at_start_and_a_wiped_slice_comes_back_with_a_higher_generatio
     assert!(api.delete_slice(SLICE));
     let slice = wait_for_devices(&api, &["gpu-0000-41-00-0", "gpu-0000-61-00-0"]);
     assert_eq!(generation(&slice), 9);
+
+    // Nothing changed: resyncs read the slice and write nothing.
+    let count = |method: &str| {
+        let target = format!("{method} /apis/resource.k8s.io/v1/resourceslices/{SLICE}?");
+        api.requests()
+            .iter()
+            .filter(|r| r.starts_with(&target))
+            .count()
+    };
+    let (reads, writes) = (count("GET"), count("PATCH"));
+    let deadline = std::time::Instant::now() + DEADLINE;
+    while count("GET") < reads + 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no resync read the slice"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(count("PATCH"), writes, "a resync wrote an unchanged slice");
+    assert_eq!(generation(&api.slice(SLICE).unwrap()), 9);
+}
+
+#[test]
+fn a_gpu_travels_with_its_audio_function_and_a_new_group_member_changes_the_device() {
+    let Some(sim) = testkit::sim::try_mount("rtx-workstation") else {
+        return;
+    };
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let _d = Driver::start(sim.root(), &api, "1h");
+
+    let slice = wait_for_devices(&api, &["gpu-0000-01-00-0"]);
+    let dev = &slice["spec"]["devices"][0];
+    assert_eq!(
+        dev["attributes"]["companions"],
+        json!({"string": "0000:01:00.1"})
+    );
+    assert_eq!(dev["attributes"]["functions"], json!({"int": 2}));
+    assert_eq!(dev["attributes"]["iommuGroup"], json!({"int": 12}));
+    assert_eq!(
+        dev["attributes"]["resource.kubernetes.io/pciBusID"],
+        json!({"string": "0000:01:00.0"})
+    );
+    assert_eq!(
+        dev["capacity"],
+        Value::Null,
+        "the RTX 4090 is not in the model table"
+    );
+    assert_eq!(generation(&slice), 1);
+
+    // A second GPU hot-plugged into the same IOMMU group: still one device (the group goes to
+    // a VM whole), which now carries it; the generation moves on.
+    sim.control("hotplug 0000:01:00.2 A10 group=12").unwrap();
+    let found = api.wait_for_slices(DEADLINE, |s| {
+        s.first().is_some_and(|s| {
+            s["spec"]["devices"][0]["attributes"]["companions"]
+                == json!({"string": "0000:01:00.1,0000:01:00.2"})
+        })
+    });
+    let slice = &found.expect("the device never listed the new group member")[0];
+    assert_eq!(names(slice), ["gpu-0000-01-00-0"]);
+    assert_eq!(
+        slice["spec"]["devices"][0]["attributes"]["functions"],
+        json!({"int": 3})
+    );
+    assert_eq!(generation(slice), 2);
 }

@@ -21,7 +21,6 @@
 //!   starts; this process therefore leaves its slice in place when it stops (a rollout's
 //!   replacement finds it and keeps the generation).
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -134,14 +133,15 @@ impl Publisher {
 
     /// Makes the API server's slice hold `devices`; returns whether it wrote.
     async fn publish(&mut self, devices: Vec<Device>) -> anyhow::Result<bool> {
-        if self.pool.node_uid.is_none() {
-            let node = self
-                .nodes
-                .get(&self.pool.node_name)
-                .await
-                .with_context(|| format!("cannot read Node {}", self.pool.node_name))?;
-            self.pool.node_uid = node.metadata.uid;
-        }
+        // Read every pass: a Node deleted and registered again has a new UID, and a slice
+        // owned by the old one would be deleted by the garbage collector each time it is put
+        // back.
+        let node = self
+            .nodes
+            .get(&self.pool.node_name)
+            .await
+            .with_context(|| format!("cannot read Node {}", self.pool.node_name))?;
+        self.pool.node_uid = node.metadata.uid;
         if !self.cleaned {
             self.clean_up().await?;
         }
@@ -223,13 +223,13 @@ pub async fn run(
         left_out: Vec::new(),
     };
     let (tx, mut rx) = mpsc::unbounded_channel::<Uevent>();
-    let tx = Arc::new(tx);
-    let _monitor = Monitor::start(SUBSYSTEMS, move |ev| tx.send(ev).is_ok())
+    // Listens until dropped, at the end of this function.
+    let monitor = Monitor::start(SUBSYSTEMS, move |ev| tx.send(ev).is_ok())
         .inspect_err(|e| {
             tracing::warn!(error = %e, "no uevents: the slice follows the node at the resync interval only")
         })
         .ok();
-    let mut events_open = _monitor.is_some();
+    let mut events_open = monitor.is_some();
     let mut registration_open = true;
     let mut ticker = tokio::time::interval(cfg.resync_interval.max(Duration::from_millis(100)));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

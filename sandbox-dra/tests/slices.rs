@@ -204,6 +204,18 @@ fn stale_slices_go_at_start_and_a_wiped_slice_comes_back_with_a_higher_generatio
     }
     assert_eq!(count("PATCH"), writes, "a resync wrote an unchanged slice");
     assert_eq!(generation(&api.slice(SLICE).unwrap()), 9);
+
+    // The Node deleted (its slice collected with it) and registered again: the slice comes
+    // back owned by the new Node, not by the UID the driver saw first.
+    assert_eq!(api.delete_node(), [SLICE]);
+    api.recreate_node("uid-of-the-new-node");
+    let found = api.wait_for_slices(DEADLINE, |s| {
+        s.iter().any(|s| {
+            s["metadata"]["name"] == SLICE
+                && s["metadata"]["ownerReferences"][0]["uid"] == "uid-of-the-new-node"
+        })
+    });
+    assert!(found.is_some(), "{:#?}", api.slices());
 }
 
 #[test]

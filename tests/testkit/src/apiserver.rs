@@ -46,9 +46,11 @@ struct Inner {
     slice_version: u64,
     /// Whether the Node exists.
     node_exists: bool,
+    /// The Node's UID ([`NODE_UID`] until [`FakeApiServer::recreate_node`]).
+    node_uid: String,
 }
 
-/// The Node's UID.
+/// The Node's UID when the server starts.
 pub const NODE_UID: &str = "00000000-0000-4000-8000-000000000001";
 
 /// Where ResourceSlices are served.
@@ -61,7 +63,7 @@ impl Inner {
             "kind": "Node",
             "metadata": {
                 "name": self.name,
-                "uid": NODE_UID,
+                "uid": self.node_uid,
                 "resourceVersion": self.version.to_string(),
                 "labels": self.labels,
                 "annotations": self.annotations,
@@ -123,6 +125,7 @@ impl FakeApiServer {
                 slices: BTreeMap::new(),
                 slice_version: 0,
                 node_exists: true,
+                node_uid: NODE_UID.to_string(),
             }),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -254,16 +257,14 @@ impl FakeApiServer {
     pub fn delete_node(&self) -> Vec<String> {
         let mut i = self.shared.lock();
         i.node_exists = false;
+        let uid = i.node_uid.clone();
         let owned: Vec<String> = i
             .slices
             .iter()
             .filter(|(_, s)| {
                 s["metadata"]["ownerReferences"]
                     .as_array()
-                    .is_some_and(|refs| {
-                        refs.iter()
-                            .any(|r| r["kind"] == "Node" && r["uid"] == NODE_UID)
-                    })
+                    .is_some_and(|refs| refs.iter().any(|r| r["kind"] == "Node" && r["uid"] == uid))
             })
             .map(|(n, _)| n.clone())
             .collect();
@@ -271,6 +272,17 @@ impl FakeApiServer {
             i.slices.remove(n);
         }
         owned
+    }
+
+    /// Registers the Node again (after [`FakeApiServer::delete_node`]) with a new `uid`, as
+    /// a node that rejoins the cluster.
+    pub fn recreate_node(&self, uid: &str) {
+        let mut i = self.shared.lock();
+        i.node_exists = true;
+        i.node_uid = uid.to_string();
+        i.version += 1;
+        drop(i);
+        self.shared.changed.notify_all();
     }
 
     /// Waits until `f` holds for the slices (polling), up to `timeout`; the slices then, or

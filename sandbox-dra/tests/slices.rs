@@ -218,6 +218,45 @@ fn stale_slices_go_at_start_and_a_wiped_slice_comes_back_with_a_higher_generatio
     assert!(found.is_some(), "{:#?}", api.slices());
 }
 
+/// kubelet wipes a node's slices when it starts, then registers the driver again: the driver
+/// puts its slice back on that registration, not only at the next resync (an hour here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slice_wiped_by_kubelet_is_back_when_kubelet_registers_the_driver() {
+    use kubelet_api::pluginregistration::registration_client::RegistrationClient;
+    use kubelet_api::pluginregistration::{InfoRequest, RegistrationStatus};
+
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let _d = Driver::start(sim.root(), &api, "1h");
+    let api = std::sync::Arc::new(api);
+    let wait = |want: &'static [&'static str]| {
+        let api = api.clone();
+        tokio::task::spawn_blocking(move || wait_for_devices(&api, want))
+    };
+    let both: &[&str] = &["gpu-0000-41-00-0", "gpu-0000-61-00-0"];
+    let slice = wait(both).await.unwrap();
+    assert_eq!(generation(&slice), 1);
+
+    assert!(api.delete_slice(SLICE));
+    let socket = sim
+        .root()
+        .join("var/lib/kubelet/plugins_registry/gpu.gpu-vm-node.io-reg.sock");
+    let channel = testkit::kubelet::unix_channel(&socket).await.unwrap();
+    let mut reg = RegistrationClient::new(channel);
+    let info = reg.get_info(InfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.name, DRIVER);
+    reg.notify_registration_status(RegistrationStatus {
+        plugin_registered: true,
+        error: String::new(),
+    })
+    .await
+    .unwrap();
+    let slice = wait(both).await.unwrap();
+    assert_eq!(generation(&slice), 2);
+}
+
 #[test]
 fn a_gpu_travels_with_its_audio_function_and_a_new_group_member_changes_the_device() {
     let Some(sim) = testkit::sim::try_mount("rtx-workstation") else {

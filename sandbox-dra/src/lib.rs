@@ -138,7 +138,10 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         .add_service(v1::dra_plugin_server::DraPluginServer::new(plugin.clone()))
         .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(plugin));
     let registrar = Registrar::new(config.driver.clone(), dirs.plugin_socket_host());
-    // The publisher stops with the sockets: when one fails, the process ends.
+    let reg_path = dirs.registration_socket();
+    let reg_listener = bind_socket(&reg_path)?;
+    // The publisher runs beside the sockets and stops with them: a socket that fails ends the
+    // process, the publisher only logs and retries.
     let stop_publishing = shutdown.child_token();
     let publishing = tokio::spawn(publish::run(
         client,
@@ -152,8 +155,6 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         registrar.subscribe(),
         stop_publishing.clone(),
     ));
-    let reg_path = dirs.registration_socket();
-    let reg_listener = bind_socket(&reg_path)?;
     let reg_server =
         tonic::transport::Server::builder().add_service(RegistrationServer::new(registrar));
     tracing::info!(

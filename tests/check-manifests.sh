@@ -3,9 +3,10 @@
 #   1. deploy/: every kustomization rendered (deploy/tools/check.py follows resources,
 #      components, namespace and images; cross-checked against `kustomize build` when a kustomize
 #      is installed) and each object validated against the Kubernetes 1.30+ API schemas bundled
-#      in the PyPI package kubernetes-validate (strict: unknown fields fail), plus the project's
-#      rules (workload-label selection, host mounts, privileges, RBAC, the vGPU ConfigMap); the
-#      optional own-node admission policy's CEL evaluated on sample updates (PyPI cel-python).
+#      in the PyPI package kubernetes-validate (strict: unknown fields fail; resource.k8s.io/v1
+#      objects against 1.34+), plus the project's rules (workload-label selection, host mounts,
+#      privileges, RBAC, the vGPU ConfigMap); the examples' references to what ships; the
+#      optional admission policies' CEL evaluated on sample requests (PyPI cel-python).
 #   2. systemd/: `systemd-analyze verify` of each unit in a scratch root holding stand-in
 #      binaries at the ExecStart paths; any message fails. The env file's syntax.
 #   3. Containerfile: every COPY source exists and is not excluded by .dockerignore, the files
@@ -56,9 +57,9 @@ scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 
 # --- 1. manifests ------------------------------------------------------------------------------
-step "deploy/: render, schema-validate (Kubernetes 1.30+), project rules"
+step "deploy/: render, schema-validate (Kubernetes 1.30+; resource.k8s.io/v1: 1.34+), project rules"
 $check manifests
-step "deploy/: the admission policy's CEL on sample node updates (cel-python)"
+step "deploy/: the admission policies' CEL on sample requests (cel-python)"
 $check policy
 
 kustomize_cmd=()
@@ -160,7 +161,7 @@ echo "ok: hadolint Containerfile"
 # --- 4. commands against the binaries ----------------------------------------------------------
 if [ "${SKIP_CLI_CHECK:-}" != 1 ]; then
     step "the commands in manifests and units parse with the built binaries"
-    cargo build -q -p vfio-manager -p vgpu-device-manager -p sandbox-dp
+    cargo build -q -p vfio-manager -p vgpu-device-manager -p sandbox-dp -p sandbox-dra
     $check cli "$repo/target/debug"
     step "the runtime image has every shared library the binaries need"
     $check libs "$repo/target/debug"

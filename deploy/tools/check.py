@@ -4,8 +4,10 @@
   check.py manifests            render every kustomization under deploy/ (resources,
                                 components, namespace, images: the subset of kustomize this
                                 project uses) and validate each object against the Kubernetes
-                                API schemas of 1.30 and later (kubernetes-validate, strict), then
-                                check the project's own rules (selectors, mounts, RBAC, ...)
+                                API schemas of 1.30 and later (kubernetes-validate, strict; 1.34
+                                and later for resource.k8s.io/v1), then check the project's own
+                                rules (selectors, mounts, RBAC, ...); the examples under
+                                deploy/examples/ refer to what the manifests ship
   check.py render DIR           print the rendered kustomization DIR as YAML
   check.py containerfile        every COPY source exists and is not excluded by .dockerignore,
                                 every file the cargo build reads is in the build context, stages
@@ -15,7 +17,8 @@
   check.py libs BINDIR          the shared libraries the built binaries need are in the runtime
                                 image (distroless cc, plus what the Containerfile copies in)
   check.py policy               the ValidatingAdmissionPolicies' CEL, evaluated (cel-python) on
-                                sample node updates: admitted and denied as intended
+                                sample node updates and ResourceSlice writes: admitted and
+                                denied as intended
   check.py docs BINDIR          every command and flag of the binaries' --help is described in
                                 docs/configuration.md
 
@@ -42,6 +45,13 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 # on purpose to show that a broken manifest fails).
 DEPLOY = os.path.abspath(os.environ.get("CHECK_DEPLOY_DIR") or os.path.join(REPO, "deploy"))
 MIN_K8S = (1, 30)
+# API groups newer than MIN_K8S: their objects are validated from the release that serves them.
+MIN_K8S_BY_API = {"resource.k8s.io/v1": (1, 34)}
+# Kinds of other projects' CRDs (no schema in kubernetes-validate): examples only, checked by
+# check_examples against what the manifests ship.
+CRD_KINDS = {"VirtualMachineInstance": "kubevirt.io/v1"}
+# Where the examples live: rendered and schema-validated, but not a deployment.
+EXAMPLES = os.path.join(DEPLOY, "examples")
 
 # The kinds this project ships; a kind outside this list is an error (a typo would otherwise
 # only be a "schema not found" warning).
@@ -56,8 +66,12 @@ KNOWN_KINDS = {
     "DaemonSet",
     "ValidatingAdmissionPolicy",
     "ValidatingAdmissionPolicyBinding",
+    "DeviceClass",
+    "ResourceClaimTemplate",
+    "VirtualMachineInstance",
 }
 CLUSTER_SCOPED = {
+    "DeviceClass",
     "Namespace",
     "ClusterRole",
     "ClusterRoleBinding",
@@ -193,13 +207,13 @@ def is_component(d: str) -> bool:
 # --- schema validation ---------------------------------------------------------------------------
 
 
-def schema_versions() -> list[str]:
+def schema_versions(minimum: tuple[int, int] = MIN_K8S) -> list[str]:
     import kubernetes_validate.utils as kvu
 
     vs = []
     for v in kvu.all_versions():
         parts = tuple(int(x) for x in v.split(".")[:2])
-        if parts >= MIN_K8S and v not in vs:
+        if parts >= minimum and v not in vs:
             vs.append(v)
     return vs
 
@@ -216,6 +230,13 @@ def validate_schemas(objs: list[dict], where: str) -> None:
         if o.get("kind") not in KNOWN_KINDS:
             fail(f"{where}: {name}: kind not expected in this project (typo?)")
             continue
+        if o.get("kind") in CRD_KINDS:
+            if o.get("apiVersion") != CRD_KINDS[o["kind"]]:
+                fail(f"{where}: {name}: apiVersion {o.get('apiVersion')}, expected {CRD_KINDS[o['kind']]}")
+            else:
+                ok(f"{where}: {name}: no schema offline (a CRD); checked by its references below")
+            continue
+        versions = schema_versions(MIN_K8S_BY_API.get(o.get("apiVersion"), MIN_K8S))
         bad = []
         for v in versions:
             try:
@@ -238,7 +259,10 @@ EXPECTED_WORKLOADS = {
     "vfio-manager": {"vm-passthrough"},
     "vgpu-device-manager": {"vm-vgpu"},
     "sandbox-dp": {"vm-passthrough", "vm-vgpu"},
+    "sandbox-dra": {"vm-dra"},
 }
+# DaemonSets only some deployments have (the DRA driver: deploy/components/dra).
+OPTIONAL_DAEMONSETS = {"sandbox-dra"}
 # What each daemon may mount from the host, and whether writable. Everything lives under
 # HOST_ROOT=/host at its host path.
 ALLOWED_HOST_MOUNTS = {
@@ -268,11 +292,32 @@ ALLOWED_HOST_MOUNTS = {
         "/run/nvidia/validations": False,
         "/run/gpu-vm-node": False,
     },
+    "sandbox-dra": {
+        "/sys": True,
+        "/dev": False,
+        "/proc": False,
+        "/lib/modules": False,
+        "/var/lib/kubelet/plugins": True,
+        "/var/lib/kubelet/plugins_registry": True,
+        "/var/run/cdi": True,
+        "/var/lib/kubelet/device-plugins": False,
+        "/var/lib/kubelet/pod-resources": False,
+    },
 }
-NEEDS_API = {"vgpu-device-manager"}
-NEEDS_UEVENTS = {"vfio-manager", "sandbox-dp"}
-NEEDS_PRIVILEGED = {"vfio-manager", "vgpu-device-manager"}
-NEEDS_HOSTPID = {"vfio-manager", "vgpu-device-manager"}
+NEEDS_API = {"vgpu-device-manager", "sandbox-dra"}
+NEEDS_UEVENTS = {"vfio-manager", "sandbox-dp", "sandbox-dra"}
+NEEDS_PRIVILEGED = {"vfio-manager", "vgpu-device-manager", "sandbox-dra"}
+NEEDS_HOSTPID = {"vfio-manager", "vgpu-device-manager", "sandbox-dra"}
+# What each service account may do: (apiGroups, resources, verbs) a rule must stay within.
+ALLOWED_RULES = {
+    "vgpu-device-manager": [({""}, {"nodes"}, {"get", "list", "watch", "patch"})],
+    "sandbox-dra": [
+        ({"resource.k8s.io"}, {"resourceslices"},
+         {"get", "list", "watch", "create", "update", "patch", "delete"}),
+        ({"resource.k8s.io"}, {"resourceclaims"}, {"get"}),
+        ({""}, {"nodes"}, {"get"}),
+    ],
+}
 READY_FILES = {
     "vfio-manager": "/host/run/nvidia/validations/vfio-pci-ready",
     "vgpu-device-manager": "/host/run/nvidia/validations/vgpu-devices-ready",
@@ -296,8 +341,10 @@ def check_rules(objs: list[dict], where: str) -> None:
         by_kind.setdefault(o["kind"], {})[o["metadata"]["name"]] = o
 
     dss = by_kind.get("DaemonSet", {})
-    if set(dss) != set(EXPECTED_WORKLOADS):
-        fail(f"{where}: DaemonSets are {sorted(dss)}, expected {sorted(EXPECTED_WORKLOADS)}")
+    required = set(EXPECTED_WORKLOADS) - OPTIONAL_DAEMONSETS
+    if not required <= set(dss) <= set(EXPECTED_WORKLOADS):
+        fail(f"{where}: DaemonSets are {sorted(dss)}, expected {sorted(required)} "
+             f"and any of {sorted(OPTIONAL_DAEMONSETS)}")
     for name, ds in dss.items():
         spec = pod_spec(ds) or {}
         tag = f"{where}: DaemonSet/{name}"
@@ -396,15 +443,9 @@ def check_rules(objs: list[dict], where: str) -> None:
             if os.path.basename(f) not in inits:
                 fail(f"{where}: sandbox-dp's init containers do not wait for {os.path.basename(f)}")
         ok(f"{where}: sandbox-dp waits for {sorted(os.path.basename(f) for f in READY_FILES.values())}")
-    # RBAC: only vgpu-device-manager, only nodes, only get/list/watch/patch.
-    for kind in ("ClusterRole", "Role"):
-        for rn, r in by_kind.get(kind, {}).items():
-            for rule in r.get("rules") or []:
-                if rule.get("apiGroups") != [""] or rule.get("resources") != ["nodes"] or set(
-                    rule.get("verbs") or []
-                ) - {"get", "list", "watch", "patch"}:
-                    fail(f"{where}: {kind}/{rn} grants more than get/list/watch/patch on nodes: {rule}")
+    # RBAC: only the daemons that need the API, each only what ALLOWED_RULES gives it.
     bound_sas = set()
+    role_sas: dict[tuple[str, str], set[str]] = {}
     for kind in ("ClusterRoleBinding", "RoleBinding"):
         for bn, b in by_kind.get(kind, {}).items():
             if b["roleRef"]["name"] not in by_kind.get(b["roleRef"]["kind"], {}):
@@ -412,12 +453,24 @@ def check_rules(objs: list[dict], where: str) -> None:
             for s in b.get("subjects") or []:
                 if s.get("kind") == "ServiceAccount":
                     bound_sas.add(s["name"])
+                    role_sas.setdefault((b["roleRef"]["kind"], b["roleRef"]["name"]), set()).add(s["name"])
                     sa = by_kind.get("ServiceAccount", {}).get(s["name"])
                     if sa is None or sa["metadata"].get("namespace") != s.get("namespace"):
                         fail(f"{where}: {kind}/{bn} binds ServiceAccount {s.get('namespace')}/{s['name']}, not defined")
     if bound_sas - NEEDS_API:
         fail(f"{where}: API access granted to {sorted(bound_sas - NEEDS_API)}")
-    ok(f"{where}: RBAC grants get/list/watch/patch on nodes to {sorted(bound_sas)} only")
+    for kind in ("ClusterRole", "Role"):
+        for rn, r in by_kind.get(kind, {}).items():
+            sas = role_sas.get((kind, rn), set())
+            for rule in r.get("rules") or []:
+                groups, res = set(rule.get("apiGroups") or []), set(rule.get("resources") or [])
+                verbs = set(rule.get("verbs") or [])
+                for sa in sas or {None}:
+                    fits = any(groups <= g and res <= rs and verbs <= v
+                               for g, rs, v in ALLOWED_RULES.get(sa, []))
+                    if not fits:
+                        fail(f"{where}: {kind}/{rn} grants {sa or 'nobody'} more than it needs: {rule}")
+    ok(f"{where}: RBAC grants {sorted(bound_sas)} only what each needs")
     # The vGPU ConfigMap: present, referenced, and a well-formed vgpu-configs file.
     cms = by_kind.get("ConfigMap", {})
     for name, ds in dss.items():
@@ -490,7 +543,9 @@ def cmd_manifests() -> None:
             continue
         ok(f"{where}: renders {len(objs)} objects")
         validate_schemas(objs, where)
-        if not is_component(d):
+        if os.path.abspath(d).startswith(EXAMPLES + os.sep):
+            check_examples(objs, where)
+        elif not is_component(d):
             check_rules(objs, where)
     # Every manifest file is part of some kustomization (a file nobody renders is never checked
     # or applied).
@@ -499,6 +554,52 @@ def cmd_manifests() -> None:
             continue
         if os.path.abspath(p) not in used:
             fail(f"{rel(p)} is not listed in any kustomization")
+
+
+def check_examples(objs: list[dict], where: str) -> None:
+    """An example refers only to what exists: a VMI's GPU to a claim of its own and a request of
+    that claim's template, a template to a DeviceClass the manifests ship."""
+    shipped = {
+        o["metadata"]["name"]
+        for d in kustomization_dirs()
+        if not os.path.abspath(d).startswith(EXAMPLES + os.sep)
+        for o in render(d)
+        if o["kind"] == "DeviceClass"
+    }
+    templates = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ResourceClaimTemplate"}
+    for name, t in templates.items():
+        for r in t["spec"]["spec"]["devices"].get("requests") or []:
+            cls = (r.get("exactly") or {}).get("deviceClassName")
+            if cls not in shipped:
+                fail(f"{where}: ResourceClaimTemplate/{name} request {r['name']}: DeviceClass {cls!r} is not shipped")
+            else:
+                ok(f"{where}: ResourceClaimTemplate/{name} request {r['name']}: DeviceClass {cls}")
+    for o in objs:
+        if o["kind"] != "VirtualMachineInstance":
+            continue
+        tag = f"{where}: VirtualMachineInstance/{o['metadata']['name']}"
+        spec = o.get("spec") or {}
+        allowed = {"name", "claimName", "requestName", "deviceName", "tag", "virtualGPUOptions"}
+        claims = {c.get("name"): c for c in spec.get("resourceClaims") or []}
+        for g in (spec.get("domain") or {}).get("devices", {}).get("gpus") or []:
+            if set(g) - allowed:
+                fail(f"{tag}: gpus[] entry has fields {sorted(set(g) - allowed)} KubeVirt does not know")
+                continue
+            if "claimName" not in g:
+                continue
+            claim = claims.get(g["claimName"])
+            if claim is None:
+                fail(f"{tag}: GPU {g.get('name')} names claim {g['claimName']!r}, not in spec.resourceClaims")
+                continue
+            t = templates.get(claim.get("resourceClaimTemplateName"))
+            if t is None:
+                fail(f"{tag}: claim {g['claimName']} uses template {claim.get('resourceClaimTemplateName')!r}, not in the example")
+                continue
+            requests = [r["name"] for r in t["spec"]["spec"]["devices"].get("requests") or []]
+            if g.get("requestName") not in requests:
+                fail(f"{tag}: GPU {g.get('name')} names request {g.get('requestName')!r}, not one of {requests}")
+            else:
+                ok(f"{tag}: GPU {g['name']} from claim {g['claimName']}, request {g['requestName']}")
 
 
 def cmd_render(d: str) -> None:
@@ -629,7 +730,7 @@ def bin_targets(pkg_dir: str) -> list[str]:
     return bins
 
 
-DAEMONS = ["vfio-manager", "vgpu-device-manager", "sandbox-dp"]
+DAEMONS = ["vfio-manager", "vgpu-device-manager", "sandbox-dp", "sandbox-dra"]
 
 
 def cmd_containerfile() -> None:
@@ -853,9 +954,41 @@ POLICY_CASES = [
      node("gpu-1", BASE_LABELS), node("gpu-1", {**BASE_LABELS, "nvidia.com/vgpu.config": "A10-8Q"}), True),
 ]
 
+DRA_USER = "system:serviceaccount:gpu-vm-node:sandbox-dra"
+DRA_DRIVER = "gpu.gpu-vm-node.io"
+
+
+def rslice(node_name: str, driver: str = DRA_DRIVER, generation: int = 1) -> dict:
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"name": f"{node_name}-{driver}"},
+            "spec": {"driver": driver, "nodeName": node_name,
+                     "pool": {"name": node_name, "generation": generation, "resourceSliceCount": 1}}}
+
+
+# (what, user, token node, operation, old, new, admitted)
+DRA_POLICY_CASES = [
+    ("creating its own node's slice", DRA_USER, "gpu-1", "CREATE", None, rslice("gpu-1"), True),
+    ("updating its own node's slice", DRA_USER, "gpu-1", "UPDATE", rslice("gpu-1"), rslice("gpu-1", generation=2), True),
+    ("deleting a stale slice of its own node", DRA_USER, "gpu-1", "DELETE", rslice("gpu-1"), None, True),
+    ("creating another node's slice", DRA_USER, "gpu-1", "CREATE", None, rslice("gpu-2"), False),
+    ("moving another node's slice to its own", DRA_USER, "gpu-1", "UPDATE", rslice("gpu-2"), rslice("gpu-1"), False),
+    ("deleting another node's slice", DRA_USER, "gpu-1", "DELETE", rslice("gpu-2"), None, False),
+    ("another driver's slice on its own node", DRA_USER, "gpu-1", "CREATE", None, rslice("gpu-1", "other.example.com"), False),
+    ("a slice with a token without a node name", DRA_USER, None, "CREATE", None, rslice("gpu-1"), False),
+    ("(another user) another node's slice", "system:node:gpu-1", "gpu-1", "DELETE", rslice("gpu-2"), None, True),
+]
+
+# Each policy: the service account it is about, and its cases.
+POLICIES = {
+    "gpu-vm-node-vgpu-device-manager-own-node": (
+        SA_USER, [(w, u, t, "UPDATE", o, n, a) for w, u, t, o, n, a in POLICY_CASES]),
+    "gpu-vm-node-sandbox-dra-own-node": (DRA_USER, DRA_POLICY_CASES),
+}
+
 
 def cmd_policy() -> None:
-    """Evaluates the ValidatingAdmissionPolicies' CEL against sample node updates."""
+    """Evaluates the ValidatingAdmissionPolicies' CEL against sample requests: node updates by
+    vgpu-device-manager, ResourceSlice writes by sandbox-dra."""
     try:
         import celpy
     except ImportError:
@@ -877,8 +1010,12 @@ def cmd_policy() -> None:
     for pol in policies:
         spec = pol["spec"]
         name = pol["metadata"]["name"]
-        if SA_USER not in json.dumps(spec.get("matchConditions", [])):
-            fail(f"{name}: does not match the service account {SA_USER}")
+        if name not in POLICIES:
+            fail(f"{name}: no sample cases for this policy in deploy/tools/check.py")
+            continue
+        sa_user, cases = POLICIES[name]
+        if sa_user not in json.dumps(spec.get("matchConditions", [])):
+            fail(f"{name}: does not match the service account {sa_user}")
         try:
             conds = [(c["name"], prog(c["expression"])) for c in spec.get("matchConditions", [])]
             variables = [(v["name"], prog(v["expression"])) for v in spec.get("variables", [])]
@@ -887,10 +1024,10 @@ def cmd_policy() -> None:
         except Exception as e:  # a CEL syntax error
             fail(f"{name}: CEL does not compile: {e}")
             continue
-        for what, user, token_node, old, new, want in POLICY_CASES:
+        for what, user, token_node, operation, old, new, want in cases:
             extra = {"authentication.kubernetes.io/node-name": [token_node]} if token_node else {}
             act = {
-                "request": celpy.json_to_cel({"userInfo": {"username": user, "extra": extra}, "operation": "UPDATE"}),
+                "request": celpy.json_to_cel({"userInfo": {"username": user, "extra": extra}, "operation": operation}),
                 "object": celpy.json_to_cel(new),
                 "oldObject": celpy.json_to_cel(old),
             }
@@ -913,10 +1050,9 @@ def cmd_policy() -> None:
             admitted = not denied
             verdict = "admitted" if admitted else f"denied ({'; '.join(denied)})"
             if admitted != want:
-                fail(f"{name}: vgpu-device-manager changing {what}: {verdict}, expected "
-                     f"{'admitted' if want else 'denied'}")
+                fail(f"{name}: {what}: {verdict}, expected {'admitted' if want else 'denied'}")
             else:
-                ok(f"{name}: changing {what}: {verdict}")
+                ok(f"{name}: {what}: {verdict}")
 
 
 # What gcr.io/distroless/cc-debian12 provides: glibc, libgcc, libstdc++, libgomp (and OpenSSL).

@@ -6,7 +6,8 @@
 //! - [`plugin`]: kubelet calls `NodePrepareResources` / `NodeUnprepareResources` on
 //!   `<kubelet-root>/plugins/<driver>/dra.sock`, answered by [`prepare`], which writes the
 //!   [`cdi`] spec and device metadata and keeps a [`record`] of each claim;
-//! - [`slices`]: the node's devices published as ResourceSlices.
+//! - [`slices`]: the node's devices as a ResourceSlice, kept true in the API server by
+//!   [`publish`].
 //!
 //! Every path the driver gives kubelet or the container runtime is the host's view (its
 //! `--kubelet-root`, `/dev/vfio/<g>`); the driver reaches them under `--host-root`.
@@ -15,15 +16,17 @@ pub mod cdi;
 pub mod names;
 pub mod plugin;
 pub mod prepare;
+pub mod publish;
 pub mod record;
 pub mod registration;
 pub mod slices;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
-use common::HostPaths;
+use common::{HostPaths, PciIds};
 use daemon_kit::exit;
 use kubelet_api::dra::{v1, v1beta1};
 use kubelet_api::pluginregistration::registration_server::RegistrationServer;
@@ -114,6 +117,10 @@ pub struct Config {
     pub on_unprepare: OnUnprepare,
     /// The most one function's bind or unbind may take (`--timeout`).
     pub timeout: std::time::Duration,
+    /// Product names for the slice's devices (`--pci-ids`, or the embedded NVIDIA block).
+    pub pci_ids: PciIds,
+    /// How often the slice is compared with the API server without an event.
+    pub resync_interval: Duration,
 }
 
 /// Binds a Unix socket at `path`, replacing a stale one a killed run left.
@@ -149,7 +156,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         on_unprepare: config.on_unprepare,
         timeout: config.timeout,
     };
-    let preparer = Arc::new(Preparer::new(prepare_config, paths.clone(), client));
+    let preparer = Arc::new(Preparer::new(prepare_config, paths.clone(), client.clone()));
     // Before kubelet can call: what a crash left half done is brought in line first.
     preparer.reconcile().await;
     let plugin = Plugin::new(preparer);
@@ -161,6 +168,21 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     let registrar = Registrar::new(config.driver.clone(), dirs.plugin_socket_host());
     let reg_path = dirs.registration_socket();
     let reg_listener = bind_socket(&reg_path)?;
+    // The publisher runs beside the sockets and stops with them: a socket that fails ends the
+    // process, the publisher only logs and retries.
+    let stop_publishing = shutdown.child_token();
+    let publishing = tokio::spawn(publish::run(
+        client,
+        publish::PublishConfig {
+            driver: config.driver.clone(),
+            node_name: config.node_name.clone(),
+            pci_ids: config.pci_ids.clone(),
+            resync_interval: config.resync_interval,
+        },
+        paths.clone(),
+        registrar.subscribe(),
+        stop_publishing.clone(),
+    ));
     let reg_server =
         tonic::transport::Server::builder().add_service(RegistrationServer::new(registrar));
     tracing::info!(
@@ -176,6 +198,10 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         ),
         daemon_kit::grpc::serve_unix(reg_server, reg_listener, shutdown.clone().cancelled_owned()),
     );
+    stop_publishing.cancel();
+    if let Err(e) = publishing.await {
+        tracing::error!(error = %e, "the ResourceSlice publisher failed");
+    }
     for p in [&reg_path, &plugin_path] {
         if let Err(e) = common::state::remove_if_present(p) {
             tracing::warn!(socket = %p.display(), error = %e, "cannot remove the socket");

@@ -4,7 +4,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use anyhow::Context as _;
+
 use clap::{Parser, Subcommand};
+use common::PciIds;
 use daemon_kit::cli::{HostArgs, LogArgs};
 use daemon_kit::daemon::Threads;
 use daemon_kit::duration;
@@ -89,6 +92,23 @@ struct Cli {
     )]
     timeout: Duration,
 
+    /// A pci.ids file to take the devices' productName attribute from, instead of the embedded
+    /// NVIDIA list.
+    #[arg(long, value_name = "FILE", global = true)]
+    pci_ids: Option<PathBuf>,
+
+    /// Compare the published ResourceSlice with the node this often even without events, a
+    /// safety net; uevents and kubelet's registration drive updates (30s, 5m; a bare number is
+    /// seconds).
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = "30s",
+        value_parser = duration::parse,
+        global = true
+    )]
+    resync_interval: Duration,
+
     #[command(flatten)]
     log: LogArgs,
 }
@@ -97,7 +117,7 @@ struct Cli {
 const EXIT_STATUS: &str = "\
 Exit status:
   0  done (serve: stopped by SIGTERM/SIGINT)
-  1  failed: a socket cannot be served, the node cannot be read (the error is logged)
+  1  failed: a socket cannot be served, --pci-ids cannot be read (the error is logged)
   2  usage error (a bad flag or value)";
 
 #[derive(Debug, Subcommand)]
@@ -144,6 +164,11 @@ fn run(cli: Cli) -> exit::Result {
                     anyhow::anyhow!("serve needs --node-name (or NODE_NAME)"),
                 ));
             };
+            let pci_ids = match &cli.pci_ids {
+                Some(p) => PciIds::from_file(p)
+                    .with_context(|| format!("reading --pci-ids {}", p.display()))?,
+                None => PciIds::embedded(),
+            };
             let config = Config {
                 driver: cli.driver_name,
                 kubelet_root: cli.kubelet_root,
@@ -152,6 +177,8 @@ fn run(cli: Cli) -> exit::Result {
                 cdi_root: cli.cdi_root,
                 on_unprepare: cli.on_unprepare,
                 timeout: cli.timeout,
+                pci_ids,
+                resync_interval: cli.resync_interval,
             };
             daemon_kit::daemon::run(Threads::Current, |shutdown| {
                 sandbox_dra::run(config, paths, shutdown)

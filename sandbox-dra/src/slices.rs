@@ -1,2 +1,472 @@
 //! The node's devices as ResourceSlices: one pool per node, one device per GPU that can be
 //! passed through.
+//!
+//! Which GPUs: exactly those vfio-manager would bind ([`vfio_manager::select`] with its default
+//! selector: NVIDIA display functions that are not VFs, each with the other endpoint functions
+//! of its IOMMU group), so that a device published here is one prepare can put on VFIO whole.
+//! A device is one IOMMU group: the group travels to the VM whole, so two GPUs sharing a group
+//! (behind a switch without ACS) are one device, named after the first, the other listed
+//! among its companions.
+//!
+//! A GPU that cannot be given to a VM is left out of the slice rather than published with a
+//! taint (device taints are alpha in Kubernetes 1.34, off by default), with the reason logged:
+//! a group vfio-manager refuses (a foreign or unreadable member, no IOMMU group), and a GPU
+//! on its VFIO driver whose `/dev/vfio/<group>` node is missing (the kernel did not make the
+//! group viable).
+//!
+//! What a device says, for claims to select on (attributes in the driver's domain unless
+//! named otherwise):
+//!
+//! | attribute | example |
+//! |---|---|
+//! | `mode` | `passthrough` |
+//! | `vendorID`, `deviceID` | `10de`, `2236` |
+//! | `productName` (pci.ids; left out when unknown) | `GA102GL [A10]` |
+//! | `resource.kubernetes.io/pciBusID` (the standard attribute KubeVirt reads) | `0000:41:00.0` |
+//! | `numaNode` (left out when the kernel does not say) | `0` |
+//! | `iommuGroup` | `21` |
+//! | `functions` (how many PCI functions go to the VM) | `2` |
+//! | `companions` (the other functions, comma-separated; left out when none) | `0000:41:00.1` |
+//! | `vfioDriver` (`vfio-pci`, or the variant driver `modules.alias` names) | `vfio-pci` |
+//!
+//! and its capacity `memory` (the GPU's framebuffer, `24Gi`) where the model is known.
+
+use std::collections::BTreeMap;
+
+use common::{Inventory, PciAddress, PciDevice, PciIds, is_vfio_driver};
+use k8s_openapi::api::resource::v1::{
+    Device, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSlice, ResourceSliceSpec,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use vfio_manager::select::{Selection, Target};
+
+use crate::names;
+
+/// The standard attribute naming a device's PCI address (KEP-5304), which KubeVirt reads.
+pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
+
+/// The `mode` attribute of a whole GPU given to a VM.
+pub const MODE_PASSTHROUGH: &str = "passthrough";
+
+/// The longest string attribute value the API accepts.
+const MAX_STRING_ATTRIBUTE: usize = 64;
+
+/// A GPU left out of the slice, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeftOut {
+    /// The GPU.
+    pub address: PciAddress,
+    /// A sentence naming the reason.
+    pub reason: String,
+}
+
+/// The devices of the node, in name order, and the GPUs left out.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct NodeDevices {
+    /// One per IOMMU group holding a selected GPU.
+    pub devices: Vec<Device>,
+    /// Selected GPUs that are not published.
+    pub left_out: Vec<LeftOut>,
+}
+
+/// The devices `inv` has for the slice, from vfio-manager's selection `sel` of it; product
+/// names from `ids`.
+pub fn devices(inv: &Inventory, sel: &Selection, ids: &PciIds) -> NodeDevices {
+    let mut out = NodeDevices::default();
+    for r in &sel.refused {
+        out.left_out.push(LeftOut {
+            address: r.address,
+            reason: r.reason.clone(),
+        });
+    }
+    for (&group, targets) in &sel.groups {
+        let Some(first) = targets.iter().find(|t| t.primary) else {
+            continue; // a group holds targets only for its GPUs' sake
+        };
+        let Some(gpu) = inv.device(&first.address) else {
+            continue; // selected from this inventory: always there
+        };
+        if gpu.driver.as_deref().is_some_and(is_vfio_driver) && !inv.vfio_nodes.contains(&group) {
+            out.left_out.push(LeftOut {
+                address: gpu.address,
+                reason: format!(
+                    "{} is on {} but /dev/vfio/{group} is missing: the kernel did not make \
+                     IOMMU group {group} viable",
+                    gpu.address,
+                    gpu.driver.as_deref().unwrap_or_default()
+                ),
+            });
+            continue;
+        }
+        out.devices.push(device(gpu, first, group, targets, ids));
+    }
+    out.devices.sort_by(|a, b| a.name.cmp(&b.name));
+    out.left_out.sort_by_key(|l| l.address);
+    out
+}
+
+fn string(s: impl Into<String>) -> DeviceAttribute {
+    DeviceAttribute {
+        string: Some(s.into()),
+        ..Default::default()
+    }
+}
+
+fn int(i: impl Into<i64>) -> DeviceAttribute {
+    DeviceAttribute {
+        int: Some(i.into()),
+        ..Default::default()
+    }
+}
+
+/// The device of IOMMU group `group`, named after `gpu` (its first GPU, `first` its target).
+fn device(gpu: &PciDevice, first: &Target, group: u32, targets: &[Target], ids: &PciIds) -> Device {
+    let mut attrs = BTreeMap::new();
+    attrs.insert("mode".to_string(), string(MODE_PASSTHROUGH));
+    attrs.insert(
+        "vendorID".to_string(),
+        string(format!("{:04x}", gpu.vendor)),
+    );
+    attrs.insert(
+        "deviceID".to_string(),
+        string(format!("{:04x}", gpu.device)),
+    );
+    if let Some(name) = ids.device_name(gpu.vendor, gpu.device) {
+        let name = truncate(&name);
+        attrs.insert("productName".to_string(), string(name));
+    }
+    attrs.insert(PCI_BUS_ID.to_string(), string(gpu.address.to_string()));
+    if let Some(n) = gpu.numa_node {
+        attrs.insert("numaNode".to_string(), int(n));
+    }
+    attrs.insert("iommuGroup".to_string(), int(group));
+    attrs.insert(
+        "functions".to_string(),
+        int(i64::try_from(targets.len()).unwrap_or(i64::MAX)),
+    );
+    let companions: Vec<String> = targets
+        .iter()
+        .filter(|t| t.address != gpu.address)
+        .map(|t| t.address.to_string())
+        .collect();
+    if !companions.is_empty() {
+        let joined = companions.join(",");
+        if joined.len() <= MAX_STRING_ATTRIBUTE {
+            attrs.insert("companions".to_string(), string(joined));
+        } else {
+            // Only a group of six or more functions gets here; `functions` still counts them.
+            tracing::debug!(group, companions = %joined, "companion list too long for an attribute");
+        }
+    }
+    attrs.insert("vfioDriver".to_string(), string(first.target.clone()));
+    Device {
+        name: names::gpu_device(&gpu.address),
+        attributes: Some(attrs),
+        capacity: framebuffer(gpu).map(|q| {
+            BTreeMap::from([(
+                "memory".to_string(),
+                DeviceCapacity {
+                    value: q,
+                    ..Default::default()
+                },
+            )])
+        }),
+        ..Default::default()
+    }
+}
+
+/// The GPU's framebuffer, from the model table vgpu-device-manager plans with. `None` for a
+/// model it does not know (workstation and older datacenter GPUs): sysfs does not show a
+/// GPU's memory while it is not on nvidia, so there is nothing else to read it from.
+fn framebuffer(gpu: &PciDevice) -> Option<Quantity> {
+    vgpu_device_manager::models::model(gpu.vendor, gpu.device)
+        .map(|m| Quantity(format!("{}Gi", m.memory_gib)))
+}
+
+/// `s` cut to the longest prefix the API takes as a string attribute.
+fn truncate(s: &str) -> String {
+    let mut end = s.len().min(MAX_STRING_ATTRIBUTE);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
+}
+
+/// What identifies the node's pool and slice.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pool {
+    /// The driver name.
+    pub driver: String,
+    /// The node's name: the pool's name and the slice's `nodeName`.
+    pub node_name: String,
+    /// The Node's UID, for the owner reference that has Kubernetes' garbage collector delete
+    /// the slice with the Node; `None` until it is known.
+    pub node_uid: Option<String>,
+}
+
+impl Pool {
+    /// The slice's name: `<node>-<driver>`, one per node and driver. A name over 253
+    /// characters (the API's limit) keeps its end, the driver's part.
+    pub fn slice_name(&self) -> String {
+        let name = format!("{}-{}", self.node_name, self.driver);
+        match name.len().checked_sub(253) {
+            Some(extra) if extra > 0 => name[extra..].trim_start_matches(['-', '.']).to_string(),
+            _ => name,
+        }
+    }
+
+    /// The owner reference to the Node, when its UID is known.
+    pub fn owner(&self) -> Option<OwnerReference> {
+        Some(OwnerReference {
+            api_version: "v1".to_string(),
+            kind: "Node".to_string(),
+            name: self.node_name.clone(),
+            uid: self.node_uid.clone()?,
+            controller: Some(true),
+            block_owner_deletion: None,
+        })
+    }
+
+    /// The node's slice holding `devices`, at pool `generation`.
+    pub fn slice(&self, devices: Vec<Device>, generation: i64) -> ResourceSlice {
+        ResourceSlice {
+            metadata: ObjectMeta {
+                name: Some(self.slice_name()),
+                owner_references: self.owner().map(|o| vec![o]),
+                ..Default::default()
+            },
+            spec: ResourceSliceSpec {
+                driver: self.driver.clone(),
+                node_name: Some(self.node_name.clone()),
+                pool: ResourcePool {
+                    name: self.node_name.clone(),
+                    generation,
+                    resource_slice_count: 1,
+                },
+                devices: Some(devices),
+                ..Default::default()
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vfio_manager::alias::AliasTable;
+    use vfio_manager::select::{Selector, select};
+
+    const NVIDIA: u16 = 0x10de;
+
+    fn dev(addr: &str, device: u16, class: u32, group: u32, driver: &str) -> PciDevice {
+        PciDevice {
+            driver: Some(driver.into()),
+            iommu_group: Some(group),
+            numa_node: Some(1),
+            modalias: Some(format!(
+                "pci:v000010DEd0000{device:04X}sv000010DEsd00001482bc{:02X}sc{:02X}i00",
+                class >> 16,
+                (class >> 8) & 0xff
+            )),
+            ..PciDevice::new(addr.parse().unwrap(), NVIDIA, device, class)
+        }
+    }
+
+    fn inv(devs: Vec<PciDevice>, vfio_nodes: &[u32]) -> Inventory {
+        Inventory {
+            devices: devs.into_iter().map(|d| (d.address, d)).collect(),
+            vfio_nodes: vfio_nodes.iter().copied().collect(),
+            ..Default::default()
+        }
+    }
+
+    fn node_devices(inv: &Inventory, aliases: &str) -> NodeDevices {
+        let sel = select(inv, &Selector::default(), None, &AliasTable::parse(aliases));
+        devices(inv, &sel, &PciIds::embedded())
+    }
+
+    fn attr<'a>(d: &'a Device, key: &str) -> Option<&'a DeviceAttribute> {
+        d.attributes.as_ref().unwrap().get(key)
+    }
+
+    fn s<'a>(d: &'a Device, key: &str) -> Option<&'a str> {
+        attr(d, key).and_then(|a| a.string.as_deref())
+    }
+
+    fn i(d: &Device, key: &str) -> Option<i64> {
+        attr(d, key).and_then(|a| a.int)
+    }
+
+    #[test]
+    fn an_a10_is_described_for_selection() {
+        let inv = inv(
+            vec![dev("0000:41:00.0", 0x2236, 0x030200, 21, "nvidia")],
+            &[],
+        );
+        let nd = node_devices(&inv, "");
+        assert!(nd.left_out.is_empty(), "{:?}", nd.left_out);
+        let [d] = &nd.devices[..] else {
+            panic!("{:?}", nd.devices)
+        };
+        assert_eq!(d.name, "gpu-0000-41-00-0");
+        assert_eq!(s(d, "mode"), Some("passthrough"));
+        assert_eq!(s(d, "vendorID"), Some("10de"));
+        assert_eq!(s(d, "deviceID"), Some("2236"));
+        assert_eq!(s(d, "productName"), Some("GA102GL [A10]"));
+        assert_eq!(s(d, PCI_BUS_ID), Some("0000:41:00.0"));
+        assert_eq!(i(d, "numaNode"), Some(1));
+        assert_eq!(i(d, "iommuGroup"), Some(21));
+        assert_eq!(i(d, "functions"), Some(1));
+        assert_eq!(attr(d, "companions"), None);
+        assert_eq!(s(d, "vfioDriver"), Some("vfio-pci"));
+        let cap = d.capacity.as_ref().unwrap();
+        assert_eq!(cap["memory"].value, Quantity("24Gi".into()));
+        // Every attribute name is one the API accepts: a C identifier of at most 32
+        // characters, optionally behind a domain.
+        for k in d.attributes.as_ref().unwrap().keys() {
+            let id = k.rsplit('/').next().unwrap();
+            assert!(id.len() <= 32 && !id.starts_with(|c: char| c.is_ascii_digit()));
+            assert!(
+                id.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
+                "{k}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_audio_function_travels_with_its_gpu_and_unknown_models_have_no_capacity() {
+        // A workstation GPU with its HDMI audio function in the same group, on the host's
+        // drivers; the numa node unknown.
+        let mut gpu = dev("0000:01:00.0", 0x2684, 0x030000, 1, "nvidia");
+        gpu.numa_node = None;
+        let audio = dev("0000:01:00.1", 0x22ba, 0x040300, 1, "snd_hda_intel");
+        let nd = node_devices(&inv(vec![gpu, audio], &[]), "");
+        let [d] = &nd.devices[..] else {
+            panic!("{:?}", nd.devices)
+        };
+        assert_eq!(d.name, "gpu-0000-01-00-0");
+        assert_eq!(s(d, "companions"), Some("0000:01:00.1"));
+        assert_eq!(i(d, "functions"), Some(2));
+        assert_eq!(i(d, "numaNode"), None);
+        assert_eq!(
+            d.capacity, None,
+            "the RTX 4090's memory is not in the model table"
+        );
+    }
+
+    #[test]
+    fn the_variant_driver_from_modules_alias_is_named() {
+        let inv = inv(
+            vec![dev("0000:09:00.0", 0x2342, 0x030200, 9, "nvidia")],
+            &[],
+        );
+        let nd = node_devices(
+            &inv,
+            "alias vfio_pci:v000010DEd00002342sv*sd*bc03sc*i* nvgrace_gpu_vfio_pci\n",
+        );
+        assert_eq!(
+            s(&nd.devices[0], "vfioDriver"),
+            Some("nvgrace_gpu_vfio_pci")
+        );
+    }
+
+    #[test]
+    fn two_gpus_in_one_group_are_one_device() {
+        let inv = inv(
+            vec![
+                dev("0000:41:00.0", 0x2236, 0x030200, 5, "nvidia"),
+                dev("0000:42:00.0", 0x2236, 0x030200, 5, "nvidia"),
+            ],
+            &[],
+        );
+        let nd = node_devices(&inv, "");
+        let [d] = &nd.devices[..] else {
+            panic!("{:?}", nd.devices)
+        };
+        assert_eq!(d.name, "gpu-0000-41-00-0");
+        assert_eq!(s(d, "companions"), Some("0000:42:00.0"));
+    }
+
+    #[test]
+    fn refused_groups_and_unviable_groups_are_left_out_with_the_reason() {
+        let mut nic = dev("0000:61:00.1", 0x1572, 0x020000, 37, "i40e");
+        nic.vendor = 0x8086;
+        let inv = inv(
+            vec![
+                dev("0000:41:00.0", 0x2236, 0x030200, 21, "vfio-pci"),
+                dev("0000:61:00.0", 0x2236, 0x030200, 37, "nvidia"),
+                nic,
+                dev("0000:81:00.0", 0x2236, 0x030200, 50, "vfio-pci"),
+            ],
+            &[50],
+        );
+        let nd = node_devices(&inv, "");
+        let names: Vec<&str> = nd.devices.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["gpu-0000-81-00-0"]);
+        let [missing, foreign] = &nd.left_out[..] else {
+            panic!("{:?}", nd.left_out)
+        };
+        assert_eq!(missing.address.to_string(), "0000:41:00.0");
+        assert!(
+            missing.reason.contains("/dev/vfio/21 is missing"),
+            "{}",
+            missing.reason
+        );
+        assert_eq!(foreign.address.to_string(), "0000:61:00.0");
+        assert!(
+            foreign.reason.contains("0000:61:00.1"),
+            "{}",
+            foreign.reason
+        );
+    }
+
+    #[test]
+    fn the_slice_is_the_nodes_pool_owned_by_its_node() {
+        let pool = Pool {
+            driver: "gpu.gpu-vm-node.io".into(),
+            node_name: "node-a".into(),
+            node_uid: Some("uid-1".into()),
+        };
+        let inv = inv(
+            vec![dev("0000:41:00.0", 0x2236, 0x030200, 21, "nvidia")],
+            &[],
+        );
+        let devs = node_devices(&inv, "").devices;
+        let slice = pool.slice(devs.clone(), 3);
+        assert_eq!(
+            slice.metadata.name.as_deref(),
+            Some("node-a-gpu.gpu-vm-node.io")
+        );
+        let owner = &slice.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.name.as_str(), owner.uid.as_str()),
+            ("Node", "node-a", "uid-1")
+        );
+        assert_eq!(slice.spec.driver, "gpu.gpu-vm-node.io");
+        assert_eq!(slice.spec.node_name.as_deref(), Some("node-a"));
+        assert_eq!(slice.spec.pool.name, "node-a");
+        assert_eq!(slice.spec.pool.generation, 3);
+        assert_eq!(slice.spec.pool.resource_slice_count, 1);
+        assert_eq!(slice.spec.devices, Some(devs));
+
+        let unknown = Pool {
+            node_uid: None,
+            ..pool
+        };
+        assert_eq!(unknown.slice(vec![], 1).metadata.owner_references, None);
+    }
+
+    #[test]
+    fn long_slice_names_keep_the_driver() {
+        let pool = Pool {
+            driver: "gpu.gpu-vm-node.io".into(),
+            node_name: "n".repeat(250),
+            node_uid: None,
+        };
+        let name = pool.slice_name();
+        assert!(name.len() <= 253);
+        assert!(name.ends_with("-gpu.gpu-vm-node.io"), "{name}");
+        assert!(name.starts_with('n'));
+    }
+}

@@ -11,6 +11,12 @@
 //! - `PATCH /api/v1/nodes/NAME` — a JSON merge patch of `metadata.labels` and
 //!   `metadata.annotations` (`null` deletes).
 //!
+//! and ResourceSlices (`resource.k8s.io/v1`), as a DRA driver publishes them with kube-rs
+//! (see [`serve_slices`]): list (with a `fieldSelector` on `spec.nodeName` / `spec.driver`),
+//! get, create, replace, server-side apply (the applied object replaces the stored one) and
+//! delete. [`FakeApiServer::delete_node`] deletes the Node the way the garbage collector
+//! follows it: slices whose owner reference names the Node's UID go with it.
+//!
 //! Tests change labels with [`FakeApiServer::set_label`] and read what the daemon wrote with
 //! [`FakeApiServer::label`], [`FakeApiServer::annotation`] and
 //! [`FakeApiServer::label_history`]. [`FakeApiServer::kubeconfig`] is a file pointing at it.
@@ -38,7 +44,21 @@ struct Inner {
     /// Every (key, value) a PATCH set, in order (`None` = deleted).
     patched: Vec<(String, Option<String>)>,
     requests: Vec<String>,
+    /// ResourceSlices by name.
+    slices: BTreeMap<String, Value>,
+    /// The last resourceVersion given to a ResourceSlice.
+    slice_version: u64,
+    /// Whether the Node exists.
+    node_exists: bool,
+    /// The Node's UID ([`NODE_UID`] until [`FakeApiServer::recreate_node`]).
+    node_uid: String,
 }
+
+/// The Node's UID when the server starts.
+pub const NODE_UID: &str = "00000000-0000-4000-8000-000000000001";
+
+/// Where ResourceSlices are served.
+const SLICES: &str = "/apis/resource.k8s.io/v1/resourceslices";
 
 impl Inner {
     fn node(&self) -> Value {
@@ -47,7 +67,7 @@ impl Inner {
             "kind": "Node",
             "metadata": {
                 "name": self.name,
-                "uid": "00000000-0000-4000-8000-000000000001",
+                "uid": self.node_uid,
                 "resourceVersion": self.version.to_string(),
                 "labels": self.labels,
                 "annotations": self.annotations,
@@ -107,6 +127,10 @@ impl FakeApiServer {
                 version: 1,
                 patched: Vec::new(),
                 requests: Vec::new(),
+                slices: BTreeMap::new(),
+                slice_version: 0,
+                node_exists: true,
+                node_uid: NODE_UID.to_string(),
             }),
             claims: Default::default(),
             changed: Condvar::new(),
@@ -205,6 +229,89 @@ impl FakeApiServer {
     }
 }
 
+/// ResourceSlices.
+impl FakeApiServer {
+    /// The ResourceSlices held, in name order.
+    pub fn slices(&self) -> Vec<Value> {
+        self.shared.lock().slices.values().cloned().collect()
+    }
+
+    /// The ResourceSlice `name`.
+    pub fn slice(&self, name: &str) -> Option<Value> {
+        self.shared.lock().slices.get(name).cloned()
+    }
+
+    /// Stores `slice` as if someone had created it (a stale slice for a test).
+    pub fn put_slice(&self, mut slice: Value) {
+        let mut i = self.shared.lock();
+        i.slice_version += 1;
+        let name = slice["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        slice["metadata"]["resourceVersion"] = json!(i.slice_version.to_string());
+        i.slices.insert(name, slice);
+    }
+
+    /// Deletes the ResourceSlice `name` as kubelet's wipe would; whether it existed.
+    pub fn delete_slice(&self, name: &str) -> bool {
+        self.shared.lock().slices.remove(name).is_some()
+    }
+
+    /// Deletes the Node; the garbage collector's part follows: every slice with an owner
+    /// reference to a Node of its UID goes too. Returns the names of the slices deleted.
+    pub fn delete_node(&self) -> Vec<String> {
+        let mut i = self.shared.lock();
+        i.node_exists = false;
+        let uid = i.node_uid.clone();
+        let owned: Vec<String> = i
+            .slices
+            .iter()
+            .filter(|(_, s)| {
+                s["metadata"]["ownerReferences"]
+                    .as_array()
+                    .is_some_and(|refs| refs.iter().any(|r| r["kind"] == "Node" && r["uid"] == uid))
+            })
+            .map(|(n, _)| n.clone())
+            .collect();
+        for n in &owned {
+            i.slices.remove(n);
+        }
+        owned
+    }
+
+    /// Registers the Node again (after [`FakeApiServer::delete_node`]) with a new `uid`, as
+    /// a node that rejoins the cluster.
+    pub fn recreate_node(&self, uid: &str) {
+        let mut i = self.shared.lock();
+        i.node_exists = true;
+        i.node_uid = uid.to_string();
+        i.version += 1;
+        drop(i);
+        self.shared.changed.notify_all();
+    }
+
+    /// Waits until `f` holds for the slices (polling), up to `timeout`; the slices then, or
+    /// `None` when it never did.
+    pub fn wait_for_slices(
+        &self,
+        timeout: Duration,
+        f: impl Fn(&[Value]) -> bool,
+    ) -> Option<Vec<Value>> {
+        let start = Instant::now();
+        loop {
+            let now = self.slices();
+            if f(&now) {
+                return Some(now);
+            }
+            if start.elapsed() >= timeout {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
 impl Drop for FakeApiServer {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
@@ -283,7 +390,9 @@ fn respond(w: &mut TcpStream, code: u16, body: &Value) -> std::io::Result<()> {
     let text = body.to_string();
     let reason = match code {
         200 => "OK",
+        201 => "Created",
         404 => "Not Found",
+        409 => "Conflict",
         _ => "Error",
     };
     write!(
@@ -294,8 +403,18 @@ fn respond(w: &mut TcpStream, code: u16, body: &Value) -> std::io::Result<()> {
     w.flush()
 }
 
+/// A failure `Status`, with the `reason` clients match on (kube-rs's `get_opt` takes a 404
+/// as absent only with reason `NotFound`).
 fn status(code: u16, msg: &str) -> Value {
-    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": msg, "code": code})
+    let reason = match code {
+        404 => "NotFound",
+        409 => "Conflict",
+        422 => "Invalid",
+        405 => "MethodNotAllowed",
+        _ => "BadRequest",
+    };
+    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": msg,
+           "reason": reason, "code": code})
 }
 
 fn serve(s: &Shared, conn: TcpStream) -> std::io::Result<()> {
@@ -340,8 +459,18 @@ fn serve(s: &Shared, conn: TcpStream) -> std::io::Result<()> {
                 respond(&mut w, 200, &list)?;
             }
             ("GET", p) if p == node_path => {
-                let n = s.lock().node();
-                respond(&mut w, 200, &n)?;
+                let i = s.lock();
+                let (code, body) = if i.node_exists {
+                    (200, i.node())
+                } else {
+                    (404, status(404, &format!("nodes \"{name}\" not found")))
+                };
+                drop(i);
+                respond(&mut w, code, &body)?;
+            }
+            (_, p) if p == SLICES || p.starts_with(&format!("{SLICES}/")) => {
+                let (code, body) = serve_slices(s, &req);
+                respond(&mut w, code, &body)?;
             }
             ("PATCH", p) if p == node_path => {
                 let patch: Value = match serde_json::from_slice(&req.body) {
@@ -387,6 +516,111 @@ fn serve(s: &Shared, conn: TcpStream) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Whether `slice` matches a `fieldSelector` of `spec.nodeName=…` / `spec.driver=…` terms.
+fn slice_selected(slice: &Value, selector: Option<&String>) -> bool {
+    let Some(sel) = selector else { return true };
+    sel.split(',').filter(|t| !t.is_empty()).all(|term| {
+        let Some((field, want)) = term.split_once('=') else {
+            return false;
+        };
+        let have = match field {
+            "spec.nodeName" => slice["spec"]["nodeName"].as_str(),
+            "spec.driver" => slice["spec"]["driver"].as_str(),
+            "metadata.name" => slice["metadata"]["name"].as_str(),
+            _ => return false,
+        };
+        have.unwrap_or_default() == want
+    })
+}
+
+/// One ResourceSlice request: the status code and the body.
+fn serve_slices(s: &Shared, req: &Request) -> (u16, Value) {
+    let name = req
+        .path
+        .strip_prefix(SLICES)
+        .and_then(|r| r.strip_prefix('/'))
+        .filter(|n| !n.is_empty());
+    let not_found = |n: &str| {
+        status(
+            404,
+            &format!("resourceslices.resource.k8s.io \"{n}\" not found"),
+        )
+    };
+    let body = || serde_json::from_slice::<Value>(&req.body);
+    let mut i = s.lock();
+    match (req.method.as_str(), name) {
+        ("GET", None) => {
+            let items: Vec<Value> = i
+                .slices
+                .values()
+                .filter(|v| slice_selected(v, req.query.get("fieldSelector")))
+                .cloned()
+                .collect();
+            let list = json!({
+                "kind": "ResourceSliceList", "apiVersion": "resource.k8s.io/v1",
+                "metadata": {"resourceVersion": i.slice_version.to_string()},
+                "items": items,
+            });
+            (200, list)
+        }
+        ("GET", Some(n)) => match i.slices.get(n) {
+            Some(v) => (200, v.clone()),
+            None => (404, not_found(n)),
+        },
+        ("DELETE", Some(n)) => match i.slices.remove(n) {
+            Some(v) => (200, v),
+            None => (404, not_found(n)),
+        },
+        (method @ ("POST" | "PUT" | "PATCH"), n) => {
+            let mut obj = match body() {
+                Ok(v) => v,
+                Err(e) => return (400, status(400, &format!("bad body: {e}"))),
+            };
+            let Some(obj_name) = obj["metadata"]["name"].as_str().map(str::to_string) else {
+                return (422, status(422, "metadata.name is required"));
+            };
+            if n.is_some_and(|n| n != obj_name) {
+                return (
+                    400,
+                    status(400, "the name in the body does not match the URL"),
+                );
+            }
+            let existing = i.slices.get(&obj_name).cloned();
+            match (method, &existing) {
+                ("POST", Some(_)) => {
+                    return (
+                        409,
+                        status(
+                            409,
+                            &format!("resourceslices \"{obj_name}\" already exists"),
+                        ),
+                    );
+                }
+                ("PUT", None) => return (404, not_found(&obj_name)),
+                ("PUT", Some(old)) => {
+                    let rv = &obj["metadata"]["resourceVersion"];
+                    if !rv.is_null() && *rv != old["metadata"]["resourceVersion"] {
+                        return (409, status(409, "the object has been modified"));
+                    }
+                }
+                _ => {}
+            }
+            i.slice_version += 1;
+            let uid = existing
+                .as_ref()
+                .map(|o| o["metadata"]["uid"].clone())
+                .unwrap_or_else(|| json!(format!("slice-{}", i.slice_version)));
+            obj["metadata"]["uid"] = uid;
+            obj["metadata"]["resourceVersion"] = json!(i.slice_version.to_string());
+            obj["apiVersion"] = json!("resource.k8s.io/v1");
+            obj["kind"] = json!("ResourceSlice");
+            i.slices.insert(obj_name, obj.clone());
+            (if existing.is_some() { 200 } else { 201 }, obj)
+        }
+        _ => (405, status(405, "method not allowed")),
+    }
 }
 
 fn chunk(w: &mut TcpStream, data: &str) -> std::io::Result<()> {

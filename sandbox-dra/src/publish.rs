@@ -1,0 +1,291 @@
+//! Keeps the node's ResourceSlice ([`crate::slices`]) true in the API server.
+//!
+//! A pass reads the node, builds the devices and compares them with the slice the API server
+//! holds: when they differ (or the slice is gone) it applies the slice (server-side apply,
+//! field manager `sandbox-dra`, forced: this driver alone writes its node's slice) with the
+//! pool's generation one above the highest seen, so the scheduler takes it over any older
+//! copy; when they are equal it writes nothing. A pass runs at start, on every uevent that can
+//! change what is published (a GPU hot-plugged or removed, a driver bound or unbound, a VFIO
+//! group node appearing or going), when kubelet (re)registers the driver (kubelet deletes the
+//! node's slices when it starts and when a driver unregisters), and every
+//! `--resync-interval`. A pass that fails (the API server unreachable, a refusal) is retried
+//! after a backoff, 1 s doubling to 30 s.
+//!
+//! Cleaning up:
+//! - at start, slices of this driver on this node other than the one this process publishes
+//!   (a renamed node, an older naming) are deleted;
+//! - the slice carries an owner reference to its Node (with the Node's UID), so Kubernetes'
+//!   garbage collector deletes it when the Node object is deleted;
+//! - kubelet deletes the node's slices of a driver that unregistered (its registration socket
+//!   gone) and did not come back within its grace period, and all of the node's slices when it
+//!   starts; this process therefore leaves its slice in place when it stops (a rollout's
+//!   replacement finds it and keeps the generation).
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use common::uevent::{Monitor, Uevent};
+use common::{HostPaths, Inventory, PciIds, ReadOptions};
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use vfio_manager::select::{Selector, select};
+
+use crate::registration::Registered;
+use crate::slices::{self, LeftOut, NodeDevices, Pool};
+
+/// The field manager of the driver's writes.
+pub const FIELD_MANAGER: &str = "sandbox-dra";
+
+/// Uevent subsystems whose events can change the slice (events without one count too).
+const SUBSYSTEMS: &[&str] = &["pci", "vfio", "iommu", "drivers"];
+
+/// What the publisher needs besides the client and the host paths.
+#[derive(Clone, Debug)]
+pub struct PublishConfig {
+    /// The driver name.
+    pub driver: String,
+    /// This node's name.
+    pub node_name: String,
+    /// Product names.
+    pub pci_ids: PciIds,
+    /// How often to compare with the API server without an event.
+    pub resync_interval: Duration,
+}
+
+/// Reads the node's devices (on a blocking thread: sysfs reads).
+pub async fn read_devices(paths: &HostPaths, ids: &PciIds) -> anyhow::Result<NodeDevices> {
+    let (paths, ids) = (paths.clone(), ids.clone());
+    tokio::task::spawn_blocking(move || {
+        let opts = ReadOptions {
+            mdev_types: false,
+            vf_identity: false,
+        };
+        let inv = Inventory::read_with(&paths, &opts).with_context(|| {
+            format!(
+                "cannot read the node's PCI devices under {}",
+                paths.root().display()
+            )
+        })?;
+        for u in &inv.unreadable {
+            tracing::debug!(path = %u.path.display(), reason = %u.reason, "unreadable device skipped");
+        }
+        let aliases = vfio_manager::load_aliases(&paths);
+        let sel = select(&inv, &Selector::default(), None, &aliases);
+        Ok(slices::devices(&inv, &sel, &ids))
+    })
+    .await
+    .context("the node reader failed")?
+}
+
+/// The publisher's state between passes.
+#[derive(Debug)]
+struct Publisher {
+    slices: Api<ResourceSlice>,
+    nodes: Api<Node>,
+    pool: Pool,
+    /// The pool generation last applied or adopted.
+    generation: i64,
+    /// The devices last applied or adopted.
+    published: Option<Vec<Device>>,
+    /// Stale slices were deleted.
+    cleaned: bool,
+    /// The GPUs left out at the last pass, to log changes only.
+    left_out: Vec<LeftOut>,
+}
+
+impl Publisher {
+    /// Deletes this driver's slices of this node other than ours; adopts ours.
+    async fn clean_up(&mut self) -> anyhow::Result<()> {
+        let name = self.pool.slice_name();
+        let fields = format!(
+            "spec.nodeName={},spec.driver={}",
+            self.pool.node_name, self.pool.driver
+        );
+        let list = self
+            .slices
+            .list(&ListParams::default().fields(&fields))
+            .await
+            .with_context(|| format!("cannot list ResourceSlices ({fields})"))?;
+        for s in list.items {
+            let Some(other) = s.metadata.name.as_deref() else {
+                continue;
+            };
+            if other == name {
+                continue;
+            }
+            match self.slices.delete(other, &DeleteParams::default()).await {
+                Ok(_) => {
+                    tracing::info!(slice = other, "deleted a stale ResourceSlice of this node")
+                }
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => {
+                    return Err(e).with_context(|| format!("cannot delete ResourceSlice {other}"));
+                }
+            }
+        }
+        self.cleaned = true;
+        Ok(())
+    }
+
+    /// Makes the API server's slice hold `devices`; returns whether it wrote.
+    async fn publish(&mut self, devices: Vec<Device>) -> anyhow::Result<bool> {
+        // Read every pass: a Node deleted and registered again has a new UID, and a slice
+        // owned by the old one would be deleted by the garbage collector each time it is put
+        // back.
+        let node = self
+            .nodes
+            .get(&self.pool.node_name)
+            .await
+            .with_context(|| format!("cannot read Node {}", self.pool.node_name))?;
+        self.pool.node_uid = node.metadata.uid;
+        if !self.cleaned {
+            self.clean_up().await?;
+        }
+        let name = self.pool.slice_name();
+        let current = self
+            .slices
+            .get_opt(&name)
+            .await
+            .with_context(|| format!("cannot read ResourceSlice {name}"))?;
+        if let Some(cur) = &current {
+            let seen_gen = cur.spec.pool.generation;
+            let same_owner = cur.metadata.owner_references == self.pool.owner().map(|o| vec![o]);
+            let ours_unchanged =
+                seen_gen == self.generation && self.published.as_ref() == Some(&devices);
+            let holds_them =
+                self.published.is_none() && cur.spec.devices.as_ref() == Some(&devices);
+            let in_place = cur.spec.pool.name == self.pool.node_name
+                && cur.spec.pool.resource_slice_count == 1
+                && cur.spec.node_name.as_deref() == Some(self.pool.node_name.as_str());
+            if same_owner && in_place && (ours_unchanged || holds_them) {
+                self.generation = seen_gen;
+                self.published = Some(devices);
+                return Ok(false);
+            }
+        }
+        let seen = current.as_ref().map_or(0, |c| c.spec.pool.generation);
+        let generation = seen.max(self.generation) + 1;
+        let slice = self.pool.slice(devices.clone(), generation);
+        self.slices
+            .patch(
+                &name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&slice),
+            )
+            .await
+            .with_context(|| format!("cannot apply ResourceSlice {name}"))?;
+        tracing::info!(
+            slice = %name,
+            generation,
+            devices = ?devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>(),
+            "published the node's devices"
+        );
+        self.generation = generation;
+        self.published = Some(devices);
+        Ok(true)
+    }
+
+    /// Logs the GPUs left out when that set changes.
+    fn note_left_out(&mut self, left_out: Vec<LeftOut>) {
+        if left_out != self.left_out {
+            for l in &left_out {
+                tracing::warn!(gpu = %l.address, reason = %l.reason, "GPU not published");
+            }
+            self.left_out = left_out;
+        }
+    }
+}
+
+/// Publishes the node's slice until `shutdown`; `registered` follows kubelet's registration.
+/// Failures are logged and retried, never fatal: the driver keeps serving prepared claims.
+pub async fn run(
+    client: kube::Client,
+    cfg: PublishConfig,
+    paths: HostPaths,
+    mut registered: watch::Receiver<Registered>,
+    shutdown: CancellationToken,
+) {
+    let mut p = Publisher {
+        slices: Api::all(client.clone()),
+        nodes: Api::all(client),
+        pool: Pool {
+            driver: cfg.driver.clone(),
+            node_name: cfg.node_name.clone(),
+            node_uid: None,
+        },
+        generation: 0,
+        published: None,
+        cleaned: false,
+        left_out: Vec::new(),
+    };
+    let (tx, mut rx) = mpsc::unbounded_channel::<Uevent>();
+    // Listens until dropped, at the end of this function.
+    let monitor = Monitor::start(SUBSYSTEMS, move |ev| tx.send(ev).is_ok())
+        .inspect_err(|e| {
+            tracing::warn!(error = %e, "no uevents: the slice follows the node at the resync interval only")
+        })
+        .ok();
+    let mut events_open = monitor.is_some();
+    let mut registration_open = true;
+    let mut ticker = tokio::time::interval(cfg.resync_interval.max(Duration::from_millis(100)));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    const BACKOFF_MIN: Duration = Duration::from_secs(1);
+    const BACKOFF_MAX: Duration = Duration::from_secs(30);
+    let mut backoff = BACKOFF_MIN;
+    let mut retry: Option<tokio::time::Instant> = None;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = ticker.tick() => {}
+            _ = async { tokio::time::sleep_until(retry.unwrap_or_else(tokio::time::Instant::now)).await },
+                if retry.is_some() => {}
+            ev = rx.recv(), if events_open => match ev {
+                Some(ev) => {
+                    tracing::debug!(action = %ev.action, subject = ?ev.subject, "change seen");
+                    // Let a burst (a driver's unbind, probe and bind) settle into one pass.
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                    }
+                    while rx.try_recv().is_ok() {}
+                }
+                None => {
+                    events_open = false;
+                    continue;
+                }
+            },
+            changed = registered.changed(), if registration_open => {
+                if changed.is_err() {
+                    registration_open = false;
+                    continue;
+                }
+                if *registered.borrow_and_update() != Registered::Yes {
+                    continue;
+                }
+                tracing::debug!("kubelet registered the driver; checking the slice");
+            }
+        }
+        let outcome = match read_devices(&paths, &cfg.pci_ids).await {
+            Ok(nd) => {
+                p.note_left_out(nd.left_out);
+                p.publish(nd.devices).await
+            }
+            Err(e) => Err(e),
+        };
+        match outcome {
+            Ok(_) => {
+                retry = None;
+                backoff = BACKOFF_MIN;
+            }
+            Err(e) => {
+                tracing::error!(error = %format!("{e:#}"), retry_in = ?backoff, "cannot publish the node's ResourceSlice");
+                retry = Some(tokio::time::Instant::now() + backoff);
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+            }
+        }
+    }
+}

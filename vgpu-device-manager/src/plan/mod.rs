@@ -428,46 +428,25 @@ fn check_fit(
     vfs: Option<u32>,
 ) -> Vec<PlanError> {
     let mut errors = Vec::new();
-    if g.is_nvidia() && wanted.len() > 1 {
-        let types = wanted
-            .iter()
-            .map(|(k, _, _)| k.0.as_str())
-            .collect::<Vec<_>>()
-            .join(" and ");
-        if g.backend == Backend::MdevPf {
-            errors.push(PlanError::Mix {
-                profile: profile.into(),
-                entry: ei,
-                gpu: g.label(),
-                types,
-                why: "a GPU that hosts vGPUs itself (no SR-IOV) holds one vGPU type at a time"
-                    .into(),
-            });
-        } else {
-            let mut sizes: Vec<u64> = wanted
+    let sizes: Vec<u64> = wanted
+        .iter()
+        .filter_map(|(_, t, _)| t.framebuffer_mb)
+        .collect();
+    if g.is_nvidia()
+        && let Some(why) =
+            common::vgpu::mix_conflict(g.backend == Backend::MdevPf, wanted.len(), &sizes)
+    {
+        errors.push(PlanError::Mix {
+            profile: profile.into(),
+            entry: ei,
+            gpu: g.label(),
+            types: wanted
                 .iter()
-                .filter_map(|(_, t, _)| t.framebuffer_mb)
-                .collect();
-            sizes.sort();
-            sizes.dedup();
-            if sizes.len() > 1 {
-                errors.push(PlanError::Mix {
-                    profile: profile.into(),
-                    entry: ei,
-                    gpu: g.label(),
-                    types,
-                    why: format!(
-                        "all vGPUs on one GPU must have the same framebuffer size in equal-size \
-                         mode (sizes {} MiB)",
-                        sizes
-                            .iter()
-                            .map(|s| s.to_string())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ),
-                });
-            }
-        }
+                .map(|(k, _, _)| k.0.as_str())
+                .collect::<Vec<_>>()
+                .join(" and "),
+            why,
+        });
     }
     for (k, t, n) in wanted {
         if let Some(max) = t.max

@@ -148,6 +148,10 @@ pub struct Gpu {
     pub vgpus: Vec<Vgpu>,
     /// Parents that can take a vGPU: the PF itself (mdev on the PF) or each VF in order.
     pub slots: Vec<String>,
+    /// In sandbox-dp's on-demand pool ([`common::state::pool`]): sandbox-dp owns it and its
+    /// vGPUs; no profile touches it.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub pooled: bool,
 }
 
 impl Gpu {
@@ -205,6 +209,7 @@ pub fn discover(
                 types: p.types.iter().map(mdev_type_info).collect(),
                 vgpus: mdev_vgpus(inv, std::slice::from_ref(&p.name), usage),
                 slots: vec![p.name.clone()],
+                pooled: false,
             });
         }
     }
@@ -248,6 +253,7 @@ fn pci_gpu(
         types: Vec::new(),
         vgpus: Vec::new(),
         slots: Vec::new(),
+        pooled: false,
     };
     let vfs: Vec<&common::PciDevice> = dev.virtfns.iter().filter_map(|a| inv.device(a)).collect();
     if dev.mdev_parent {

@@ -121,6 +121,9 @@ pub struct Plan {
     pub gpus: Vec<GpuPlan>,
     /// Things worth saying that are not errors (an index that selects no GPU).
     pub warnings: Vec<String>,
+    /// GPUs the profile selects that are in sandbox-dp's on-demand pool: left alone.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub pooled: Vec<String>,
 }
 
 impl Plan {
@@ -135,7 +138,12 @@ impl Plan {
         for w in &self.warnings {
             s.push_str(&format!("warning: {w}\n"));
         }
-        if self.gpus.is_empty() {
+        for g in &self.pooled {
+            s.push_str(&format!(
+                "{g}: in sandbox-dp's on-demand pool; left alone\n"
+            ));
+        }
+        if self.gpus.is_empty() && self.pooled.is_empty() {
             s.push_str(&format!(
                 "profile {:?} selects no GPU on this node\n",
                 self.profile
@@ -298,7 +306,12 @@ pub fn plan(gpus: &[Gpu], name: &str, entries: &[Entry]) -> Result<Plan, Vec<Pla
         }
     }
     let mut out = Vec::new();
+    let mut pooled = Vec::new();
     for (gi, eis) in &chosen {
+        if gpus[*gi].pooled {
+            pooled.push(gpus[*gi].label());
+            continue;
+        }
         match plan_selected(&gpus[*gi], name, entries, eis) {
             Ok(p) => out.push(p),
             Err(mut e) => errors.append(&mut e),
@@ -309,6 +322,7 @@ pub fn plan(gpus: &[Gpu], name: &str, entries: &[Entry]) -> Result<Plan, Vec<Pla
             profile: name.into(),
             gpus: out,
             warnings,
+            pooled,
         })
     } else {
         Err(errors)

@@ -299,3 +299,164 @@ async fn restart_after_a_crash_removes_the_orphan_and_keeps_the_pods_vgpu() {
         "the pod's vGPU stays"
     );
 }
+
+/// `kill -9` while an Allocate's mdev create is being written, and again while a release's
+/// remove is: each next start removes what no pod holds, and the lists come back whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_during_create_and_during_remove_converges_on_restart() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let (_k, kdir) = kubelet_dir();
+    let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
+    let pods = FakePodResources::start(&pod_resources_socket(&kdir))
+        .await
+        .unwrap();
+    let args = [
+        "--on-demand",
+        GPU_A,
+        "--on-demand-poll",
+        "100ms",
+        "--on-demand-grace",
+        "1s",
+    ];
+    let slot = format!("{GPU_A}-A10-4Q-0");
+
+    // 1. Killed inside the create of an Allocate.
+    let mut d = Daemon::start(root, &kdir, &args);
+    let regs = kubelet.wait_for(&[A10_4Q], DEADLINE).await.unwrap();
+    let endpoint = regs[A10_4Q].endpoint.clone();
+    let mut p4 = kubelet.plugin(&endpoint).await.unwrap();
+    p4.list_and_watch()
+        .await
+        .unwrap()
+        .wait_until(DEADLINE, |l| l.len() == 6)
+        .await
+        .unwrap();
+    sim.control("fault create * delay=1000").unwrap();
+    let pending = tokio::spawn({
+        let slot = slot.clone();
+        async move { p4.allocate(&[&[slot.as_str()]]).await }
+    });
+    let r = root.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        eventually("the create is recorded before it is written", || {
+            records(&r).contains("\"creating\"")
+        })
+    })
+    .await
+    .unwrap();
+    d.child.kill().unwrap(); // SIGKILL
+    let _ = d.child.wait();
+    assert!(
+        pending.await.unwrap().is_err(),
+        "the Allocate got no answer"
+    );
+    sim.control("clear-faults").unwrap();
+
+    let _d = Daemon::start(root, &kdir, &args);
+    let r = root.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        eventually("no vGPU and no record once the grace is over", || {
+            std::fs::read_dir(r.join("sys/bus/mdev/devices"))
+                .unwrap()
+                .next()
+                .is_none()
+                && !records(&r).contains("A10-4Q-0")
+        })
+    })
+    .await
+    .unwrap();
+    let mut p4 = kubelet.plugin(&endpoint).await.unwrap();
+    let mut lw = p4.list_and_watch().await.unwrap();
+    lw.wait_until(DEADLINE, |l| l.len() == 6).await.unwrap();
+
+    // 2. Killed inside the remove of a release.
+    let resp = p4.allocate(&[&[slot.as_str()]]).await.unwrap();
+    let uuid =
+        resp.container_responses[0].envs["MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q"].clone();
+    pods.set_pods(vec![pod("vms", "vm-a", "compute", A10_4Q, &[&slot])]);
+    let r = root.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        eventually("the pod is seen", || records(&r).contains("\"seen\": true"))
+    })
+    .await
+    .unwrap();
+    sim.control("fault remove * delay=1000").unwrap();
+    pods.set_pods(vec![]);
+    let r = root.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        eventually("the remove is recorded before it is written", || {
+            records(&r).contains("\"removing\"")
+        })
+    })
+    .await
+    .unwrap();
+    drop(_d); // SIGKILL
+    sim.control("clear-faults").unwrap();
+    let _d = Daemon::start(root, &kdir, &args);
+    let r = root.to_path_buf();
+    let u = uuid.clone();
+    tokio::task::spawn_blocking(move || {
+        eventually("the vGPU and its record are gone", || {
+            !r.join(format!("sys/bus/mdev/devices/{u}")).exists() && !records(&r).contains(&u)
+        })
+    })
+    .await
+    .unwrap();
+    let mut p4 = kubelet.plugin(&endpoint).await.unwrap();
+    p4.list_and_watch()
+        .await
+        .unwrap()
+        .wait_until(DEADLINE, |l| l.len() == 6)
+        .await
+        .unwrap();
+}
+
+/// Two Allocates of different sizes racing for one GPU: one vGPU is made, the other call is
+/// refused naming the GPU and the type, and the GPU never holds two sizes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_allocates_of_two_sizes_on_one_gpu_make_one() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let (_k, kdir) = kubelet_dir();
+    let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
+    let _pods = FakePodResources::start(&pod_resources_socket(&kdir))
+        .await
+        .unwrap();
+    let _d = Daemon::start(root, &kdir, &["--on-demand", GPU_A]);
+    let regs = kubelet.wait_for(&[A10_4Q, A10_8Q], DEADLINE).await.unwrap();
+    let mut p4 = kubelet.plugin(&regs[A10_4Q].endpoint).await.unwrap();
+    let mut p8 = kubelet.plugin(&regs[A10_8Q].endpoint).await.unwrap();
+    let (s4, s8) = (format!("{GPU_A}-A10-4Q-0"), format!("{GPU_A}-A10-8Q-0"));
+    let (c4, c8): (&[&str], &[&str]) = (&[s4.as_str()], &[s8.as_str()]);
+    let (q4, q8) = ([c4], [c8]);
+    let (r4, r8) = tokio::join!(p4.allocate(&q4), p8.allocate(&q8));
+    let (ok, err) = match (r4, r8) {
+        (Ok(_), Err(e)) => ("NVIDIA A10-4Q", (e, "NVIDIA A10-8Q")),
+        (Err(e), Ok(_)) => ("NVIDIA A10-8Q", (e, "NVIDIA A10-4Q")),
+        other => panic!("expected one Allocate to succeed: {other:?}"),
+    };
+    let (e, lost) = err;
+    assert!(
+        e.message().contains(GPU_A) && e.message().contains(lost),
+        "{}",
+        e.message()
+    );
+    let names: Vec<String> = std::fs::read_dir(root.join("sys/bus/mdev/devices"))
+        .unwrap()
+        .map(|d| {
+            read(
+                root,
+                &format!(
+                    "sys/bus/mdev/devices/{}/mdev_type/name",
+                    d.unwrap().file_name().to_string_lossy()
+                ),
+            )
+        })
+        .collect();
+    assert_eq!(names, [ok]);
+}

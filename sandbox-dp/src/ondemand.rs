@@ -374,14 +374,33 @@ impl Pool {
         let _held = lock(&gl);
         let mut inv = Inventory::read_with(&self.paths, &READ_OPTIONS)
             .map_err(|e| format!("reading the node: {e}"))?;
-        if let Some(r) = self
-            .records()
-            .into_iter()
-            .find(|r| r.device == id && r.phase == Phase::Ready)
-            && let Some(c) = created(&mut inv, &self.paths, &r)
-        {
-            tracing::info!(device = id, vgpu = %r.handle, "reusing the vGPU made for this device");
-            return Ok(c);
+        // A record for this device: kubelet allocates it again (a restarted container, or a
+        // retry after this daemon died inside the first Allocate). Its vGPU, when it is there
+        // whole, is the answer; a partial one goes first.
+        if let Some(r) = self.records().into_iter().find(|r| r.device == id) {
+            if r.phase != Phase::Removing
+                && let Some(c) = created(&mut inv, &self.paths, &r)
+            {
+                if r.phase != Phase::Ready {
+                    self.update(|rs| {
+                        if let Some(x) = rs.iter_mut().find(|x| x.device == id) {
+                            x.phase = Phase::Ready;
+                        }
+                    })
+                    .map_err(|e| format!("recording the vGPU for {id}: {e:#}"))?;
+                }
+                tracing::info!(device = id, vgpu = %r.handle, "reusing the vGPU made for this device");
+                return Ok(c);
+            }
+            if exists(&inv, &r) {
+                self.destroy_handle_of(&r).map_err(|e| {
+                    format!("{resource}: removing {} {}: {e}", r.type_name, r.handle)
+                })?;
+            }
+            self.update(|rs| rs.retain(|x| x.device != id))
+                .map_err(|e| format!("recording the vGPU for {id}: {e:#}"))?;
+            inv = Inventory::read_with(&self.paths, &READ_OPTIONS)
+                .map_err(|e| format!("reading the node: {e}"))?;
         }
         if !self.gpus(&inv).contains(&gpu) {
             return Err(format!(

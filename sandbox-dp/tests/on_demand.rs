@@ -16,8 +16,14 @@ const A10_8Q: &str = "nvidia.com/NVIDIA_A10-8Q";
 const GPU_A: &str = "0000:41:00.0";
 const GPU_B: &str = "0000:61:00.0";
 
-fn pod_resources_socket(kdir: &Path) -> PathBuf {
-    kdir.parent().unwrap().join("pod-resources/kubelet.sock")
+/// A kubelet directory, the fake kubelet in it, and its PodResources service (no pods yet) where
+/// sandbox-dp looks by default.
+async fn kubelet_with_pods() -> (tempfile::TempDir, PathBuf, FakeKubelet, FakePodResources) {
+    let (k, kdir) = kubelet_dir();
+    let kubelet = FakeKubelet::start(&kdir).await.unwrap();
+    let socket = kdir.parent().unwrap().join("pod-resources/kubelet.sock");
+    let pods = FakePodResources::start(&socket).await.unwrap();
+    (k, kdir, kubelet, pods)
 }
 
 fn records(root: &Path) -> String {
@@ -49,11 +55,7 @@ async fn a10s_create_a_4q_on_allocate_and_remove_it_when_the_pod_is_gone() {
         return;
     };
     let root = sim.root();
-    let (_k, kdir) = kubelet_dir();
-    let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
-    let pods = FakePodResources::start(&pod_resources_socket(&kdir))
-        .await
-        .unwrap();
+    let (_k, kdir, mut kubelet, pods) = kubelet_with_pods().await;
     let _d = Daemon::start(
         root,
         &kdir,
@@ -102,6 +104,18 @@ async fn a10s_create_a_4q_on_allocate_and_remove_it_when_the_pod_is_gone() {
         host_paths(c),
         ["/dev/vfio/vfio".to_string(), format!("/dev/vfio/{group}")]
     );
+    // kubelet allocating the same device again (a restarted container) gets the same vGPU.
+    let again = p4.allocate(&[&[slot.as_str()]]).await.unwrap();
+    assert_eq!(
+        again.container_responses[0].envs["MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q"],
+        uuid
+    );
+    assert_eq!(
+        std::fs::read_dir(root.join("sys/bus/mdev/devices"))
+            .unwrap()
+            .count(),
+        1
+    );
     // GPU A now holds only 4Qs: its 8Qs go, GPU B's stay; the 4Q slots stay 12 (one taken).
     let l8 = lw8.wait_until(DEADLINE, |l| l.len() == 3).await.unwrap();
     assert!(ids(&l8).iter().all(|i| i.starts_with(GPU_B)), "{l8:?}");
@@ -148,11 +162,7 @@ async fn h100_sets_current_vgpu_type_on_a_free_vf_and_clears_it() {
     let pf = "0000:13:00.0";
     let r8 = "nvidia.com/NVIDIA_H100XM-8C";
     let r4 = "nvidia.com/NVIDIA_H100XM-4C";
-    let (_k, kdir) = kubelet_dir();
-    let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
-    let pods = FakePodResources::start(&pod_resources_socket(&kdir))
-        .await
-        .unwrap();
+    let (_k, kdir, mut kubelet, pods) = kubelet_with_pods().await;
     let _d = Daemon::start(
         root,
         &kdir,
@@ -258,11 +268,7 @@ async fn restart_after_a_crash_removes_the_orphan_and_keeps_the_pods_vgpu() {
         ),
     )
     .unwrap();
-    let (_k, kdir) = kubelet_dir();
-    let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
-    let _pods = FakePodResources::start(&pod_resources_socket(&kdir))
-        .await
-        .unwrap();
+    let (_k, kdir, mut kubelet, _pods) = kubelet_with_pods().await;
     _pods.set_pods(vec![pod(
         "vms",
         "vm-b",
@@ -308,11 +314,7 @@ async fn kill_during_create_and_during_remove_converges_on_restart() {
         return;
     };
     let root = sim.root();
-    let (_k, kdir) = kubelet_dir();
-    let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
-    let pods = FakePodResources::start(&pod_resources_socket(&kdir))
-        .await
-        .unwrap();
+    let (_k, kdir, mut kubelet, pods) = kubelet_with_pods().await;
     let args = [
         "--on-demand",
         GPU_A,
@@ -422,11 +424,7 @@ async fn racing_allocates_of_two_sizes_on_one_gpu_make_one() {
         return;
     };
     let root = sim.root();
-    let (_k, kdir) = kubelet_dir();
-    let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
-    let _pods = FakePodResources::start(&pod_resources_socket(&kdir))
-        .await
-        .unwrap();
+    let (_k, kdir, mut kubelet, _pods) = kubelet_with_pods().await;
     let _d = Daemon::start(root, &kdir, &["--on-demand", GPU_A]);
     let regs = kubelet.wait_for(&[A10_4Q, A10_8Q], DEADLINE).await.unwrap();
     let mut p4 = kubelet.plugin(&regs[A10_4Q].endpoint).await.unwrap();

@@ -68,6 +68,7 @@ pub mod pci;
 pub mod state;
 pub mod uevent;
 pub mod usage;
+pub mod vgpu;
 
 pub use error::{Error, Result};
 pub use inventory::{

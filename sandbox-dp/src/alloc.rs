@@ -88,6 +88,18 @@ pub fn allocate(
             ids: unhealthy,
         });
     }
+    Ok(respond(&res.env_var(), ids, &devs, nodes))
+}
+
+/// The answer for one container given `devs`, with `values` (their IDs: PCI addresses, mdev
+/// UUIDs) in the env var `env`: `/dev/vfio/vfio`, each group's node, and with iommufd the
+/// VFIO cdevs.
+pub fn respond(
+    env: &str,
+    values: &[String],
+    devs: &[&DeviceInfo],
+    nodes: &DevNodes,
+) -> ContainerAllocateResponse {
     let spec = |p: String| DeviceSpec {
         container_path: p.clone(),
         host_path: p,
@@ -114,17 +126,14 @@ pub fn allocate(
         }
     }
     let mut envs = HashMap::new();
-    envs.insert(res.env_var(), ids.join(","));
-    Ok(ContainerAllocateResponse {
+    envs.insert(env.to_string(), values.join(","));
+    ContainerAllocateResponse {
         envs,
         devices,
         ..Default::default()
-    })
+    }
 }
 
-/// A preferred allocation of `size` devices from `available`, `must` first; then devices on one
-/// NUMA node, then under one PCIe switch, then (vGPUs) on the fewest GPUs. Unknown IDs are
-/// still usable but carry no topology.
 pub fn preferred(
     res: &Resource,
     available: &[String],
@@ -244,6 +253,7 @@ mod tests {
             pci_selectors: BTreeSet::new(),
             type_names: BTreeSet::new(),
             devices: devs.into_iter().map(|d| (d.id.clone(), d)).collect(),
+            on_demand: false,
         }
     }
 

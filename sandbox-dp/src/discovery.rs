@@ -79,16 +79,19 @@ pub struct Resource {
     pub type_names: BTreeSet<String>,
     /// Devices by ID.
     pub devices: BTreeMap<String, DeviceInfo>,
+    /// Its devices are on-demand slots ([`crate::ondemand`]): Allocate creates the vGPU.
+    pub on_demand: bool,
 }
 
 impl Resource {
-    fn new(name: String, kind: Kind) -> Self {
+    pub(crate) fn new(name: String, kind: Kind) -> Self {
         Resource {
             name,
             kind,
             pci_selectors: BTreeSet::new(),
             type_names: BTreeSet::new(),
             devices: BTreeMap::new(),
+            on_demand: false,
         }
     }
 
@@ -107,6 +110,8 @@ pub struct DiscoverConfig {
     pub pci_ids: PciIds,
     /// `--resource-alias OLD=NEW`: OLD is a resource name or a `VVVV:DDDD` id.
     pub aliases: BTreeMap<String, String>,
+    /// `--on-demand`: the pool whose GPUs advertise slots instead of their vGPUs.
+    pub pool: Option<std::sync::Arc<crate::ondemand::Pool>>,
 }
 
 /// Everything discovered in one pass.
@@ -120,7 +125,7 @@ pub struct Snapshot {
 
 /// The switch a device sits under: the bridge above its downstream port (`bridges[1]`), or
 /// the only bridge (a root port) when it is attached directly.
-fn switch_of(dev: &PciDevice) -> Option<String> {
+pub(crate) fn switch_of(dev: &PciDevice) -> Option<String> {
     dev.bridges
         .get(1)
         .or(dev.bridges.first())
@@ -193,6 +198,7 @@ pub fn discover(inv: &Inventory, cfg: &DiscoverConfig) -> Snapshot {
     };
     let healthy = |g: Option<u32>| g.is_some_and(|g| inv.vfio_nodes.contains(&g));
     let gpu_of = |d: &PciDevice| d.physfn.unwrap_or(d.address);
+    let pooled: BTreeSet<PciAddress> = cfg.pool.as_ref().map(|p| p.gpus(inv)).unwrap_or_default();
 
     // Display functions on VFIO drivers, to leave out their group companions (HDMI audio).
     let passthrough: Vec<&PciDevice> = inv
@@ -245,6 +251,7 @@ pub fn discover(inv: &Inventory, cfg: &DiscoverConfig) -> Snapshot {
         let Some(v) = &d.nvidia_vgpu else { continue };
         if v.current == 0
             || !d.is_vf()
+            || pooled.contains(&gpu_of(d))
             || !vendor_ok(cfg, d.vendor)
             || d.driver.as_deref() != Some("nvidia")
         {
@@ -289,6 +296,7 @@ pub fn discover(inv: &Inventory, cfg: &DiscoverConfig) -> Snapshot {
         match parent {
             Some(p) if !vendor_ok(cfg, p.vendor) => continue,
             None if cfg.vendor.is_some() => continue,
+            Some(p) if pooled.contains(&gpu_of(p)) => continue,
             _ => {}
         }
         let type_name = m.type_name.clone().unwrap_or_else(|| m.type_id.clone());
@@ -325,6 +333,14 @@ pub fn discover(inv: &Inventory, cfg: &DiscoverConfig) -> Snapshot {
         );
     }
 
+    if let Some(pool) = &cfg.pool {
+        let name = |t: &str| alias(cfg, common::vgpu_resource_name(t), None);
+        for n in pool.advertise(inv, &name, &mut resources) {
+            cross_kind.insert(format!(
+                "resource name {n:?} is produced by devices outside the on-demand pool too; the pool's slots of it are not advertised (rename one with --resource-alias)"
+            ));
+        }
+    }
     let mut problems: Vec<String> = cross_kind.into_iter().collect();
     for (name, srcs) in &sources {
         if srcs.len() > 1 {
@@ -419,6 +435,7 @@ mod tests {
             vendor,
             pci_ids: PciIds::embedded(),
             aliases: BTreeMap::new(),
+            pool: None,
         }
     }
 

@@ -14,6 +14,7 @@ pub mod alloc;
 pub mod discovery;
 pub mod events;
 pub mod metrics;
+pub mod ondemand;
 pub mod plugin;
 pub mod report;
 
@@ -56,6 +57,9 @@ pub struct Config {
     /// costs at most one read per interval, its last event included. Group-node checks do not
     /// count.
     pub debounce: Duration,
+    /// With `--on-demand`: how often kubelet's PodResources `List` is asked which on-demand
+    /// vGPUs pods still hold.
+    pub on_demand_poll: Duration,
 }
 
 /// What sandbox-dp reads of the node. Instances carry their type name; the parents' type lists
@@ -66,9 +70,17 @@ const READ_OPTIONS: ReadOptions = ReadOptions {
     vf_identity: false,
 };
 
+/// [`READ_OPTIONS`], or with an on-demand pool the mdev types too (what is left to create).
+fn read_options(cfg: &DiscoverConfig) -> ReadOptions {
+    match cfg.pool {
+        Some(_) => ondemand::READ_OPTIONS,
+        None => READ_OPTIONS,
+    }
+}
+
 /// One read of the node: inventory → resources, plus the iommufd device nodes.
 pub fn read_node(paths: &HostPaths, cfg: &DiscoverConfig) -> anyhow::Result<(Snapshot, DevNodes)> {
-    let view = NodeView::read(paths)?;
+    let view = NodeView::read(paths, &read_options(cfg))?;
     Ok((discovery::discover(&view.inv, cfg), view.inv.dev_nodes))
 }
 
@@ -79,8 +91,8 @@ struct NodeView {
 }
 
 impl NodeView {
-    fn read(paths: &HostPaths) -> anyhow::Result<NodeView> {
-        let inv = Inventory::read_with(paths, &READ_OPTIONS)
+    fn read(paths: &HostPaths, opts: &ReadOptions) -> anyhow::Result<NodeView> {
+        let inv = Inventory::read_with(paths, opts)
             .with_context(|| format!("reading the node under {}", paths.root().display()))?;
         for u in &inv.unreadable {
             tracing::debug!(path = %u.path.display(), reason = %u.reason, "unreadable");
@@ -90,13 +102,18 @@ impl NodeView {
 
     /// Reads again what `pending` names: the whole node, or only the devices, group nodes and
     /// iommufd nodes events named.
-    fn update(&mut self, paths: &HostPaths, pending: &Pending) -> anyhow::Result<()> {
+    fn update(
+        &mut self,
+        paths: &HostPaths,
+        opts: &ReadOptions,
+        pending: &Pending,
+    ) -> anyhow::Result<()> {
         if pending.node {
-            *self = NodeView::read(paths)?;
+            *self = NodeView::read(paths, opts)?;
             return Ok(());
         }
         for a in &pending.pci {
-            self.inv.refresh_pci(paths, *a, &READ_OPTIONS);
+            self.inv.refresh_pci(paths, *a, opts);
         }
         for u in &pending.mdevs {
             self.inv.refresh_mdev(paths, u);
@@ -118,14 +135,15 @@ impl NodeView {
         cfg: &DiscoverConfig,
         pending: Pending,
     ) -> anyhow::Result<Snapshot> {
+        let opts = read_options(cfg);
         if !pending.reads_devices() {
-            self.update(paths, &pending)?;
+            self.update(paths, &opts, &pending)?;
             return Ok(discovery::discover(&self.inv, cfg));
         }
         let mut view = std::mem::take(self);
         let (p, c) = (paths.clone(), cfg.clone());
         let done = tokio::task::spawn_blocking(move || {
-            let res = view.update(&p, &pending);
+            let res = view.update(&p, &opts, &pending);
             let snap = discovery::discover(&view.inv, &c);
             (view, res.map(|()| snap))
         })
@@ -263,6 +281,7 @@ impl Manager {
             wake: self.wake.subscribe(),
             kubelet_generation: self.kubelet_generation.clone(),
             shutdown: self.shutdown.clone(),
+            pool: self.config.discover.pool.clone(),
         };
         let span = tracing::info_span!("resource", resource = %task.name);
         tasks.spawn(tracing::Instrument::instrument(task.run(), span));
@@ -277,7 +296,13 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         kubelet_dir = %config.kubelet_dir.display(),
         "starting"
     );
-    let metrics = Arc::new(Metrics::default());
+    // An on-demand pool counts its creations in the daemon's metrics.
+    let metrics: Arc<Metrics> = config
+        .discover
+        .pool
+        .as_ref()
+        .map(|p| p.metrics())
+        .unwrap_or_default();
     common::state::ensure_dir(&config.kubelet_dir).map_err(anyhow::Error::new)?;
     let (changes_tx, mut changes) = mpsc::unbounded_channel();
     // The uevent monitor joins its groups while the file watches are set up; both listen
@@ -296,6 +321,12 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     )?;
     let _uevents = events::listening(uevents);
 
+    if let Some(pool) = config.discover.pool.clone() {
+        tokio::task::spawn_blocking(move || pool.start())
+            .await
+            .context("on-demand pool task")?
+            .context("starting the on-demand pool")?;
+    }
     let mut view = NodeView::default();
     let first = Pending {
         node: true,
@@ -306,6 +337,9 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     let task_stop = shutdown.child_token();
     if let Some(addr) = config.metrics_addr {
         tasks.spawn(metrics::serve(addr, metrics.clone(), task_stop.clone()));
+    }
+    if let Some(pool) = config.discover.pool.clone() {
+        tasks.spawn(release_loop(pool, config.on_demand_poll, task_stop.clone()));
     }
     let mut mgr = Manager {
         config: config.clone(),
@@ -367,7 +401,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         tracing::debug!(?work, "reading again");
         if work.only_group_nodes() {
             // A group node came or went: its devices' health follows it, nothing else changes.
-            if let Err(e) = view.update(&paths, &work) {
+            if let Err(e) = view.update(&paths, &read_options(&config.discover), &work) {
                 tracing::warn!(
                     error = format!("{e:#}"),
                     "cannot check the group nodes; reading the node"
@@ -403,4 +437,25 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         }
     }
     Ok(result?)
+}
+
+/// Every `poll`, removes the on-demand vGPUs no pod holds ([`ondemand::Pool::reconcile`]); the
+/// uevents of the removals bring their slots back to the lists.
+async fn release_loop(
+    pool: Arc<ondemand::Pool>,
+    poll: Duration,
+    stop: CancellationToken,
+) -> anyhow::Result<()> {
+    let mut tick = tokio::time::interval(poll);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            _ = tick.tick() => {}
+        }
+        let p = pool.clone();
+        tokio::task::spawn_blocking(move || p.reconcile())
+            .await
+            .context("on-demand release task")?;
+    }
 }

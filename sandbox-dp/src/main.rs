@@ -9,12 +9,12 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use common::{PciIds, VendorSelector};
-use daemon_kit::cli::{HostArgs, LogArgs};
+use daemon_kit::cli::{HostArgs, LogArgs, PodResourcesArgs};
 use daemon_kit::daemon::Threads;
 use daemon_kit::duration;
 use daemon_kit::exit::{self, Report};
 use sandbox_dp::discovery::{DiscoverConfig, parse_alias};
-use sandbox_dp::{Config, report};
+use sandbox_dp::{Config, ondemand, report};
 
 /// Kubelet device plugin for NVIDIA GPUs given to KubeVirt VMs: whole GPUs on vfio-pci, mdev
 /// vGPUs and SR-IOV vGPU VFs. Resource names and env vars match NVIDIA's
@@ -57,6 +57,25 @@ struct Cli {
     )]
     resync_interval: Duration,
 
+    /// Create vGPUs when pods ask for them, on these GPUs: "all" (every GPU of --vendor on the
+    /// nvidia driver) or a comma list of PCI addresses. Each vGPU type they can host is
+    /// advertised with as many devices as could still be created; Allocate creates one, and it
+    /// is removed once no pod holds it. vgpu-device-manager leaves these GPUs alone.
+    #[arg(long, value_name = "all|BDF,...", value_parser = ondemand::parse_selector, global = true)]
+    on_demand: Option<ondemand::Selector>,
+
+    /// How often kubelet's PodResources API is asked which on-demand vGPUs pods still hold.
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = duration::parse, global = true)]
+    on_demand_poll: Duration,
+
+    /// How long an on-demand vGPU lives when no pod is ever seen holding it (kubelet failed
+    /// the pod after Allocate, or crashed).
+    #[arg(long, value_name = "DURATION", default_value = "2m", value_parser = duration::parse, global = true)]
+    on_demand_grace: Duration,
+
+    #[command(flatten)]
+    pod_resources: PodResourcesArgs,
+
     #[command(flatten)]
     log: LogArgs,
 }
@@ -95,7 +114,17 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> exit::Result {
-    let paths = cli.host.paths();
+    let paths = cli.pod_resources.apply(cli.host.paths());
+    let pool = match &cli.on_demand {
+        Some(sel) => Some(std::sync::Arc::new(ondemand::Pool::new(
+            paths.clone(),
+            sel.clone(),
+            cli.vendor.pci(),
+            cli.on_demand_grace,
+            Default::default(),
+        )?)),
+        None => None,
+    };
     let pci_ids = match &cli.pci_ids {
         Some(p) => {
             PciIds::from_file(p).with_context(|| format!("reading --pci-ids {}", p.display()))?
@@ -110,6 +139,7 @@ fn run(cli: Cli) -> exit::Result {
             .iter()
             .cloned()
             .collect::<BTreeMap<_, _>>(),
+        pool,
     };
     match cli.command.unwrap_or(Command::Serve) {
         Command::List { json } => {
@@ -136,6 +166,7 @@ fn run(cli: Cli) -> exit::Result {
                 metrics_addr: cli.metrics_addr,
                 resync_interval: cli.resync_interval,
                 debounce: Duration::from_millis(20),
+                on_demand_poll: cli.on_demand_poll,
             };
             // One thread serves every resource: a device plugin answers a few calls a minute,
             // and each worker thread costs memory. Node reads run on the blocking pool.

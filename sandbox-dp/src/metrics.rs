@@ -20,10 +20,20 @@ struct PerResource {
     registrations: u64,
 }
 
+/// On-demand vGPUs (`--on-demand`): counters, and the Allocate→ready time in all.
+#[derive(Clone, Debug, Default)]
+struct OnDemand {
+    created: u64,
+    destroyed: u64,
+    failures: u64,
+    ready_seconds: f64,
+}
+
 /// Counters and gauges, shared by every task.
 #[derive(Debug, Default)]
 pub struct Metrics {
     inner: Mutex<BTreeMap<String, PerResource>>,
+    on_demand: Mutex<OnDemand>,
 }
 
 impl Metrics {
@@ -57,6 +67,27 @@ impl Metrics {
             .entry(resource.to_string())
             .or_default()
             .registrations += 1;
+    }
+
+    fn on_demand(&self) -> MutexGuard<'_, OnDemand> {
+        self.on_demand.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Counts an on-demand vGPU created for an Allocate, `took` from the call to ready.
+    pub fn on_demand_created(&self, took: std::time::Duration) {
+        let mut m = self.on_demand();
+        m.created += 1;
+        m.ready_seconds += took.as_secs_f64();
+    }
+
+    /// Counts an on-demand vGPU removed once no pod held it.
+    pub fn on_demand_destroyed(&self) {
+        self.on_demand().destroyed += 1;
+    }
+
+    /// Counts an on-demand vGPU that could not be created or removed.
+    pub fn on_demand_failure(&self) {
+        self.on_demand().failures += 1;
     }
 
     /// Registrations of `resource` so far.
@@ -113,6 +144,23 @@ impl Metrics {
             "counter",
             "Successful registrations with kubelet.",
             m.iter().map(|(r, v)| (label(r), v.registrations)).collect(),
+        );
+        let od = self.on_demand().clone();
+        let _ = writeln!(
+            out,
+            "# HELP sandbox_dp_on_demand_vgpus_created_total On-demand vGPUs created for an Allocate.\n\
+             # TYPE sandbox_dp_on_demand_vgpus_created_total counter\n\
+             sandbox_dp_on_demand_vgpus_created_total {}\n\
+             # HELP sandbox_dp_on_demand_vgpus_destroyed_total On-demand vGPUs removed once no pod held them.\n\
+             # TYPE sandbox_dp_on_demand_vgpus_destroyed_total counter\n\
+             sandbox_dp_on_demand_vgpus_destroyed_total {}\n\
+             # HELP sandbox_dp_on_demand_failures_total On-demand vGPUs that could not be created or removed.\n\
+             # TYPE sandbox_dp_on_demand_failures_total counter\n\
+             sandbox_dp_on_demand_failures_total {}\n\
+             # HELP sandbox_dp_on_demand_ready_seconds_total Time from Allocate to a ready vGPU, summed over the created ones.\n\
+             # TYPE sandbox_dp_on_demand_ready_seconds_total counter\n\
+             sandbox_dp_on_demand_ready_seconds_total {}",
+            od.created, od.destroyed, od.failures, od.ready_seconds
         );
         out
     }
@@ -196,7 +244,22 @@ mod tests {
         m.allocation("nvidia.com/GA102GL_A10", true);
         m.allocation("nvidia.com/GA102GL_A10", false);
         m.registration("nvidia.com/GA102GL_A10");
+        m.on_demand_created(std::time::Duration::from_millis(250));
+        m.on_demand_failure();
         let t = m.render();
+        assert!(
+            t.contains("sandbox_dp_on_demand_vgpus_created_total 1\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("sandbox_dp_on_demand_vgpus_destroyed_total 0\n"),
+            "{t}"
+        );
+        assert!(t.contains("sandbox_dp_on_demand_failures_total 1\n"), "{t}");
+        assert!(
+            t.contains("sandbox_dp_on_demand_ready_seconds_total 0.25\n"),
+            "{t}"
+        );
         assert!(t.contains(
             "sandbox_dp_devices{resource=\"nvidia.com/GA102GL_A10\",health=\"Healthy\"} 2"
         ));

@@ -28,8 +28,9 @@ use crate::api::{
     PreStartContainerResponse, PreferredAllocationRequest, PreferredAllocationResponse,
     RegisterRequest, TopologyInfo,
 };
-use crate::discovery::{HEALTHY, Resource, UNHEALTHY};
+use crate::discovery::{DeviceInfo, HEALTHY, Resource, UNHEALTHY};
 use crate::metrics::Metrics;
+use crate::ondemand::Pool;
 
 /// The device-plugin API version we implement.
 pub const API_VERSION: &str = "v1beta1";
@@ -84,6 +85,7 @@ pub struct Plugin {
     state: watch::Receiver<Arc<ResourceState>>,
     metrics: Arc<Metrics>,
     stop: CancellationToken,
+    pool: Option<Arc<Pool>>,
 }
 
 impl Plugin {
@@ -94,13 +96,54 @@ impl Plugin {
         state: watch::Receiver<Arc<ResourceState>>,
         metrics: Arc<Metrics>,
         stop: CancellationToken,
+        pool: Option<Arc<Pool>>,
     ) -> Self {
         Plugin {
             name,
             state,
             metrics,
             stop,
+            pool,
         }
+    }
+
+    /// Allocate for an on-demand resource: creates each container's vGPUs (on the blocking
+    /// pool) and answers as for pre-created ones.
+    async fn allocate_on_demand(
+        &self,
+        pool: Arc<Pool>,
+        state: &ResourceState,
+        req: AllocateRequest,
+    ) -> Result<Response<AllocateResponse>, Status> {
+        let mut out = Vec::new();
+        for c in req.container_requests {
+            let (p, name, ids) = (pool.clone(), self.name.clone(), c.devices_ids.clone());
+            let made = tokio::task::spawn_blocking(move || p.allocate(&name, &ids))
+                .await
+                .map_err(|e| Status::internal(format!("allocation task: {e}")))?;
+            match made {
+                Ok(made) => {
+                    self.metrics.allocation(&self.name, true);
+                    let handles: Vec<String> = made.iter().map(|m| m.handle.clone()).collect();
+                    let devs: Vec<&DeviceInfo> = made.iter().map(|m| &m.info).collect();
+                    tracing::info!(resource = %self.name, devices = %c.devices_ids.join(","), vgpus = %handles.join(","), "allocated on demand");
+                    out.push(alloc::respond(
+                        &state.resource.env_var(),
+                        &handles,
+                        &devs,
+                        &state.nodes,
+                    ));
+                }
+                Err(e) => {
+                    self.metrics.allocation(&self.name, false);
+                    tracing::warn!(resource = %self.name, error = %e, "on-demand allocation failed");
+                    return Err(Status::failed_precondition(e));
+                }
+            }
+        }
+        Ok(Response::new(AllocateResponse {
+            container_responses: out,
+        }))
     }
 
     fn options() -> DevicePluginOptions {
@@ -142,6 +185,14 @@ impl DevicePlugin for Plugin {
         let mut out = Vec::new();
         for c in req.into_inner().container_requests {
             let size = usize::try_from(c.allocation_size).unwrap_or(0);
+            if state.resource.on_demand
+                && let Some(pool) = &self.pool
+            {
+                let ids =
+                    pool.preferred(&c.available_device_i_ds, &c.must_include_device_i_ds, size);
+                out.push(ContainerPreferredAllocationResponse { device_i_ds: ids });
+                continue;
+            }
             let ids = alloc::preferred(
                 &state.resource,
                 &c.available_device_i_ds,
@@ -160,6 +211,13 @@ impl DevicePlugin for Plugin {
         req: Request<AllocateRequest>,
     ) -> Result<Response<AllocateResponse>, Status> {
         let state = self.state.borrow().clone();
+        if state.resource.on_demand
+            && let Some(pool) = self.pool.clone()
+        {
+            return self
+                .allocate_on_demand(pool, &state, req.into_inner())
+                .await;
+        }
         let mut out = Vec::new();
         for c in req.into_inner().container_requests {
             match alloc::allocate(&state.resource, &c.devices_ids, &state.nodes) {
@@ -220,6 +278,8 @@ pub struct ResourceTask {
     pub kubelet_generation: Arc<AtomicU64>,
     /// Stops the task; it removes its socket.
     pub shutdown: CancellationToken,
+    /// The on-demand pool, whose resources' Allocate creates vGPUs.
+    pub pool: Option<Arc<Pool>>,
 }
 
 enum Registered {
@@ -252,6 +312,7 @@ impl ResourceTask {
                 self.state.clone(),
                 self.metrics.clone(),
                 stop.clone(),
+                self.pool.clone(),
             ));
             let stop2 = stop.clone();
             // Served through daemon-kit so that every client is answered, whatever

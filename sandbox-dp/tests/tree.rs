@@ -332,10 +332,12 @@ async fn in_process_run_registers_and_stops_cleanly() {
             vendor: Some(0x10de),
             pci_ids: common::PciIds::embedded(),
             aliases: Default::default(),
+            pool: None,
         },
         metrics_addr: None,
         resync_interval: Duration::from_secs(3600),
         debounce: Duration::from_millis(50),
+        on_demand_poll: Duration::from_secs(1),
     };
     let stop = tokio_util::sync::CancellationToken::new();
     let run = tokio::spawn(sandbox_dp::run(

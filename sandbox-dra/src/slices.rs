@@ -176,11 +176,11 @@ fn device(gpu: &PciDevice, first: &Target, group: u32, targets: &[Target], ids: 
     }
 }
 
-/// The GPU's framebuffer, from the model table vgpu-device-manager plans with. `None` for a
+/// The GPU's framebuffer, from the vGPU model table every daemon plans with. `None` for a
 /// model it does not know (workstation and older datacenter GPUs): sysfs does not show a
 /// GPU's memory while it is not on nvidia, so there is nothing else to read it from.
 fn framebuffer(gpu: &PciDevice) -> Option<Quantity> {
-    vgpu_device_manager::models::model(gpu.vendor, gpu.device)
+    common::vgpu::models::model(gpu.vendor, gpu.device)
         .map(|m| Quantity(format!("{}Gi", m.memory_gib)))
 }
 

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+use common::vgpu::{description_field, framebuffer_from_name, mdev_framebuffer_mb};
 use common::{Inventory, PciAddress, Usage, User};
 use serde::Serialize;
 
@@ -147,6 +148,10 @@ pub struct Gpu {
     pub vgpus: Vec<Vgpu>,
     /// Parents that can take a vGPU: the PF itself (mdev on the PF) or each VF in order.
     pub slots: Vec<String>,
+    /// In sandbox-dp's on-demand pool ([`common::state::pool`]): sandbox-dp owns it and its
+    /// vGPUs; no profile touches it.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub pooled: bool,
 }
 
 impl Gpu {
@@ -166,43 +171,13 @@ impl Gpu {
     }
 }
 
-fn description_field(desc: Option<&str>, key: &str) -> Option<String> {
-    desc?.split(',').find_map(|kv| {
-        let (k, v) = kv.split_once('=')?;
-        (k.trim() == key).then(|| v.trim().to_string())
-    })
-}
-
-fn framebuffer_from_description(desc: Option<&str>) -> Option<u64> {
-    let v = description_field(desc, "framebuffer")?;
-    let (num, unit) = v.split_at(v.find(|c: char| !c.is_ascii_digit()).unwrap_or(v.len()));
-    let n: u64 = num.parse().ok()?;
-    match unit.trim() {
-        "M" | "MB" | "" => Some(n),
-        "G" | "GB" => Some(n * 1024),
-        _ => None,
-    }
-}
-
-/// `NVIDIA A10-4Q` → 4096, `GRID A100DX-1-10C` → 10240: the number before the series letter.
-fn framebuffer_from_name(name: Option<&str>) -> Option<u64> {
-    let last = name?.split_whitespace().last()?.rsplit('-').next()?;
-    let digits: String = last.chars().take_while(|c| c.is_ascii_digit()).collect();
-    let rest = &last[digits.len()..];
-    if digits.is_empty() || rest.is_empty() || !rest.starts_with(|c: char| c.is_ascii_uppercase()) {
-        return None;
-    }
-    digits.parse::<u64>().ok().map(|g| g * 1024)
-}
-
 fn mdev_type_info(t: &common::MdevType) -> TypeInfo {
     TypeInfo {
         id: t.id.clone(),
         name: t.name.clone(),
         max: description_field(t.description.as_deref(), "max_instance")
             .and_then(|v| v.parse().ok()),
-        framebuffer_mb: framebuffer_from_description(t.description.as_deref())
-            .or_else(|| framebuffer_from_name(t.name.as_deref())),
+        framebuffer_mb: mdev_framebuffer_mb(t),
     }
 }
 
@@ -234,6 +209,7 @@ pub fn discover(
                 types: p.types.iter().map(mdev_type_info).collect(),
                 vgpus: mdev_vgpus(inv, std::slice::from_ref(&p.name), usage),
                 slots: vec![p.name.clone()],
+                pooled: false,
             });
         }
     }
@@ -277,6 +253,7 @@ fn pci_gpu(
         types: Vec::new(),
         vgpus: Vec::new(),
         slots: Vec::new(),
+        pooled: false,
     };
     let vfs: Vec<&common::PciDevice> = dev.virtfns.iter().filter_map(|a| inv.device(a)).collect();
     if dev.mdev_parent {
@@ -338,7 +315,7 @@ fn pci_gpu(
             if !types.iter().any(|x| x.id == id.to_string()) {
                 types.push(TypeInfo {
                     id: id.to_string(),
-                    framebuffer_mb: framebuffer_from_name(name.as_deref()),
+                    framebuffer_mb: name.as_deref().and_then(framebuffer_from_name),
                     name,
                     max: None,
                 });
@@ -427,19 +404,9 @@ fn pci_gpu(
         }
         return g;
     }
-    match (dev.sriov_totalvfs, dev.sriov_numvfs) {
-        // NVIDIA's VFs offer vGPU types only under the nvidia driver (not nouveau or vfio-pci).
-        (Some(total), Some(0) | None)
-            if total > 0
-                && dev.virtfns.is_empty()
-                && match dev.driver.as_deref() {
-                    Some(d) => dev.vendor != 0x10de || d == "nvidia",
-                    None => false,
-                } =>
-        {
-            g.backend = Backend::NeedsVfs { total };
-        }
-        _ => {
+    match common::vgpu::needs_vfs(dev) {
+        Some(total) => g.backend = Backend::NeedsVfs { total },
+        None => {
             g.backend = Backend::Unsupported {
                 why: match &dev.driver {
                     Some(d) if dev.vendor == 0x10de && d != "nvidia" => {
@@ -470,18 +437,6 @@ mod tests {
 
     #[test]
     fn type_ids_and_names_from_sysfs_text() {
-        assert_eq!(
-            framebuffer_from_description(Some(
-                "num_heads=4, frl_config=60, framebuffer=4096M, max_resolution=7680x4320, max_instance=6"
-            )),
-            Some(4096)
-        );
-        assert_eq!(
-            framebuffer_from_name(Some("GRID A100DX-1-10C")),
-            Some(10240)
-        );
-        assert_eq!(framebuffer_from_name(Some("NVIDIA L40S-48Q")), Some(49152));
-        assert_eq!(framebuffer_from_name(Some("mtty-2")), None);
         let t = TypeInfo {
             id: "nvidia-593".into(),
             name: Some("NVIDIA A10-4Q".into()),

@@ -2,7 +2,8 @@
 //! `version: v1` / `vgpu-configs` file (NVIDIA vgpu-device-manager's format).
 //!
 //! - [`config`] parses and checks the file.
-//! - [`models`] knows what NVIDIA's GPU models make, for what sysfs does not show yet.
+//! - [`models`] (common's [`common::vgpu::models`]) knows what NVIDIA's GPU models make, for
+//!   what sysfs does not show yet.
 //! - [`gpu`] turns the node's inventory into per-GPU state: backend, types, vGPUs and users.
 //! - [`plan`] plans a profile against that state (a pure function).
 //! - [`apply`] reads, plans and executes, GPUs in parallel.
@@ -12,8 +13,10 @@ pub mod apply;
 pub mod config;
 pub mod daemon;
 pub mod gpu;
-pub mod models;
 pub mod plan;
+
+/// The model table lives in [`common::vgpu`], shared with sandbox-dp's on-demand pool.
+pub use common::vgpu::models;
 
 use std::io::Read;
 use std::path::Path;

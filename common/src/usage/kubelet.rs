@@ -65,6 +65,23 @@ pub(crate) fn read(paths: &HostPaths, timeout: Duration) -> PodsRead {
     }
 }
 
+/// The devices the pods kubelet runs now hold, from `List` on the PodResources socket alone:
+/// unlike [`read`], a kubelet that is down is an error here, never its checkpoint (which keeps
+/// a deleted pod's entry until kubelet next admits a pod).
+pub(crate) fn active(paths: &HostPaths, timeout: Duration) -> Result<Allocations, String> {
+    let socket = paths.pod_resources_socket();
+    list(&socket, timeout).map_err(|e| {
+        let why = match e {
+            ListError::Unreachable(w) => format!("nothing listens ({w})"),
+            ListError::Failed(w) => w,
+        };
+        format!(
+            "kubelet's PodResources API ({}) does not answer List: {why}",
+            socket.display()
+        )
+    })
+}
+
 /// Why `List` gave no answer.
 #[derive(Debug)]
 enum ListError {

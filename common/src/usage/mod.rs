@@ -248,6 +248,16 @@ pub fn describe<T: fmt::Display>(items: &[T]) -> String {
         .join("; ")
 }
 
+/// Device ID in lower case → the pods' containers that hold it now, from kubelet's
+/// PodResources `List` alone (never the checkpoint): what decides whether a vGPU made for a pod
+/// may go. Blocks for at most `timeout`; an error when kubelet does not answer.
+pub fn active_pods(
+    paths: &HostPaths,
+    timeout: Duration,
+) -> std::result::Result<BTreeMap<String, Vec<Pod>>, String> {
+    kubelet::active(paths, timeout)
+}
+
 /// One reading of every source. Build it with [`Usage::read`] once per run or node read and
 /// ask it about as many devices as needed; the fields are public so that tests can build one.
 #[derive(Clone, Debug)]

@@ -121,6 +121,9 @@ pub struct Plan {
     pub gpus: Vec<GpuPlan>,
     /// Things worth saying that are not errors (an index that selects no GPU).
     pub warnings: Vec<String>,
+    /// GPUs the profile selects that are in sandbox-dp's on-demand pool: left alone.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub pooled: Vec<String>,
 }
 
 impl Plan {
@@ -135,7 +138,12 @@ impl Plan {
         for w in &self.warnings {
             s.push_str(&format!("warning: {w}\n"));
         }
-        if self.gpus.is_empty() {
+        for g in &self.pooled {
+            s.push_str(&format!(
+                "{g}: in sandbox-dp's on-demand pool; left alone\n"
+            ));
+        }
+        if self.gpus.is_empty() && self.pooled.is_empty() {
             s.push_str(&format!(
                 "profile {:?} selects no GPU on this node\n",
                 self.profile
@@ -298,7 +306,12 @@ pub fn plan(gpus: &[Gpu], name: &str, entries: &[Entry]) -> Result<Plan, Vec<Pla
         }
     }
     let mut out = Vec::new();
+    let mut pooled = Vec::new();
     for (gi, eis) in &chosen {
+        if gpus[*gi].pooled {
+            pooled.push(gpus[*gi].label());
+            continue;
+        }
         match plan_selected(&gpus[*gi], name, entries, eis) {
             Ok(p) => out.push(p),
             Err(mut e) => errors.append(&mut e),
@@ -309,6 +322,7 @@ pub fn plan(gpus: &[Gpu], name: &str, entries: &[Entry]) -> Result<Plan, Vec<Pla
             profile: name.into(),
             gpus: out,
             warnings,
+            pooled,
         })
     } else {
         Err(errors)
@@ -428,46 +442,25 @@ fn check_fit(
     vfs: Option<u32>,
 ) -> Vec<PlanError> {
     let mut errors = Vec::new();
-    if g.is_nvidia() && wanted.len() > 1 {
-        let types = wanted
-            .iter()
-            .map(|(k, _, _)| k.0.as_str())
-            .collect::<Vec<_>>()
-            .join(" and ");
-        if g.backend == Backend::MdevPf {
-            errors.push(PlanError::Mix {
-                profile: profile.into(),
-                entry: ei,
-                gpu: g.label(),
-                types,
-                why: "a GPU that hosts vGPUs itself (no SR-IOV) holds one vGPU type at a time"
-                    .into(),
-            });
-        } else {
-            let mut sizes: Vec<u64> = wanted
+    let sizes: Vec<u64> = wanted
+        .iter()
+        .filter_map(|(_, t, _)| t.framebuffer_mb)
+        .collect();
+    if g.is_nvidia()
+        && let Some(why) =
+            common::vgpu::mix_conflict(g.backend == Backend::MdevPf, wanted.len(), &sizes)
+    {
+        errors.push(PlanError::Mix {
+            profile: profile.into(),
+            entry: ei,
+            gpu: g.label(),
+            types: wanted
                 .iter()
-                .filter_map(|(_, t, _)| t.framebuffer_mb)
-                .collect();
-            sizes.sort();
-            sizes.dedup();
-            if sizes.len() > 1 {
-                errors.push(PlanError::Mix {
-                    profile: profile.into(),
-                    entry: ei,
-                    gpu: g.label(),
-                    types,
-                    why: format!(
-                        "all vGPUs on one GPU must have the same framebuffer size in equal-size \
-                         mode (sizes {} MiB)",
-                        sizes
-                            .iter()
-                            .map(|s| s.to_string())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ),
-                });
-            }
-        }
+                .map(|(k, _, _)| k.0.as_str())
+                .collect::<Vec<_>>()
+                .join(" and "),
+            why,
+        });
     }
     for (k, t, n) in wanted {
         if let Some(max) = t.max

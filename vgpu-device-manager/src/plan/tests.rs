@@ -48,6 +48,7 @@ fn a10(index: usize, bus: u8, vgpus: &[(usize, u32, bool)]) -> Gpu {
             })
             .collect(),
         slots: (0..32).map(vf).collect(),
+        pooled: false,
     }
 }
 
@@ -275,4 +276,27 @@ fn vendor_any_admits_virtual_mdev_parents() {
             "create mtty-2 on mtty"
         ]
     );
+}
+
+#[test]
+fn pooled_gpus_are_left_alone_and_said_so() {
+    let mut a = a10(0, 0x41, &[(0, 593, false), (1, 593, false)]);
+    a.pooled = true;
+    let b = a10(1, 0x61, &[]);
+    let p = run(
+        &[a, b],
+        "    - devices: all\n      vgpu-devices: {\"A10-8Q\": 3}\n",
+    )
+    .unwrap();
+    assert_eq!(p.gpus.len(), 1, "only GPU 1 is planned: {p:?}");
+    assert_eq!(p.gpus[0].index, 1);
+    assert_eq!(p.pooled, ["GPU 0 (0000:41:00.0, 10de:2236)"]);
+    let text = p.render();
+    assert!(
+        text.contains(
+            "GPU 0 (0000:41:00.0, 10de:2236): in sandbox-dp's on-demand pool; left alone"
+        ),
+        "{text}"
+    );
+    assert!(!text.contains("remove"), "its vGPUs stay: {text}");
 }

@@ -3,8 +3,9 @@
 //!
 //! sysfs is the authority on types wherever it shows them. This table is for the two places it
 //! cannot: a GPU whose VFs are not enabled yet shows no types at all (a profile that cannot fit
-//! is refused before any VF is enabled), and the SR-IOV vendor path lists types without counts
-//! (the equal-size limit of a time-sliced type is the GPU's memory over the type's size).
+//! is refused before any VF is enabled, and [`super::capacity`] names what enabling them would
+//! offer), and the SR-IOV vendor path lists types without counts (the equal-size limit of a
+//! time-sliced type is the GPU's memory over the type's size).
 //!
 //! Facts from pci.ids and NVIDIA's vGPU type tables (the sources are listed with node-sim's
 //! `tests/node-sim/catalogue.toml`): every time-sliced type's size divides the GPU's memory, and
@@ -22,6 +23,8 @@ pub struct Model {
     pub memory_gib: u32,
     /// The time-sliced series it offers.
     pub series: &'static [char],
+    /// The first word of its type names: `NVIDIA` (`NVIDIA A10-4Q`) or `GRID` (`GRID T4-1Q`).
+    pub name_word: &'static str,
 }
 
 const QABC: &[char] = &['Q', 'A', 'B', 'C'];
@@ -33,54 +36,63 @@ pub const MODELS: &[Model] = &[
         device: 0x1eb8,
         prefixes: &["T4"],
         memory_gib: 16,
+        name_word: "GRID",
         series: QABC,
     },
     Model {
         device: 0x2236,
         prefixes: &["A10"],
         memory_gib: 24,
+        name_word: "NVIDIA",
         series: QABC,
     },
     Model {
         device: 0x2235,
         prefixes: &["A40"],
         memory_gib: 48,
+        name_word: "NVIDIA",
         series: QABC,
     },
     Model {
         device: 0x25b6,
         prefixes: &["A2", "A16"],
         memory_gib: 16,
+        name_word: "NVIDIA",
         series: QABC,
     },
     Model {
         device: 0x20b2,
         prefixes: &["A100DX"],
         memory_gib: 80,
+        name_word: "GRID",
         series: C,
     },
     Model {
         device: 0x20b5,
         prefixes: &["A100D"],
         memory_gib: 80,
+        name_word: "GRID",
         series: C,
     },
     Model {
         device: 0x2330,
         prefixes: &["H100XM"],
         memory_gib: 80,
+        name_word: "NVIDIA",
         series: C,
     },
     Model {
         device: 0x2331,
         prefixes: &["H100"],
         memory_gib: 80,
+        name_word: "NVIDIA",
         series: C,
     },
     Model {
         device: 0x26b9,
         prefixes: &["L40S"],
         memory_gib: 48,
+        name_word: "NVIDIA",
         series: QABC,
     },
 ];
@@ -147,6 +159,29 @@ impl Model {
     /// The most time-sliced vGPUs of this size one GPU holds in equal-size mode.
     pub fn equal_size_max(&self, size_gib: u32) -> u32 {
         self.memory_gib / size_gib.max(1)
+    }
+
+    /// The time-sliced types enabling its VFs will offer, by name and size (GiB), smallest
+    /// first within each series: Q and A in every size that divides its memory, C from 4 GiB.
+    /// B types are left out: their sizes differ by model and the catalogue does not confirm
+    /// them; they appear once the VFs show them.
+    pub fn types_before_vfs(&self) -> Vec<(String, u32)> {
+        let mut out = Vec::new();
+        for &series in self.series {
+            let smallest = match series {
+                'Q' | 'A' => 1,
+                'C' => 4,
+                _ => continue,
+            };
+            for size in (smallest..=self.memory_gib).filter(|s| self.memory_gib.is_multiple_of(*s))
+            {
+                out.push((
+                    format!("{} {}-{size}{series}", self.name_word, self.prefixes[0]),
+                    size,
+                ));
+            }
+        }
+        out
     }
 
     /// What it makes, for a message: `A10-… types (1Q to 24Q; sizes that divide 24 GiB, such as

@@ -1,0 +1,460 @@
+//! `--on-demand`: sandbox-dp as a process against node-sim and the fake kubelet, creating
+//! vGPUs in Allocate and removing them once kubelet's PodResources no longer lists their pod.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use support::*;
+use testkit::kubelet::pod_resources::pod;
+use testkit::kubelet::{FakeKubelet, FakePodResources, checkpoint};
+
+const A10_4Q: &str = "nvidia.com/NVIDIA_A10-4Q";
+const A10_8Q: &str = "nvidia.com/NVIDIA_A10-8Q";
+const GPU_A: &str = "0000:41:00.0";
+const GPU_B: &str = "0000:61:00.0";
+
+/// A kubelet directory, the fake kubelet in it, and its PodResources service (no pods yet) where
+/// sandbox-dp looks by default.
+async fn kubelet_with_pods() -> (tempfile::TempDir, PathBuf, FakeKubelet, FakePodResources) {
+    let (k, kdir) = kubelet_dir();
+    let kubelet = FakeKubelet::start(&kdir).await.unwrap();
+    let socket = kdir.parent().unwrap().join("pod-resources/kubelet.sock");
+    let pods = FakePodResources::start(&socket).await.unwrap();
+    (k, kdir, kubelet, pods)
+}
+
+fn records(root: &Path) -> String {
+    std::fs::read_to_string(root.join("run/gpu-vm-node/on-demand-vgpus.json")).unwrap_or_default()
+}
+
+/// Waits (generously) until `pred` holds; panics with `what` otherwise.
+fn eventually(what: &str, pred: impl Fn() -> bool) {
+    let end = Instant::now() + DEADLINE;
+    while Instant::now() < end {
+        if pred() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("not within {DEADLINE:?}: {what}");
+}
+
+fn read(root: &Path, rel: &str) -> String {
+    std::fs::read_to_string(root.join(rel))
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a10s_create_a_4q_on_allocate_and_remove_it_when_the_pod_is_gone() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let (_k, kdir, mut kubelet, pods) = kubelet_with_pods().await;
+    let _d = Daemon::start(
+        root,
+        &kdir,
+        &["--on-demand", "all", "--on-demand-poll", "100ms"],
+    );
+
+    let regs = kubelet.wait_for(&[A10_4Q, A10_8Q], DEADLINE).await.unwrap();
+    let mut p4 = kubelet.plugin(&regs[A10_4Q].endpoint).await.unwrap();
+    let mut p8 = kubelet.plugin(&regs[A10_8Q].endpoint).await.unwrap();
+    let mut lw4 = p4.list_and_watch().await.unwrap();
+    let mut lw8 = p8.list_and_watch().await.unwrap();
+    let l4 = lw4.wait_until(DEADLINE, |l| l.len() == 12).await.unwrap();
+    lw8.wait_until(DEADLINE, |l| l.len() == 6).await.unwrap();
+    assert!(l4.iter().all(|d| d.health == "Healthy" && numa(d) == [0]));
+    assert_eq!(
+        read(root, "run/gpu-vm-node/on-demand-pool"),
+        format!("{GPU_A}\n{GPU_B}"),
+        "the pool is written for vgpu-device-manager"
+    );
+    assert!(
+        std::fs::read_dir(root.join("sys/bus/mdev/devices"))
+            .unwrap()
+            .next()
+            .is_none(),
+        "no vGPU before an Allocate"
+    );
+
+    // Packing: a GPU already hosting a 4Q is preferred once there is one; first, any.
+    let slot = format!("{GPU_A}-A10-4Q-0");
+    assert!(ids(&l4).contains(&slot), "{:?}", ids(&l4));
+    let resp = p4.allocate(&[&[slot.as_str()]]).await.unwrap();
+    let c = &resp.container_responses[0];
+    let uuid = c
+        .envs
+        .get("MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q")
+        .expect("the env KubeVirt reads")
+        .clone();
+    assert_eq!(
+        read(root, &format!("sys/bus/mdev/devices/{uuid}/mdev_type/name")),
+        "NVIDIA A10-4Q"
+    );
+    let group =
+        std::fs::read_link(root.join(format!("sys/bus/mdev/devices/{uuid}/iommu_group"))).unwrap();
+    let group = group.file_name().unwrap().to_str().unwrap().to_string();
+    assert_eq!(
+        host_paths(c),
+        ["/dev/vfio/vfio".to_string(), format!("/dev/vfio/{group}")]
+    );
+    // kubelet allocating the same device again (a restarted container) gets the same vGPU.
+    let again = p4.allocate(&[&[slot.as_str()]]).await.unwrap();
+    assert_eq!(
+        again.container_responses[0].envs["MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q"],
+        uuid
+    );
+    assert_eq!(
+        std::fs::read_dir(root.join("sys/bus/mdev/devices"))
+            .unwrap()
+            .count(),
+        1
+    );
+    // GPU A now holds only 4Qs: its 8Qs go, GPU B's stay; the 4Q slots stay 12 (one taken).
+    let l8 = lw8.wait_until(DEADLINE, |l| l.len() == 3).await.unwrap();
+    assert!(ids(&l8).iter().all(|i| i.starts_with(GPU_B)), "{l8:?}");
+    let l4 = lw4.wait_until(DEADLINE, |l| l.len() == 12).await.unwrap();
+    assert!(ids(&l4).contains(&slot));
+    let pref = p4
+        .preferred(
+            &ids(&l4).iter().map(String::as_str).collect::<Vec<_>>(),
+            &[],
+            1,
+        )
+        .await
+        .unwrap();
+    assert!(
+        pref[0].starts_with(GPU_A),
+        "packs onto the GPU hosting 4Qs: {pref:?}"
+    );
+
+    // kubelet runs the pod, then the pod is deleted: gone from List, its checkpoint entry left.
+    pods.set_pods(vec![pod("vms", "vm-a", "compute", A10_4Q, &[&slot])]);
+    checkpoint::write(
+        &kdir,
+        &[checkpoint::entry("uid-a", "compute", A10_4Q, &[&slot])],
+    )
+    .unwrap();
+    eventually("the pod is seen holding the vGPU", || {
+        records(root).contains("\"seen\": true")
+    });
+    assert!(root.join(format!("sys/bus/mdev/devices/{uuid}")).exists());
+    pods.set_pods(vec![]);
+    eventually("the vGPU is removed once its pod is gone", || {
+        !root.join(format!("sys/bus/mdev/devices/{uuid}")).exists()
+    });
+    lw8.wait_until(DEADLINE, |l| l.len() == 6).await.unwrap();
+    assert!(!records(root).contains(&uuid), "{}", records(root));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h100_sets_current_vgpu_type_on_a_free_vf_and_clears_it() {
+    let Some(sim) = testkit::sim::try_mount("8xH100-sriov") else {
+        return;
+    };
+    let root = sim.root();
+    let pf = "0000:13:00.0";
+    let r8 = "nvidia.com/NVIDIA_H100XM-8C";
+    let r4 = "nvidia.com/NVIDIA_H100XM-4C";
+    let (_k, kdir, mut kubelet, pods) = kubelet_with_pods().await;
+    let _d = Daemon::start(
+        root,
+        &kdir,
+        &["--on-demand", pf, "--on-demand-poll", "100ms"],
+    );
+    let regs = kubelet.wait_for(&[r8, r4], DEADLINE).await.unwrap();
+    let mut p8 = kubelet.plugin(&regs[r8].endpoint).await.unwrap();
+    let mut p4 = kubelet.plugin(&regs[r4].endpoint).await.unwrap();
+    let mut lw8 = p8.list_and_watch().await.unwrap();
+    let mut lw4 = p4.list_and_watch().await.unwrap();
+    lw8.wait_until(DEADLINE, |l| l.len() == 10).await.unwrap();
+    lw4.wait_until(DEADLINE, |l| l.len() == 20).await.unwrap();
+
+    let slot = format!("{pf}-H100XM-8C-0");
+    let resp = p8.allocate(&[&[slot.as_str()]]).await.unwrap();
+    let c = &resp.container_responses[0];
+    let vf = c
+        .envs
+        .get("PCI_RESOURCE_NVIDIA_COM_NVIDIA_H100XM-8C")
+        .expect("the env KubeVirt reads")
+        .clone();
+    let physfn = std::fs::read_link(root.join(format!("sys/bus/pci/devices/{vf}/physfn"))).unwrap();
+    assert_eq!(
+        physfn.file_name().unwrap(),
+        pf,
+        "a VF of the GPU the slot names"
+    );
+    assert_eq!(
+        read(
+            root,
+            &format!("sys/bus/pci/devices/{vf}/nvidia/current_vgpu_type")
+        ),
+        "1002"
+    );
+    lw4.wait_until(DEADLINE, |l| l.is_empty()).await.unwrap();
+    lw8.wait_until(DEADLINE, |l| l.len() == 10).await.unwrap();
+
+    // A second 8C on the same GPU: another VF.
+    let slot2 = format!("{pf}-H100XM-8C-1");
+    let resp = p8.allocate(&[&[slot2.as_str()]]).await.unwrap();
+    let vf2 = resp.container_responses[0].envs["PCI_RESOURCE_NVIDIA_COM_NVIDIA_H100XM-8C"].clone();
+    assert_ne!(vf, vf2);
+
+    pods.set_pods(vec![pod("vms", "vm-a", "compute", r8, &[&slot])]);
+    // slot2's pod never shows up; with the default grace it stays for now. slot's pod ends:
+    eventually("the pod is seen holding the vGPU", || {
+        records(root).contains("\"seen\": true")
+    });
+    pods.set_pods(vec![]);
+    eventually("the VF is cleared once its pod is gone", || {
+        read(
+            root,
+            &format!("sys/bus/pci/devices/{vf}/nvidia/current_vgpu_type"),
+        ) == "0"
+    });
+    assert_eq!(
+        read(
+            root,
+            &format!("sys/bus/pci/devices/{vf2}/nvidia/current_vgpu_type")
+        ),
+        "1002",
+        "an allocation within its grace period stays"
+    );
+}
+
+/// A crash left records behind: one vGPU made for an Allocate kubelet never recorded (its
+/// create written, `creating`), one held by a running pod. The next start removes the first
+/// after the grace period and keeps the second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_after_a_crash_removes_the_orphan_and_keeps_the_pods_vgpu() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    write(
+        root,
+        &format!("sys/bus/pci/devices/{GPU_A}/sriov_numvfs"),
+        "32",
+    );
+    let (orphan, held) = (
+        "5a3b2c1d-0000-4000-8000-00000000000a",
+        "5a3b2c1d-0000-4000-8000-00000000000b",
+    );
+    for (vf, u) in [("0000:41:00.4", orphan), ("0000:41:00.5", held)] {
+        write(
+            root,
+            &format!("sys/class/mdev_bus/{vf}/mdev_supported_types/nvidia-593/create"),
+            u,
+        );
+    }
+    let rec = |device: &str, uuid: &str, phase: &str, seen: bool| {
+        format!(
+            r#"{{"device":"{device}","resource":"{A10_4Q}","gpu":"{GPU_A}","type_name":"NVIDIA A10-4Q","handle":"{uuid}","vendor":false,"phase":"{phase}","since":0,"seen":{seen}}}"#
+        )
+    };
+    std::fs::create_dir_all(root.join("run/gpu-vm-node")).unwrap();
+    std::fs::write(
+        root.join("run/gpu-vm-node/on-demand-vgpus.json"),
+        format!(
+            r#"{{"vgpus":[{},{}]}}"#,
+            rec(&format!("{GPU_A}-A10-4Q-0"), orphan, "creating", false),
+            rec(&format!("{GPU_A}-A10-4Q-1"), held, "ready", true)
+        ),
+    )
+    .unwrap();
+    let (_k, kdir, mut kubelet, _pods) = kubelet_with_pods().await;
+    _pods.set_pods(vec![pod(
+        "vms",
+        "vm-b",
+        "compute",
+        A10_4Q,
+        &[&format!("{GPU_A}-A10-4Q-1")],
+    )]);
+    let _d = Daemon::start(
+        root,
+        &kdir,
+        &[
+            "--on-demand",
+            GPU_A,
+            "--on-demand-poll",
+            "100ms",
+            "--on-demand-grace",
+            "1s",
+        ],
+    );
+    let regs = kubelet.wait_for(&[A10_4Q], DEADLINE).await.unwrap();
+    let mut p4 = kubelet.plugin(&regs[A10_4Q].endpoint).await.unwrap();
+    let mut lw4 = p4.list_and_watch().await.unwrap();
+    eventually("the orphan is removed", || {
+        !root.join(format!("sys/bus/mdev/devices/{orphan}")).exists()
+    });
+    let l = lw4.wait_until(DEADLINE, |l| l.len() == 6).await.unwrap();
+    assert!(
+        ids(&l).contains(&format!("{GPU_A}-A10-4Q-1")),
+        "the held slot is listed"
+    );
+    // The pass that removed the orphan saw the pod holding the other.
+    assert!(
+        root.join(format!("sys/bus/mdev/devices/{held}")).exists(),
+        "the pod's vGPU stays"
+    );
+}
+
+/// `kill -9` while an Allocate's mdev create is being written, and again while a release's
+/// remove is: each next start removes what no pod holds, and the lists come back whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_during_create_and_during_remove_converges_on_restart() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let (_k, kdir, mut kubelet, pods) = kubelet_with_pods().await;
+    let args = [
+        "--on-demand",
+        GPU_A,
+        "--on-demand-poll",
+        "100ms",
+        "--on-demand-grace",
+        "1s",
+    ];
+    let slot = format!("{GPU_A}-A10-4Q-0");
+
+    // 1. Killed inside the create of an Allocate.
+    let mut d = Daemon::start(root, &kdir, &args);
+    let regs = kubelet.wait_for(&[A10_4Q], DEADLINE).await.unwrap();
+    let endpoint = regs[A10_4Q].endpoint.clone();
+    let mut p4 = kubelet.plugin(&endpoint).await.unwrap();
+    p4.list_and_watch()
+        .await
+        .unwrap()
+        .wait_until(DEADLINE, |l| l.len() == 6)
+        .await
+        .unwrap();
+    sim.control("fault create * delay=1000").unwrap();
+    let pending = tokio::spawn({
+        let slot = slot.clone();
+        async move { p4.allocate(&[&[slot.as_str()]]).await }
+    });
+    let r = root.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        eventually("the create is recorded before it is written", || {
+            records(&r).contains("\"creating\"")
+        })
+    })
+    .await
+    .unwrap();
+    d.child.kill().unwrap(); // SIGKILL
+    let _ = d.child.wait();
+    assert!(
+        pending.await.unwrap().is_err(),
+        "the Allocate got no answer"
+    );
+    sim.control("clear-faults").unwrap();
+
+    let _d = Daemon::start(root, &kdir, &args);
+    let r = root.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        eventually("no vGPU and no record once the grace is over", || {
+            std::fs::read_dir(r.join("sys/bus/mdev/devices"))
+                .unwrap()
+                .next()
+                .is_none()
+                && !records(&r).contains("A10-4Q-0")
+        })
+    })
+    .await
+    .unwrap();
+    let mut p4 = kubelet.plugin(&endpoint).await.unwrap();
+    let mut lw = p4.list_and_watch().await.unwrap();
+    lw.wait_until(DEADLINE, |l| l.len() == 6).await.unwrap();
+
+    // 2. Killed inside the remove of a release.
+    let resp = p4.allocate(&[&[slot.as_str()]]).await.unwrap();
+    let uuid =
+        resp.container_responses[0].envs["MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q"].clone();
+    pods.set_pods(vec![pod("vms", "vm-a", "compute", A10_4Q, &[&slot])]);
+    let r = root.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        eventually("the pod is seen", || records(&r).contains("\"seen\": true"))
+    })
+    .await
+    .unwrap();
+    sim.control("fault remove * delay=1000").unwrap();
+    pods.set_pods(vec![]);
+    let r = root.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        eventually("the remove is recorded before it is written", || {
+            records(&r).contains("\"removing\"")
+        })
+    })
+    .await
+    .unwrap();
+    drop(_d); // SIGKILL
+    sim.control("clear-faults").unwrap();
+    let _d = Daemon::start(root, &kdir, &args);
+    let r = root.to_path_buf();
+    let u = uuid.clone();
+    tokio::task::spawn_blocking(move || {
+        eventually("the vGPU and its record are gone", || {
+            !r.join(format!("sys/bus/mdev/devices/{u}")).exists() && !records(&r).contains(&u)
+        })
+    })
+    .await
+    .unwrap();
+    let mut p4 = kubelet.plugin(&endpoint).await.unwrap();
+    p4.list_and_watch()
+        .await
+        .unwrap()
+        .wait_until(DEADLINE, |l| l.len() == 6)
+        .await
+        .unwrap();
+}
+
+/// Two Allocates of different sizes racing for one GPU: one vGPU is made, the other call is
+/// refused naming the GPU and the type, and the GPU never holds two sizes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_allocates_of_two_sizes_on_one_gpu_make_one() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let (_k, kdir, mut kubelet, _pods) = kubelet_with_pods().await;
+    let _d = Daemon::start(root, &kdir, &["--on-demand", GPU_A]);
+    let regs = kubelet.wait_for(&[A10_4Q, A10_8Q], DEADLINE).await.unwrap();
+    let mut p4 = kubelet.plugin(&regs[A10_4Q].endpoint).await.unwrap();
+    let mut p8 = kubelet.plugin(&regs[A10_8Q].endpoint).await.unwrap();
+    let (s4, s8) = (format!("{GPU_A}-A10-4Q-0"), format!("{GPU_A}-A10-8Q-0"));
+    let (c4, c8): (&[&str], &[&str]) = (&[s4.as_str()], &[s8.as_str()]);
+    let (q4, q8) = ([c4], [c8]);
+    let (r4, r8) = tokio::join!(p4.allocate(&q4), p8.allocate(&q8));
+    let (ok, err) = match (r4, r8) {
+        (Ok(_), Err(e)) => ("NVIDIA A10-4Q", (e, "NVIDIA A10-8Q")),
+        (Err(e), Ok(_)) => ("NVIDIA A10-8Q", (e, "NVIDIA A10-4Q")),
+        other => panic!("expected one Allocate to succeed: {other:?}"),
+    };
+    let (e, lost) = err;
+    assert!(
+        e.message().contains(GPU_A) && e.message().contains(lost),
+        "{}",
+        e.message()
+    );
+    let names: Vec<String> = std::fs::read_dir(root.join("sys/bus/mdev/devices"))
+        .unwrap()
+        .map(|d| {
+            read(
+                root,
+                &format!(
+                    "sys/bus/mdev/devices/{}/mdev_type/name",
+                    d.unwrap().file_name().to_string_lossy()
+                ),
+            )
+        })
+        .collect();
+    assert_eq!(names, [ok]);
+}

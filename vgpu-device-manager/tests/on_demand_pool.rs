@@ -1,0 +1,60 @@
+//! A GPU in sandbox-dp's on-demand pool (`run/gpu-vm-node/on-demand-pool`) is never touched by
+//! a profile: its vGPUs stay, none are made on it, and plan says so (node-sim).
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use support::*;
+
+#[test]
+fn a_pooled_gpu_keeps_its_vgpus_and_gets_none_from_a_profile() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    // sandbox-dp pooled GPU A and made an A10-4Q on it.
+    write(root, "sys/bus/pci/devices/0000:41:00.0/sriov_numvfs", "32");
+    let uuid = "5a3b2c1d-0000-4000-8000-0000000000aa";
+    write(
+        root,
+        "sys/class/mdev_bus/0000:41:00.4/mdev_supported_types/nvidia-593/create",
+        uuid,
+    );
+    std::fs::create_dir_all(root.join("run/gpu-vm-node")).unwrap();
+    std::fs::write(
+        root.join("run/gpu-vm-node/on-demand-pool"),
+        "0000:41:00.0\n",
+    )
+    .unwrap();
+
+    let cfg = config_file(CONFIG);
+    let f = cfg.path.to_str().unwrap();
+    let o = run(root, &["plan", "-f", f, "-c", "A10-8Q"]);
+    let out = text(&o);
+    assert!(
+        out.contains("GPU 0 (0000:41:00.0, 10de:2236): in sandbox-dp's on-demand pool; left alone"),
+        "{out}"
+    );
+    let o = run(root, &["apply", "-f", f, "-c", "A10-8Q"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let counts = mdev_counts(root);
+    assert_eq!(
+        counts.get(&("0000:41:00.0".into(), "NVIDIA A10-4Q".into())),
+        Some(&1),
+        "the pool's vGPU stays: {counts:?}"
+    );
+    assert_eq!(
+        counts.get(&("0000:61:00.0".into(), "NVIDIA A10-8Q".into())),
+        Some(&3),
+        "{counts:?}"
+    );
+    assert_eq!(counts.len(), 2, "nothing else: {counts:?}");
+
+    // A pool file that cannot be read changes nothing and names the file.
+    std::fs::write(root.join("run/gpu-vm-node/on-demand-pool"), "gpu-a\n").unwrap();
+    let o = run(root, &["apply", "-f", f, "-c", "A10-4Q"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("on-demand-pool"), "{}", text(&o));
+    assert_eq!(mdev_counts(root), counts);
+}

@@ -13,9 +13,19 @@
 //! FLUSH after which no process has a descriptor of the node any more, found in the host's
 //! `/proc/<pid>/fd`; `proc` lists what the host's `/proc` shows now. Synthetic holders
 //! (`hold <group>`) stand beside them.
+//!
+//! Every read of the host's `/proc` runs on a thread of its own and is given up after
+//! [`PROC_DEADLINE`]. Such a read can wait on the process it reads: on its memory map's lock,
+//! or on its exec, which holds its locks while it closes its close-on-exec descriptors — and
+//! each close of a device node here is a FLUSH this simulator must answer first. Waiting for
+//! the read with the simulator's lock held (or in the FLUSH itself) would hang both for good;
+//! giving up turns that into a short delay and an answer that errs towards "held": a FLUSH
+//! whose scan gave up keeps the description until its RELEASE, as if a descriptor were left.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
+use std::sync::mpsc;
+use std::time::Duration;
 
 use crate::tree::OpenKind;
 
@@ -30,6 +40,10 @@ pub(crate) fn host_path(kind: OpenKind) -> String {
         OpenKind::Nvidia(n) => format!("/dev/nvidia{n}"),
     }
 }
+
+/// A process's descriptors open on the sim's device nodes: fd → (host path, whether the node
+/// was removed meanwhile).
+type Fds = BTreeMap<u32, (String, bool)>;
 
 /// A synthetic VM holding a group (`hold`).
 #[derive(Clone, Debug)]
@@ -70,8 +84,28 @@ impl Process {
     }
 
     fn host_file(&self, name: &str) -> String {
-        std::fs::read_to_string(format!("/proc/{}/{name}", self.pid)).unwrap_or_default()
+        let path = format!("/proc/{}/{name}", self.pid);
+        bounded(move || std::fs::read_to_string(path).unwrap_or_default()).unwrap_or_default()
     }
+}
+
+/// How long a read of the host's `/proc` may take before it is given up (see the module's
+/// documentation). Reads that do not wait on anyone take microseconds.
+pub(crate) const PROC_DEADLINE: Duration = Duration::from_millis(500);
+
+/// `read()` on a thread of its own, its result if it is done within [`PROC_DEADLINE`]. A read
+/// given up finishes on its own later, once what it waited for is done, and is dropped.
+fn bounded<T: Send + 'static>(read: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = mpsc::sync_channel(1);
+    let spawned = std::thread::Builder::new()
+        .name("node-sim-proc".into())
+        .spawn(move || {
+            let _ = tx.send(read());
+        });
+    if spawned.is_err() {
+        return None;
+    }
+    rx.recv_timeout(PROC_DEADLINE).ok()
 }
 
 /// The holders of the node's device nodes.
@@ -120,7 +154,11 @@ impl Holders {
             return;
         };
         let target = host_path(kind);
-        let held = pids().any(|pid| self.scan(pid).values().any(|(t, _)| *t == target));
+        // A scan given up counts as held: RELEASE ends the description then.
+        let held = self.scan_all().is_none_or(|all| {
+            all.values()
+                .any(|fds| fds.values().any(|(t, _)| *t == target))
+        });
         if !held {
             self.open.remove(&fh);
         }
@@ -161,7 +199,7 @@ impl Holders {
     pub fn pids(&self) -> Vec<u32> {
         let mut v: Vec<u32> = self.synthetic.iter().map(|s| s.pid).collect();
         if !self.open.is_empty() {
-            v.extend(pids().filter(|pid| !self.scan(*pid).is_empty()));
+            v.extend(self.scan_all().unwrap_or_default().into_keys());
         }
         v.sort_unstable();
         v.dedup();
@@ -191,7 +229,7 @@ impl Holders {
         if self.open.is_empty() {
             return None;
         }
-        for (fd, (target, deleted)) in self.scan(pid) {
+        for (fd, (target, deleted)) in self.scan(pid).unwrap_or_default() {
             let shown = if deleted || !exists(target.trim_start_matches('/')) {
                 format!("{target} (deleted)")
             } else {
@@ -209,9 +247,47 @@ impl Holders {
         })
     }
 
+    /// What a scan of the host's `/proc` looks for: the sim's root and the host paths of the
+    /// nodes open now.
+    fn targets(&self) -> Targets {
+        Targets {
+            root: self.root.clone(),
+            paths: self.open.values().map(|k| host_path(*k)).collect(),
+        }
+    }
+
+    /// The descriptors of host process `pid` open on this sim's device nodes; `None` when the
+    /// host's `/proc` did not answer in time.
+    fn scan(&self, pid: u32) -> Option<Fds> {
+        let targets = self.targets();
+        bounded(move || targets.scan(pid))
+    }
+
+    /// [`Self::scan`] of every host process that has such descriptors.
+    fn scan_all(&self) -> Option<BTreeMap<u32, Fds>> {
+        let targets = self.targets();
+        bounded(move || {
+            pids()
+                .map(|pid| (pid, targets.scan(pid)))
+                .filter(|(_, fds)| !fds.is_empty())
+                .collect()
+        })
+    }
+}
+
+/// What a scan of the host's `/proc` looks for (owned, for the thread that reads).
+#[derive(Debug)]
+struct Targets {
+    /// The sim's root as the host's `/proc/<pid>/fd/<n>` links show it.
+    root: String,
+    /// Host paths of the device nodes open now (`/dev/vfio/42`).
+    paths: HashSet<String>,
+}
+
+impl Targets {
     /// The descriptors of host process `pid` that are open on this sim's device nodes with an
-    /// open description: fd → (host path, whether the node was removed meanwhile).
-    fn scan(&self, pid: u32) -> BTreeMap<u32, (String, bool)> {
+    /// open description.
+    fn scan(&self, pid: u32) -> Fds {
         let mut out = BTreeMap::new();
         let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
             return out;
@@ -231,7 +307,7 @@ impl Holders {
             let Some(target) = path.strip_prefix(self.root.as_str()) else {
                 continue;
             };
-            if self.open.values().any(|k| host_path(*k) == target) {
+            if self.paths.contains(target) {
                 out.insert(fd, (target.to_string(), deleted));
             }
         }

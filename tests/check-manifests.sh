@@ -4,8 +4,9 @@
 #      components, namespace and images; cross-checked against `kustomize build` when a kustomize
 #      is installed) and each object validated against the Kubernetes 1.30+ API schemas bundled
 #      in the PyPI package kubernetes-validate (strict: unknown fields fail; resource.k8s.io/v1
-#      objects against 1.34+), plus the project's rules (workload-label selection, host mounts,
-#      privileges, RBAC, the vGPU ConfigMap); the examples' references to what ships; the
+#      objects against 1.34+), plus the project's rules (workload-label selection and the GPU
+#      Operator's nvidia.com/gpu.deploy.* opt-out, host mounts, privileges, RBAC, metrics ports
+#      with probes and Services, the vGPU ConfigMap); the examples' references to what ships; the
 #      optional admission policies' CEL evaluated on sample requests (PyPI cel-python).
 #   2. systemd/: `systemd-analyze verify` of each unit in a scratch root holding stand-in
 #      binaries at the ExecStart paths; any message fails. The env file's syntax.
@@ -225,13 +226,13 @@ fi
 # --- 6. self-tests: broken files are caught -----------------------------------------------------
 step "self-test: a broken manifest and a broken unit fail the checks"
 cp -r deploy "$scratch/deploy"
-sed -i 's/^\(\s*\)hostNetwork: true/\1hostNetwrok: true/' "$scratch/deploy/base/sandbox-dp.yaml"
-grep -q hostNetwrok "$scratch/deploy/base/sandbox-dp.yaml" || die "self-test: could not break the copy"
+sed -i 's/^\(\s*\)hostPID: true/\1hostPDI: true/' "$scratch/deploy/base/vfio-manager.yaml"
+grep -q hostPDI "$scratch/deploy/base/vfio-manager.yaml" || die "self-test: could not break the copy"
 if CHECK_DEPLOY_DIR="$scratch/deploy" $check manifests >"$scratch/out" 2>&1; then
     cat "$scratch/out"
     die "self-test: a DaemonSet with an unknown field passed the manifest checks"
 fi
-grep -q "hostNetwrok" "$scratch/out" || die "self-test: the failure does not name the bad field"
+grep -q "hostPDI" "$scratch/out" || die "self-test: the failure does not name the bad field"
 echo "ok: a misspelt field in a DaemonSet fails"
 broken="$root/etc/systemd/system/gpu-vm-broken.service"
 sed 's/^Restart=on-failure/Restart=on-falure/' systemd/gpu-vm-sandbox-dp.service >"$broken"

@@ -9,6 +9,10 @@
                                 rules (selectors, mounts, RBAC, ...); the examples under
                                 deploy/examples/ refer to what the manifests ship
   check.py render DIR           print the rendered kustomization DIR as YAML
+  check.py same A B WHAT        the YAML streams A and B (WHAT names them) hold the same
+                                objects, compared parsed and in any order; else where they differ
+  check.py validate FILE WHERE  the objects of FILE (e.g. a `helm template` output) validated
+                                and checked like a kustomization's objects
   check.py containerfile        every COPY source exists and is not excluded by .dockerignore,
                                 every file the cargo build reads is in the build context, stages
                                 and binaries agree with the workspace and the manifests
@@ -50,8 +54,16 @@ MIN_K8S_BY_API = {"resource.k8s.io/v1": (1, 34)}
 # Kinds of other projects' CRDs (no schema in kubernetes-validate): examples only, checked by
 # check_examples against what the manifests ship.
 CRD_KINDS = {"VirtualMachineInstance": "kubevirt.io/v1"}
+# Kinds of other projects' CRDs the Helm chart may ship (off by default): checked by
+# check_rules against the objects they refer to.
+OPTIONAL_CRD_KINDS = {
+    "ServiceMonitor": "monitoring.coreos.com/v1",
+    "SecurityContextConstraints": "security.openshift.io/v1",
+}
 # Where the examples live: rendered and schema-validated, but not a deployment.
 EXAMPLES = os.path.join(DEPLOY, "examples")
+# The Helm chart: not a kustomization (tests/check-manifests.sh renders it with helm).
+HELM = os.path.join(DEPLOY, "helm")
 
 # The kinds this project ships; a kind outside this list is an error (a typo would otherwise
 # only be a "schema not found" warning).
@@ -63,12 +75,14 @@ KNOWN_KINDS = {
     "Role",
     "RoleBinding",
     "ConfigMap",
+    "Service",
     "DaemonSet",
     "ValidatingAdmissionPolicy",
     "ValidatingAdmissionPolicyBinding",
     "DeviceClass",
     "ResourceClaimTemplate",
     "VirtualMachineInstance",
+    *OPTIONAL_CRD_KINDS,
 }
 CLUSTER_SCOPED = {
     "DeviceClass",
@@ -77,6 +91,7 @@ CLUSTER_SCOPED = {
     "ClusterRoleBinding",
     "ValidatingAdmissionPolicy",
     "ValidatingAdmissionPolicyBinding",
+    "SecurityContextConstraints",
 }
 KUSTOMIZATION_KEYS = {"apiVersion", "kind", "namespace", "resources", "components", "images"}
 
@@ -230,9 +245,10 @@ def validate_schemas(objs: list[dict], where: str) -> None:
         if o.get("kind") not in KNOWN_KINDS:
             fail(f"{where}: {name}: kind not expected in this project (typo?)")
             continue
-        if o.get("kind") in CRD_KINDS:
-            if o.get("apiVersion") != CRD_KINDS[o["kind"]]:
-                fail(f"{where}: {name}: apiVersion {o.get('apiVersion')}, expected {CRD_KINDS[o['kind']]}")
+        crd = CRD_KINDS.get(o.get("kind")) or OPTIONAL_CRD_KINDS.get(o.get("kind"))
+        if crd:
+            if o.get("apiVersion") != crd:
+                fail(f"{where}: {name}: apiVersion {o.get('apiVersion')}, expected {crd}")
             else:
                 ok(f"{where}: {name}: no schema offline (a CRD); checked by its references below")
             continue
@@ -304,20 +320,34 @@ ALLOWED_HOST_MOUNTS = {
         "/var/lib/kubelet/pod-resources": False,
     },
 }
-NEEDS_API = {"vgpu-device-manager", "sandbox-dra"}
-NEEDS_UEVENTS = {"vfio-manager", "sandbox-dp", "sandbox-dra"}
+# Every daemon records Events about its Node, so every one has a token.
+NEEDS_API = set(EXPECTED_WORKLOADS)
 NEEDS_PRIVILEGED = {"vfio-manager", "vgpu-device-manager", "sandbox-dra"}
 NEEDS_HOSTPID = {"vfio-manager", "vgpu-device-manager", "sandbox-dra"}
 # What each service account may do: (apiGroups, resources, verbs) a rule must stay within.
+EVENTS_RULE = ({"events.k8s.io", ""}, {"events"}, {"create", "patch"})
 ALLOWED_RULES = {
-    "vgpu-device-manager": [({""}, {"nodes"}, {"get", "list", "watch", "patch"})],
+    "vfio-manager": [EVENTS_RULE],
+    "sandbox-dp": [EVENTS_RULE],
+    "vgpu-device-manager": [({""}, {"nodes"}, {"get", "list", "watch", "patch"}), EVENTS_RULE],
     "sandbox-dra": [
+        EVENTS_RULE,
         ({"resource.k8s.io"}, {"resourceslices"},
          {"get", "list", "watch", "create", "update", "patch", "delete"}),
         ({"resource.k8s.io"}, {"resourceclaims"}, {"get"}),
         ({""}, {"nodes"}, {"get"}),
     ],
 }
+# Each daemon's metrics port (--metrics-addr; /metrics, /healthz, /readyz): not 9400, which is
+# dcgm-exporter's.
+METRICS_PORTS = {"vfio-manager": 9481, "vgpu-device-manager": 9482, "sandbox-dp": 9483, "sandbox-dra": 9484}
+# The GPU Operator's operand names: nvidia.com/gpu.deploy.<operand> "false" or a pause value keeps
+# the DaemonSet off a node.
+OPERANDS = {"vfio-manager": "vfio-manager", "vgpu-device-manager": "vgpu-device-manager",
+            "sandbox-dp": "sandbox-device-plugin"}
+DEPLOY_OFF_VALUES = {"false", "paused-for-vgpu-change", "paused-for-driver-upgrade"}
+VGPU_CONFIGMAP = "default-vgpu-devices-config"
+# The files sandbox-dp's init container waits for.
 READY_FILES = {
     "vfio-manager": "/host/run/nvidia/validations/vfio-pci-ready",
     "vgpu-device-manager": "/host/run/nvidia/validations/vgpu-devices-ready",
@@ -356,15 +386,25 @@ def check_rules(objs: list[dict], where: str) -> None:
             .get("nodeSelectorTerms", [])
         )
         values = set()
-        for t in terms:
-            for e in t.get("matchExpressions") or []:
-                if e.get("key") == WORKLOAD_LABEL and e.get("operator") == "In":
-                    values |= set(e.get("values") or [])
+        if len(terms) != 1:
+            fail(f"{tag}: {len(terms)} nodeSelectorTerms (ORed): expected one")
+        exprs = [e for t in terms for e in t.get("matchExpressions") or []]
+        for e in exprs:
+            if e.get("key") == WORKLOAD_LABEL and e.get("operator") == "In":
+                values |= set(e.get("values") or [])
         if values != EXPECTED_WORKLOADS.get(name, set()):
             fail(f"{tag}: scheduled on {WORKLOAD_LABEL} in {sorted(values)}, "
                  f"expected {sorted(EXPECTED_WORKLOADS.get(name, set()))}")
         else:
             ok(f"{tag}: scheduled on {WORKLOAD_LABEL} in {sorted(values)}")
+        if name in OPERANDS:
+            key = f"nvidia.com/gpu.deploy.{OPERANDS[name]}"
+            off = [e for e in exprs if e.get("key") == key and e.get("operator") == "NotIn"
+                   and set(e.get("values") or []) == DEPLOY_OFF_VALUES]
+            if not off:
+                fail(f"{tag}: not kept off nodes where {key} is one of {sorted(DEPLOY_OFF_VALUES)}")
+            else:
+                ok(f"{tag}: kept off nodes where {key} is one of {sorted(DEPLOY_OFF_VALUES)}")
         sel = ds["spec"]["selector"].get("matchLabels", {})
         labels = ds["spec"]["template"]["metadata"].get("labels", {})
         if not sel or any(labels.get(k) != v for k, v in sel.items()):
@@ -379,9 +419,11 @@ def check_rules(objs: list[dict], where: str) -> None:
         if (name in NEEDS_API) != bool(automount):
             fail(f"{tag}: API token mounted = {automount}, expected {name in NEEDS_API}")
         # Host namespaces and privileges.
-        for field, need in (("hostNetwork", NEEDS_UEVENTS), ("hostPID", NEEDS_HOSTPID)):
-            if bool(spec.get(field)) != (name in need):
-                fail(f"{tag}: {field} = {bool(spec.get(field))}, expected {name in need}")
+        # Uevents reach the pod's own network namespace: no hostNetwork for anyone.
+        if spec.get("hostNetwork"):
+            fail(f"{tag}: hostNetwork = true, not needed (uevents reach every network namespace)")
+        if bool(spec.get("hostPID")) != (name in NEEDS_HOSTPID):
+            fail(f"{tag}: hostPID = {bool(spec.get('hostPID'))}, expected {name in NEEDS_HOSTPID}")
         for c in pod_containers(ds):
             priv = bool((c.get("securityContext") or {}).get("privileged"))
             expect = name in NEEDS_PRIVILEGED and c in (spec.get("containers") or [])
@@ -427,10 +469,7 @@ def check_rules(objs: list[dict], where: str) -> None:
             cmd = c.get("command") or []
             if cmd != [f"/usr/local/bin/{name}"]:
                 fail(f"{tag}: {c['name']} runs {cmd}, expected [/usr/local/bin/{name}]")
-            ready = READY_FILES.get(name)
-            probe = (c.get("readinessProbe") or {}).get("exec", {}).get("command") or []
-            if ready and ready not in probe:
-                fail(f"{tag}: readiness probe {probe} does not test {ready}")
+            check_metrics(c, name, tag, by_kind.get("Service", {}))
         ok(f"{tag}: service account, host namespaces, privileges and host mounts as required")
     # The init containers of sandbox-dp wait for the readiness files the others write.
     sdp = dss.get("sandbox-dp")
@@ -478,11 +517,71 @@ def check_rules(objs: list[dict], where: str) -> None:
             ref = (v.get("configMap") or {}).get("name")
             if ref and ref not in cms:
                 fail(f"{where}: DaemonSet/{name} mounts missing ConfigMap {ref}")
-    cm = cms.get("vgpu-config")
+    cm = cms.get(VGPU_CONFIGMAP)
     if cm is None:
-        fail(f"{where}: ConfigMap vgpu-config missing")
+        fail(f"{where}: ConfigMap {VGPU_CONFIGMAP} missing")
     else:
         check_vgpu_config(cm.get("data", {}).get("config.yaml", ""), where)
+    check_optional_crds(by_kind, dss, where)
+
+
+def check_metrics(c: dict, name: str, tag: str, services: dict[str, dict]) -> None:
+    """The daemon serves its metrics port; probes and a Service use it."""
+    port = METRICS_PORTS[name]
+    if f"--metrics-addr=0.0.0.0:{port}" not in (c.get("args") or []):
+        fail(f"{tag}: {c['name']} args {c.get('args')} lack --metrics-addr=0.0.0.0:{port}")
+    ports = {p.get("name"): p for p in c.get("ports") or []}
+    if (ports.get("metrics") or {}).get("containerPort") != port:
+        fail(f"{tag}: {c['name']} does not declare containerPort {port} named metrics")
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        get = (c.get(probe) or {}).get("httpGet") or {}
+        if get.get("path") != path or get.get("port") not in ("metrics", port):
+            fail(f"{tag}: {c['name']} {probe} is {c.get(probe)}, expected httpGet {path} on metrics")
+    svcs = [s for s in services.values()
+            if s["spec"].get("selector") == {"app.kubernetes.io/name": name}
+            and any(p.get("targetPort") in ("metrics", port) for p in s["spec"].get("ports") or [])]
+    if len(svcs) != 1:
+        fail(f"{tag}: {len(svcs)} Services expose its metrics port, expected 1")
+    elif svcs[0]["metadata"].get("labels", {}).get("app.kubernetes.io/component") != "metrics":
+        fail(f"{tag}: Service/{svcs[0]['metadata']['name']} lacks app.kubernetes.io/component=metrics")
+    else:
+        ok(f"{tag}: metrics on {port} (probes /healthz, /readyz; Service/{svcs[0]['metadata']['name']})")
+
+
+def check_optional_crds(by_kind: dict[str, dict[str, dict]], dss: dict[str, dict], where: str) -> None:
+    """The chart's ServiceMonitor selects every metrics Service; its OpenShift SCC admits every
+    DaemonSet's service account with what its pod asks for."""
+    services = by_kind.get("Service", {})
+    for name, sm in by_kind.get("ServiceMonitor", {}).items():
+        sel = sm["spec"].get("selector", {}).get("matchLabels", {})
+        picked = {n for n, s in services.items()
+                  if all(s["metadata"].get("labels", {}).get(k) == v for k, v in sel.items())}
+        want = {n for n, s in services.items()
+                if s["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "metrics"}
+        ports = {e.get("port") for e in sm["spec"].get("endpoints") or []}
+        if picked != want or ports != {"metrics"}:
+            fail(f"{where}: ServiceMonitor/{name} selects {sorted(picked)} on ports {sorted(ports, key=str)}, "
+                 f"expected {sorted(want)} on port metrics")
+        else:
+            ok(f"{where}: ServiceMonitor/{name} scrapes {sorted(picked)}")
+    for name, scc in by_kind.get("SecurityContextConstraints", {}).items():
+        users = set(scc.get("users") or [])
+        for ds_name, ds in dss.items():
+            spec = pod_spec(ds) or {}
+            ns = ds["metadata"].get("namespace")
+            user = f"system:serviceaccount:{ns}:{spec.get('serviceAccountName')}"
+            if user not in users:
+                fail(f"{where}: SecurityContextConstraints/{name} does not admit {user}")
+            if spec.get("hostPID") and not scc.get("allowHostPID"):
+                fail(f"{where}: SecurityContextConstraints/{name} forbids hostPID, which {ds_name} uses")
+            if any((c.get("securityContext") or {}).get("privileged") for c in pod_containers(ds)) \
+                    and not scc.get("allowPrivilegedContainer"):
+                fail(f"{where}: SecurityContextConstraints/{name} forbids privileged, which {ds_name} uses")
+            kinds = {k for v in spec.get("volumes") or [] for k in v if k != "name"}
+            allowed = set(scc.get("volumes") or [])
+            if "*" not in allowed and kinds - allowed:
+                fail(f"{where}: SecurityContextConstraints/{name} forbids volumes {sorted(kinds - allowed)} of {ds_name}")
+        ok(f"{where}: SecurityContextConstraints/{name} admits {sorted(users)}")
 
 
 TYPE_KEY = re.compile(r"^[A-Za-z0-9]+[A-Za-z0-9-]*-[0-9A-Za-z-]+$|^nvidia-[0-9]+$|^[a-z]+-[0-9]+$")
@@ -490,7 +589,7 @@ FILTER = re.compile(r"^0x[0-9A-Fa-f]{8}(:0x[0-9A-Fa-f]{8})?$")
 
 
 def check_vgpu_config(text: str, where: str) -> None:
-    tag = f"{where}: ConfigMap/vgpu-config config.yaml"
+    tag = f"{where}: ConfigMap/{VGPU_CONFIGMAP} config.yaml"
     try:
         cfg = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -550,7 +649,7 @@ def cmd_manifests() -> None:
     # Every manifest file is part of some kustomization (a file nobody renders is never checked
     # or applied).
     for p in sorted(glob.glob(os.path.join(DEPLOY, "**", "*.y*ml"), recursive=True)):
-        if os.path.basename(p).startswith("kustomization."):
+        if os.path.basename(p).startswith("kustomization.") or os.path.abspath(p).startswith(HELM + os.sep):
             continue
         if os.path.abspath(p) not in used:
             fail(f"{rel(p)} is not listed in any kustomization")
@@ -605,6 +704,54 @@ def check_examples(objs: list[dict], where: str) -> None:
 def cmd_render(d: str) -> None:
     objs = render(d)
     sys.stdout.write(yaml.safe_dump_all(objs, sort_keys=True))
+
+
+def load_objects(path: str) -> list[dict]:
+    with open(path) as f:
+        return [o for o in yaml.safe_load_all(f) if o is not None]
+
+
+def object_key(o: dict) -> tuple[str, str, str, str]:
+    m = o.get("metadata") or {}
+    return (o.get("apiVersion", ""), o.get("kind", ""), m.get("namespace") or "", m.get("name", ""))
+
+
+def cmd_same(a: str, b: str, what: str) -> None:
+    """Compares two renders as sets of parsed objects: any object only in one, or any field
+    that differs, fails with the first differences."""
+    ours = {object_key(o): o for o in load_objects(a)}
+    theirs = {object_key(o): o for o in load_objects(b)}
+    diffs = [f"only in the first: {k}" for k in sorted(set(ours) - set(theirs))]
+    diffs += [f"only in the second: {k}" for k in sorted(set(theirs) - set(ours))]
+
+    def walk(x, y, path: str) -> None:
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in sorted(set(x) | set(y), key=str):
+                walk(x.get(k, "<absent>"), y.get(k, "<absent>"), f"{path}.{k}")
+        elif isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
+            for i, (xi, yi) in enumerate(zip(x, y)):
+                walk(xi, yi, f"{path}[{i}]")
+        elif x != y:
+            diffs.append(f"{path}: {json.dumps(x)[:200]} != {json.dumps(y)[:200]}")
+
+    for k in sorted(set(ours) & set(theirs)):
+        walk(ours[k], theirs[k], f"{k[1]}/{k[3]}")
+    if diffs:
+        fail(f"{what} differ: " + "; ".join(diffs[:10]))
+    else:
+        ok(f"{what}: the same {len(ours)} objects")
+
+
+def cmd_validate(path: str, where: str) -> None:
+    try:
+        import kubernetes_validate  # noqa: F401
+    except ImportError:
+        fail("the Python package kubernetes-validate is not installed (tests/check-manifests.sh installs it)")
+        return
+    objs = load_objects(path)
+    ok(f"{where}: {len(objs)} objects")
+    validate_schemas(objs, where)
+    check_rules(objs, where)
 
 
 # --- Containerfile -------------------------------------------------------------------------------
@@ -1158,6 +1305,10 @@ def main() -> int:
         cmd_manifests()
     elif cmd == "render" and len(sys.argv) == 3:
         cmd_render(sys.argv[2])
+    elif cmd == "same" and len(sys.argv) == 5:
+        cmd_same(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif cmd == "validate" and len(sys.argv) == 4:
+        cmd_validate(sys.argv[2], sys.argv[3])
     elif cmd == "containerfile":
         cmd_containerfile()
     elif cmd == "cli" and len(sys.argv) == 3:

@@ -22,8 +22,8 @@ use crate::catalogue::{Attach, Catalogue, GpuModel, VgpuTypeDef};
 /// NVIDIA's PCI vendor id.
 const NVIDIA_VENDOR: u16 = 0x10de;
 
-/// The ConfigMap's name in the `deploy/base` kustomization.
-pub const CONFIGMAP_NAME: &str = "vgpu-config";
+/// The ConfigMap's name in the `deploy/base` kustomization (the GPU Operator's name for it).
+pub const CONFIGMAP_NAME: &str = "default-vgpu-devices-config";
 
 /// The key (file name) of the config inside the ConfigMap.
 pub const CONFIG_KEY: &str = "config.yaml";
@@ -216,7 +216,7 @@ mod tests {
     fn configmap_embeds_the_config_indented() {
         let cm = default_vgpu_configmap(catalogue());
         assert!(cm.contains("kind: ConfigMap\n"));
-        assert!(cm.contains("\n  name: vgpu-config\n"));
+        assert!(cm.contains("\n  name: default-vgpu-devices-config\n"));
         assert!(cm.contains("\n  config.yaml: |\n    version: v1\n    vgpu-configs:\n"));
         for line in cm
             .lines()

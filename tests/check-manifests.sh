@@ -127,9 +127,9 @@ echo "ok: helm lint --strict $chart"
     { cat "$scratch/lint.log"; die "helm lint $chart -f ci/all-on-values.yaml failed"; }
 echo "ok: helm lint --strict $chart -f ci/all-on-values.yaml"
 # helm logs each symlink it follows (files/ links to the kustomize files it shares): not shown.
-template() { # [chart dir] helm-args...
+template() { # [chart dir or packaged .tgz] helm-args...
     local dir="$chart"
-    [ -d "${1:-}" ] && { dir="$1"; shift; }
+    [ -e "${1:-}" ] && { dir="$1"; shift; }
     "$helm" template gpu-vm-node "$dir" --namespace gpu-vm-node "$@" 2>"$scratch/helm.err" ||
         { cat "$scratch/helm.err" >&2; die "helm template $dir $* failed"; }
     grep -v 'found symbolic link in path' "$scratch/helm.err" >&2 || true
@@ -150,6 +150,18 @@ if grep -q '^kind: Namespace' "$scratch/chart.yaml"; then
     die "$chart: the default render creates the Namespace (helm install --create-namespace does)"
 fi
 echo "ok: $chart: the default render leaves the Namespace to helm"
+# What `helm package` makes (files/ links resolved) installs the same objects.
+"$helm" package "$chart" --destination "$scratch" >/dev/null 2>&1 || die "helm package $chart failed"
+template "$scratch"/gpu-vm-node-*.tgz >"$scratch/packaged.yaml"
+template >"$scratch/chart.yaml"
+$check same "$scratch/packaged.yaml" "$scratch/chart.yaml" "the packaged $chart and $chart"
+# values.schema.json refuses an unknown or misspelt value instead of ignoring it.
+if "$helm" template gpu-vm-node "$chart" --set vfioManger.enabled=false >/dev/null 2>"$scratch/helm.err"; then
+    die "$chart: the misspelt value vfioManger.enabled was accepted"
+fi
+grep -q "vfioManger" "$scratch/helm.err" || { cat "$scratch/helm.err"; die "$chart: the refusal does not name vfioManger"; }
+echo "ok: $chart: a misspelt value (vfioManger.enabled) is refused, named"
+
 step "$chart: every option on (ci/all-on-values.yaml): schema-validated, project rules"
 template -f "$chart/ci/all-on-values.yaml" >"$scratch/chart-all.yaml"
 $check validate "$scratch/chart-all.yaml" "$chart (all options on)"

@@ -419,9 +419,12 @@ def check_rules(objs: list[dict], where: str) -> None:
         if (name in NEEDS_API) != bool(automount):
             fail(f"{tag}: API token mounted = {automount}, expected {name in NEEDS_API}")
         # Host namespaces and privileges.
-        # Uevents reach the pod's own network namespace: no hostNetwork for anyone.
+        # Uevents reach the pod's own network namespace (owned by the initial user namespace):
+        # no hostNetwork for anyone, and no user namespace of the pod's own.
         if spec.get("hostNetwork"):
-            fail(f"{tag}: hostNetwork = true, not needed (uevents reach every network namespace)")
+            fail(f"{tag}: hostNetwork = true, not needed (uevents reach the pod's network namespace)")
+        if spec.get("hostUsers") is False:
+            fail(f"{tag}: hostUsers = false: its network namespace would receive no uevents")
         if bool(spec.get("hostPID")) != (name in NEEDS_HOSTPID):
             fail(f"{tag}: hostPID = {bool(spec.get('hostPID'))}, expected {name in NEEDS_HOSTPID}")
         for c in pod_containers(ds):

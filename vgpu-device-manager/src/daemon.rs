@@ -7,15 +7,16 @@
 //! symlink), and retries a failed or blocked apply with backoff. In Kubernetes it reports
 //! through `nvidia.com/vgpu.config.state` (`pending`, `success`, `failed`) and the annotation
 //! `nvidia.com/vgpu.config.state.reason`. After a successful apply it writes
-//! `<host-root>/run/nvidia/validations/vgpu-devices-ready`.
+//! `<host-root>/run/nvidia/validations/vgpu-devices-ready`, and writes it again whenever someone
+//! else removes it (the GPU Operator's validator) until an apply fails.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
 use common::{HostPaths, error_chain};
-use common::state::readiness;
 use daemon_kit::exit;
+use daemon_kit::readiness::Keeper;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::Api;
@@ -130,12 +131,14 @@ pub async fn run(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToke
         write_timeout: cfg.write_timeout,
         ..Options::new(paths)
     };
-    Ok(keep_applied(cfg, opts, shutdown).await?)
+    let ready = Keeper::start(&opts.paths, READY_FILE, shutdown.clone())?;
+    Ok(keep_applied(cfg, opts, ready, shutdown).await?)
 }
 
 async fn keep_applied(
     cfg: DaemonConfig,
     opts: Options,
+    ready: Keeper,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let (profile_tx, mut profile_rx) = watch::channel::<Option<String>>(None);
@@ -303,14 +306,14 @@ async fn keep_applied(
         match outcome {
             Ok(report) => {
                 tracing::info!(profile, writes = report.writes, "profile applied");
-                if let Err(e) = readiness::set(&opts.paths, READY_FILE, "") {
+                if let Err(e) = ready.vouch("") {
                     tracing::warn!("cannot write the readiness file: {}", error_chain(&e));
                 }
                 reporter.set(&State::Success).await;
                 delay = cfg.retry_min;
             }
             Err((reason, retryable)) => {
-                if let Err(e) = readiness::withdraw(&opts.paths, READY_FILE) {
+                if let Err(e) = ready.withdraw() {
                     tracing::warn!("cannot remove the readiness file: {}", error_chain(&e));
                 }
                 tracing::error!(profile, "profile not applied: {reason}");

@@ -1048,3 +1048,57 @@ group = 21
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
     assert_eq!(driver(root, "0009:01:00.0").as_deref(), Some("vfio-pci"));
 }
+
+/// NVIDIA's vfio-manage spelling, `-d`/`--device-id BDF`: that GPU (and its group) alone.
+#[test]
+fn device_id_selects_one_gpu() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let o = run(root, &["bind", "--device-id", "0000:41:00.0"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    assert_eq!(driver(root, "0000:61:00.0").as_deref(), Some("nvidia"));
+    let o = run(root, &["unbind", "-d", "0000:41:00.0"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("nvidia"));
+}
+
+/// The switch from passthrough to vGPU as docs/install-kubernetes.md gives it: relabel first
+/// (the DaemonSet's pod is deleted: SIGTERM, the devices stay bound), then unbind. Unbinding
+/// while the daemon still runs is undone by the daemon at the unbind's own uevent.
+#[test]
+fn the_documented_switch_to_vgpu_relabels_first_then_unbinds() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root().to_path_buf();
+    let ready = root.join("run/nvidia/validations/vfio-pci-ready");
+    let gpus = ["0000:41:00.0", "0000:61:00.0"];
+    let mut d = daemon(&root, &["--resync-interval", "1h"]);
+    let rx = lines_of(&mut d.0);
+    assert!(next_summary(&rx).contains("0 failed"));
+    wait_until("the readiness file", || ready.exists());
+
+    // The wrong order: an unbind while the daemon runs does not hold.
+    let o = run(&root, &["unbind"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    wait_until("the daemon binding them again", || {
+        gpus.iter()
+            .all(|g| driver(&root, g).as_deref() == Some("vfio-pci"))
+    });
+
+    // Relabel: the pod goes away; running VMs would keep their GPUs.
+    sigterm(&d.0);
+    assert_eq!(d.0.wait().unwrap().code(), Some(0));
+    for g in gpus {
+        assert_eq!(driver(&root, g).as_deref(), Some("vfio-pci"), "{g}");
+    }
+    // Then the unbind, from the node: it holds.
+    let o = run(&root, &["unbind"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    for g in gpus {
+        assert_eq!(driver(&root, g).as_deref(), Some("nvidia"), "{g}");
+    }
+}

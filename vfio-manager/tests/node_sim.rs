@@ -1102,3 +1102,34 @@ fn the_documented_switch_to_vgpu_relabels_first_then_unbinds() {
         assert_eq!(driver(&root, g).as_deref(), Some("nvidia"), "{g}");
     }
 }
+
+/// nvidia-validator deletes the files under run/nvidia/validations (and the directory with
+/// them) when it starts and in its preStop: while every GPU is bound, the daemon's file comes
+/// back; the validator's own files are not touched.
+#[test]
+fn daemon_writes_its_readiness_file_again_when_someone_else_removes_it() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root().to_path_buf();
+    let dir = root.join("run/nvidia/validations");
+    let ready = dir.join("vfio-pci-ready");
+    let mut d = daemon(&root, &["--resync-interval", "1h"]);
+    wait_until("the readiness file", || ready.exists());
+    let body = std::fs::read_to_string(&ready).unwrap();
+
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("workload-type"), "vm-passthrough").unwrap();
+    wait_until("the readiness file written again", || ready.exists());
+    assert_eq!(std::fs::read_to_string(&ready).unwrap(), body);
+    std::fs::remove_file(&ready).unwrap();
+    wait_until("the readiness file written again", || ready.exists());
+    assert_eq!(
+        std::fs::read_to_string(dir.join("workload-type")).unwrap(),
+        "vm-passthrough"
+    );
+
+    sigterm(&d.0);
+    assert_eq!(d.0.wait().unwrap().code(), Some(0));
+}

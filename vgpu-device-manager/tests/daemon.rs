@@ -287,6 +287,10 @@ fn state_is_written_by_update_where_patch_is_forbidden() {
     let api =
         FakeApiServer::start("node-rbac", &[(CONFIG_LABEL, "A10-4Q"), ("keep", "me")]).unwrap();
     api.forbid_patch();
+    // Another client writes the Node between the daemon's read and each of its first four
+    // replaces: more conflicts in a row than the daemon's retries of a failed write (3), so
+    // `pending` is written only if each replace is read again and retried on its conflict.
+    api.race_puts(4);
     let cfg = config_file(CONFIG);
     let kc = api.kubeconfig().to_str().unwrap().to_string();
     let f = cfg.path.to_str().unwrap();
@@ -308,6 +312,13 @@ fn state_is_written_by_update_where_patch_is_forbidden() {
         Some("me"),
         "other labels kept"
     );
+    for k in ["raced-by-0", "raced-by-1", "raced-by-2", "raced-by-3"] {
+        assert_eq!(
+            api.label(k).as_deref(),
+            Some("another-client"),
+            "the other client's {k} survives the replace that came after it"
+        );
+    }
     assert_eq!(counts(root), each("NVIDIA A10-4Q", 6));
 
     // A failure's reason is an annotation: written and then removed the same way.

@@ -55,6 +55,8 @@ struct Inner {
     /// Whether a PATCH of the Node is refused with 403, as under a ClusterRole granting
     /// `update` on nodes but not `patch` (the GPU Operator's).
     patch_forbidden: bool,
+    /// How many more PUTs of the Node another client beats by a write of its own.
+    puts_raced: u32,
     /// The Node's UID ([`NODE_UID`] until [`FakeApiServer::recreate_node`]).
     node_uid: String,
 }
@@ -136,6 +138,7 @@ impl FakeApiServer {
                 slice_version: 0,
                 node_exists: true,
                 patch_forbidden: false,
+                puts_raced: 0,
                 node_uid: NODE_UID.to_string(),
             }),
             claims: Default::default(),
@@ -171,6 +174,12 @@ impl FakeApiServer {
     /// service account whose ClusterRole grants `update` on nodes but not `patch`.
     pub fn forbid_patch(&self) {
         self.shared.lock().patch_forbidden = true;
+    }
+
+    /// Has another client write the Node (label `raced-by-N`) just before each of the next `n`
+    /// PUTs arrives, so that each of them carries a stale `resourceVersion` and gets a 409.
+    pub fn race_puts(&self, n: u32) {
+        self.shared.lock().puts_raced = n;
     }
 
     /// A kubeconfig file for this server.
@@ -550,6 +559,13 @@ fn replace_node(s: &Shared, body: &[u8]) -> (u16, Value) {
         Err(e) => return (400, status(400, &format!("bad body: {e}"))),
     };
     let mut i = s.lock();
+    if i.puts_raced > 0 {
+        i.puts_raced -= 1;
+        let key = format!("raced-by-{}", i.puts_raced);
+        i.labels.insert(key.clone(), "another-client".into());
+        i.patched.push((key, Some("another-client".into())));
+        i.version += 1;
+    }
     let rv = obj["metadata"]["resourceVersion"].as_str().unwrap_or("");
     if rv != i.version.to_string() {
         return (

@@ -10,7 +10,8 @@
 //! - [`grpc`]: serve tonic on a Unix socket so that every client is answered, whatever
 //!   `:authority` it sends (kubelet's device-plugin and plugin-registration clients, grpcio,
 //!   diagnostic tools). Every gRPC socket of ours is served through it;
-//! - [`kube`]: a Kubernetes client from `--kubeconfig` or the pod's service account.
+//! - [`kube`]: a Kubernetes client from `--kubeconfig` or the pod's service account;
+//! - [`readiness`]: a readiness file kept in place while the daemon vouches, whoever removes it.
 #![warn(missing_docs)]
 
 pub mod cli;
@@ -21,5 +22,6 @@ pub mod grpc;
 pub mod h2_rewrite;
 pub mod kube;
 pub mod logging;
+pub mod readiness;
 
 pub use exit::{Failure, OrExit, Result};

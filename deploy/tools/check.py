@@ -1279,7 +1279,11 @@ def cmd_docs(bindir: str) -> None:
             commands.append(argv)
             if sub and f"`{sub}" not in doc:
                 missing.append(f"command {sub}")
-            for flag in re.findall(r"^\s+(?:-\w, )?(--[a-z][a-z0-9-]*)", help_text(argv), re.M):
+            text = help_text(argv)
+            # A visible alias (`[alias: --device-id]`) is a flag the binary has.
+            for aliases in re.findall(r"\[alias(?:es)?: ([^\]]+)\]", text):
+                all_flags.update(a.strip() for a in aliases.split(",") if a.strip().startswith("--"))
+            for flag in re.findall(r"^\s+(?:-\w, )?(--[a-z][a-z0-9-]*)", text, re.M):
                 all_flags.add(flag)
                 if flag in ("--help", "--version"):
                     continue

@@ -4,7 +4,8 @@
 //! once every selected function is on its VFIO driver, then reconciles again whenever udev
 //! reports a PCI device added, removed, bound or unbound (a hot-plugged GPU), and on a slow
 //! resync timer as a safety net. While any selected function is not bound the readiness file
-//! is absent. SIGTERM/SIGINT end it with the devices left bound (a rollout must not break
+//! is absent; while all are, it is written again whenever someone else removes it (the GPU
+//! Operator's validator). SIGTERM/SIGINT end it with the devices left bound (a rollout must not break
 //! running VMs); with `--unbind-on-exit` it gives them back first.
 
 use std::collections::BTreeSet;
@@ -15,6 +16,7 @@ use common::state::readiness;
 use common::uevent::{Monitor, Subject, Uevent};
 use common::{HostPaths, PciAddress, error_chain};
 use daemon_kit::exit;
+use daemon_kit::readiness::Keeper;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -54,7 +56,7 @@ pub fn ready_path(paths: &HostPaths) -> PathBuf {
 }
 
 /// Writes the readiness file (when `report` is clean) or removes it.
-fn set_ready(paths: &HostPaths, report: Option<&Report>) {
+fn set_ready(ready: &Keeper, paths: &HostPaths, report: Option<&Report>) {
     let path = ready_path(paths);
     if let Some(report) = report.filter(|r| r.exit_code() == 0) {
         let mut body = String::new();
@@ -71,14 +73,14 @@ fn set_ready(paths: &HostPaths, report: Option<&Report>) {
                 r.group.map(|g| g.to_string()).unwrap_or_else(|| "-".into())
             ));
         }
-        match readiness::set(paths, READY_FILE, &body) {
+        match ready.vouch(&body) {
             Ok(()) => tracing::info!(path = %path.display(), "all selected devices bound; ready"),
             Err(e) => {
                 tracing::error!(error = %error_chain(&e), "cannot write the readiness file")
             }
         }
     } else {
-        match readiness::withdraw(paths, READY_FILE) {
+        match ready.withdraw() {
             Ok(true) => {
                 tracing::warn!(path = %path.display(), "not every selected device is bound; readiness withdrawn")
             }
@@ -124,6 +126,7 @@ async fn reconcile(cfg: &Config, paths: &HostPaths) -> Option<Report> {
 /// Runs the daemon until `shutdown`. A clean shutdown is `Ok`; with `--unbind-on-exit`, a
 /// device not given back ends it with exit status 1.
 pub async fn run(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToken) -> exit::Result {
+    let ready = Keeper::start(&paths, READY_FILE, shutdown.clone())?;
     let (tx, mut rx) = mpsc::unbounded_channel::<Uevent>();
     // pci uevents (kernel and udev groups: common::uevent), until the monitor is dropped.
     let monitor = if cfg.udev {
@@ -174,13 +177,13 @@ pub async fn run(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToke
         while again && !shutdown.is_cancelled() {
             again = false;
             let Some(report) = reconcile(&cfg.config, &paths).await else {
-                set_ready(&paths, None);
+                set_ready(&ready, &paths, None);
                 retry_not_before = tokio::time::Instant::now() + RETRY_GAP;
                 break;
             };
             print_report(&report, !first);
             first = false;
-            set_ready(&paths, Some(&report));
+            set_ready(&ready, &paths, Some(&report));
             let failed = report.exit_code() != 0;
             if failed {
                 retry_not_before = tokio::time::Instant::now() + RETRY_GAP;
@@ -205,7 +208,7 @@ pub async fn run(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToke
     drop(monitor);
     if cfg.unbind_on_exit {
         tracing::info!("shutting down: giving the devices back (--unbind-on-exit)");
-        set_ready(&paths, None);
+        set_ready(&ready, &paths, None);
         let (c, p) = (cfg.config.clone(), paths.clone());
         match tokio::task::spawn_blocking(move || run_unbind(&c, &p)).await {
             Ok(Ok(r)) => {

@@ -82,8 +82,18 @@ struct SelectArgs {
     #[arg(long = "device", value_name = "VVVV:DDDD")]
     devices: Vec<DeviceId>,
     /// Select exactly this function (e.g. 0000:65:00.0), whatever its class. Repeatable.
-    #[arg(long = "address", value_name = "BDF")]
+    /// `-d`/`--device-id` is the spelling of NVIDIA's vfio-manage.
+    #[arg(
+        long = "address",
+        short = 'd',
+        visible_alias = "device-id",
+        value_name = "BDF"
+    )]
     addresses: Vec<PciAddress>,
+    /// Every display function of --vendor and its group, which is also what no selector
+    /// selects: `vfio-manage bind --all` as the GPU Operator runs it.
+    #[arg(short = 'a', long, conflicts_with_all = ["addresses", "devices"])]
+    all: bool,
     /// Never select this function. Repeatable. Excluding one member of a group leaves the whole
     /// group alone.
     #[arg(long = "exclude", value_name = "BDF")]

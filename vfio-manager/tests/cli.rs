@@ -42,6 +42,8 @@ fn help_explains_every_subcommand_and_selector() {
         "--resync-interval",
         "--unbind-on-exit",
         "vfio-pci-ready",
+        "--all",
+        "--device-id",
     ] {
         assert!(h.contains(word), "{word} missing from:\n{h}");
     }
@@ -56,6 +58,9 @@ fn usage_and_configuration_errors_exit_2() {
         vec!["bind", "--address", "41:00.0"],
         vec!["bind", "--vendor", "xyz"],
         vec!["bind", "--timeout", "-1"],
+        // --all is every GPU: naming some as well is a contradiction.
+        vec!["bind", "--all", "--address", "0000:41:00.0"],
+        vec!["unbind", "-a", "--device", "10de:2236"],
         vec!["frobnicate"],
     ] {
         let o = run(&args);

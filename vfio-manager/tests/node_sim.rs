@@ -1048,3 +1048,88 @@ group = 21
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
     assert_eq!(driver(root, "0009:01:00.0").as_deref(), Some("vfio-pci"));
 }
+
+/// NVIDIA's vfio-manage spelling, `-d`/`--device-id BDF`: that GPU (and its group) alone.
+#[test]
+fn device_id_selects_one_gpu() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let o = run(root, &["bind", "--device-id", "0000:41:00.0"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    assert_eq!(driver(root, "0000:61:00.0").as_deref(), Some("nvidia"));
+    let o = run(root, &["unbind", "-d", "0000:41:00.0"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("nvidia"));
+}
+
+/// The switch from passthrough to vGPU as docs/install-kubernetes.md gives it: relabel first
+/// (the DaemonSet's pod is deleted: SIGTERM, the devices stay bound), then unbind. Unbinding
+/// while the daemon still runs is undone by the daemon at the unbind's own uevent.
+#[test]
+fn the_documented_switch_to_vgpu_relabels_first_then_unbinds() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root().to_path_buf();
+    let ready = root.join("run/nvidia/validations/vfio-pci-ready");
+    let gpus = ["0000:41:00.0", "0000:61:00.0"];
+    let mut d = daemon(&root, &["--resync-interval", "1h"]);
+    let rx = lines_of(&mut d.0);
+    assert!(next_summary(&rx).contains("0 failed"));
+    wait_until("the readiness file", || ready.exists());
+
+    // The wrong order: an unbind while the daemon runs does not hold.
+    let o = run(&root, &["unbind"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    wait_until("the daemon binding them again", || {
+        gpus.iter()
+            .all(|g| driver(&root, g).as_deref() == Some("vfio-pci"))
+    });
+
+    // Relabel: the pod goes away; running VMs would keep their GPUs.
+    sigterm(&d.0);
+    assert_eq!(d.0.wait().unwrap().code(), Some(0));
+    for g in gpus {
+        assert_eq!(driver(&root, g).as_deref(), Some("vfio-pci"), "{g}");
+    }
+    // Then the unbind, from the node: it holds.
+    let o = run(&root, &["unbind"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    for g in gpus {
+        assert_eq!(driver(&root, g).as_deref(), Some("nvidia"), "{g}");
+    }
+}
+
+/// nvidia-validator deletes the files under run/nvidia/validations (and the directory with
+/// them) when it starts and in its preStop: while every GPU is bound, the daemon's file comes
+/// back; the validator's own files are not touched.
+#[test]
+fn daemon_writes_its_readiness_file_again_when_someone_else_removes_it() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root().to_path_buf();
+    let dir = root.join("run/nvidia/validations");
+    let ready = dir.join("vfio-pci-ready");
+    let mut d = daemon(&root, &["--resync-interval", "1h"]);
+    wait_until("the readiness file", || ready.exists());
+    let body = std::fs::read_to_string(&ready).unwrap();
+
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("workload-type"), "vm-passthrough").unwrap();
+    wait_until("the readiness file written again", || ready.exists());
+    assert_eq!(std::fs::read_to_string(&ready).unwrap(), body);
+    std::fs::remove_file(&ready).unwrap();
+    wait_until("the readiness file written again", || ready.exists());
+    assert_eq!(
+        std::fs::read_to_string(dir.join("workload-type")).unwrap(),
+        "vm-passthrough"
+    );
+
+    sigterm(&d.0);
+    assert_eq!(d.0.wait().unwrap().code(), Some(0));
+}

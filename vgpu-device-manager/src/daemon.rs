@@ -7,18 +7,19 @@
 //! symlink), and retries a failed or blocked apply with backoff. In Kubernetes it reports
 //! through `nvidia.com/vgpu.config.state` (`pending`, `success`, `failed`) and the annotation
 //! `nvidia.com/vgpu.config.state.reason`. After a successful apply it writes
-//! `<host-root>/run/nvidia/validations/vgpu-devices-ready`.
+//! `<host-root>/run/nvidia/validations/vgpu-devices-ready`, and writes it again whenever someone
+//! else removes it (the GPU Operator's validator) until an apply fails.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
-use common::state::readiness;
 use common::{HostPaths, error_chain};
 use daemon_kit::exit;
+use daemon_kit::readiness::Keeper;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::Api;
 use kube::core::PartialObjectMeta;
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::{mpsc, watch};
@@ -26,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::apply::{ApplyError, Options, apply};
 use crate::config::Config;
+use crate::node_meta::{MetaChange, NodeMeta};
 use crate::plan::{PlanError, VendorSel};
 
 /// The label that names the profile.
@@ -78,14 +80,14 @@ enum State {
 }
 
 struct Reporter {
-    api: Option<(Api<Node>, String)>,
-    /// What the node shows now: the same state and reason are not patched again.
+    node: Option<NodeMeta>,
+    /// What the node shows now: the same state and reason are not written again.
     shown: Option<State>,
 }
 
 impl Reporter {
     async fn set(&mut self, state: &State) {
-        let Some((api, node)) = &self.api else {
+        let Some(node) = &self.node else {
             return;
         };
         if self.shown.as_ref() == Some(state) {
@@ -94,32 +96,27 @@ impl Reporter {
         let (value, reason) = match state {
             State::Pending => ("pending", None),
             State::Success => ("success", None),
-            State::Failed(r) => ("failed", Some(r.as_str())),
+            State::Failed(r) => ("failed", Some(r.clone())),
         };
-        let mut ann = serde_json::Map::new();
+        let mut change = MetaChange::default();
+        change
+            .labels
+            .insert(STATE_LABEL.into(), Some(value.to_string()));
         if !matches!(state, State::Pending) {
-            ann.insert(
-                REASON_ANNOTATION.into(),
-                reason.map_or(serde_json::Value::Null, |r| r.into()),
-            );
+            change.annotations.insert(REASON_ANNOTATION.into(), reason);
         }
-        let patch = serde_json::json!({
-            "metadata": {
-                "labels": { STATE_LABEL: value },
-                "annotations": ann,
-            }
-        });
         for attempt in 0..3 {
-            match api
-                .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-            {
-                Ok(_) => {
+            match node.apply(&change).await {
+                Ok(()) => {
                     self.shown = Some(state.clone());
                     return;
                 }
                 Err(e) => {
-                    tracing::warn!(node, attempt, "cannot set {STATE_LABEL}={value}: {e}");
+                    tracing::warn!(
+                        node = node.node(),
+                        attempt,
+                        "cannot set {STATE_LABEL}={value}: {e}"
+                    );
                     tokio::time::sleep(Duration::from_millis(200 << attempt)).await;
                 }
             }
@@ -134,12 +131,14 @@ pub async fn run(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToke
         write_timeout: cfg.write_timeout,
         ..Options::new(paths)
     };
-    Ok(keep_applied(cfg, opts, shutdown).await?)
+    let ready = Keeper::start(&opts.paths, READY_FILE, shutdown.clone())?;
+    Ok(keep_applied(cfg, opts, ready, shutdown).await?)
 }
 
 async fn keep_applied(
     cfg: DaemonConfig,
     opts: Options,
+    ready: Keeper,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let (profile_tx, mut profile_rx) = watch::channel::<Option<String>>(None);
@@ -148,7 +147,7 @@ async fn keep_applied(
         Source::Fixed(name) => {
             profile_tx.send_replace(Some(name.clone()));
             Reporter {
-                api: None,
+                node: None,
                 shown: None,
             }
         }
@@ -200,7 +199,7 @@ async fn keep_applied(
                 }
             });
             Reporter {
-                api: Some((Api::all(client), node_name.clone())),
+                node: Some(NodeMeta::new(Api::all(client), node_name.clone())),
                 shown: None,
             }
         }
@@ -307,14 +306,14 @@ async fn keep_applied(
         match outcome {
             Ok(report) => {
                 tracing::info!(profile, writes = report.writes, "profile applied");
-                if let Err(e) = readiness::set(&opts.paths, READY_FILE, "") {
+                if let Err(e) = ready.vouch("") {
                     tracing::warn!("cannot write the readiness file: {}", error_chain(&e));
                 }
                 reporter.set(&State::Success).await;
                 delay = cfg.retry_min;
             }
             Err((reason, retryable)) => {
-                if let Err(e) = readiness::withdraw(&opts.paths, READY_FILE) {
+                if let Err(e) = ready.withdraw() {
                     tracing::warn!("cannot remove the readiness file: {}", error_chain(&e));
                 }
                 tracing::error!(profile, "profile not applied: {reason}");

@@ -8,11 +8,13 @@
 //! - [`plan`] plans a profile against that state (a pure function).
 //! - [`apply`] reads, plans and executes, GPUs in parallel.
 //! - [`daemon`] keeps the node on the profile named by a node label or a flag.
+//! - [`node_meta`] writes the daemon's label and annotation on its Node, by patch or update.
 
 pub mod apply;
 pub mod config;
 pub mod daemon;
 pub mod gpu;
+pub mod node_meta;
 pub mod plan;
 
 /// The model table lives in [`common::vgpu`], shared with sandbox-dp's on-demand pool.

@@ -32,6 +32,15 @@ struct Cli {
         global = true
     )]
     config_file: Option<PathBuf>,
+    /// The config file when neither -f nor VGPU_DM_CONFIG_FILE names one: the variable the GPU
+    /// Operator's vgpu-device-manager DaemonSet sets.
+    #[arg(
+        long = "operator-config-file",
+        env = "CONFIG_FILE",
+        hide = true,
+        global = true
+    )]
+    operator_config_file: Option<PathBuf>,
     /// The profile (a key under `vgpu-configs`); may be left out when the file has only one.
     /// For `daemon`, a fixed profile instead of the node label: the daemon then runs without
     /// Kubernetes (systemd).
@@ -120,8 +129,15 @@ enum Command {
         /// A kubeconfig file; in-cluster config (or $KUBECONFIG) when absent.
         #[arg(long, env = "KUBECONFIG")]
         kubeconfig: Option<PathBuf>,
-        /// The profile when the node has no `nvidia.com/vgpu.config` label.
-        #[arg(long, default_value = "default")]
+        /// The profile when the node has no `nvidia.com/vgpu.config` label, or an empty one
+        /// (DEFAULT_VGPU_CONFIG and --default-vgpu-config are the GPU Operator's names).
+        #[arg(
+            long,
+            visible_alias = "default-vgpu-config",
+            env = "DEFAULT_VGPU_CONFIG",
+            default_value = "default",
+            value_parser = clap::builder::NonEmptyStringValueParser::new()
+        )]
         default_config: String,
         #[command(flatten)]
         retry: RetryArgs,
@@ -177,7 +193,10 @@ fn need<T: Clone>(v: &Option<T>, what: &str) -> anyhow::Result<T> {
     v.clone().with_context(|| format!("{what} is required"))
 }
 
-fn run(cli: Cli) -> exit::Result {
+fn run(mut cli: Cli) -> exit::Result {
+    if cli.config_file.is_none() {
+        cli.config_file = cli.operator_config_file.take();
+    }
     let paths = cli.pod_resources.apply(cli.host.paths());
     let vendor = cli.vendor;
     let opts = Options {

@@ -37,6 +37,11 @@ impl Drop for Daemon {
 }
 
 fn daemon(root: &Path, args: &[&str]) -> Daemon {
+    daemon_with_env(root, args, &[])
+}
+
+/// The daemon with `env` set, the variables a DaemonSet could set removed otherwise.
+fn daemon_with_env(root: &Path, args: &[&str], env: &[(&str, &str)]) -> Daemon {
     // One log per daemon: the tests of this file run in parallel in one process.
     static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -49,6 +54,10 @@ fn daemon(root: &Path, args: &[&str]) -> Daemon {
             .arg(root)
             .env_remove("NODE_NAME")
             .env_remove("KUBECONFIG")
+            .env_remove("CONFIG_FILE")
+            .env_remove("VGPU_DM_CONFIG_FILE")
+            .env_remove("DEFAULT_VGPU_CONFIG")
+            .envs(env.iter().copied())
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(log).map_or(Stdio::null(), Stdio::from))
@@ -218,6 +227,119 @@ fn node_without_label_gets_the_default_profile() {
         api.label(STATE)
     );
     assert_eq!(counts(root), each("NVIDIA A10-12Q", 2));
+    assert_eq!(d.stop(), Some(0));
+}
+
+/// The environment the GPU Operator's vgpu-device-manager DaemonSet gives its container, and
+/// no flag: NODE_NAME, CONFIG_FILE, and DEFAULT_VGPU_CONFIG for a node without the label.
+#[test]
+fn the_operators_environment_alone_selects_node_file_and_default_profile() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    // An empty label is no label (NVIDIA's daemon reads it the same way).
+    let api = FakeApiServer::start("node-op", &[(CONFIG_LABEL, "")]).unwrap();
+    let cm = ConfigMapDir::new(CONFIG);
+    let file = cm.path();
+    let d = daemon_with_env(
+        root,
+        &[],
+        &[
+            ("NODE_NAME", "node-op"),
+            ("NAMESPACE", "gpu-operator"),
+            ("KUBECONFIG", api.kubeconfig().to_str().unwrap()),
+            ("CONFIG_FILE", file.to_str().unwrap()),
+            ("DEFAULT_VGPU_CONFIG", "A10-8Q"),
+        ],
+    );
+    assert!(
+        api.wait_for(STATE, WAIT, |v| v == Some("success")),
+        "{:?}",
+        api.label(STATE)
+    );
+    assert_eq!(
+        counts(root),
+        each("NVIDIA A10-8Q", 3),
+        "the default profile"
+    );
+
+    api.set_label(CONFIG_LABEL, Some("A10-4Q"));
+    wait_until("the labelled profile", || {
+        counts(root) == each("NVIDIA A10-4Q", 6)
+    });
+    api.set_label(CONFIG_LABEL, Some(""));
+    wait_until("the default profile again", || {
+        counts(root) == each("NVIDIA A10-8Q", 3)
+    });
+    assert!(api.wait_for(STATE, WAIT, |v| v == Some("success")));
+    assert_eq!(d.stop(), Some(0));
+}
+
+/// The GPU Operator's ClusterRole grants `update` on nodes, not `patch`: the state label is
+/// still written, by a read and a replace.
+#[test]
+fn state_is_written_by_update_where_patch_is_forbidden() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api =
+        FakeApiServer::start("node-rbac", &[(CONFIG_LABEL, "A10-4Q"), ("keep", "me")]).unwrap();
+    api.forbid_patch();
+    // Another client writes the Node between the daemon's read and each of its first four
+    // replaces: more conflicts in a row than the daemon's retries of a failed write (3), so
+    // `pending` is written only if each replace is read again and retried on its conflict.
+    api.race_puts(4);
+    let cfg = config_file(CONFIG);
+    let kc = api.kubeconfig().to_str().unwrap().to_string();
+    let f = cfg.path.to_str().unwrap();
+    let d = daemon(
+        root,
+        &["--node-name", "node-rbac", "--kubeconfig", &kc, "-f", f],
+    );
+    assert!(
+        api.wait_for(STATE, WAIT, |v| v == Some("success")),
+        "{:?}",
+        api.label(STATE)
+    );
+    assert_eq!(
+        api.label_history(STATE),
+        vec![Some("pending".into()), Some("success".into())]
+    );
+    assert_eq!(
+        api.label("keep").as_deref(),
+        Some("me"),
+        "other labels kept"
+    );
+    for k in ["raced-by-0", "raced-by-1", "raced-by-2", "raced-by-3"] {
+        assert_eq!(
+            api.label(k).as_deref(),
+            Some("another-client"),
+            "the other client's {k} survives the replace that came after it"
+        );
+    }
+    assert_eq!(counts(root), each("NVIDIA A10-4Q", 6));
+
+    // A failure's reason is an annotation: written and then removed the same way.
+    api.set_label(CONFIG_LABEL, Some("no-such-profile"));
+    assert!(api.wait_for(STATE, WAIT, |v| v == Some("failed")));
+    let reason = api.annotation(REASON).unwrap_or_default();
+    assert!(reason.contains("no-such-profile"), "{reason}");
+    api.set_label(CONFIG_LABEL, Some("A10-4Q"));
+    assert!(api.wait_for(STATE, WAIT, |v| v == Some("success")));
+    assert_eq!(api.annotation(REASON), None);
+    let patches = api
+        .requests()
+        .iter()
+        .filter(|r| r.starts_with("PATCH /api/v1/nodes/"))
+        .count();
+    assert_eq!(
+        patches,
+        1,
+        "one refused patch, then updates: {:?}",
+        api.requests()
+    );
     assert_eq!(d.stop(), Some(0));
 }
 

@@ -3,8 +3,8 @@
 //!
 //! | File under the host root | Written by | Read by |
 //! |---|---|---|
-//! | `run/nvidia/validations/vfio-pci-ready` | vfio-manager `daemon`, through [`readiness`] | the deployment's init containers |
-//! | `run/nvidia/validations/vgpu-devices-ready` | vgpu-device-manager `daemon`, through [`readiness`] | the deployment's init containers |
+//! | `run/nvidia/validations/vfio-pci-ready` | vfio-manager `daemon`, through [`readiness`] (daemon-kit writes it again when someone removes it); also the GPU Operator's validator | the deployment's init containers, the operator's |
+//! | `run/nvidia/validations/vgpu-devices-ready` | vgpu-device-manager `daemon`, through [`readiness`] (daemon-kit writes it again when someone removes it); also the GPU Operator's validator | the deployment's init containers, the operator's |
 //! | `run/gpu-vm-node/vgpu-type-names` | vgpu-device-manager `apply` only ([`vgpu_names::record`]) | [`crate::Inventory`] ([`vgpu_names::load`]) |
 //! | `run/gpu-vm-node/on-demand-pool` | sandbox-dp `--on-demand` ([`pool::write`]) | vgpu-device-manager ([`pool::load`]) |
 //! | `run/gpu-vm-node/on-demand-vgpus.json` | sandbox-dp `--on-demand` ([`write_atomic`]), before and after each vGPU it creates or removes | sandbox-dp, at start and after a crash |

@@ -9,7 +9,9 @@
 //!   one for every change after `RV`, until the server stops;
 //! - `GET /api/v1/nodes/NAME`;
 //! - `PATCH /api/v1/nodes/NAME` — a JSON merge patch of `metadata.labels` and
-//!   `metadata.annotations` (`null` deletes).
+//!   `metadata.annotations` (`null` deletes), or 403 after [`FakeApiServer::forbid_patch`];
+//! - `PUT /api/v1/nodes/NAME` — a replace of its labels and annotations, refused with 409 when
+//!   the body's `resourceVersion` is not the current one.
 //!
 //! and ResourceSlices (`resource.k8s.io/v1`), as a DRA driver publishes them with kube-rs
 //! (see [`serve_slices`]): list (with a `fieldSelector` on `spec.nodeName` / `spec.driver`),
@@ -50,6 +52,11 @@ struct Inner {
     slice_version: u64,
     /// Whether the Node exists.
     node_exists: bool,
+    /// Whether a PATCH of the Node is refused with 403, as under a ClusterRole granting
+    /// `update` on nodes but not `patch` (the GPU Operator's).
+    patch_forbidden: bool,
+    /// How many more PUTs of the Node another client beats by a write of its own.
+    puts_raced: u32,
     /// The Node's UID ([`NODE_UID`] until [`FakeApiServer::recreate_node`]).
     node_uid: String,
 }
@@ -130,6 +137,8 @@ impl FakeApiServer {
                 slices: BTreeMap::new(),
                 slice_version: 0,
                 node_exists: true,
+                patch_forbidden: false,
+                puts_raced: 0,
                 node_uid: NODE_UID.to_string(),
             }),
             claims: Default::default(),
@@ -159,6 +168,18 @@ impl FakeApiServer {
             kubeconfig,
             _dir: dir,
         })
+    }
+
+    /// Refuses every later PATCH of the Node with 403 Forbidden, as the API server does for a
+    /// service account whose ClusterRole grants `update` on nodes but not `patch`.
+    pub fn forbid_patch(&self) {
+        self.shared.lock().patch_forbidden = true;
+    }
+
+    /// Has another client write the Node (label `raced-by-N`) just before each of the next `n`
+    /// PUTs arrives, so that each of them carries a stale `resourceVersion` and gets a 409.
+    pub fn race_puts(&self, n: u32) {
+        self.shared.lock().puts_raced = n;
     }
 
     /// A kubeconfig file for this server.
@@ -391,6 +412,7 @@ fn respond(w: &mut TcpStream, code: u16, body: &Value) -> std::io::Result<()> {
     let reason = match code {
         200 => "OK",
         201 => "Created",
+        403 => "Forbidden",
         404 => "Not Found",
         409 => "Conflict",
         _ => "Error",
@@ -408,6 +430,7 @@ fn respond(w: &mut TcpStream, code: u16, body: &Value) -> std::io::Result<()> {
 fn status(code: u16, msg: &str) -> Value {
     let reason = match code {
         404 => "NotFound",
+        403 => "Forbidden",
         409 => "Conflict",
         422 => "Invalid",
         405 => "MethodNotAllowed",
@@ -472,6 +495,16 @@ fn serve(s: &Shared, conn: TcpStream) -> std::io::Result<()> {
                 let (code, body) = serve_slices(s, &req);
                 respond(&mut w, code, &body)?;
             }
+            ("PATCH", p) if p == node_path && s.lock().patch_forbidden => {
+                let msg = format!(
+                    "nodes \"{name}\" is forbidden: User \"system:serviceaccount:gpu-operator:nvidia-vgpu-device-manager\" cannot patch resource \"nodes\" in API group \"\" at the cluster scope"
+                );
+                respond(&mut w, 403, &status(403, &msg))?;
+            }
+            ("PUT", p) if p == node_path => {
+                let (code, body) = replace_node(s, &req.body);
+                respond(&mut w, code, &body)?;
+            }
             ("PATCH", p) if p == node_path => {
                 let patch: Value = match serde_json::from_slice(&req.body) {
                     Ok(v) => v,
@@ -516,6 +549,66 @@ fn serve(s: &Shared, conn: TcpStream) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `PUT` of the Node: its labels and annotations become the body's, recorded in the history
+/// as a PATCH's are; a stale `resourceVersion` is a 409 and changes nothing.
+fn replace_node(s: &Shared, body: &[u8]) -> (u16, Value) {
+    let obj: Value = match serde_json::from_slice(body) {
+        Ok(v) => v,
+        Err(e) => return (400, status(400, &format!("bad body: {e}"))),
+    };
+    let mut i = s.lock();
+    if i.puts_raced > 0 {
+        i.puts_raced -= 1;
+        let key = format!("raced-by-{}", i.puts_raced);
+        i.labels.insert(key.clone(), "another-client".into());
+        i.patched.push((key, Some("another-client".into())));
+        i.version += 1;
+    }
+    let rv = obj["metadata"]["resourceVersion"].as_str().unwrap_or("");
+    if rv != i.version.to_string() {
+        return (
+            409,
+            status(
+                409,
+                &format!(
+                    "Operation cannot be fulfilled on nodes \"{}\": the object has been modified",
+                    i.name
+                ),
+            ),
+        );
+    }
+    let read = |field: &str| -> BTreeMap<String, String> {
+        obj["metadata"][field]
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let (labels, annotations) = (read("labels"), read("annotations"));
+    let mut changes = Vec::new();
+    for (old, new) in [(&i.labels, &labels), (&i.annotations, &annotations)] {
+        for (k, v) in new {
+            if old.get(k) != Some(v) {
+                changes.push((k.clone(), Some(v.clone())));
+            }
+        }
+        for k in old.keys().filter(|k| !new.contains_key(*k)) {
+            changes.push((k.clone(), None));
+        }
+    }
+    i.labels = labels;
+    i.annotations = annotations;
+    i.patched.extend(changes);
+    i.version += 1;
+    let n = i.node();
+    drop(i);
+    s.changed.notify_all();
+    (200, n)
 }
 
 /// Whether `slice` matches a `fieldSelector` of `spec.nodeName=…` / `spec.driver=…` terms.

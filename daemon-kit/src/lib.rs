@@ -10,16 +10,22 @@
 //! - [`grpc`]: serve tonic on a Unix socket so that every client is answered, whatever
 //!   `:authority` it sends (kubelet's device-plugin and plugin-registration clients, grpcio,
 //!   diagnostic tools). Every gRPC socket of ours is served through it;
-//! - [`kube`]: a Kubernetes client from `--kubeconfig` or the pod's service account.
+//! - [`kube`]: a Kubernetes client from `--kubeconfig` or the pod's service account;
+//! - [`ops`]: metrics (`/metrics`), probes (`/healthz`, `/readyz`) and systemd notification;
+//! - [`events`]: Kubernetes Events on the Node for every change and refusal;
+//! - [`manual`]: shell completions and a man page, generated from the clap definition.
 #![warn(missing_docs)]
 
 pub mod cli;
 pub mod daemon;
 pub mod duration;
+pub mod events;
 pub mod exit;
 pub mod grpc;
 pub mod h2_rewrite;
 pub mod kube;
 pub mod logging;
+pub mod manual;
+pub mod ops;
 
 pub use exit::{Failure, OrExit, Result};

@@ -4,6 +4,7 @@ pub use fake_kubelet as kubelet;
 pub mod apiserver;
 /// The raw HTTP/2 gRPC client (in the fake kubelet, which dials with it as kubelet does).
 pub use fake_kubelet::h2raw;
+pub mod ops;
 pub mod sim;
 pub mod sysfs;
 pub mod tree;

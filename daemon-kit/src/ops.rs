@@ -70,8 +70,10 @@ impl Ops {
         self.registry.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Registers a metric under `name` (a counter's name without its `_total`).
+    /// Registers a metric under `name` (a counter's name without its `_total`). `help` is one
+    /// sentence; prometheus-client ends it with a full stop of its own.
     pub fn register(&self, name: &str, help: &str, metric: impl Metric) {
+        let help = help.strip_suffix('.').unwrap_or(help);
         self.registry().register(name, help, metric);
     }
 
@@ -323,6 +325,7 @@ mod tests {
         ops.register("test_things", "Things.", c.clone());
         c.inc_by(3);
         let t = ops.render();
+        assert!(t.contains("# HELP test_things Things.\n"), "{t}");
         assert!(t.contains("# TYPE test_things counter\n"), "{t}");
         assert!(t.contains("test_things_total 3\n"), "{t}");
         for name in [

@@ -102,6 +102,16 @@ impl Ops {
         }
     }
 
+    /// Tells systemd `READY=1` and `STATUS=status` without marking `/readyz`: for a daemon whose
+    /// readiness waits on a service ordered after it (sandbox-dp's registration needs kubelet,
+    /// which its unit starts before), up is as far as systemd can wait.
+    pub fn systemd_ready(&self, status: &str) {
+        notify(&[
+            sd_notify::NotifyState::Ready,
+            sd_notify::NotifyState::Status(status),
+        ]);
+    }
+
     /// Whether [`Ops::ready`] was called.
     pub fn is_ready(&self) -> bool {
         self.ready.load(Ordering::SeqCst)

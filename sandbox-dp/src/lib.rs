@@ -374,6 +374,11 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         tracing::info!("no devices to advertise yet; watching for them");
     }
     mgr.apply(snap, view.inv.dev_nodes.clone(), &mut tasks);
+    // Serving: systemd may start kubelet (its unit is ordered before kubelet's).
+    ops.systemd_ready(&format!(
+        "serving {} resources; waiting for kubelet's registration",
+        mgr.resources.len()
+    ));
 
     let mut resync = tokio::time::interval(config.resync_interval);
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

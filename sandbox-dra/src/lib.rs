@@ -156,7 +156,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     }
     let events =
         daemon_kit::events::NodeEvents::start(client.clone(), &config.node_name, "sandbox-dra");
-    let telemetry = Arc::new(telemetry::Telemetry::new(ops, events));
+    let telemetry = Arc::new(telemetry::Telemetry::new(ops.clone(), events));
     let prepare_config = PrepareConfig {
         driver: config.driver.clone(),
         node_name: config.node_name.clone(),
@@ -203,6 +203,9 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         registration = %reg_path.display(),
         "serving"
     );
+    // Both sockets are bound: systemd may start kubelet (the unit is ordered before it);
+    // /readyz waits for the first ResourceSlice pass.
+    ops.systemd_ready("serving kubelet's sockets");
     let served = tokio::try_join!(
         daemon_kit::grpc::serve_unix(
             plugin_server,

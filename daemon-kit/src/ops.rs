@@ -49,6 +49,8 @@ pub struct Ops {
     last_beat: AtomicU64,
     /// Milliseconds without a beat after which the daemon is not alive; 0: no such window.
     beat_window: AtomicU64,
+    /// The last STATUS= sent: the same one is not sent again at every pass.
+    status: Mutex<String>,
 }
 
 impl Ops {
@@ -62,6 +64,7 @@ impl Ops {
             started: Instant::now(),
             last_beat: AtomicU64::new(0),
             beat_window: AtomicU64::new(0),
+            status: Mutex::new(String::new()),
         })
     }
 
@@ -93,19 +96,31 @@ impl Ops {
         let first = !self.ready.swap(true, Ordering::SeqCst);
         if first {
             tracing::debug!(status, "ready");
+            self.new_status(status);
             notify(&[
                 sd_notify::NotifyState::Ready,
                 sd_notify::NotifyState::Status(status),
             ]);
         } else {
-            notify(&[sd_notify::NotifyState::Status(status)]);
+            self.status(status);
         }
+    }
+
+    /// Whether `status` differs from the last one sent (and is now the last).
+    fn new_status(&self, status: &str) -> bool {
+        let mut last = self.status.lock().unwrap_or_else(|e| e.into_inner());
+        if *last == status {
+            return false;
+        }
+        status.clone_into(&mut last);
+        true
     }
 
     /// Tells systemd `READY=1` and `STATUS=status` without marking `/readyz`: for a daemon whose
     /// readiness waits on a service ordered after it (sandbox-dp's registration needs kubelet,
     /// which its unit starts before), up is as far as systemd can wait.
     pub fn systemd_ready(&self, status: &str) {
+        self.new_status(status);
         notify(&[
             sd_notify::NotifyState::Ready,
             sd_notify::NotifyState::Status(status),
@@ -117,9 +132,11 @@ impl Ops {
         self.ready.load(Ordering::SeqCst)
     }
 
-    /// Tells systemd what the daemon is doing (`systemctl status` shows it).
+    /// Tells systemd what the daemon is doing (`systemctl status` shows it), when it changed.
     pub fn status(&self, status: &str) {
-        notify(&[sd_notify::NotifyState::Status(status)]);
+        if self.new_status(status) {
+            notify(&[sd_notify::NotifyState::Status(status)]);
+        }
     }
 
     /// The daemon's loop is alive (it finished a pass, or woke on its timer).

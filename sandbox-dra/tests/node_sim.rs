@@ -378,17 +378,8 @@ async fn a_gpu_a_process_holds_is_refused_naming_the_pid_and_nothing_changes() {
         return;
     };
     let root = sim.root();
-    let info =
-        std::fs::read_to_string(root.join("proc/driver/nvidia/gpus/0000:61:00.0/information"))
-            .unwrap();
-    let minor = info
-        .lines()
-        .find_map(|l| l.strip_prefix("Device Minor:"))
-        .unwrap()
-        .trim()
-        .to_string();
     // This test process plays the CUDA job on the second GPU.
-    let held = std::fs::File::open(root.join(format!("dev/nvidia{minor}"))).unwrap();
+    let held = testkit::sim::hold_nvidia_node(root, "0000:61:00.0");
     let api = FakeApiServer::start(NODE, &[]).unwrap();
     let addr = testkit::ops::free_addr();
     let d = start(root, &api, &["--metrics-addr", &addr]);
@@ -413,12 +404,9 @@ async fn a_gpu_a_process_holds_is_refused_naming_the_pid_and_nothing_changes() {
     }
     assert!(!cdi_spec_path(root, "uid-busy").exists());
     // The refusal is an Event on the Node.
-    let ev = tokio::task::spawn_blocking({
-        let api_events = move || {
-            api.wait_for_event("ClaimNotPrepared", PATIENCE)
-                .map(|e| (e, api))
-        };
-        api_events
+    let ev = tokio::task::spawn_blocking(move || {
+        api.wait_for_event("ClaimNotPrepared", PATIENCE)
+            .map(|e| (e, api))
     })
     .await
     .unwrap();

@@ -27,16 +27,7 @@ fn a_refusal_then_the_binds_are_told_counted_and_make_it_ready() {
     let parser = MetricsParser::install(Path::new(env!("CARGO_TARGET_TMPDIR")));
     let root = sim.root();
     // A CUDA job holds the first GPU's /dev/nvidia<N>: it is refused until the job ends.
-    let info =
-        std::fs::read_to_string(root.join("proc/driver/nvidia/gpus/0000:41:00.0/information"))
-            .unwrap();
-    let minor = info
-        .lines()
-        .find_map(|l| l.strip_prefix("Device Minor:"))
-        .unwrap()
-        .trim()
-        .to_string();
-    let held = std::fs::File::open(root.join(format!("dev/nvidia{minor}"))).unwrap();
+    let held = testkit::sim::hold_nvidia_node(root, "0000:41:00.0");
 
     let api = FakeApiServer::start("node-v", &[]).unwrap();
     let notify = NotifySocket::new().unwrap();
@@ -113,12 +104,7 @@ fn a_refusal_then_the_binds_are_told_counted_and_make_it_ready() {
         assert!(v("process_open_fds") > Some(0.0), "{body}");
         assert!(v("process_cpu_seconds_total") >= Some(0.0), "{body}");
     }
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
-    assert_eq!(child.wait().unwrap().code(), Some(0));
+    assert_eq!(testkit::sigterm_and_wait(&mut child), Some(0));
 }
 
 #[test]

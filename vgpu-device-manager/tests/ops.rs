@@ -27,14 +27,7 @@ fn metrics_readiness_notify_and_events_follow_the_applies() {
     let cfg = config_file(CONFIG);
     let f = cfg.path.to_str().unwrap();
     // A VM holds a vGPU of A10-4Q: switching to A10-8Q is refused until it goes.
-    let o = run(root, &["apply", "-f", f, "-c", "A10-4Q"]);
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    let (uuid, ..) = mdevs(root).into_iter().next().unwrap();
-    let group =
-        std::fs::read_link(root.join(format!("sys/bus/mdev/devices/{uuid}/iommu_group"))).unwrap();
-    let group = group.file_name().unwrap().to_str().unwrap().to_string();
-    sim.control(&format!("hold {group} pid=778 comm=virt-launcher"))
-        .unwrap();
+    let group = apply_and_hold_a_vgpu(&sim, f, "A10-4Q", 778);
 
     let api = FakeApiServer::start("node-m", &[("nvidia.com/vgpu.config", "A10-8Q")]).unwrap();
     let notify = NotifySocket::new().unwrap();
@@ -121,11 +114,7 @@ fn metrics_readiness_notify_and_events_follow_the_applies() {
         );
         assert!(v("process_start_time_seconds", &[]) > Some(1.0e9), "{body}");
     }
-    let _ = Command::new("kill")
-        .arg("-TERM")
-        .arg(child.id().to_string())
-        .status();
-    assert_eq!(child.wait().unwrap().code(), Some(0));
+    assert_eq!(testkit::sigterm_and_wait(&mut child), Some(0));
 }
 
 /// 16 L40S, each behind its own root port.

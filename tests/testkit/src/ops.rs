@@ -14,8 +14,11 @@ use serde_json::Value;
 
 /// A free `127.0.0.1:PORT` (free when asked; the daemon binds it right after).
 pub fn free_addr() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-    l.local_addr().expect("local_addr").to_string()
+    let addr = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr());
+    match addr {
+        Ok(a) => a.to_string(),
+        Err(e) => panic!("no free port on 127.0.0.1: {e}"),
+    }
 }
 
 /// `GET path` on `addr`: the status code and the body; `None` when nothing answers.
@@ -67,6 +70,60 @@ for f in text_string_to_metric_families(sys.stdin.read()):
 print(json.dumps(out))
 "#;
 
+/// The python of a virtualenv `<dir>/<name>-venv` with `requirement` (`pkg==version`) installed
+/// from PyPI, made once (a stamp names what it holds; concurrent callers wait for the one that
+/// installs). `Err` says why it cannot be had: no python3, no venv, no PyPI.
+pub fn python_venv(dir: &Path, name: &str, requirement: &str) -> Result<PathBuf, String> {
+    let venv = dir.join(format!("{name}-venv"));
+    let python = venv.join("bin/python");
+    let stamp = venv.join("stamp");
+    let lock = std::fs::File::create(dir.join(format!("{name}.lock")))
+        .map_err(|e| format!("cannot create {name}.lock in {}: {e}", dir.display()))?;
+    let _guard = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
+        .map_err(|(_, e)| format!("cannot lock {name}.lock: {e}"))?;
+    if std::fs::read_to_string(&stamp).is_ok_and(|s| s == requirement) {
+        return Ok(python);
+    }
+    let _ = std::fs::remove_dir_all(&venv);
+    match Command::new("python3")
+        .arg("-m")
+        .arg("venv")
+        .arg(&venv)
+        .output()
+    {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => {
+            return Err(format!(
+                "python3 -m venv failed: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            ));
+        }
+        Err(e) => return Err(format!("no python3: {e}")),
+    }
+    let pip = Command::new(venv.join("bin/pip"))
+        .args([
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--retries",
+            "1",
+        ])
+        .args(["--timeout", "20", requirement])
+        .output();
+    match pip {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => {
+            return Err(format!(
+                "cannot install {requirement} from PyPI: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            ));
+        }
+        Err(e) => return Err(format!("no pip: {e}")),
+    }
+    std::fs::write(&stamp, requirement).map_err(|e| format!("{}: {e}", stamp.display()))?;
+    Ok(python)
+}
+
 /// A Python with `prometheus_client`, in a virtualenv under `dir`.
 #[derive(Debug)]
 pub struct MetricsParser {
@@ -100,61 +157,13 @@ impl MetricsParser {
     /// Installs (once) the parser under `dir` (a test's `CARGO_TARGET_TMPDIR`); `None`, after
     /// a skip message, when python3, venv or PyPI cannot be had.
     pub fn install(dir: &Path) -> Option<MetricsParser> {
-        let venv = dir.join("prometheus-parser-venv");
-        let python = venv.join("bin/python");
-        let stamp = venv.join("stamp");
-        // Tests of one binary run in parallel: one installs, the others wait for it.
-        let lock = std::fs::File::create(dir.join("prometheus-parser.lock")).ok()?;
-        let _guard = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive).ok()?;
-        if std::fs::read_to_string(&stamp).is_ok_and(|s| s == PARSER_VERSION) {
-            return Some(MetricsParser { python });
-        }
-        let _ = std::fs::remove_dir_all(&venv);
-        match Command::new("python3")
-            .arg("-m")
-            .arg("venv")
-            .arg(&venv)
-            .output()
-        {
-            Ok(o) if o.status.success() => {}
-            Ok(o) => {
-                skip(&format!(
-                    "python3 -m venv failed: {}",
-                    String::from_utf8_lossy(&o.stderr).trim()
-                ));
-                return None;
-            }
-            Err(e) => {
-                skip(&format!("no python3: {e}"));
-                return None;
+        match python_venv(dir, "prometheus-parser", PARSER_VERSION) {
+            Ok(python) => Some(MetricsParser { python }),
+            Err(why) => {
+                skip(&why);
+                None
             }
         }
-        let pip = Command::new(venv.join("bin/pip"))
-            .args([
-                "install",
-                "-q",
-                "--disable-pip-version-check",
-                "--retries",
-                "1",
-            ])
-            .args(["--timeout", "20", PARSER_VERSION])
-            .output();
-        match pip {
-            Ok(o) if o.status.success() => {}
-            Ok(o) => {
-                skip(&format!(
-                    "cannot install {PARSER_VERSION} from PyPI: {}",
-                    String::from_utf8_lossy(&o.stderr).trim()
-                ));
-                return None;
-            }
-            Err(e) => {
-                skip(&format!("no pip: {e}"));
-                return None;
-            }
-        }
-        std::fs::write(&stamp, PARSER_VERSION).ok()?;
-        Some(MetricsParser { python })
     }
 
     /// Parses `text`; `Err` with the parser's complaint when it refuses it.

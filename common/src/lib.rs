@@ -65,6 +65,7 @@ pub mod naming;
 pub mod ops;
 pub mod paths;
 pub mod pci;
+pub mod process;
 pub mod state;
 pub mod uevent;
 pub mod usage;

@@ -65,3 +65,13 @@ impl LogArgs {
         logging::init(self.log_format, debug);
     }
 }
+
+/// `--metrics-addr`, for the daemons' long-running mode.
+#[derive(Clone, Copy, Debug, clap::Args)]
+pub struct MetricsArgs {
+    /// Serve /metrics (Prometheus), /healthz (liveness) and /readyz (ready after the first
+    /// successful pass) over HTTP on this address, for example 0.0.0.0:9481. Suggested ports:
+    /// vfio-manager 9481, vgpu-device-manager 9482, sandbox-dp 9483, sandbox-dra 9484.
+    #[arg(long, env = "METRICS_ADDR", value_name = "ADDR:PORT", global = true)]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+}

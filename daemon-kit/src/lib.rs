@@ -12,16 +12,22 @@
 //!   diagnostic tools). Every gRPC socket of ours is served through it;
 //! - [`kube`]: a Kubernetes client from `--kubeconfig` or the pod's service account;
 //! - [`readiness`]: a readiness file kept in place while the daemon vouches, whoever removes it.
+//! - [`ops`]: metrics (`/metrics`), probes (`/healthz`, `/readyz`) and systemd notification;
+//! - [`events`]: Kubernetes Events on the Node for every change and refusal;
+//! - [`manual`]: shell completions and a man page, generated from the clap definition.
 #![warn(missing_docs)]
 
 pub mod cli;
 pub mod daemon;
 pub mod duration;
+pub mod events;
 pub mod exit;
 pub mod grpc;
 pub mod h2_rewrite;
 pub mod kube;
 pub mod logging;
+pub mod manual;
+pub mod ops;
 pub mod readiness;
 
 pub use exit::{Failure, OrExit, Result};

@@ -31,6 +31,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use common::{HostPaths, Inventory, ReadOptions};
 use daemon_kit::exit;
+use daemon_kit::ops::{Ops, liveness_window};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -335,9 +336,28 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     let snap = view.update_async(&paths, &config.discover, first).await?;
     let mut tasks: JoinSet<anyhow::Result<()>> = JoinSet::new();
     let task_stop = shutdown.child_token();
+    let ops = Ops::new();
+    metrics.register(&ops);
+    // The loop wakes at least every resync; a read that hangs for far longer is a wedge.
+    ops.expect_beats(liveness_window(config.resync_interval));
     if let Some(addr) = config.metrics_addr {
-        tasks.spawn(metrics::serve(addr, metrics.clone(), task_stop.clone()));
+        tasks.spawn(ops.clone().serve(addr, task_stop.clone()));
     }
+    // Ready once every resource of the first read has registered with kubelet.
+    let first_resources: Vec<String> = snap.resources.keys().cloned().collect();
+    let (m, o, stop) = (metrics.clone(), ops.clone(), task_stop.clone());
+    tasks.spawn(async move {
+        tokio::select! {
+            _ = stop.cancelled() => {}
+            _ = m.all_registered(&first_resources) => o.ready(&format!(
+                "advertising {} resources to kubelet",
+                first_resources.len()
+            )),
+        }
+        // Parks until shutdown: a task that ends early reads as a failure.
+        stop.cancelled().await;
+        Ok(())
+    });
     if let Some(pool) = config.discover.pool.clone() {
         tasks.spawn(release_loop(pool, config.on_demand_poll, task_stop.clone()));
     }
@@ -354,6 +374,11 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         tracing::info!("no devices to advertise yet; watching for them");
     }
     mgr.apply(snap, view.inv.dev_nodes.clone(), &mut tasks);
+    // Serving: systemd may start kubelet (its unit is ordered before kubelet's).
+    ops.systemd_ready(&format!(
+        "serving {} resources; waiting for kubelet's registration",
+        mgr.resources.len()
+    ));
 
     let mut resync = tokio::time::interval(config.resync_interval);
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -361,6 +386,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     let mut last_read = tokio::time::Instant::now();
     let mut pending = Pending::default();
     let result = loop {
+        ops.beat();
         tokio::select! {
             _ = shutdown.cancelled() => break Ok(()),
             Some(c) = changes.recv() => {

@@ -42,8 +42,9 @@ struct Cli {
     #[arg(long, value_name = "OLD=NEW", value_parser = parse_alias, global = true)]
     resource_alias: Vec<(String, String)>,
 
-    /// Serve Prometheus metrics on this address (for example 0.0.0.0:9400), at /metrics.
-    #[arg(long, value_name = "ADDR", global = true)]
+    /// Serve /metrics (Prometheus), /healthz and /readyz on this address (for example
+    /// 0.0.0.0:9483). Ready once every resource found at start has registered with kubelet.
+    #[arg(long, env = "METRICS_ADDR", value_name = "ADDR:PORT", global = true)]
     metrics_addr: Option<SocketAddr>,
 
     /// Re-read the node this often even without events, a safety net; events drive updates
@@ -104,6 +105,9 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    if let Some(code) = daemon_kit::manual::generate_if_asked::<Cli>() {
+        return code;
+    }
     let cli = Cli::parse();
     cli.log.init(false);
     let report = match cli.command {

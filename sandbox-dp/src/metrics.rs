@@ -1,236 +1,174 @@
-//! Prometheus text metrics (`--metrics-addr`): devices per resource and health, allocations,
-//! registrations. Served by a minimal HTTP/1.1 responder: `GET /metrics`.
+//! sandbox-dp's metrics: devices per resource and health, allocations, registrations,
+//! on-demand vGPUs. Registered in the daemon's [`Ops`] registry and served with it
+//! (`--metrics-addr`: `/metrics`, `/healthz`, `/readyz`).
 
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::AtomicU64;
 
-use anyhow::Context as _;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio_util::sync::CancellationToken;
+use daemon_kit::ops::Ops;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::sync::Notify;
 
-#[derive(Clone, Debug, Default)]
-struct PerResource {
-    healthy: u64,
-    unhealthy: u64,
-    allocations: u64,
-    allocation_errors: u64,
-    registrations: u64,
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResourceLabels {
+    resource: String,
 }
 
-/// On-demand vGPUs (`--on-demand`): counters, and the Allocate→ready time in all.
-#[derive(Clone, Debug, Default)]
-struct OnDemand {
-    created: u64,
-    destroyed: u64,
-    failures: u64,
-    ready_seconds: f64,
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DeviceLabels {
+    resource: String,
+    health: String,
 }
 
 /// Counters and gauges, shared by every task.
 #[derive(Debug, Default)]
 pub struct Metrics {
-    inner: Mutex<BTreeMap<String, PerResource>>,
-    on_demand: Mutex<OnDemand>,
+    devices: Family<DeviceLabels, Gauge>,
+    allocations: Family<ResourceLabels, Counter>,
+    allocation_errors: Family<ResourceLabels, Counter>,
+    registrations: Family<ResourceLabels, Counter>,
+    on_demand_created: Counter,
+    on_demand_destroyed: Counter,
+    on_demand_failures: Counter,
+    on_demand_ready_seconds: Counter<f64, AtomicU64>,
+    /// Woken at every registration.
+    registered: Notify,
+}
+
+fn resource(r: &str) -> ResourceLabels {
+    ResourceLabels {
+        resource: r.to_string(),
+    }
 }
 
 impl Metrics {
-    fn lock(&self) -> MutexGuard<'_, BTreeMap<String, PerResource>> {
-        // A panic while holding this lock leaves plain counters behind: still usable.
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    /// Registers every metric in `ops`'s registry.
+    pub fn register(&self, ops: &Ops) {
+        ops.register(
+            "sandbox_dp_devices",
+            "Devices advertised to kubelet, by resource and health.",
+            self.devices.clone(),
+        );
+        ops.register(
+            "sandbox_dp_allocations",
+            "Container allocations answered.",
+            self.allocations.clone(),
+        );
+        ops.register(
+            "sandbox_dp_allocation_errors",
+            "Container allocations refused (unknown or unhealthy IDs, empty requests).",
+            self.allocation_errors.clone(),
+        );
+        ops.register(
+            "sandbox_dp_registrations",
+            "Successful registrations with kubelet.",
+            self.registrations.clone(),
+        );
+        ops.register(
+            "sandbox_dp_on_demand_vgpus_created",
+            "On-demand vGPUs created for an Allocate.",
+            self.on_demand_created.clone(),
+        );
+        ops.register(
+            "sandbox_dp_on_demand_vgpus_destroyed",
+            "On-demand vGPUs removed once no pod held them.",
+            self.on_demand_destroyed.clone(),
+        );
+        ops.register(
+            "sandbox_dp_on_demand_failures",
+            "On-demand vGPUs that could not be created or removed.",
+            self.on_demand_failures.clone(),
+        );
+        ops.register(
+            "sandbox_dp_on_demand_ready_seconds",
+            "Time from Allocate to a ready vGPU, summed over the created ones.",
+            self.on_demand_ready_seconds.clone(),
+        );
     }
 
-    /// Sets a resource's device counts.
-    pub fn set_devices(&self, resource: &str, healthy: usize, unhealthy: usize) {
-        let mut m = self.lock();
-        let r = m.entry(resource.to_string()).or_default();
-        r.healthy = healthy as u64;
-        r.unhealthy = unhealthy as u64;
-    }
-
-    /// Counts one container allocation (`ok`) or a refused one.
-    pub fn allocation(&self, resource: &str, ok: bool) {
-        let mut m = self.lock();
-        let r = m.entry(resource.to_string()).or_default();
-        if ok {
-            r.allocations += 1;
-        } else {
-            r.allocation_errors += 1;
+    /// Sets a resource's device counts (its counters show from now on, at 0 until counted).
+    pub fn set_devices(&self, resource_name: &str, healthy: usize, unhealthy: usize) {
+        for (health, n) in [("Healthy", healthy), ("Unhealthy", unhealthy)] {
+            let labels = DeviceLabels {
+                resource: resource_name.to_string(),
+                health: health.to_string(),
+            };
+            self.devices
+                .get_or_create(&labels)
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
+        let r = resource(resource_name);
+        for family in [
+            &self.allocations,
+            &self.allocation_errors,
+            &self.registrations,
+        ] {
+            let _ = family.get_or_create(&r);
         }
     }
 
-    /// Counts one successful registration with kubelet.
-    pub fn registration(&self, resource: &str) {
-        self.lock()
-            .entry(resource.to_string())
-            .or_default()
-            .registrations += 1;
+    /// Counts one container allocation (`ok`) or a refused one.
+    pub fn allocation(&self, resource_name: &str, ok: bool) {
+        let family = if ok {
+            &self.allocations
+        } else {
+            &self.allocation_errors
+        };
+        family.get_or_create(&resource(resource_name)).inc();
     }
 
-    fn on_demand(&self) -> MutexGuard<'_, OnDemand> {
-        self.on_demand.lock().unwrap_or_else(|e| e.into_inner())
+    /// Counts one successful registration with kubelet.
+    pub fn registration(&self, resource_name: &str) {
+        self.registrations
+            .get_or_create(&resource(resource_name))
+            .inc();
+        self.registered.notify_waiters();
     }
 
     /// Counts an on-demand vGPU created for an Allocate, `took` from the call to ready.
     pub fn on_demand_created(&self, took: std::time::Duration) {
-        let mut m = self.on_demand();
-        m.created += 1;
-        m.ready_seconds += took.as_secs_f64();
+        self.on_demand_created.inc();
+        self.on_demand_ready_seconds.inc_by(took.as_secs_f64());
     }
 
     /// Counts an on-demand vGPU removed once no pod held it.
     pub fn on_demand_destroyed(&self) {
-        self.on_demand().destroyed += 1;
+        self.on_demand_destroyed.inc();
     }
 
     /// Counts an on-demand vGPU that could not be created or removed.
     pub fn on_demand_failure(&self) {
-        self.on_demand().failures += 1;
+        self.on_demand_failures.inc();
     }
 
     /// Registrations of `resource` so far.
-    pub fn registrations(&self, resource: &str) -> u64 {
-        self.lock().get(resource).map_or(0, |r| r.registrations)
+    pub fn registrations(&self, resource_name: &str) -> u64 {
+        self.registrations
+            .get(&resource(resource_name))
+            .map_or(0, |c| c.get())
     }
 
-    /// The Prometheus text exposition.
+    /// Waits until every resource of `names` has registered with kubelet at least once.
+    pub async fn all_registered(&self, names: &[String]) {
+        loop {
+            let next = self.registered.notified();
+            tokio::pin!(next);
+            next.as_mut().enable();
+            if names.iter().all(|n| self.registrations(n) > 0) {
+                return;
+            }
+            next.await;
+        }
+    }
+
+    /// These metrics alone, in the text format `/metrics` serves.
     pub fn render(&self) -> String {
-        let m = self.lock().clone();
-        let mut out = String::new();
-        let mut family = |name: &str, kind: &str, help: &str, rows: Vec<(String, u64)>| {
-            let _ = writeln!(out, "# HELP {name} {help}");
-            let _ = writeln!(out, "# TYPE {name} {kind}");
-            for (labels, v) in rows {
-                let _ = writeln!(out, "{name}{{{labels}}} {v}");
-            }
-        };
-        let label = |r: &str| {
-            format!(
-                "resource=\"{}\"",
-                r.replace('\\', "\\\\").replace('"', "\\\"")
-            )
-        };
-        family(
-            "sandbox_dp_devices",
-            "gauge",
-            "Devices advertised to kubelet, by resource and health.",
-            m.iter()
-                .flat_map(|(r, v)| {
-                    [
-                        (format!("{},health=\"Healthy\"", label(r)), v.healthy),
-                        (format!("{},health=\"Unhealthy\"", label(r)), v.unhealthy),
-                    ]
-                })
-                .collect(),
-        );
-        family(
-            "sandbox_dp_allocations_total",
-            "counter",
-            "Container allocations answered.",
-            m.iter().map(|(r, v)| (label(r), v.allocations)).collect(),
-        );
-        family(
-            "sandbox_dp_allocation_errors_total",
-            "counter",
-            "Container allocations refused (unknown or unhealthy IDs, empty requests).",
-            m.iter()
-                .map(|(r, v)| (label(r), v.allocation_errors))
-                .collect(),
-        );
-        family(
-            "sandbox_dp_registrations_total",
-            "counter",
-            "Successful registrations with kubelet.",
-            m.iter().map(|(r, v)| (label(r), v.registrations)).collect(),
-        );
-        let od = self.on_demand().clone();
-        let _ = writeln!(
-            out,
-            "# HELP sandbox_dp_on_demand_vgpus_created_total On-demand vGPUs created for an Allocate.\n\
-             # TYPE sandbox_dp_on_demand_vgpus_created_total counter\n\
-             sandbox_dp_on_demand_vgpus_created_total {}\n\
-             # HELP sandbox_dp_on_demand_vgpus_destroyed_total On-demand vGPUs removed once no pod held them.\n\
-             # TYPE sandbox_dp_on_demand_vgpus_destroyed_total counter\n\
-             sandbox_dp_on_demand_vgpus_destroyed_total {}\n\
-             # HELP sandbox_dp_on_demand_failures_total On-demand vGPUs that could not be created or removed.\n\
-             # TYPE sandbox_dp_on_demand_failures_total counter\n\
-             sandbox_dp_on_demand_failures_total {}\n\
-             # HELP sandbox_dp_on_demand_ready_seconds_total Time from Allocate to a ready vGPU, summed over the created ones.\n\
-             # TYPE sandbox_dp_on_demand_ready_seconds_total counter\n\
-             sandbox_dp_on_demand_ready_seconds_total {}",
-            od.created, od.destroyed, od.failures, od.ready_seconds
-        );
-        out
+        let ops = Ops::new();
+        self.register(&ops);
+        ops.render()
     }
-}
-
-/// The most one metrics request may take.
-const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// Serves `GET /metrics` on `addr` until `shutdown`.
-pub async fn serve(
-    addr: SocketAddr,
-    metrics: Arc<Metrics>,
-    shutdown: CancellationToken,
-) -> anyhow::Result<()> {
-    let listener = TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding the metrics address {addr}"))?;
-    tracing::info!(%addr, "serving metrics");
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return Ok(()),
-            acc = listener.accept() => {
-                // A failed accept (EMFILE, a peer that reset) is that connection's problem, not
-                // the device plugin's: log it, pause briefly, keep serving.
-                let stream = match acc {
-                    Ok((stream, _)) => stream,
-                    Err(e) => {
-                        tracing::warn!(%addr, error = %e, "cannot accept a metrics connection");
-                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                        continue;
-                    }
-                };
-                let m = metrics.clone();
-                tokio::spawn(async move {
-                    // A client that never finishes its request does not hold a task forever.
-                    let r = tokio::time::timeout(ANSWER_TIMEOUT, answer(stream, &m)).await;
-                    match r {
-                        Ok(Ok(())) => {}
-                        Ok(Err(e)) => tracing::debug!(error = %e, "metrics request failed"),
-                        Err(_) => tracing::debug!("metrics request timed out"),
-                    }
-                });
-            }
-        }
-    }
-}
-
-async fn answer(mut stream: TcpStream, metrics: &Metrics) -> std::io::Result<()> {
-    let mut buf = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 1024];
-    while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 16 * 1024 {
-        let n = stream.read(&mut chunk).await?;
-        if n == 0 {
-            break;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
-    let head = String::from_utf8_lossy(&buf);
-    let path = head.split_whitespace().nth(1).unwrap_or("");
-    let (status, body) = if path == "/metrics" || path == "/" {
-        ("200 OK", metrics.render())
-    } else {
-        ("404 Not Found", "not found: try /metrics\n".to_string())
-    };
-    let resp = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(resp.as_bytes()).await?;
-    stream.shutdown().await
 }
 
 #[cfg(test)]
@@ -246,32 +184,25 @@ mod tests {
         m.registration("nvidia.com/GA102GL_A10");
         m.on_demand_created(std::time::Duration::from_millis(250));
         m.on_demand_failure();
+        m.set_devices("nvidia.com/TU104GL_T4", 1, 0);
         let t = m.render();
-        assert!(
-            t.contains("sandbox_dp_on_demand_vgpus_created_total 1\n"),
-            "{t}"
-        );
-        assert!(
-            t.contains("sandbox_dp_on_demand_vgpus_destroyed_total 0\n"),
-            "{t}"
-        );
-        assert!(t.contains("sandbox_dp_on_demand_failures_total 1\n"), "{t}");
-        assert!(
-            t.contains("sandbox_dp_on_demand_ready_seconds_total 0.25\n"),
-            "{t}"
-        );
-        assert!(t.contains(
-            "sandbox_dp_devices{resource=\"nvidia.com/GA102GL_A10\",health=\"Healthy\"} 2"
-        ));
-        assert!(t.contains(
-            "sandbox_dp_devices{resource=\"nvidia.com/GA102GL_A10\",health=\"Unhealthy\"} 1"
-        ));
-        assert!(t.contains("sandbox_dp_allocations_total{resource=\"nvidia.com/GA102GL_A10\"} 1"));
-        assert!(
-            t.contains("sandbox_dp_allocation_errors_total{resource=\"nvidia.com/GA102GL_A10\"} 1")
-        );
-        assert!(
-            t.contains("sandbox_dp_registrations_total{resource=\"nvidia.com/GA102GL_A10\"} 1")
-        );
+        for line in [
+            "sandbox_dp_on_demand_vgpus_created_total 1\n",
+            "sandbox_dp_on_demand_vgpus_destroyed_total 0\n",
+            "sandbox_dp_on_demand_failures_total 1\n",
+            "sandbox_dp_on_demand_ready_seconds_total 0.25\n",
+            "sandbox_dp_devices{resource=\"nvidia.com/GA102GL_A10\",health=\"Healthy\"} 2\n",
+            "sandbox_dp_devices{resource=\"nvidia.com/GA102GL_A10\",health=\"Unhealthy\"} 1\n",
+            "sandbox_dp_allocations_total{resource=\"nvidia.com/GA102GL_A10\"} 1\n",
+            "sandbox_dp_allocation_errors_total{resource=\"nvidia.com/GA102GL_A10\"} 1\n",
+            "sandbox_dp_registrations_total{resource=\"nvidia.com/GA102GL_A10\"} 1\n",
+            // A resource seen but not yet allocated or registered shows its counters at 0.
+            "sandbox_dp_allocations_total{resource=\"nvidia.com/TU104GL_T4\"} 0\n",
+            "sandbox_dp_registrations_total{resource=\"nvidia.com/TU104GL_T4\"} 0\n",
+        ] {
+            assert!(t.contains(line), "{line} missing from:\n{t}");
+        }
+        assert_eq!(m.registrations("nvidia.com/GA102GL_A10"), 1);
+        assert_eq!(m.registrations("nvidia.com/TU104GL_T4"), 0);
     }
 }

@@ -213,52 +213,10 @@ fn skip_grpcio(why: &str) {
 /// The virtualenv's python with grpcio, installed once under the target directory; `None`
 /// (after a skip message) when python3, venv or PyPI cannot be had.
 fn grpcio_python() -> Option<PathBuf> {
-    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("grpcio-venv");
-    let python = venv.join("bin/python");
-    let stamp = venv.join("stamp");
-    let want = format!("grpcio=={GRPCIO_VERSION}");
-    if std::fs::read_to_string(&stamp).is_ok_and(|s| s == want) {
-        return Some(python);
-    }
-    let _ = std::fs::remove_dir_all(&venv);
-    let made = Command::new("python3")
-        .args(["-m", "venv"])
-        .arg(&venv)
-        .output();
-    match made {
-        Ok(o) if o.status.success() => {}
-        Ok(o) => {
-            skip_grpcio(&format!(
-                "python3 -m venv failed: {}",
-                String::from_utf8_lossy(&o.stderr).trim()
-            ));
-            return None;
-        }
-        Err(e) => {
-            skip_grpcio(&format!("no python3: {e}"));
-            return None;
-        }
-    }
-    let pip = Command::new(venv.join("bin/pip"))
-        .args([
-            "install",
-            "-q",
-            "--disable-pip-version-check",
-            "--retries",
-            "1",
-        ])
-        .args(["--timeout", "20", &want])
-        .output()
-        .unwrap();
-    if !pip.status.success() {
-        skip_grpcio(&format!(
-            "cannot install {want} from PyPI: {}",
-            String::from_utf8_lossy(&pip.stderr).trim()
-        ));
-        return None;
-    }
-    std::fs::write(&stamp, &want).unwrap();
-    Some(python)
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    testkit::ops::python_venv(dir, "grpcio", &format!("grpcio=={GRPCIO_VERSION}"))
+        .inspect_err(|why| skip_grpcio(why))
+        .ok()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,12 +4,12 @@
 
 mod support;
 
-use std::io::{Read as _, Write as _};
 use std::time::Duration;
 
 use support::tree::*;
 use support::*;
 use testkit::kubelet::FakeKubelet;
+use testkit::ops::{MetricsParser, free_addr, http_get, value, wait_for_status};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn group_node_removed_is_unhealthy_and_back_is_healthy() {
@@ -234,55 +234,72 @@ fn companions_and_other_vendors_are_left_out() {
     assert_eq!(v["resources"][0]["name"], "nvidia.com/1572");
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn http_get(addr: &str, path: &str) -> String {
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_devices_allocations_and_registrations() {
+    let parser = tokio::task::spawn_blocking(|| {
+        MetricsParser::install(std::path::Path::new(env!("CARGO_TARGET_TMPDIR")))
+    })
+    .await
+    .unwrap();
     let t = one_a10();
     let (_k, kdir) = kubelet_dir();
-    let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
-    let addr = format!("127.0.0.1:{}", free_port());
+    let addr = free_addr();
     let _d = Daemon::start(&t.root, &kdir, &["--metrics-addr", &addr]);
+    // No kubelet yet: alive, not ready.
+    let a = addr.clone();
+    let probes = tokio::task::spawn_blocking(move || {
+        assert!(wait_for_status(&a, "/healthz", 200, DEADLINE));
+        http_get(&a, "/readyz").unwrap().0
+    });
+    assert_eq!(probes.await.unwrap(), 503);
+    let mut kubelet = FakeKubelet::start(&kdir).await.unwrap();
     let reg = kubelet.next_registration(DEADLINE).await.unwrap();
     let mut plugin = kubelet.plugin(&reg.endpoint).await.unwrap();
     plugin.allocate(&[&["0000:01:00.0"]]).await.unwrap();
     plugin.allocate(&[&["0000:09:00.0"]]).await.unwrap_err();
     let a = addr.clone();
-    let body = tokio::task::spawn_blocking(move || http_get(&a, "/metrics"))
-        .await
-        .unwrap();
-    assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
+    let (ready, (code, body)) = tokio::task::spawn_blocking(move || {
+        (
+            wait_for_status(&a, "/readyz", 200, DEADLINE),
+            http_get(&a, "/metrics").unwrap(),
+        )
+    })
+    .await
+    .unwrap();
+    assert!(ready, "not ready after registering");
+    assert_eq!(code, 200, "{body}");
     let r = "resource=\"nvidia.com/GA102GL_A10\"";
-    assert!(
-        body.contains(&format!("sandbox_dp_devices{{{r},health=\"Healthy\"}} 1")),
-        "{body}"
-    );
-    assert!(
-        body.contains(&format!("sandbox_dp_allocations_total{{{r}}} 1")),
-        "{body}"
-    );
-    assert!(
-        body.contains(&format!("sandbox_dp_allocation_errors_total{{{r}}} 1")),
-        "{body}"
-    );
-    assert!(
-        body.contains(&format!("sandbox_dp_registrations_total{{{r}}} 1")),
-        "{body}"
-    );
+    for line in [
+        format!("sandbox_dp_devices{{{r},health=\"Healthy\"}} 1\n"),
+        format!("sandbox_dp_allocations_total{{{r}}} 1\n"),
+        format!("sandbox_dp_allocation_errors_total{{{r}}} 1\n"),
+        format!("sandbox_dp_registrations_total{{{r}}} 1\n"),
+    ] {
+        assert!(body.contains(&line), "{line} missing from\n{body}");
+    }
+    if let Some(parser) = parser {
+        let samples = parser
+            .parse(&body)
+            .unwrap_or_else(|e| panic!("{e}\n{body}"));
+        let res = ("resource", "nvidia.com/GA102GL_A10");
+        assert_eq!(
+            value(
+                &samples,
+                "sandbox_dp_devices",
+                &[res, ("health", "Unhealthy")]
+            ),
+            Some(0.0)
+        );
+        assert_eq!(
+            value(&samples, "sandbox_dp_registrations_total", &[res]),
+            Some(1.0)
+        );
+        assert_eq!(
+            value(&samples, "sandbox_dp_on_demand_vgpus_created_total", &[]),
+            Some(0.0)
+        );
+        assert!(value(&samples, "process_resident_memory_bytes", &[]) > Some(0.0));
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -20,6 +20,7 @@ pub mod publish;
 pub mod record;
 pub mod registration;
 pub mod slices;
+pub mod telemetry;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -121,6 +122,8 @@ pub struct Config {
     pub pci_ids: PciIds,
     /// How often the slice is compared with the API server without an event.
     pub resync_interval: Duration,
+    /// Serve metrics and probes here (`--metrics-addr`).
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// Binds a Unix socket at `path`, replacing a stale one a killed run left.
@@ -145,6 +148,15 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         "starting"
     );
     let client = daemon_kit::kube::client(config.kubeconfig.as_deref()).await?;
+    let ops = daemon_kit::ops::Ops::new();
+    // The publisher's loop wakes at least every resync.
+    ops.expect_beats(daemon_kit::ops::liveness_window(config.resync_interval));
+    if let Some(addr) = config.metrics_addr {
+        ops.clone().listen(addr, shutdown.clone()).await?;
+    }
+    let events =
+        daemon_kit::events::NodeEvents::start(client.clone(), &config.node_name, "sandbox-dra");
+    let telemetry = Arc::new(telemetry::Telemetry::new(ops.clone(), events));
     let prepare_config = PrepareConfig {
         driver: config.driver.clone(),
         node_name: config.node_name.clone(),
@@ -159,7 +171,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     let preparer = Arc::new(Preparer::new(prepare_config, paths.clone(), client.clone()));
     // Before kubelet can call: what a crash left half done is brought in line first.
     preparer.reconcile().await;
-    let plugin = Plugin::new(preparer);
+    let plugin = Plugin::new(preparer, telemetry.clone());
     let plugin_path = dirs.plugin_socket();
     let plugin_listener = bind_socket(&plugin_path)?;
     let plugin_server = tonic::transport::Server::builder()
@@ -178,6 +190,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
             node_name: config.node_name.clone(),
             pci_ids: config.pci_ids.clone(),
             resync_interval: config.resync_interval,
+            telemetry,
         },
         paths.clone(),
         registrar.subscribe(),
@@ -190,6 +203,9 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         registration = %reg_path.display(),
         "serving"
     );
+    // Both sockets are bound: systemd may start kubelet (the unit is ordered before it);
+    // /readyz waits for the first ResourceSlice pass.
+    ops.systemd_ready("serving kubelet's sockets");
     let served = tokio::try_join!(
         daemon_kit::grpc::serve_unix(
             plugin_server,

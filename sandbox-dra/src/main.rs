@@ -8,7 +8,7 @@ use anyhow::Context as _;
 
 use clap::{Parser, Subcommand};
 use common::PciIds;
-use daemon_kit::cli::{HostArgs, LogArgs};
+use daemon_kit::cli::{HostArgs, LogArgs, MetricsArgs};
 use daemon_kit::daemon::Threads;
 use daemon_kit::duration;
 use daemon_kit::exit::{self, Report};
@@ -110,6 +110,9 @@ struct Cli {
     resync_interval: Duration,
 
     #[command(flatten)]
+    metrics: MetricsArgs,
+
+    #[command(flatten)]
     log: LogArgs,
 }
 
@@ -127,6 +130,9 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    if let Some(code) = daemon_kit::manual::generate_if_asked::<Cli>() {
+        return code;
+    }
     let cli = Cli::parse();
     cli.log.init(false);
     exit::finish(run(cli), Report::Log)
@@ -179,6 +185,7 @@ fn run(cli: Cli) -> exit::Result {
                 timeout: cli.timeout,
                 pci_ids,
                 resync_interval: cli.resync_interval,
+                metrics_addr: cli.metrics.metrics_addr,
             };
             daemon_kit::daemon::run(Threads::Current, |shutdown| {
                 sandbox_dra::run(config, paths, shutdown)

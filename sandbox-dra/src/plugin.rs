@@ -12,17 +12,22 @@ use kubelet_api::dra::{v1, v1beta1};
 use tonic::{Request, Response, Status};
 
 use crate::prepare::{ClaimRef, PreparedDevice, Preparer};
+use crate::telemetry::Telemetry;
 
 /// The `DRAPlugin` service, both versions.
 #[derive(Clone, Debug)]
 pub struct Plugin {
     preparer: Arc<Preparer>,
+    telemetry: Arc<Telemetry>,
 }
 
 impl Plugin {
-    /// The service answering with `preparer`.
-    pub fn new(preparer: Arc<Preparer>) -> Self {
-        Plugin { preparer }
+    /// The service answering with `preparer`, counting in `telemetry`.
+    pub fn new(preparer: Arc<Preparer>, telemetry: Arc<Telemetry>) -> Self {
+        Plugin {
+            preparer,
+            telemetry,
+        }
     }
 
     async fn prepare(
@@ -36,6 +41,8 @@ impl Plugin {
                 tracing::warn!(claim = %claim, error = %msg, "claim not prepared");
                 msg
             });
+            self.telemetry
+                .prepared(&claim, result.as_deref().map_err(String::as_str));
             out.insert(claim.uid.clone(), result);
         }
         out
@@ -49,6 +56,8 @@ impl Plugin {
                 tracing::warn!(claim = %claim, error = %msg, "claim not unprepared");
                 msg
             });
+            self.telemetry
+                .unprepared(&claim, result.as_ref().map(|_| ()).map_err(String::as_str));
             out.insert(claim.uid.clone(), result);
         }
         out

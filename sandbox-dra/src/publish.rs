@@ -54,6 +54,8 @@ pub struct PublishConfig {
     pub pci_ids: PciIds,
     /// How often to compare with the API server without an event.
     pub resync_interval: Duration,
+    /// Where passes are counted, and readiness told.
+    pub telemetry: std::sync::Arc<crate::telemetry::Telemetry>,
 }
 
 /// Reads the node's devices (on a blocking thread: sysfs reads).
@@ -238,6 +240,7 @@ pub async fn run(
     let mut backoff = BACKOFF_MIN;
     let mut retry: Option<tokio::time::Instant> = None;
     loop {
+        cfg.telemetry.beat();
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = ticker.tick() => {}
@@ -278,10 +281,13 @@ pub async fn run(
         };
         match outcome {
             Ok(_) => {
+                cfg.telemetry
+                    .published(p.published.as_ref().map_or(0, Vec::len));
                 retry = None;
                 backoff = BACKOFF_MIN;
             }
             Err(e) => {
+                cfg.telemetry.publish_failed();
                 tracing::error!(error = %format!("{e:#}"), retry_in = ?backoff, "cannot publish the node's ResourceSlice");
                 retry = Some(tokio::time::Instant::now() + backoff);
                 backoff = (backoff * 2).min(BACKOFF_MAX);

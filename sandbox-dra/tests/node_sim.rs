@@ -378,19 +378,11 @@ async fn a_gpu_a_process_holds_is_refused_naming_the_pid_and_nothing_changes() {
         return;
     };
     let root = sim.root();
-    let info =
-        std::fs::read_to_string(root.join("proc/driver/nvidia/gpus/0000:61:00.0/information"))
-            .unwrap();
-    let minor = info
-        .lines()
-        .find_map(|l| l.strip_prefix("Device Minor:"))
-        .unwrap()
-        .trim()
-        .to_string();
     // This test process plays the CUDA job on the second GPU.
-    let held = std::fs::File::open(root.join(format!("dev/nvidia{minor}"))).unwrap();
+    let held = testkit::sim::hold_nvidia_node(root, "0000:61:00.0");
     let api = FakeApiServer::start(NODE, &[]).unwrap();
-    let _d = start(root, &api, &[]);
+    let addr = testkit::ops::free_addr();
+    let d = start(root, &api, &["--metrics-addr", &addr]);
     let drv = register(root).await;
     api.put_claim(claim_json(
         "busy",
@@ -411,10 +403,55 @@ async fn a_gpu_a_process_holds_is_refused_naming_the_pid_and_nothing_changes() {
         assert_eq!(driver_of(root, bdf).as_deref(), Some("nvidia"), "{bdf}");
     }
     assert!(!cdi_spec_path(root, "uid-busy").exists());
+    // The refusal is an Event on the Node.
+    let ev = tokio::task::spawn_blocking(move || {
+        api.wait_for_event("ClaimNotPrepared", PATIENCE)
+            .map(|e| (e, api))
+    })
+    .await
+    .unwrap();
+    let (ev, api) = ev.expect("no ClaimNotPrepared event");
+    assert_eq!(ev["type"], "Warning");
+    assert_eq!(ev["regarding"]["name"], NODE);
+    assert!(ev["note"].as_str().unwrap().contains("vms/busy"), "{ev}");
     // The job ends; kubelet's retry succeeds.
     drop(held);
     prepare_one(&drv, Version::V1, &c).await.unwrap();
     assert_eq!(driver_of(root, "0000:61:00.0").as_deref(), Some("vfio-pci"));
+    // Ready once the first ResourceSlice pass is done; the metrics count it from then on.
+    let (ev, ready, body) = tokio::task::spawn_blocking(move || {
+        (
+            api.wait_for_event("ClaimPrepared", PATIENCE),
+            testkit::ops::wait_for_status(&addr, "/readyz", 200, PATIENCE),
+            testkit::ops::http_get(&addr, "/metrics"),
+        )
+    })
+    .await
+    .unwrap();
+    let ev = ev.expect("no ClaimPrepared event");
+    let note = ev["note"].as_str().unwrap();
+    assert!(note.contains("gpu-0000-61-00-0"), "{note}");
+    assert!(ready, "not ready after publishing");
+    let (code, body) = body.unwrap();
+    assert_eq!(code, 200);
+    for line in [
+        "sandbox_dra_prepares_total{result=\"failed\"} 1\n",
+        "sandbox_dra_prepares_total{result=\"success\"} 1\n",
+        "sandbox_dra_published_devices 2\n",
+    ] {
+        assert!(
+            body.contains(line),
+            "{line} missing from\n{body}\n{}",
+            d.log()
+        );
+    }
+    if let Some(parser) =
+        testkit::ops::MetricsParser::install(Path::new(env!("CARGO_TARGET_TMPDIR")))
+    {
+        parser
+            .parse(&body)
+            .unwrap_or_else(|e| panic!("{e}\n{body}"));
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

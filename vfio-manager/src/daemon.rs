@@ -9,14 +9,20 @@
 //! running VMs); with `--unbind-on-exit` it gives them back first.
 
 use std::collections::BTreeSet;
+use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::state::readiness;
 use common::uevent::{Monitor, Subject, Uevent};
 use common::{HostPaths, PciAddress, error_chain};
+use daemon_kit::events::NodeEvents;
 use daemon_kit::exit;
+use daemon_kit::ops::{Ops, liveness_window};
 use daemon_kit::readiness::Keeper;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -37,6 +43,12 @@ pub struct DaemonConfig {
     pub unbind_on_exit: bool,
     /// Listen for udev events (off only where no netlink socket can be had).
     pub udev: bool,
+    /// Serve metrics and probes here (`--metrics-addr`).
+    pub metrics_addr: Option<SocketAddr>,
+    /// Record Events on this Node (`--node-name`).
+    pub node_name: Option<String>,
+    /// The kubeconfig for them; in-cluster config when absent.
+    pub kubeconfig: Option<PathBuf>,
 }
 
 impl Default for DaemonConfig {
@@ -46,6 +58,116 @@ impl Default for DaemonConfig {
             resync_interval: Duration::from_secs(60),
             unbind_on_exit: false,
             udev: true,
+            metrics_addr: None,
+            node_name: None,
+            kubeconfig: None,
+        }
+    }
+}
+
+/// What the daemon counts, and tells: metrics, Node events, systemd status.
+#[derive(Debug)]
+struct Telemetry {
+    ops: Arc<Ops>,
+    events: NodeEvents,
+    binds: Counter,
+    unbinds: Counter,
+    refusals: Counter,
+    failures: Counter,
+    selected: Gauge,
+    bound: Gauge,
+    /// The last pass's failure lines: the same refusal is told once, not at every retry.
+    told: Vec<String>,
+}
+
+impl Telemetry {
+    fn new(ops: Arc<Ops>, events: NodeEvents) -> Telemetry {
+        let t = Telemetry {
+            ops,
+            events,
+            binds: Counter::default(),
+            unbinds: Counter::default(),
+            refusals: Counter::default(),
+            failures: Counter::default(),
+            selected: Gauge::default(),
+            bound: Gauge::default(),
+            told: Vec::new(),
+        };
+        let o = &t.ops;
+        o.register(
+            "vfio_manager_binds",
+            "Functions moved onto a VFIO driver.",
+            t.binds.clone(),
+        );
+        o.register(
+            "vfio_manager_unbinds",
+            "Functions given back to their default driver.",
+            t.unbinds.clone(),
+        );
+        o.register(
+            "vfio_manager_refusals",
+            "Functions not bound because their GPU was in use or their group held another vendor's device (each pass counts them again).",
+            t.refusals.clone(),
+        );
+        o.register(
+            "vfio_manager_failures",
+            "Functions whose bind or unbind failed (each pass counts them again).",
+            t.failures.clone(),
+        );
+        o.register(
+            "vfio_manager_devices_selected",
+            "Functions the selection names, at the last pass.",
+            t.selected.clone(),
+        );
+        o.register(
+            "vfio_manager_devices_bound",
+            "Selected functions on their VFIO driver, at the last pass.",
+            t.bound.clone(),
+        );
+        t
+    }
+
+    fn pass(&mut self, report: &Report) {
+        let mut bound = 0i64;
+        for r in &report.results {
+            match &r.outcome {
+                Outcome::Changed { .. } => {
+                    bound += 1;
+                    self.binds.inc();
+                }
+                Outcome::Unchanged { .. } => bound += 1,
+                Outcome::Refused { .. } => {
+                    self.refusals.inc();
+                }
+                Outcome::Failed { .. } => {
+                    self.failures.inc();
+                }
+            }
+        }
+        let selected = i64::try_from(report.results.len()).unwrap_or(i64::MAX);
+        self.selected.set(selected);
+        self.bound.set(bound);
+        let changes = report.change_lines();
+        if !changes.is_empty() {
+            self.events.normal("GpusBound", "Bind", changes.join("; "));
+        }
+        let failures = report.failure_lines();
+        if failures != self.told {
+            let refused = report
+                .results
+                .iter()
+                .any(|r| matches!(r.outcome, Outcome::Refused { .. }));
+            if !failures.is_empty() {
+                let reason = if refused { "BindRefused" } else { "BindFailed" };
+                self.events.warning(reason, "Bind", failures.join("; "));
+            }
+            self.told = failures;
+        }
+        let status = format!("{bound} of {selected} selected functions bound");
+        if report.exit_code() == 0 {
+            self.ops.ready(&status);
+        } else {
+            self.ops.status(&status);
         }
     }
 }
@@ -127,6 +249,18 @@ async fn reconcile(cfg: &Config, paths: &HostPaths) -> Option<Report> {
 /// device not given back ends it with exit status 1.
 pub async fn run(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToken) -> exit::Result {
     let ready = Keeper::start(&paths, READY_FILE, shutdown.clone())?;
+    let ops = Ops::new();
+    ops.expect_beats(liveness_window(cfg.resync_interval));
+    if let Some(addr) = cfg.metrics_addr {
+        ops.clone().listen(addr, shutdown.clone()).await?;
+    }
+    let events = daemon_kit::events::for_node(
+        cfg.node_name.as_deref(),
+        cfg.kubeconfig.as_deref(),
+        "vfio-manager",
+    )
+    .await;
+    let mut telemetry = Telemetry::new(ops.clone(), events);
     let (tx, mut rx) = mpsc::unbounded_channel::<Uevent>();
     // pci uevents (kernel and udev groups: common::uevent), until the monitor is dropped.
     let monitor = if cfg.udev {
@@ -152,6 +286,7 @@ pub async fn run(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToke
     const RETRY_GAP: Duration = Duration::from_secs(1);
     let mut retry_not_before = tokio::time::Instant::now();
     loop {
+        ops.beat();
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = ticker.tick() => {
@@ -182,6 +317,7 @@ pub async fn run(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToke
                 break;
             };
             print_report(&report, !first);
+            telemetry.pass(&report);
             first = false;
             set_ready(&ready, &paths, Some(&report));
             let failed = report.exit_code() != 0;
@@ -213,6 +349,13 @@ pub async fn run(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToke
         match tokio::task::spawn_blocking(move || run_unbind(&c, &p)).await {
             Ok(Ok(r)) => {
                 print_report(&r, false);
+                let changes = r.change_lines();
+                telemetry.unbinds.inc_by(changes.len() as u64);
+                if !changes.is_empty() {
+                    telemetry
+                        .events
+                        .normal("GpusUnbound", "Unbind", changes.join("; "));
+                }
                 return exit::status(r.exit_code());
             }
             Ok(Err(e)) => {

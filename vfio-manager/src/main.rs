@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use common::{PciAddress, VendorSelector};
-use daemon_kit::cli::{HostArgs, LogArgs, PodResourcesArgs};
+use daemon_kit::cli::{HostArgs, LogArgs, MetricsArgs, PodResourcesArgs};
 use daemon_kit::daemon::Threads;
 use daemon_kit::duration;
 use daemon_kit::exit::{self, Failure, OrExit, Report};
@@ -147,6 +147,14 @@ struct DaemonArgs {
     /// On SIGTERM/SIGINT give the devices back to their default drivers before exiting.
     #[arg(long)]
     unbind_on_exit: bool,
+    #[command(flatten)]
+    metrics: MetricsArgs,
+    /// This node's name: bindings and refusals are recorded as Events on its Node object.
+    #[arg(long, env = "NODE_NAME")]
+    node_name: Option<String>,
+    /// A kubeconfig file for those events; in-cluster config (or $KUBECONFIG) when absent.
+    #[arg(long, value_name = "FILE")]
+    kubeconfig: Option<std::path::PathBuf>,
 }
 
 /// `--vendor`: the shared selector syntax; `any` is refused, since binding every vendor's
@@ -178,6 +186,9 @@ impl SelectArgs {
 }
 
 fn main() -> ExitCode {
+    if let Some(code) = daemon_kit::manual::generate_if_asked::<Cli>() {
+        return code;
+    }
     let cli = Cli::parse();
     cli.log.init(false);
     let report = match cli.command {
@@ -230,6 +241,9 @@ fn run(cli: Cli) -> exit::Result {
                 resync_interval: a.resync_interval,
                 unbind_on_exit: a.unbind_on_exit,
                 udev: true,
+                metrics_addr: a.metrics.metrics_addr,
+                node_name: a.node_name,
+                kubeconfig: a.kubeconfig,
             };
             daemon_kit::daemon::run(Threads::Workers(2), |shutdown| {
                 vfio_manager::daemon::run(cfg, paths, shutdown)

@@ -149,18 +149,8 @@ fn a_gpu_whose_nvidia_node_is_held_is_not_unbound() {
         return;
     };
     let root = sim.root();
-    // Which /dev/nvidia<N> is 0000:41:00.0: the driver's own proc file says.
-    let info =
-        std::fs::read_to_string(root.join("proc/driver/nvidia/gpus/0000:41:00.0/information"))
-            .unwrap();
-    let minor = info
-        .lines()
-        .find_map(|l| l.strip_prefix("Device Minor:"))
-        .unwrap()
-        .trim()
-        .to_string();
     // This test process plays the CUDA job.
-    let _held = std::fs::File::open(root.join(format!("dev/nvidia{minor}"))).unwrap();
+    let _held = testkit::sim::hold_nvidia_node(root, "0000:41:00.0");
     control(root, "clear-ops");
     let o = run(root, &["bind"]);
     assert_eq!(o.status.code(), Some(1), "{}", show(&o));

@@ -366,6 +366,14 @@ pub fn apply(opts: &Options, config: &Config, profile: &str) -> Result<Report, A
             }
         };
     }
+    let progress = Progress::new(
+        p.gpus
+            .iter()
+            .filter(|g| g.blocked.is_empty() && !g.after_vfs && !failed.contains_key(&g.index))
+            .flat_map(|g| &g.actions)
+            .filter(|a| !a.is_removal() && !matches!(a, Action::EnableVfs { .. }))
+            .count(),
+    );
     let results: Vec<(String, Outcome, usize)> = std::thread::scope(|s| {
         let handles: Vec<_> = p
             .gpus
@@ -373,11 +381,12 @@ pub fn apply(opts: &Options, config: &Config, profile: &str) -> Result<Report, A
             .map(|g| {
                 let sysfs = &sysfs;
                 let pre = failed.get(&g.index).cloned();
+                let progress = &progress;
                 s.spawn(move || {
                     if let Some(o) = pre {
                         return (g.gpu.clone(), o, 0);
                     }
-                    run_gpu(sysfs, g)
+                    run_gpu(sysfs, g, progress)
                 })
             })
             .collect();
@@ -410,7 +419,43 @@ pub fn apply(opts: &Options, config: &Config, profile: &str) -> Result<Report, A
     Ok(report)
 }
 
-fn run_gpu(sysfs: &Sysfs, g: &plan::GpuPlan) -> (String, Outcome, usize) {
+/// Progress lines during a long apply: `created 128/512 vGPUs` every [`Progress::STEP`]
+/// creations, and at least every [`Progress::EVERY`] while creations go on. An apply of at
+/// most one step prints none.
+#[derive(Debug)]
+struct Progress {
+    total: usize,
+    done: std::sync::atomic::AtomicUsize,
+    last: std::sync::Mutex<Instant>,
+}
+
+impl Progress {
+    const STEP: usize = 64;
+    const EVERY: Duration = Duration::from_secs(2);
+
+    fn new(total: usize) -> Progress {
+        Progress {
+            total,
+            done: Default::default(),
+            last: std::sync::Mutex::new(Instant::now()),
+        }
+    }
+
+    /// One more vGPU created (by any GPU's worker).
+    fn created(&self) {
+        let done = self.done.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        if self.total <= Self::STEP || done >= self.total {
+            return;
+        }
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if done.is_multiple_of(Self::STEP) || last.elapsed() >= Self::EVERY {
+            *last = Instant::now();
+            tracing::info!("created {done}/{} vGPUs", self.total);
+        }
+    }
+}
+
+fn run_gpu(sysfs: &Sysfs, g: &plan::GpuPlan, progress: &Progress) -> (String, Outcome, usize) {
     let span = tracing::info_span!("gpu", gpu = %g.gpu);
     let _e = span.enter();
     if !g.blocked.is_empty() {
@@ -452,6 +497,9 @@ fn run_gpu(sysfs: &Sysfs, g: &plan::GpuPlan) -> (String, Outcome, usize) {
                     removed += 1;
                 } else {
                     created += 1;
+                    if !matches!(a, Action::EnableVfs { .. }) {
+                        progress.created();
+                    }
                 }
             }
             Err(e) => {

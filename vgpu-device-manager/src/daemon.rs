@@ -10,22 +10,31 @@
 //! `<host-root>/run/nvidia/validations/vgpu-devices-ready`, and writes it again whenever someone
 //! else removes it (the GPU Operator's validator) until an apply fails.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use common::{HostPaths, error_chain};
+use daemon_kit::events::NodeEvents;
 use daemon_kit::exit;
+use daemon_kit::ops::Ops;
 use daemon_kit::readiness::Keeper;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::Api;
 use kube::core::PartialObjectMeta;
 use kube::runtime::{WatchStreamExt, watcher};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::apply::{ApplyError, Options, apply};
+use crate::apply::{ApplyError, Options, Outcome, Report, apply};
 use crate::config::Config;
 use crate::node_meta::{MetaChange, NodeMeta};
 use crate::plan::{PlanError, VendorSel};
@@ -70,6 +79,151 @@ pub struct DaemonConfig {
     pub retry_min: Duration,
     /// Longest retry delay.
     pub retry_max: Duration,
+    /// Serve metrics and probes here (`--metrics-addr`).
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+/// How often the loop wakes to show it is alive, and how long it may go without: an apply
+/// runs inside the loop, and one of thousands of vGPUs on a slow node takes minutes.
+const BEAT: Duration = Duration::from_secs(30);
+const LIVENESS_WINDOW: Duration = Duration::from_secs(600);
+
+/// What the daemon counts, and tells: metrics, Node events, systemd status.
+#[derive(Debug)]
+struct Telemetry {
+    ops: Arc<Ops>,
+    events: NodeEvents,
+    applies: Family<ResultLabel, Counter>,
+    created: Counter,
+    removed: Counter,
+    vgpus: Gauge,
+    duration: Histogram,
+    /// The last failure told: a retry failing the same way is not told again.
+    told: Option<String>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: String,
+}
+
+impl Telemetry {
+    fn new(ops: Arc<Ops>) -> Telemetry {
+        let t = Telemetry {
+            ops,
+            events: NodeEvents::disabled(),
+            applies: Family::default(),
+            created: Counter::default(),
+            removed: Counter::default(),
+            vgpus: Gauge::default(),
+            duration: Histogram::new([0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]),
+            told: None,
+        };
+        let o = &t.ops;
+        o.register(
+            "vgpu_device_manager_applies",
+            "Applies of the profile, by result (success, failed).",
+            t.applies.clone(),
+        );
+        o.register(
+            "vgpu_device_manager_vgpus_created",
+            "vGPUs created (mdevs, SR-IOV vGPU types set).",
+            t.created.clone(),
+        );
+        o.register(
+            "vgpu_device_manager_vgpus_removed",
+            "vGPUs removed.",
+            t.removed.clone(),
+        );
+        o.register(
+            "vgpu_device_manager_vgpus",
+            "vGPUs of the profile on the node after the last successful apply.",
+            t.vgpus.clone(),
+        );
+        o.register(
+            "vgpu_device_manager_apply_duration_seconds",
+            "How long an apply took (reading the node, planning, writing).",
+            t.duration.clone(),
+        );
+        t
+    }
+
+    fn result(&self, ok: bool) {
+        let result = if ok { "success" } else { "failed" };
+        self.applies
+            .get_or_create(&ResultLabel {
+                result: result.into(),
+            })
+            .inc();
+    }
+
+    /// Counts what an apply changed (also a failed one's changes).
+    fn changes(&self, report: &Report) -> (usize, usize, usize) {
+        let (mut created, mut removed, mut kept) = (0, 0, 0);
+        for (_, o) in &report.gpus {
+            if let Outcome::Applied {
+                created: c,
+                removed: r,
+                kept: k,
+            } = o
+            {
+                created += c;
+                removed += r;
+                kept += k;
+            }
+        }
+        self.created.inc_by(created as u64);
+        self.removed.inc_by(removed as u64);
+        (created, removed, kept)
+    }
+
+    fn applied(&mut self, profile: &str, report: &Report, took: Duration) {
+        self.duration.observe(took.as_secs_f64());
+        self.result(true);
+        let (created, removed, kept) = self.changes(report);
+        self.vgpus
+            .set(i64::try_from(created + kept).unwrap_or(i64::MAX));
+        if created + removed > 0 || self.told.is_some() || !self.ops.is_ready() {
+            self.events.normal(
+                "ProfileApplied",
+                "Apply",
+                format!(
+                    "vGPU profile {profile} applied: {created} vGPUs created, {removed} removed, {kept} kept"
+                ),
+            );
+        }
+        self.told = None;
+        self.ops.ready(&format!(
+            "profile {profile} applied: {} vGPUs",
+            created + kept
+        ));
+    }
+
+    /// `kind`: `Blocked` (a vGPU in use), `Invalid` (config or profile), `Failed`.
+    fn failed(
+        &mut self,
+        profile: &str,
+        kind: &str,
+        reason: &str,
+        took: Duration,
+        report: Option<&Report>,
+    ) {
+        self.duration.observe(took.as_secs_f64());
+        self.result(false);
+        if let Some(r) = report {
+            self.changes(r);
+        }
+        if self.told.as_deref() != Some(reason) {
+            self.events.warning(
+                &format!("Profile{kind}"),
+                "Apply",
+                format!("vGPU profile {profile} not applied: {reason}"),
+            );
+            self.told = Some(reason.to_string());
+        }
+        self.ops
+            .status(&format!("profile {profile} not applied: {reason}"));
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -126,19 +280,25 @@ impl Reporter {
 
 /// Runs until `shutdown`; an error means the daemon cannot go on (its watch ended): exit 1.
 pub async fn run(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToken) -> exit::Result {
+    let ops = Ops::new();
+    ops.expect_beats(LIVENESS_WINDOW);
+    if let Some(addr) = cfg.metrics_addr {
+        ops.clone().listen(addr, shutdown.clone()).await?;
+    }
     let opts = Options {
         vendor: cfg.vendor,
         write_timeout: cfg.write_timeout,
         ..Options::new(paths)
     };
     let ready = Keeper::start(&opts.paths, READY_FILE, shutdown.clone())?;
-    Ok(keep_applied(cfg, opts, ready, shutdown).await?)
+    Ok(keep_applied(cfg, opts, ready, Telemetry::new(ops), shutdown).await?)
 }
 
 async fn keep_applied(
     cfg: DaemonConfig,
     opts: Options,
     ready: Keeper,
+    mut telemetry: Telemetry,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let (profile_tx, mut profile_rx) = watch::channel::<Option<String>>(None);
@@ -157,6 +317,7 @@ async fn keep_applied(
             default_config,
         } => {
             let client = daemon_kit::kube::client(kubeconfig.as_deref()).await?;
+            telemetry.events = NodeEvents::start(client.clone(), node_name, "vgpu-device-manager");
             let meta: Api<PartialObjectMeta<Node>> = Api::all(client.clone());
             let (node, default) = (node_name.clone(), default_config.clone());
             let stop = shutdown.clone();
@@ -216,7 +377,10 @@ async fn keep_applied(
     // A retry after a failure keeps reporting `failed` until it passes: the label does not
     // flap through `pending` on every attempt.
     let mut retrying;
+    let mut heartbeat = tokio::time::interval(BEAT);
+    heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        telemetry.ops.beat();
         retrying = false;
         if !run_now || profile_rx.borrow().is_none() {
             let retry_sleep = async {
@@ -260,6 +424,7 @@ async fn keep_applied(
                 _ = retry_sleep => {
                     retrying = true;
                 }
+                _ = heartbeat.tick() => continue,
             }
         }
         run_now = false;
@@ -273,8 +438,11 @@ async fn keep_applied(
         if !retrying {
             reporter.set(&State::Pending).await;
         }
+        let started = Instant::now();
+        telemetry.ops.status(&format!("applying profile {profile}"));
         let text = std::fs::read_to_string(&cfg.config_file);
         last_text = text.as_ref().ok().cloned();
+        let mut failed_report: Option<Report> = None;
         let outcome = match text {
             Err(e) => Err((
                 format!("cannot read config file {}: {e}", cfg.config_file.display()),
@@ -298,7 +466,11 @@ async fn keep_applied(
                         }
                         Ok(Err(e)) => Err((e.to_string(), false)),
                         Ok(Ok(report)) if report.success() => Ok(report),
-                        Ok(Ok(report)) => Err((report.failure_reason(), true)),
+                        Ok(Ok(report)) => {
+                            let reason = report.failure_reason();
+                            failed_report = Some(report);
+                            Err((reason, true))
+                        }
                     }
                 }
             },
@@ -306,6 +478,7 @@ async fn keep_applied(
         match outcome {
             Ok(report) => {
                 tracing::info!(profile, writes = report.writes, "profile applied");
+                telemetry.applied(&profile, &report, started.elapsed());
                 if let Err(e) = ready.vouch("") {
                     tracing::warn!("cannot write the readiness file: {}", error_chain(&e));
                 }
@@ -317,6 +490,25 @@ async fn keep_applied(
                     tracing::warn!("cannot remove the readiness file: {}", error_chain(&e));
                 }
                 tracing::error!(profile, "profile not applied: {reason}");
+                let kind = match &failed_report {
+                    Some(r)
+                        if r.gpus
+                            .iter()
+                            .any(|(_, o)| matches!(o, Outcome::Blocked { .. })) =>
+                    {
+                        "Blocked"
+                    }
+                    Some(_) => "Failed",
+                    None if retryable => "Failed",
+                    None => "Invalid",
+                };
+                telemetry.failed(
+                    &profile,
+                    kind,
+                    &reason,
+                    started.elapsed(),
+                    failed_report.as_ref(),
+                );
                 reporter.set(&State::Failed(reason)).await;
                 if retryable {
                     tracing::info!("retrying in {delay:?}");

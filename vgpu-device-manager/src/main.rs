@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use common::VendorSelector;
-use daemon_kit::cli::{HostArgs, LogArgs, PodResourcesArgs};
+use daemon_kit::cli::{HostArgs, LogArgs, MetricsArgs, PodResourcesArgs};
 use daemon_kit::daemon::Threads;
 use daemon_kit::duration;
 use daemon_kit::exit::{self, Report};
@@ -141,6 +141,8 @@ enum Command {
         default_config: String,
         #[command(flatten)]
         retry: RetryArgs,
+        #[command(flatten)]
+        metrics: MetricsArgs,
     },
 }
 
@@ -180,6 +182,9 @@ impl RetryArgs {
 }
 
 fn main() -> ExitCode {
+    if let Some(code) = daemon_kit::manual::generate_if_asked::<Cli>() {
+        return code;
+    }
     let cli = Cli::parse();
     cli.log.init(cli.debug);
     let report = match cli.command {
@@ -255,6 +260,7 @@ fn run(mut cli: Cli) -> exit::Result {
             kubeconfig,
             default_config,
             retry,
+            metrics,
         } => {
             let config_file = need(&cli.config_file, "-f/--config-file")?;
             let source = match (cli.selected_config, node_name) {
@@ -276,6 +282,7 @@ fn run(mut cli: Cli) -> exit::Result {
                 source,
                 retry_min,
                 retry_max,
+                metrics_addr: metrics.metrics_addr,
             };
             daemon_kit::daemon::run(Threads::Workers(2), |shutdown| {
                 vgpu_device_manager::daemon::run(cfg, paths, shutdown)

@@ -351,14 +351,7 @@ fn blocked_apply_fails_then_retries_to_success() {
     let root = sim.root();
     let cfg = config_file(CONFIG);
     let f = cfg.path.to_str().unwrap();
-    let o = run(root, &["apply", "-f", f, "-c", "A10-4Q"]);
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    let (uuid, ..) = mdevs(root).into_iter().next().unwrap();
-    let group =
-        std::fs::read_link(root.join(format!("sys/bus/mdev/devices/{uuid}/iommu_group"))).unwrap();
-    let group = group.file_name().unwrap().to_str().unwrap().to_string();
-    sim.control(&format!("hold {group} pid=777 comm=virt-launcher"))
-        .unwrap();
+    let group = apply_and_hold_a_vgpu(&sim, f, "A10-4Q", 777);
 
     let api = FakeApiServer::start("node-c", &[(CONFIG_LABEL, "A10-8Q")]).unwrap();
     let kc = api.kubeconfig().to_str().unwrap().to_string();

@@ -23,7 +23,9 @@
 //! [`FakeApiServer::label`], [`FakeApiServer::annotation`] and
 //! [`FakeApiServer::label_history`]. [`FakeApiServer::kubeconfig`] is a file pointing at it.
 //!
-//! It also holds ResourceClaims, put by tests with [`FakeApiServer::put_claim`].
+//! It also holds ResourceClaims, put by tests with [`FakeApiServer::put_claim`], and takes
+//! Events (`events.k8s.io/v1`: create, and the merge patch that counts a repeat), which tests
+//! read with [`FakeApiServer::events`].
 
 mod claims;
 
@@ -59,10 +61,15 @@ struct Inner {
     puts_raced: u32,
     /// The Node's UID ([`NODE_UID`] until [`FakeApiServer::recreate_node`]).
     node_uid: String,
+    /// Events, in the order they were created.
+    events: Vec<Value>,
 }
 
 /// The Node's UID when the server starts.
 pub const NODE_UID: &str = "00000000-0000-4000-8000-000000000001";
+
+/// Where Events are served (in any namespace).
+const EVENTS_PREFIX: &str = "/apis/events.k8s.io/v1/namespaces/";
 
 /// Where ResourceSlices are served.
 const SLICES: &str = "/apis/resource.k8s.io/v1/resourceslices";
@@ -140,6 +147,7 @@ impl FakeApiServer {
                 patch_forbidden: false,
                 puts_raced: 0,
                 node_uid: NODE_UID.to_string(),
+                events: Vec::new(),
             }),
             claims: Default::default(),
             changed: Condvar::new(),
@@ -227,6 +235,33 @@ impl FakeApiServer {
     /// Forgets the PATCH history.
     pub fn clear_history(&self) {
         self.shared.lock().patched.clear();
+    }
+
+    /// The Events created so far, in order (a repeat patched into one shows its `series`).
+    pub fn events(&self) -> Vec<Value> {
+        self.shared.lock().events.clone()
+    }
+
+    /// Waits up to `timeout` for an Event with `reason`; the first one, if it came.
+    pub fn wait_for_event(&self, reason: &str, timeout: Duration) -> Option<Value> {
+        let deadline = Instant::now() + timeout;
+        let mut i = self.shared.lock();
+        loop {
+            if let Some(e) = i
+                .events
+                .iter()
+                .find(|e| e["reason"].as_str() == Some(reason))
+            {
+                return Some(e.clone());
+            }
+            let left = deadline.checked_duration_since(Instant::now())?;
+            i = self
+                .shared
+                .changed
+                .wait_timeout(i, left.min(Duration::from_millis(200)))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
     }
 
     /// Request lines received (`GET /api/v1/nodes?…`), in order.
@@ -491,6 +526,10 @@ fn serve(s: &Shared, conn: TcpStream) -> std::io::Result<()> {
                 drop(i);
                 respond(&mut w, code, &body)?;
             }
+            (_, p) if p.starts_with(EVENTS_PREFIX) && p.contains("/events") => {
+                let (code, body) = serve_events(s, &req);
+                respond(&mut w, code, &body)?;
+            }
             (_, p) if p == SLICES || p.starts_with(&format!("{SLICES}/")) => {
                 let (code, body) = serve_slices(s, &req);
                 respond(&mut w, code, &body)?;
@@ -609,6 +648,53 @@ fn replace_node(s: &Shared, body: &[u8]) -> (u16, Value) {
     drop(i);
     s.changed.notify_all();
     (200, n)
+}
+
+/// `POST …/namespaces/NS/events` creates an Event; `PATCH …/events/NAME` merges into it (a
+/// recorder's repeat: its `series`); `GET …/events` lists them.
+fn serve_events(s: &Shared, req: &Request) -> (u16, Value) {
+    let Some((ns, rest)) = req.path[EVENTS_PREFIX.len()..].split_once('/') else {
+        return (404, status(404, "not found"));
+    };
+    let name = rest
+        .strip_prefix("events")
+        .map(|r| r.trim_start_matches('/'));
+    let body: Value = serde_json::from_slice(&req.body).unwrap_or(Value::Null);
+    let mut i = s.lock();
+    let (code, out) = match (req.method.as_str(), name) {
+        ("POST", Some("")) => {
+            let mut ev = body;
+            ev["metadata"]["namespace"] = json!(ns);
+            i.events.push(ev.clone());
+            (201, ev)
+        }
+        ("PATCH", Some(n)) if !n.is_empty() => {
+            match i
+                .events
+                .iter_mut()
+                .find(|e| e["metadata"]["name"].as_str() == Some(n))
+            {
+                Some(ev) => {
+                    if let (Some(ev), Some(patch)) = (ev.as_object_mut(), body.as_object()) {
+                        for (k, v) in patch {
+                            ev.insert(k.clone(), v.clone());
+                        }
+                    }
+                    (200, ev.clone())
+                }
+                None => (404, status(404, &format!("events \"{n}\" not found"))),
+            }
+        }
+        ("GET", Some("")) => (
+            200,
+            json!({"kind": "EventList", "apiVersion": "events.k8s.io/v1",
+                   "metadata": {}, "items": i.events}),
+        ),
+        _ => (405, status(405, "method not allowed")),
+    };
+    drop(i);
+    s.changed.notify_all();
+    (code, out)
 }
 
 /// Whether `slice` matches a `fieldSelector` of `spec.nodeName=…` / `spec.driver=…` terms.

@@ -4,7 +4,15 @@ pub use fake_kubelet as kubelet;
 pub mod apiserver;
 /// The raw HTTP/2 gRPC client (in the fake kubelet, which dials with it as kubelet does).
 pub use fake_kubelet::h2raw;
+pub mod ops;
 pub mod sim;
 pub mod sysfs;
 pub mod tree;
 pub mod uevent;
+
+/// Sends SIGTERM to `child` and waits for it: its exit code (`None`: killed by a signal).
+pub fn sigterm_and_wait(child: &mut std::process::Child) -> Option<i32> {
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+    child.wait().ok()?.code()
+}

@@ -84,3 +84,20 @@ fn chain(e: &dyn std::error::Error) -> String {
     }
     s
 }
+
+/// Opens the GPU `bdf`'s `/dev/nvidia<N>` under `root` (the minor from the driver's own
+/// `proc/driver/nvidia/gpus/<bdf>/information`), as a CUDA job would: the GPU is in use while
+/// the file is open.
+pub fn hold_nvidia_node(root: &Path, bdf: &str) -> std::fs::File {
+    let info_path = root.join(format!("proc/driver/nvidia/gpus/{bdf}/information"));
+    let info = std::fs::read_to_string(&info_path)
+        .unwrap_or_else(|e| panic!("{}: {e}", info_path.display()));
+    let minor = info
+        .lines()
+        .find_map(|l| l.strip_prefix("Device Minor:"))
+        .unwrap_or_else(|| panic!("no Device Minor in {}", info_path.display()))
+        .trim()
+        .to_string();
+    let node = root.join(format!("dev/nvidia{minor}"));
+    std::fs::File::open(&node).unwrap_or_else(|e| panic!("{}: {e}", node.display()))
+}

@@ -187,3 +187,23 @@ pub fn kubelet_runs(socket: &Path, ids: &[&str]) -> testkit::kubelet::FakePodRes
         testkit::kubelet::pod_resources::pod("vms", "virt-launcher-a", "compute", A10_4Q, ids);
     testkit::kubelet::FakePodResources::spawn_with(socket, vec![pod]).unwrap()
 }
+
+/// Applies `profile` of config file `f`, then has a VM (pid `pid`, `virt-launcher`) hold the
+/// IOMMU group of the first vGPU; returns that group (for `release GROUP`).
+pub fn apply_and_hold_a_vgpu(
+    sim: &testkit::sim::SimDir,
+    f: &str,
+    profile: &str,
+    pid: u32,
+) -> String {
+    let root = sim.root();
+    let o = run(root, &["apply", "-f", f, "-c", profile]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let (uuid, ..) = mdevs(root).into_iter().next().unwrap();
+    let group =
+        std::fs::read_link(root.join(format!("sys/bus/mdev/devices/{uuid}/iommu_group"))).unwrap();
+    let group = group.file_name().unwrap().to_str().unwrap().to_string();
+    sim.control(&format!("hold {group} pid={pid} comm=virt-launcher"))
+        .unwrap();
+    group
+}

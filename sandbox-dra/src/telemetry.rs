@@ -1,0 +1,120 @@
+//! What the driver counts and tells: its metrics (in the daemon's [`Ops`] registry, served with
+//! `--metrics-addr`), its readiness (the first ResourceSlice published), and Events on the
+//! Node for every claim prepared or refused.
+
+use std::sync::Arc;
+
+use daemon_kit::events::NodeEvents;
+use daemon_kit::ops::Ops;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+
+use crate::prepare::{ClaimRef, PreparedDevice};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: String,
+}
+
+/// Shared by the plugin service and the publisher.
+#[derive(Debug)]
+pub struct Telemetry {
+    ops: Arc<Ops>,
+    events: NodeEvents,
+    prepares: Family<ResultLabel, Counter>,
+    unprepares: Family<ResultLabel, Counter>,
+    published: Gauge,
+    publish_failures: Counter,
+}
+
+fn result(ok: bool) -> ResultLabel {
+    ResultLabel {
+        result: if ok { "success" } else { "failed" }.into(),
+    }
+}
+
+impl Telemetry {
+    /// Registers the driver's metrics in `ops`.
+    pub fn new(ops: Arc<Ops>, events: NodeEvents) -> Telemetry {
+        let t = Telemetry {
+            ops,
+            events,
+            prepares: Family::default(),
+            unprepares: Family::default(),
+            published: Gauge::default(),
+            publish_failures: Counter::default(),
+        };
+        t.ops.register(
+            "sandbox_dra_prepares",
+            "Claims kubelet asked to prepare, by result (success, failed).",
+            t.prepares.clone(),
+        );
+        t.ops.register(
+            "sandbox_dra_unprepares",
+            "Claims kubelet asked to unprepare, by result (success, failed).",
+            t.unprepares.clone(),
+        );
+        t.ops.register(
+            "sandbox_dra_published_devices",
+            "Devices in the node's ResourceSlice, as last published.",
+            t.published.clone(),
+        );
+        t.ops.register(
+            "sandbox_dra_publish_failures",
+            "Passes that could not read the node or publish its ResourceSlice.",
+            t.publish_failures.clone(),
+        );
+        t
+    }
+
+    /// A claim prepared, or refused with `Err(message)`.
+    pub fn prepared(&self, claim: &ClaimRef, r: Result<&[PreparedDevice], &str>) {
+        self.prepares.get_or_create(&result(r.is_ok())).inc();
+        match r {
+            Ok(devices) => {
+                let names: Vec<&str> = devices.iter().map(|d| d.device.as_str()).collect();
+                self.events.normal(
+                    "ClaimPrepared",
+                    "Prepare",
+                    format!("claim {claim}: {}", names.join(", ")),
+                );
+            }
+            Err(e) => {
+                self.events
+                    .warning("ClaimNotPrepared", "Prepare", format!("claim {claim}: {e}"))
+            }
+        }
+    }
+
+    /// A claim unprepared, or not with `Err(message)`.
+    pub fn unprepared(&self, claim: &ClaimRef, r: Result<(), &str>) {
+        self.unprepares.get_or_create(&result(r.is_ok())).inc();
+        if let Err(e) = r {
+            self.events.warning(
+                "ClaimNotUnprepared",
+                "Unprepare",
+                format!("claim {claim}: {e}"),
+            );
+        }
+    }
+
+    /// The publisher's loop is alive.
+    pub fn beat(&self) {
+        self.ops.beat();
+    }
+
+    /// A pass published (or found in place) a slice of `devices` devices: the driver is ready.
+    pub fn published(&self, devices: usize) {
+        self.published
+            .set(i64::try_from(devices).unwrap_or(i64::MAX));
+        self.ops
+            .ready(&format!("{devices} devices published in the ResourceSlice"));
+    }
+
+    /// A pass failed.
+    pub fn publish_failed(&self) {
+        self.publish_failures.inc();
+    }
+}

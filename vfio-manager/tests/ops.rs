@@ -1,0 +1,137 @@
+//! `vfio-manager daemon`'s operational side against node-sim and a fake API server: Events on
+//! the Node for a refusal and for the binds, `/readyz` before and after every selected GPU is
+//! bound, systemd's `READY=1`, and `/metrics` read by a real Prometheus parser.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use testkit::apiserver::FakeApiServer;
+use testkit::ops::{MetricsParser, NotifySocket, free_addr, http_get, value, wait_for_status};
+
+const BIN: &str = env!("CARGO_BIN_EXE_vfio-manager");
+const WAIT: Duration = Duration::from_secs(30);
+
+fn driver(root: &Path, bdf: &str) -> Option<String> {
+    let link = std::fs::read_link(root.join(format!("sys/bus/pci/devices/{bdf}/driver"))).ok()?;
+    Some(link.file_name()?.to_string_lossy().into_owned())
+}
+
+#[test]
+fn a_refusal_then_the_binds_are_told_counted_and_make_it_ready() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let parser = MetricsParser::install(Path::new(env!("CARGO_TARGET_TMPDIR")));
+    let root = sim.root();
+    // A CUDA job holds the first GPU's /dev/nvidia<N>: it is refused until the job ends.
+    let held = testkit::sim::hold_nvidia_node(root, "0000:41:00.0");
+
+    let api = FakeApiServer::start("node-v", &[]).unwrap();
+    let notify = NotifySocket::new().unwrap();
+    let addr = free_addr();
+    let mut child = Command::new(BIN)
+        .arg("--host-root")
+        .arg(root)
+        .args(["daemon", "--resync-interval", "1", "--metrics-addr", &addr])
+        .args(["--node-name", "node-v", "--kubeconfig"])
+        .arg(api.kubeconfig())
+        .env("NOTIFY_SOCKET", notify.path())
+        .env("RUST_LOG", "info")
+        .env_remove("KUBELET_DIR")
+        .env_remove("POD_RESOURCES_SOCKET")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+
+    let refused = api
+        .wait_for_event("BindRefused", WAIT)
+        .expect("no BindRefused event");
+    assert_eq!(refused["type"], "Warning");
+    assert_eq!(refused["regarding"]["kind"], "Node");
+    assert_eq!(refused["regarding"]["name"], "node-v");
+    let note = refused["note"].as_str().unwrap();
+    let me = format!("pid {}", std::process::id());
+    assert!(
+        note.contains("0000:41:00.0") && note.contains(&me),
+        "{note}"
+    );
+    let bound = api
+        .wait_for_event("GpusBound", WAIT)
+        .expect("no GpusBound event");
+    assert!(
+        bound["note"].as_str().unwrap().contains("0000:61:00.0"),
+        "{bound}"
+    );
+    // Not every selected GPU is bound: alive, not ready.
+    assert!(wait_for_status(&addr, "/healthz", 200, WAIT));
+    assert_eq!(http_get(&addr, "/readyz").unwrap().0, 503);
+    // The refusal is told once, not at every retry.
+    std::thread::sleep(Duration::from_millis(2500));
+    let refusals = api
+        .events()
+        .iter()
+        .filter(|e| e["reason"] == "BindRefused")
+        .count();
+    assert_eq!(refusals, 1, "{:?}", api.events());
+
+    drop(held);
+    let lines = notify
+        .wait_for_line("READY=1", WAIT)
+        .unwrap_or_else(|l| panic!("no READY=1; got {l:?}"));
+    assert!(
+        lines.contains(&"STATUS=2 of 2 selected functions bound".to_string()),
+        "{lines:?}"
+    );
+    assert!(wait_for_status(&addr, "/readyz", 200, WAIT));
+    assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+
+    let (code, body) = http_get(&addr, "/metrics").unwrap();
+    assert_eq!(code, 200);
+    if let Some(parser) = parser {
+        let samples = parser
+            .parse(&body)
+            .unwrap_or_else(|e| panic!("{e}\n{body}"));
+        let v = |name: &str| value(&samples, name, &[]);
+        assert_eq!(v("vfio_manager_binds_total"), Some(2.0), "{body}");
+        assert_eq!(v("vfio_manager_devices_selected"), Some(2.0), "{body}");
+        assert_eq!(v("vfio_manager_devices_bound"), Some(2.0), "{body}");
+        assert!(v("vfio_manager_refusals_total") >= Some(1.0), "{body}");
+        assert_eq!(v("vfio_manager_unbinds_total"), Some(0.0), "{body}");
+        assert!(v("process_open_fds") > Some(0.0), "{body}");
+        assert!(v("process_cpu_seconds_total") >= Some(0.0), "{body}");
+    }
+    assert_eq!(testkit::sigterm_and_wait(&mut child), Some(0));
+}
+
+#[test]
+fn completions_and_man_page_are_generated() {
+    for (args, want) in [
+        (&["completions", "bash"][..], "complete -F _vfio__manager"),
+        (&["completions", "zsh"][..], "#compdef vfio-manager"),
+        (&["completions", "fish"][..], "complete -c vfio-manager"),
+        (&["man"][..], ".TH vfio-manager 8"),
+    ] {
+        let o = Command::new(BIN)
+            .arg("--generate")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{args:?}: {o:?}");
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(out.contains(want), "{args:?}: no {want:?} in\n{out}");
+        // Every subcommand is in it.
+        for sub in ["bind", "unbind", "status", "daemon"] {
+            assert!(out.contains(sub), "{args:?}: no {sub}");
+        }
+    }
+    let o = Command::new(BIN)
+        .args(["--generate", "completions", "tcsh"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("tcsh"));
+}

@@ -1,0 +1,165 @@
+//! The daemon's operational side against node-sim and a fake API server: `/metrics` read by a
+//! real Prometheus parser, `/readyz` before and after the first successful apply, systemd's
+//! `READY=1`, Events on the Node for a refusal and for the apply, and progress lines during a
+//! long apply.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::fmt::Write as _;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use support::*;
+use testkit::apiserver::FakeApiServer;
+use testkit::ops::{MetricsParser, NotifySocket, free_addr, http_get, value, wait_for_status};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+#[test]
+fn metrics_readiness_notify_and_events_follow_the_applies() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let parser = MetricsParser::install(std::path::Path::new(env!("CARGO_TARGET_TMPDIR")));
+    let root = sim.root();
+    let cfg = config_file(CONFIG);
+    let f = cfg.path.to_str().unwrap();
+    // A VM holds a vGPU of A10-4Q: switching to A10-8Q is refused until it goes.
+    let group = apply_and_hold_a_vgpu(&sim, f, "A10-4Q", 778);
+
+    let api = FakeApiServer::start("node-m", &[("nvidia.com/vgpu.config", "A10-8Q")]).unwrap();
+    let notify = NotifySocket::new().unwrap();
+    let addr = free_addr();
+    let mut child = Command::new(BIN)
+        .args(["daemon", "--node-name", "node-m", "--kubeconfig"])
+        .arg(api.kubeconfig())
+        .args(["-f", f, "--retry-min", "200ms", "--retry-max", "1s"])
+        .args(["--metrics-addr", &addr, "--host-root"])
+        .arg(root)
+        .env("NOTIFY_SOCKET", notify.path())
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+
+    let refused = api.wait_for_event("ProfileBlocked", WAIT);
+    let refused = refused.expect("no ProfileBlocked event");
+    assert_eq!(refused["type"], "Warning");
+    assert_eq!(refused["regarding"]["kind"], "Node");
+    assert_eq!(refused["regarding"]["name"], "node-m");
+    let note = refused["note"].as_str().unwrap();
+    assert!(
+        note.contains("A10-8Q") && note.contains("pid 778"),
+        "{note}"
+    );
+    // Failing: alive, not ready.
+    assert_eq!(http_get(&addr, "/readyz").unwrap().0, 503);
+    assert_eq!(http_get(&addr, "/healthz").unwrap().0, 200);
+
+    sim.control(&format!("release {group}")).unwrap();
+    let lines = notify.wait_for_line("READY=1", WAIT);
+    let lines = lines.unwrap_or_else(|l| panic!("no READY=1; got {l:?}"));
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("STATUS=profile A10-8Q applied")),
+        "{lines:?}"
+    );
+    assert!(wait_for_status(&addr, "/readyz", 200, WAIT));
+    let applied = api.wait_for_event("ProfileApplied", WAIT).unwrap();
+    assert_eq!(applied["type"], "Normal");
+    let note = applied["note"].as_str().unwrap();
+    // The free GPU was switched by the refused pass already; this one switched the other.
+    assert_eq!(
+        note,
+        "vGPU profile A10-8Q applied: 3 vGPUs created, 6 removed, 3 kept"
+    );
+
+    let (code, body) = http_get(&addr, "/metrics").unwrap();
+    assert_eq!(code, 200);
+    if let Some(parser) = parser {
+        let samples = parser
+            .parse(&body)
+            .unwrap_or_else(|e| panic!("{e}\n{body}"));
+        let v = |name: &str, labels: &[(&str, &str)]| value(&samples, name, labels);
+        assert_eq!(v("vgpu_device_manager_vgpus", &[]), Some(6.0), "{body}");
+        // Both passes' changes count, the refused one's too.
+        assert_eq!(
+            v("vgpu_device_manager_vgpus_created_total", &[]),
+            Some(6.0),
+            "{body}"
+        );
+        // The 12 A10-4Q vGPUs of the first apply went.
+        assert_eq!(
+            v("vgpu_device_manager_vgpus_removed_total", &[]),
+            Some(12.0),
+            "{body}"
+        );
+        assert_eq!(
+            v(
+                "vgpu_device_manager_applies_total",
+                &[("result", "success")]
+            ),
+            Some(1.0),
+            "{body}"
+        );
+        assert!(v("vgpu_device_manager_applies_total", &[("result", "failed")]) >= Some(1.0));
+        assert!(v("vgpu_device_manager_apply_duration_seconds_count", &[]) >= Some(2.0));
+        assert!(
+            v("process_resident_memory_bytes", &[]) > Some(0.0),
+            "{body}"
+        );
+        assert!(v("process_start_time_seconds", &[]) > Some(1.0e9), "{body}");
+    }
+    assert_eq!(testkit::sigterm_and_wait(&mut child), Some(0));
+}
+
+/// 16 L40S, each behind its own root port.
+fn sixteen_l40s() -> testkit::sim::Topology {
+    let mut s = String::from("name = \"16xL40S\"\ndescription = \"generated\"\n");
+    for i in 0..16 {
+        let bus = 0x10 + 2 * i;
+        let _ = write!(
+            s,
+            "[[bridge]]\naddress = \"0000:{bus:02x}:01.0\"\n\n\
+             [[device]]\naddress = \"0000:{:02x}:00.0\"\nmodel = \"L40S\"\nbridge = \"0000:{bus:02x}:01.0\"\n\n",
+            bus + 1
+        );
+    }
+    testkit::sim::Topology::parse(&s, "16xL40S").unwrap()
+}
+
+#[test]
+fn a_long_apply_tells_its_progress() {
+    if let Some(why) = testkit::sim::unavailable() {
+        testkit::sim::skip_test("node-sim 16xL40S", &why);
+        return;
+    }
+    let sim = testkit::sim::mount_topology(&sixteen_l40s());
+    let cfg = config_file(
+        "version: v1\nvgpu-configs:\n  L40S-1Q:\n    - devices: all\n      vgpu-devices: {\"L40S-1Q\": 32}\n",
+    );
+    let o = run(
+        sim.root(),
+        &["apply", "-f", cfg.path.to_str().unwrap(), "-c", "L40S-1Q"],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    let progress: Vec<&str> = err
+        .lines()
+        .filter_map(|l| l.split_once("created ").map(|(_, p)| p))
+        .filter(|p| p.ends_with("/512 vGPUs"))
+        .collect();
+    // Every 64 created (and every 2 s besides), never the last one (the summary says it).
+    for step in (64..512).step_by(64) {
+        assert!(
+            progress.contains(&format!("{step}/512 vGPUs").as_str()),
+            "no line for {step}: {progress:?}\n{err}"
+        );
+    }
+    assert!(!progress.contains(&"512/512 vGPUs"), "{progress:?}");
+    assert_eq!(vendor_vgpus(sim.root()).len(), 512);
+}

@@ -20,6 +20,7 @@ pub mod publish;
 pub mod record;
 pub mod registration;
 pub mod slices;
+pub mod vgpu;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -121,6 +122,8 @@ pub struct Config {
     pub pci_ids: PciIds,
     /// How often the slice is compared with the API server without an event.
     pub resync_interval: Duration,
+    /// The GPUs published and prepared as vGPUs too (`--vgpu`).
+    pub vgpu: Option<vgpu::Selector>,
 }
 
 /// Binds a Unix socket at `path`, replacing a stale one a killed run left.
@@ -145,6 +148,10 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         "starting"
     );
     let client = daemon_kit::kube::client(config.kubeconfig.as_deref()).await?;
+    let vgpu_pool = match &config.vgpu {
+        Some(sel) => vgpu::claim_pool(&paths, sel)?,
+        None => vgpu::claim_pool(&paths, &vgpu::Selector::Gpus(Default::default()))?,
+    };
     let prepare_config = PrepareConfig {
         driver: config.driver.clone(),
         node_name: config.node_name.clone(),
@@ -155,6 +162,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         },
         on_unprepare: config.on_unprepare,
         timeout: config.timeout,
+        vgpu_pool: vgpu_pool.clone(),
     };
     let preparer = Arc::new(Preparer::new(prepare_config, paths.clone(), client.clone()));
     // Before kubelet can call: what a crash left half done is brought in line first.
@@ -178,6 +186,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
             node_name: config.node_name.clone(),
             pci_ids: config.pci_ids.clone(),
             resync_interval: config.resync_interval,
+            vgpu_pool,
         },
         paths.clone(),
         registrar.subscribe(),

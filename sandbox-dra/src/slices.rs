@@ -31,11 +31,12 @@
 //!
 //! and its capacity `memory` (the GPU's framebuffer, `24Gi`) where the model is known.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use common::{Inventory, PciAddress, PciDevice, PciIds, is_vfio_driver};
 use k8s_openapi::api::resource::v1::{
-    Device, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSlice, ResourceSliceSpec,
+    Counter, CounterSet, Device, DeviceAttribute, DeviceCapacity, DeviceCounterConsumption,
+    ResourcePool, ResourceSlice, ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -48,6 +49,18 @@ pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
 
 /// The `mode` attribute of a whole GPU given to a VM.
 pub const MODE_PASSTHROUGH: &str = "passthrough";
+
+/// The `mode` attribute of a vGPU.
+pub const MODE_VGPU: &str = "vgpu";
+
+/// The counter of a GPU's framebuffer in its counter set.
+pub const COUNTER_MEMORY: &str = "memory";
+
+/// The counter of an SR-IOV GPU's VFs (one per vGPU) in its counter set.
+pub const COUNTER_VFS: &str = "vfs";
+
+/// The most devices one slice holds when they consume counters (the API's limit).
+pub const MAX_DEVICES_WITH_COUNTERS: usize = 64;
 
 /// The longest string attribute value the API accepts.
 const MAX_STRING_ATTRIBUTE: usize = 64;
@@ -68,11 +81,26 @@ pub struct NodeDevices {
     pub devices: Vec<Device>,
     /// Selected GPUs that are not published.
     pub left_out: Vec<LeftOut>,
+    /// One counter set per GPU of the vGPU pool, named after its passthrough device.
+    pub counters: Vec<CounterSet>,
 }
 
 /// The devices `inv` has for the slice, from vfio-manager's selection `sel` of it; product
 /// names from `ids`.
 pub fn devices(inv: &Inventory, sel: &Selection, ids: &PciIds) -> NodeDevices {
+    devices_with_vgpus(inv, sel, ids, &BTreeSet::new())
+}
+
+/// [`devices`], and for each GPU of `vgpu_pool` whose model the vGPU model table knows
+/// ([`common::vgpu::models`]): a counter set (its framebuffer; its VFs on an SR-IOV GPU), as
+/// many devices per vGPU type as the GPU could hold of it, each consuming its framebuffer and
+/// one VF, and its passthrough device consuming the whole set.
+pub fn devices_with_vgpus(
+    inv: &Inventory,
+    sel: &Selection,
+    ids: &PciIds,
+    vgpu_pool: &BTreeSet<PciAddress>,
+) -> NodeDevices {
     let mut out = NodeDevices::default();
     for r in &sel.refused {
         out.left_out.push(LeftOut {
@@ -99,7 +127,14 @@ pub fn devices(inv: &Inventory, sel: &Selection, ids: &PciIds) -> NodeDevices {
             });
             continue;
         }
-        out.devices.push(device(gpu, first, group, targets, ids));
+        let mut whole = device(gpu, first, group, targets, ids);
+        if vgpu_pool.contains(&gpu.address)
+            && let Some((set, vgpus)) = vgpu_devices(inv, gpu, &mut whole, ids)
+        {
+            out.counters.push(set);
+            out.devices.extend(vgpus);
+        }
+        out.devices.push(whole);
     }
     out.devices.sort_by(|a, b| a.name.cmp(&b.name));
     out.left_out.sort_by_key(|l| l.address);
@@ -176,6 +211,107 @@ fn device(gpu: &PciDevice, first: &Target, group: u32, targets: &[Target], ids: 
     }
 }
 
+/// One pooled GPU's counter set and vGPU devices; `whole` (its passthrough device) is made to
+/// consume the whole set. `None` for a model the table does not know.
+fn vgpu_devices(
+    inv: &Inventory,
+    gpu: &PciDevice,
+    whole: &mut Device,
+    ids: &PciIds,
+) -> Option<(CounterSet, Vec<Device>)> {
+    let model = common::vgpu::models::model(gpu.vendor, gpu.device)?;
+    let set_name = names::gpu_device(&gpu.address);
+    let vfs = gpu.sriov_totalvfs.filter(|n| *n > 0);
+    let mut counters = BTreeMap::from([(
+        COUNTER_MEMORY.to_string(),
+        Counter {
+            value: gib(model.memory_gib),
+        },
+    )]);
+    if let Some(n) = vfs {
+        counters.insert(
+            COUNTER_VFS.to_string(),
+            Counter {
+                value: Quantity(n.to_string()),
+            },
+        );
+    }
+    whole.consumes_counters = Some(vec![DeviceCounterConsumption {
+        counter_set: set_name.clone(),
+        counters: counters.clone(),
+    }]);
+    // Type ids where sysfs shows them (the VFs enabled, or the GPU its own parent).
+    let cap = common::vgpu::capacity(inv, &gpu.address);
+    let mut out = Vec::new();
+    for (name, size) in model.types_before_vfs() {
+        let max = vfs.map_or(model.equal_size_max(size), |n| {
+            model.equal_size_max(size).min(n)
+        });
+        let series = name.chars().last().unwrap_or_default().to_string();
+        let mut attrs = BTreeMap::new();
+        attrs.insert("mode".to_string(), string(MODE_VGPU));
+        attrs.insert("vgpuType".to_string(), string(name.clone()));
+        if let Some(id) = cap.get(&name).and_then(|t| t.type_id.clone()) {
+            attrs.insert("typeID".to_string(), string(id));
+        }
+        attrs.insert("series".to_string(), string(series));
+        attrs.insert("framebufferMiB".to_string(), int(i64::from(size) * 1024));
+        attrs.insert("maxInstances".to_string(), int(max));
+        attrs.insert("parentGPU".to_string(), string(gpu.address.to_string()));
+        attrs.insert(
+            "vendorID".to_string(),
+            string(format!("{:04x}", gpu.vendor)),
+        );
+        attrs.insert(
+            "deviceID".to_string(),
+            string(format!("{:04x}", gpu.device)),
+        );
+        if let Some(p) = ids.device_name(gpu.vendor, gpu.device) {
+            attrs.insert("productName".to_string(), string(truncate(&p)));
+        }
+        if let Some(n) = gpu.numa_node {
+            attrs.insert("numaNode".to_string(), int(n));
+        }
+        let mut consumes =
+            BTreeMap::from([(COUNTER_MEMORY.to_string(), Counter { value: gib(size) })]);
+        if vfs.is_some() {
+            consumes.insert(
+                COUNTER_VFS.to_string(),
+                Counter {
+                    value: Quantity("1".into()),
+                },
+            );
+        }
+        for slot in 0..max {
+            out.push(Device {
+                name: names::vgpu_device(&gpu.address, &name, slot),
+                attributes: Some(attrs.clone()),
+                capacity: Some(BTreeMap::from([(
+                    "memory".to_string(),
+                    DeviceCapacity {
+                        value: gib(size),
+                        ..Default::default()
+                    },
+                )])),
+                consumes_counters: Some(vec![DeviceCounterConsumption {
+                    counter_set: set_name.clone(),
+                    counters: consumes.clone(),
+                }]),
+                ..Default::default()
+            });
+        }
+    }
+    let set = CounterSet {
+        name: set_name,
+        counters,
+    };
+    Some((set, out))
+}
+
+fn gib(n: u32) -> Quantity {
+    Quantity(format!("{n}Gi"))
+}
+
 /// The GPU's framebuffer, from the vGPU model table every daemon plans with. `None` for a
 /// model it does not know (workstation and older datacenter GPUs): sysfs does not show a
 /// GPU's memory while it is not on nvidia, so there is nothing else to read it from.
@@ -230,9 +366,65 @@ impl Pool {
 
     /// The node's slice holding `devices`, at pool `generation`.
     pub fn slice(&self, devices: Vec<Device>, generation: i64) -> ResourceSlice {
+        self.slice_named(self.slice_name(), Some(devices), None, generation, 1)
+    }
+
+    /// The node's slices: without counters the one [`Pool::slice`]; with counters (a vGPU
+    /// pool) the counter sets in a slice of their own, `<slice>-counters` (Kubernetes 1.35 and
+    /// later take counters and devices only in separate slices of one pool), and the devices
+    /// in slices of at most [`MAX_DEVICES_WITH_COUNTERS`], `<slice>`, `<slice>-1`, ….
+    pub fn slices(
+        &self,
+        devices: Vec<Device>,
+        counters: Vec<CounterSet>,
+        generation: i64,
+    ) -> Vec<ResourceSlice> {
+        if counters.is_empty() {
+            return vec![self.slice(devices, generation)];
+        }
+        let chunks: Vec<Vec<Device>> = if devices.is_empty() {
+            vec![Vec::new()]
+        } else {
+            devices
+                .chunks(MAX_DEVICES_WITH_COUNTERS)
+                .map(<[Device]>::to_vec)
+                .collect()
+        };
+        let count = i64::try_from(chunks.len() + 1).unwrap_or(i64::MAX);
+        let base = self.slice_name();
+        let mut out: Vec<ResourceSlice> = chunks
+            .into_iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let name = if i == 0 {
+                    base.clone()
+                } else {
+                    format!("{base}-{i}")
+                };
+                self.slice_named(name, Some(d), None, generation, count)
+            })
+            .collect();
+        out.push(self.slice_named(
+            format!("{base}-counters"),
+            None,
+            Some(counters),
+            generation,
+            count,
+        ));
+        out
+    }
+
+    fn slice_named(
+        &self,
+        name: String,
+        devices: Option<Vec<Device>>,
+        counters: Option<Vec<CounterSet>>,
+        generation: i64,
+        count: i64,
+    ) -> ResourceSlice {
         ResourceSlice {
             metadata: ObjectMeta {
-                name: Some(self.slice_name()),
+                name: Some(name),
                 owner_references: self.owner().map(|o| vec![o]),
                 ..Default::default()
             },
@@ -242,9 +434,10 @@ impl Pool {
                 pool: ResourcePool {
                     name: self.node_name.clone(),
                     generation,
-                    resource_slice_count: 1,
+                    resource_slice_count: count,
                 },
-                devices: Some(devices),
+                devices,
+                shared_counters: counters,
                 ..Default::default()
             },
         }

@@ -820,32 +820,39 @@ impl Node {
 
     /// Destroys the claim's vGPUs that exist; one a process holds is kept and named (the
     /// error has kubelet call again).
+    /// A GPU a prepare killed while giving it back from VFIO left without a driver gets its
+    /// vGPU driver, so that it is ready for either mode.
     fn destroy_vgpus(&self, claim: &ClaimRef, rec: &Record) -> Result<(), PrepareError> {
-        if rec.devices.iter().all(|d| d.vgpu.is_none()) {
+        let gpus: BTreeSet<PciAddress> = rec
+            .devices
+            .iter()
+            .filter_map(|d| names::parse_vgpu_device(&d.device).map(|(gpu, _, _)| gpu))
+            .collect();
+        if gpus.is_empty() {
             return Ok(());
         }
         let inv = self.inventory(claim)?;
+        for gpu in &gpus {
+            if inv.device(gpu).is_some_and(|d| d.driver.is_none()) {
+                self.give_back(&inv, *gpu).map_err(|e| refused(claim, e))?;
+            }
+        }
         let usage: OnceLock<Usage> = OnceLock::new();
         let mut held = Vec::new();
         for v in rec.devices.iter().filter_map(|d| d.vgpu.as_ref()) {
             if !v.exists(&inv) {
                 continue;
             }
-            if let Some(g) = v.group(&inv) {
-                let users = usage
-                    .get_or_init(|| Usage::read(&self.paths))
-                    .of_group(&inv, g);
-                if !users.is_empty() {
-                    let who: Vec<String> = users.iter().map(|u| u.describe(&inv)).collect();
-                    held.push(format!(
-                        "{} {} on GPU {} is in use ({}): kept",
-                        v.type_name,
-                        v.handle,
-                        v.gpu,
-                        who.join("; ")
-                    ));
-                    continue;
-                }
+            let users = v.users(usage.get_or_init(|| Usage::read(&self.paths)), &inv);
+            if !users.is_empty() {
+                held.push(format!(
+                    "{} {} on GPU {} is in use ({}): kept",
+                    v.type_name,
+                    v.handle,
+                    v.gpu,
+                    users.join("; ")
+                ));
+                continue;
             }
             vgpu::destroy(&self.paths, v).map_err(|e| {
                 refused(
@@ -949,7 +956,7 @@ impl Node {
         let present: Vec<PciAddress> = rec
             .devices
             .iter()
-            .filter(|d| d.vgpu.is_none())
+            .filter(|d| names::parse_vgpu_device(&d.device).is_none())
             .map(|d| d.address)
             .filter(|a| inv.device(a).is_some())
             .collect();

@@ -107,6 +107,19 @@ impl Vgpu {
         self.vendor.then(|| self.handle.parse().ok()).flatten()
     }
 
+    /// Who holds it: processes holding its group node or cdev, pods kubelet gave it to.
+    pub fn users(&self, usage: &common::Usage, inv: &Inventory) -> Vec<String> {
+        let users = match self.vf() {
+            Some(vf) => usage.of_function(inv, &vf),
+            None => inv
+                .mdevs
+                .get(&self.handle)
+                .map(|m| usage.of_mdev(m))
+                .unwrap_or_default(),
+        };
+        users.iter().map(ToString::to_string).collect()
+    }
+
     /// Its IOMMU group, once the kernel made it.
     pub fn group(&self, inv: &Inventory) -> Option<u32> {
         match self.vf() {

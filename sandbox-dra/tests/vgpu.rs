@@ -356,3 +356,178 @@ async fn an_h100_vgpu_is_a_vf_with_current_vgpu_type() {
     unprepare(&drv, &c).await.unwrap();
     assert_eq!(cur(&vf), "0");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_vgpu_a_vm_holds_is_kept_at_unprepare_and_removed_at_the_retry() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let _d = start(root, &api, "0000:61:00.0");
+    let drv = register(root).await;
+    let c = put_claim(&api, "held", "uid-held", "vgpu-0000-61-00-0-a10-4q-3");
+    prepare(&drv, &c).await.unwrap();
+    let made = mdevs(root);
+    let [(uuid, _, _, group)] = &made[..] else {
+        panic!("{made:?}")
+    };
+    sim.control(&format!("hold {group} pid=4242 comm=qemu-kvm"))
+        .unwrap();
+    let err = unprepare(&drv, &c).await.unwrap_err();
+    for want in [
+        "NVIDIA A10-4Q",
+        uuid.as_str(),
+        "0000:61:00.0",
+        "4242",
+        "kept",
+    ] {
+        assert!(err.contains(want), "{want}: {err}");
+    }
+    assert_eq!(mdevs(root).len(), 1, "the held vGPU stays");
+    // A GPU outside --vgpu has no vGPU devices to prepare.
+    let other = put_claim(&api, "other", "uid-o", "vgpu-0000-41-00-0-a10-4q-0");
+    let err = prepare(&drv, &other).await.unwrap_err();
+    assert!(err.contains("not in this driver's vGPU pool"), "{err}");
+    // The VM ends; kubelet's retry removes it.
+    sim.control(&format!("release {group}")).unwrap();
+    unprepare(&drv, &c).await.unwrap();
+    assert_eq!(mdevs(root), vec![]);
+    assert!(
+        !root
+            .join(format!(
+                "var/lib/kubelet/plugins/{DRIVER}/claims/uid-held.json"
+            ))
+            .exists()
+    );
+}
+
+/// sysfs writes node-sim logged since the last clear.
+fn writes(sim: &testkit::sim::SimDir) -> usize {
+    sim.ops()
+        .into_iter()
+        .filter(|o| !o.path.contains("node-sim/"))
+        .count()
+}
+
+/// Starts prepare (or unprepare) of `c` with every sysfs write slowed, kills the driver once
+/// node-sim logged `k` writes; returns how many it made.
+async fn killed_after(
+    sim: &testkit::sim::SimDir,
+    api: &FakeApiServer,
+    c: &Claim,
+    prepare_it: bool,
+    k: usize,
+) -> usize {
+    let root = sim.root();
+    let mut d = start(root, api, "0000:41:00.0");
+    let drv = register(root).await;
+    for op in [
+        "bind",
+        "unbind",
+        "probe",
+        "driver_override",
+        "sriov_numvfs",
+        "create",
+        "remove",
+    ] {
+        sim.control(&format!("fault {op} * delay=15")).unwrap();
+    }
+    sim.clear_ops();
+    let c2 = c.clone();
+    let task = tokio::spawn(async move {
+        if prepare_it {
+            drv.prepare(Version::V1, &[c2]).await.map(|_| ())
+        } else {
+            drv.unprepare(Version::V1, &[c2]).await.map(|_| ())
+        }
+    });
+    let t = Instant::now();
+    loop {
+        if writes(sim) >= k || task.is_finished() {
+            d.0.kill().unwrap();
+            break;
+        }
+        assert!(t.elapsed() < PATIENCE, "the call neither wrote nor ended");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let _ = d.0.wait();
+    let _ = task.await;
+    sim.control("clear-faults").unwrap();
+    writes(sim)
+}
+
+/// A vGPU claim on a GPU a whole-GPU claim left on vfio-pci writes: the GPU given back to
+/// nvidia (override, unbind, probe), its VFs enabled, the mdev created. Killed after each of
+/// them, the next start converges (no vGPU without a record, a finished claim prepared), and
+/// kubelet's retry makes exactly one vGPU; an unprepare killed at its write is finished.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_vgpu_prepare_or_unprepare_killed_at_any_write_converges_at_start() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let whole = put_claim(&api, "whole", "uid-whole", "gpu-0000-41-00-0");
+    let c = put_claim(&api, "crash", "uid-crash", "vgpu-0000-41-00-0-a10-4q-0");
+    let record = root.join(format!(
+        "var/lib/kubelet/plugins/{DRIVER}/claims/uid-crash.json"
+    ));
+    let mut killed_mid_way = 0;
+    for k in 1..=6 {
+        {
+            // The GPU on vfio-pci, no VFs, no vGPU.
+            let _d = start(root, &api, "0000:41:00.0");
+            let drv = register(root).await;
+            prepare(&drv, &whole).await.unwrap();
+            unprepare(&drv, &whole).await.unwrap();
+            assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+        }
+        let done = killed_after(&sim, &api, &c, true, k).await;
+        if done < 5 {
+            killed_mid_way += 1;
+        }
+        let d = start(root, &api, "0000:41:00.0");
+        let drv = register(root).await;
+        if record.exists() {
+            let r: Value = read_json(&record);
+            assert_eq!(r["state"], "prepared", "k={k}:\n{}", d.log());
+            assert_eq!(mdevs(root).len(), 1, "k={k}");
+        } else {
+            assert_eq!(
+                mdevs(root),
+                vec![],
+                "k={k}: a vGPU without a record:\n{}",
+                d.log()
+            );
+        }
+        prepare(&drv, &c)
+            .await
+            .unwrap_or_else(|e| panic!("k={k}: {e}\n{}", d.log()));
+        let made = mdevs(root);
+        assert_eq!(made.len(), 1, "k={k}: {made:?}");
+        assert_eq!(made[0].1, "NVIDIA A10-4Q");
+        unprepare(&drv, &c).await.unwrap();
+        assert_eq!(mdevs(root), vec![], "k={k}");
+    }
+    assert!(
+        killed_mid_way >= 2,
+        "the kills landed mid-way {killed_mid_way} times"
+    );
+
+    // Unprepare: one write (the mdev's remove); killed at it, the next start finishes.
+    {
+        let _d = start(root, &api, "0000:41:00.0");
+        let drv = register(root).await;
+        prepare(&drv, &c).await.unwrap();
+    }
+    killed_after(&sim, &api, &c, false, 1).await;
+    let d = start(root, &api, "0000:41:00.0");
+    let drv = register(root).await;
+    if record.exists() {
+        // Killed before the record said unpreparing: still prepared; kubelet's retry ends it.
+        unprepare(&drv, &c).await.unwrap();
+    }
+    assert_eq!(mdevs(root), vec![], "{}", d.log());
+    assert!(!record.exists());
+}

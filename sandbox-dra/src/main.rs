@@ -113,7 +113,7 @@ struct Cli {
     /// comma list of PCI addresses. Each gets a counter set and one device per vGPU it could
     /// host, besides its passthrough device; the others stay passthrough only. sandbox-dra
     /// owns these GPUs (`run/gpu-vm-node/dra-pool`): vgpu-device-manager leaves them alone.
-    #[arg(long, value_name = "all|BDF,...", value_parser = sandbox_dra::vgpu::parse_selector, global = true)]
+    #[arg(long, env = "VGPU", value_name = "all|BDF,...", value_parser = sandbox_dra::vgpu::parse_selector, global = true)]
     vgpu: Option<sandbox_dra::vgpu::Selector>,
 
     #[command(flatten)]

@@ -62,6 +62,9 @@ pub const COUNTER_VFS: &str = "vfs";
 /// The most devices one slice holds when they consume counters (the API's limit).
 pub const MAX_DEVICES_WITH_COUNTERS: usize = 64;
 
+/// The most counters, in all its sets, one slice holds (the API's limit).
+pub const MAX_COUNTERS: usize = 32;
+
 /// The longest string attribute value the API accepts.
 const MAX_STRING_ATTRIBUTE: usize = 64;
 
@@ -370,9 +373,10 @@ impl Pool {
     }
 
     /// The node's slices: without counters the one [`Pool::slice`]; with counters (a vGPU
-    /// pool) the counter sets in a slice of their own, `<slice>-counters` (Kubernetes 1.35 and
-    /// later take counters and devices only in separate slices of one pool), and the devices
-    /// in slices of at most [`MAX_DEVICES_WITH_COUNTERS`], `<slice>`, `<slice>-1`, ….
+    /// pool) the counter sets in slices of their own, `<slice>-counters`, `<slice>-counters-1`,
+    /// … of at most [`MAX_COUNTERS`] counters (Kubernetes 1.35 and later take counters and
+    /// devices only in separate slices of one pool), and the devices in slices of at most
+    /// [`MAX_DEVICES_WITH_COUNTERS`], `<slice>`, `<slice>-1`, ….
     pub fn slices(
         &self,
         devices: Vec<Device>,
@@ -390,7 +394,19 @@ impl Pool {
                 .map(<[Device]>::to_vec)
                 .collect()
         };
-        let count = i64::try_from(chunks.len() + 1).unwrap_or(i64::MAX);
+        let mut counter_chunks: Vec<Vec<CounterSet>> = vec![Vec::new()];
+        for set in counters {
+            let in_last: usize = counter_chunks
+                .last()
+                .map_or(0, |c| c.iter().map(|s| s.counters.len()).sum());
+            if in_last + set.counters.len() > MAX_COUNTERS {
+                counter_chunks.push(Vec::new());
+            }
+            if let Some(last) = counter_chunks.last_mut() {
+                last.push(set);
+            }
+        }
+        let count = i64::try_from(chunks.len() + counter_chunks.len()).unwrap_or(i64::MAX);
         let base = self.slice_name();
         let mut out: Vec<ResourceSlice> = chunks
             .into_iter()
@@ -404,13 +420,14 @@ impl Pool {
                 self.slice_named(name, Some(d), None, generation, count)
             })
             .collect();
-        out.push(self.slice_named(
-            format!("{base}-counters"),
-            None,
-            Some(counters),
-            generation,
-            count,
-        ));
+        for (i, sets) in counter_chunks.into_iter().enumerate() {
+            let name = if i == 0 {
+                format!("{base}-counters")
+            } else {
+                format!("{base}-counters-{i}")
+            };
+            out.push(self.slice_named(name, None, Some(sets), generation, count));
+        }
         out
     }
 
@@ -648,6 +665,101 @@ mod tests {
             ..pool
         };
         assert_eq!(unknown.slice(vec![], 1).metadata.owner_references, None);
+    }
+
+    #[test]
+    fn a_pooled_a10_has_a_counter_set_its_vgpus_and_its_whole_self_consume() {
+        let mut a10 = dev("0000:41:00.0", 0x2236, 0x030200, 21, "nvidia");
+        a10.sriov_totalvfs = Some(32);
+        let inv = inv(vec![a10], &[]);
+        let sel = select(&inv, &Selector::default(), None, &AliasTable::parse(""));
+        let pool: BTreeSet<PciAddress> = ["0000:41:00.0".parse().unwrap()].into();
+        let nd = devices_with_vgpus(&inv, &sel, &PciIds::embedded(), &pool);
+        let [set] = &nd.counters[..] else {
+            panic!("{:?}", nd.counters)
+        };
+        assert_eq!(set.name, "gpu-0000-41-00-0");
+        assert_eq!(set.counters["memory"].value, Quantity("24Gi".into()));
+        assert_eq!(set.counters["vfs"].value, Quantity("32".into()));
+        let count = |key: &str| {
+            nd.devices
+                .iter()
+                .filter(|d| s(d, "vgpuType") == Some(key))
+                .count()
+        };
+        // Q and A: 24/size each; C from 4 GiB; B (no size the table derives) not offered.
+        assert_eq!(count("NVIDIA A10-1Q"), 24);
+        assert_eq!(count("NVIDIA A10-3Q"), 8);
+        assert_eq!(count("NVIDIA A10-24A"), 1);
+        assert_eq!(count("NVIDIA A10-4C"), 6);
+        assert_eq!(nd.devices.len(), 1 + 60 + 60 + 16);
+        let whole = nd
+            .devices
+            .iter()
+            .find(|d| d.name == "gpu-0000-41-00-0")
+            .unwrap();
+        assert_eq!(
+            whole.consumes_counters.as_ref().unwrap()[0].counters,
+            set.counters
+        );
+        let q4 = nd
+            .devices
+            .iter()
+            .find(|d| d.name == "vgpu-0000-41-00-0-a10-4q-5")
+            .unwrap();
+        let c = &q4.consumes_counters.as_ref().unwrap()[0];
+        assert_eq!(c.counter_set, "gpu-0000-41-00-0");
+        assert_eq!(c.counters["memory"].value, Quantity("4Gi".into()));
+        assert_eq!(c.counters["vfs"].value, Quantity("1".into()));
+        assert_eq!(i(q4, "maxInstances"), Some(6));
+        assert_eq!(s(q4, "series"), Some("Q"));
+        // Not pooled: passthrough only, consuming nothing.
+        let plain = devices(&inv, &sel, &PciIds::embedded());
+        assert!(plain.counters.is_empty());
+        assert_eq!(plain.devices.len(), 1);
+        assert_eq!(plain.devices[0].consumes_counters, None);
+
+        // The slices: devices 64 at most each, counters apart, one generation and count.
+        let pool = Pool {
+            driver: "gpu.gpu-vm-node.io".into(),
+            node_name: "n".into(),
+            node_uid: None,
+        };
+        let sets: Vec<CounterSet> = (0..20)
+            .map(|k| CounterSet {
+                name: format!("s{k}"),
+                ..set.clone()
+            })
+            .collect();
+        let slices = pool.slices(nd.devices.clone(), sets, 4);
+        let names: Vec<&str> = slices
+            .iter()
+            .map(|s| s.metadata.name.as_deref().unwrap())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "n-gpu.gpu-vm-node.io",
+                "n-gpu.gpu-vm-node.io-1",
+                "n-gpu.gpu-vm-node.io-2",
+                "n-gpu.gpu-vm-node.io-counters",
+                "n-gpu.gpu-vm-node.io-counters-1"
+            ]
+        );
+        for sl in &slices {
+            assert_eq!(sl.spec.pool.resource_slice_count, 5);
+            assert_eq!(sl.spec.pool.generation, 4);
+            assert!(sl.spec.devices.as_ref().map_or(0, Vec::len) <= MAX_DEVICES_WITH_COUNTERS);
+            let counters: usize = sl
+                .spec
+                .shared_counters
+                .iter()
+                .flatten()
+                .map(|c| c.counters.len())
+                .sum();
+            assert!(counters <= MAX_COUNTERS);
+            assert!(sl.spec.devices.is_none() || sl.spec.shared_counters.is_none());
+        }
     }
 
     #[test]

@@ -785,6 +785,26 @@ impl Node {
         originals
             .entry(gpu)
             .or_insert_with(|| Some("nvidia".to_string()));
+        let failures = self.unbind_groups(inv, &sel, &originals);
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "GPU {gpu} is on VFIO and cannot go back to its vGPU driver: {}",
+                failures.into_iter().collect::<Vec<_>>().join("; ")
+            ))
+        }
+    }
+
+    /// Gives the functions of `sel` back to their `originals` (refused while their group is in
+    /// use) and forgets those released in vfio-manager's record; the failures, each naming
+    /// the function.
+    fn unbind_groups(
+        &self,
+        inv: &Inventory,
+        sel: &Selection,
+        originals: &vfio_manager::memory::Originals,
+    ) -> BTreeSet<String> {
         let usage = Usage::read(&self.paths);
         let in_use = |group: u32| -> Vec<String> {
             usage
@@ -793,33 +813,26 @@ impl Node {
                 .map(|u| u.describe(inv))
                 .collect()
         };
-        let results = ops::unbind_all(&self.paths, &sel, &self.op_options(), &in_use, &originals);
+        let results = ops::unbind_all(&self.paths, sel, &self.op_options(), &in_use, originals);
         let released: Vec<PciAddress> = results
             .iter()
             .filter(|r| matches!(r.outcome, Outcome::Changed { .. }))
             .map(|r| r.address)
             .collect();
         vfio_manager::memory::update(&self.paths, &[], &released);
-        let failures: Vec<String> = results
+        results
             .iter()
             .filter_map(|r| match &r.outcome {
                 Outcome::Failed { error } => Some(format!("{}: {error}", r.address)),
                 Outcome::Refused { reason } => Some(reason.clone()),
                 _ => None,
             })
-            .collect();
-        if failures.is_empty() {
-            Ok(())
-        } else {
-            Err(format!(
-                "GPU {gpu} is on VFIO and cannot go back to its vGPU driver: {}",
-                failures.join("; ")
-            ))
-        }
+            .collect()
     }
 
     /// Destroys the claim's vGPUs that exist; one a process holds is kept and named (the
     /// error has kubelet call again).
+    ///
     /// A GPU a prepare killed while giving it back from VFIO left without a driver gets its
     /// vGPU driver, so that it is ready for either mode.
     fn destroy_vgpus(&self, claim: &ClaimRef, rec: &Record) -> Result<(), PrepareError> {
@@ -981,35 +994,7 @@ impl Node {
         }
         sel.groups.retain(|_, t| !t.is_empty());
         sel.refused.clear();
-        let usage = Usage::read(&self.paths);
-        let in_use = |group: u32| -> Vec<String> {
-            usage
-                .of_group(&inv, group)
-                .iter()
-                .map(|u| u.describe(&inv))
-                .collect()
-        };
-        let results = ops::unbind_all(
-            &self.paths,
-            &sel,
-            &self.op_options(),
-            &in_use,
-            &rec.originals,
-        );
-        let released: Vec<PciAddress> = results
-            .iter()
-            .filter(|r| matches!(r.outcome, Outcome::Changed { .. }))
-            .map(|r| r.address)
-            .collect();
-        vfio_manager::memory::update(&self.paths, &[], &released);
-        let failures: BTreeSet<String> = results
-            .iter()
-            .filter_map(|r| match &r.outcome {
-                Outcome::Failed { error } => Some(format!("{}: {error}", r.address)),
-                Outcome::Refused { reason } => Some(reason.clone()),
-                _ => None,
-            })
-            .collect();
+        let failures = self.unbind_groups(&inv, &sel, &rec.originals);
         if failures.is_empty() {
             Ok(())
         } else {

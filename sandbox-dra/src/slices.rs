@@ -158,10 +158,9 @@ fn int(i: impl Into<i64>) -> DeviceAttribute {
     }
 }
 
-/// The device of IOMMU group `group`, named after `gpu` (its first GPU, `first` its target).
-fn device(gpu: &PciDevice, first: &Target, group: u32, targets: &[Target], ids: &PciIds) -> Device {
-    let mut attrs = BTreeMap::new();
-    attrs.insert("mode".to_string(), string(MODE_PASSTHROUGH));
+/// What a GPU is, for a device of it: `vendorID`, `deviceID`, `productName` (when pci.ids
+/// knows it), `numaNode` (when the kernel says).
+fn identity(gpu: &PciDevice, ids: &PciIds, attrs: &mut BTreeMap<String, DeviceAttribute>) {
     attrs.insert(
         "vendorID".to_string(),
         string(format!("{:04x}", gpu.vendor)),
@@ -171,13 +170,19 @@ fn device(gpu: &PciDevice, first: &Target, group: u32, targets: &[Target], ids: 
         string(format!("{:04x}", gpu.device)),
     );
     if let Some(name) = ids.device_name(gpu.vendor, gpu.device) {
-        let name = truncate(&name);
-        attrs.insert("productName".to_string(), string(name));
+        attrs.insert("productName".to_string(), string(truncate(&name)));
     }
-    attrs.insert(PCI_BUS_ID.to_string(), string(gpu.address.to_string()));
     if let Some(n) = gpu.numa_node {
         attrs.insert("numaNode".to_string(), int(n));
     }
+}
+
+/// The device of IOMMU group `group`, named after `gpu` (its first GPU, `first` its target).
+fn device(gpu: &PciDevice, first: &Target, group: u32, targets: &[Target], ids: &PciIds) -> Device {
+    let mut attrs = BTreeMap::new();
+    attrs.insert("mode".to_string(), string(MODE_PASSTHROUGH));
+    identity(gpu, ids, &mut attrs);
+    attrs.insert(PCI_BUS_ID.to_string(), string(gpu.address.to_string()));
     attrs.insert("iommuGroup".to_string(), int(group));
     attrs.insert(
         "functions".to_string(),
@@ -261,20 +266,7 @@ fn vgpu_devices(
         attrs.insert("framebufferMiB".to_string(), int(i64::from(size) * 1024));
         attrs.insert("maxInstances".to_string(), int(max));
         attrs.insert("parentGPU".to_string(), string(gpu.address.to_string()));
-        attrs.insert(
-            "vendorID".to_string(),
-            string(format!("{:04x}", gpu.vendor)),
-        );
-        attrs.insert(
-            "deviceID".to_string(),
-            string(format!("{:04x}", gpu.device)),
-        );
-        if let Some(p) = ids.device_name(gpu.vendor, gpu.device) {
-            attrs.insert("productName".to_string(), string(truncate(&p)));
-        }
-        if let Some(n) = gpu.numa_node {
-            attrs.insert("numaNode".to_string(), int(n));
-        }
+        identity(gpu, ids, &mut attrs);
         let mut consumes =
             BTreeMap::from([(COUNTER_MEMORY.to_string(), Counter { value: gib(size) })]);
         if vfs.is_some() {

@@ -193,9 +193,15 @@ async fn vgpu_once(b: &Bins, cycles: usize) -> Result<VgpuRun> {
         tokio::time::sleep(Duration::from_micros(200)).await;
     };
     let drv: DraDriver = dra::register(root, &socket, None).await?;
-    wait_slices(&api, |d| d.iter().any(|n| n.starts_with("vgpu-")))
-        .await
-        .with_context(|| daemon.stderr_tail())?;
+    // The whole pool: as many slices as each says it has.
+    wait_slices(&api, |d| {
+        let s = api.slices();
+        d.iter().any(|n| n.starts_with("vgpu-"))
+            && s.iter()
+                .all(|x| x["spec"]["pool"]["resourceSliceCount"].as_u64() == Some(s.len() as u64))
+    })
+    .await
+    .with_context(|| daemon.stderr_tail())?;
     let claim = [Claim {
         namespace: "bench".into(),
         name: "v".into(),
@@ -240,7 +246,7 @@ async fn vgpu_once(b: &Bins, cycles: usize) -> Result<VgpuRun> {
 
 async fn bench_vgpu(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     let cycles = cli.claims.max(2);
-    r.line(format!("vGPUs (`--vgpu 0000:41:00.0` on 2xA10: one counter set, 137 devices of that GPU besides the other's passthrough device, in four device slices and a counter slice): {cycles} cycles per run of an A10-4Q claim. The first prepare enables the GPU's 32 VFs, then creates the mdev; the others create it on the enabled VFs; each returns once the vGPU's /dev/vfio group node exists (vGPU ready). Unprepare removes the mdev. Publication: from node-sim's hot-plug (or unplug) of a third A10 to the API server's slices showing (or no longer showing) its device, through the uevent, a read of the node and the pool's slices written again."));
+    r.line(format!("vGPUs (`--vgpu 0000:41:00.0` on 2xA10: one counter set, 137 vGPU devices of that GPU, its passthrough device and the other GPU's, in three device slices and a counter slice): {cycles} cycles per run of an A10-4Q claim. The first prepare enables the GPU's 32 VFs, then creates the mdev; the others create it on the enabled VFs; each returns once the vGPU's /dev/vfio group node exists (vGPU ready). Unprepare removes the mdev. Publication: from node-sim's hot-plug (or unplug) of a third A10 to the API server's slices showing (or no longer showing) its device, through the uevent, a read of the node and the pool's slices written again."));
     r.line("");
     r.table(&[
         "node",

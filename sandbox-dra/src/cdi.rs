@@ -53,6 +53,10 @@ pub const POD_CLAIM_NAME_ANNOTATION: &str = "resource.kubernetes.io/pod-claim-na
 /// The attribute carrying a device's PCI address, which virt-launcher reads.
 pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
 
+/// The attribute carrying a mediated device's UUID, which virt-launcher reads (KubeVirt's
+/// VEP 10; not yet standardized under `resource.kubernetes.io`).
+pub const MDEV_UUID: &str = "mdevUUID";
+
 /// The metadata API version written.
 pub const METADATA_API_VERSION: &str = "metadata.resource.k8s.io/v1alpha1";
 
@@ -71,6 +75,21 @@ pub struct ClaimDevice {
     pub group: u32,
     /// The VFIO device nodes the container gets, as the host names them.
     pub nodes: Vec<String>,
+    /// The vGPU made for it, for a vGPU device (its `address` is then the GPU, or the VF on
+    /// the vendor path).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vgpu: Option<crate::vgpu::Vgpu>,
+}
+
+impl ClaimDevice {
+    /// What KubeVirt reads of it: the mdev's UUID (`mdevUUID`) for a mediated device, else
+    /// the PCI address of the function (a GPU, or an SR-IOV VF vGPU).
+    fn attributes(&self) -> Value {
+        match &self.vgpu {
+            Some(v) if !v.vendor => json!({MDEV_UUID: {"string": v.handle}}),
+            _ => json!({PCI_BUS_ID: {"string": self.address.to_string()}}),
+        }
+    }
 }
 
 /// The claim's identity as the files name it.
@@ -211,9 +230,7 @@ impl Layout {
                             "driver": self.driver,
                             "pool": d.pool,
                             "name": d.device,
-                            "attributes": {
-                                PCI_BUS_ID: {"string": d.address.to_string()},
-                            },
+                            "attributes": d.attributes(),
                         })
                     })
                     .collect();
@@ -281,6 +298,7 @@ mod tests {
             address: "0000:41:00.0".parse().unwrap(),
             group: 21,
             nodes: vec!["/dev/vfio/vfio".into(), "/dev/vfio/21".into()],
+            vgpu: None,
         }
     }
 

@@ -21,6 +21,7 @@ pub mod record;
 pub mod registration;
 pub mod slices;
 pub mod telemetry;
+pub mod vgpu;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -124,6 +125,8 @@ pub struct Config {
     pub resync_interval: Duration,
     /// Serve metrics and probes here (`--metrics-addr`).
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// The GPUs published and prepared as vGPUs too (`--vgpu`).
+    pub vgpu: Option<vgpu::Selector>,
 }
 
 /// Binds a Unix socket at `path`, replacing a stale one a killed run left.
@@ -157,6 +160,10 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     let events =
         daemon_kit::events::NodeEvents::start(client.clone(), &config.node_name, "sandbox-dra");
     let telemetry = Arc::new(telemetry::Telemetry::new(ops.clone(), events));
+    let vgpu_pool = match &config.vgpu {
+        Some(sel) => vgpu::claim_pool(&paths, sel)?,
+        None => vgpu::claim_pool(&paths, &vgpu::Selector::Gpus(Default::default()))?,
+    };
     let prepare_config = PrepareConfig {
         driver: config.driver.clone(),
         node_name: config.node_name.clone(),
@@ -167,6 +174,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         },
         on_unprepare: config.on_unprepare,
         timeout: config.timeout,
+        vgpu_pool: vgpu_pool.clone(),
     };
     let preparer = Arc::new(Preparer::new(prepare_config, paths.clone(), client.clone()));
     // Before kubelet can call: what a crash left half done is brought in line first.
@@ -191,6 +199,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
             pci_ids: config.pci_ids.clone(),
             resync_interval: config.resync_interval,
             telemetry,
+            vgpu_pool,
         },
         paths.clone(),
         registrar.subscribe(),

@@ -109,6 +109,13 @@ struct Cli {
     )]
     resync_interval: Duration,
 
+    /// GPUs published as vGPUs too: `all` (every GPU whose model the vGPU table knows), or a
+    /// comma list of PCI addresses. Each gets a counter set and one device per vGPU it could
+    /// host, besides its passthrough device; the others stay passthrough only. sandbox-dra
+    /// owns these GPUs (`run/gpu-vm-node/dra-pool`): vgpu-device-manager leaves them alone.
+    #[arg(long, env = "VGPU", value_name = "all|BDF,...", value_parser = sandbox_dra::vgpu::parse_selector, global = true)]
+    vgpu: Option<sandbox_dra::vgpu::Selector>,
+
     #[command(flatten)]
     metrics: MetricsArgs,
 
@@ -186,6 +193,7 @@ fn run(cli: Cli) -> exit::Result {
                 pci_ids,
                 resync_interval: cli.resync_interval,
                 metrics_addr: cli.metrics.metrics_addr,
+                vgpu: cli.vgpu,
             };
             daemon_kit::daemon::run(Threads::Current, |shutdown| {
                 sandbox_dra::run(config, paths, shutdown)

@@ -30,9 +30,56 @@ pub fn parse_gpu_device(name: &str) -> Option<PciAddress> {
     (gpu_device(&addr) == name).then_some(addr)
 }
 
+/// The part of a vGPU type name a device name carries: `a10-4q` for `NVIDIA A10-4Q`.
+pub fn type_key(type_name: &str) -> String {
+    type_name
+        .split_whitespace()
+        .last()
+        .unwrap_or_default()
+        .to_ascii_lowercase()
+}
+
+/// The device name of the `slot`-th vGPU of type `type_name` the GPU at `gpu` could host:
+/// `vgpu-0000-41-00-0-a10-4q-0`.
+pub fn vgpu_device(gpu: &PciAddress, type_name: &str, slot: u32) -> String {
+    format!("v{}-{}-{slot}", gpu_device(gpu), type_key(type_name))
+}
+
+/// The GPU, type key and slot a [`vgpu_device`] name stands for; `None` for any other name.
+pub fn parse_vgpu_device(name: &str) -> Option<(PciAddress, String, u32)> {
+    let rest = name.strip_prefix('v')?;
+    let mut parts = rest.splitn(6, '-');
+    let gpu: Vec<&str> = parts.by_ref().take(5).collect();
+    let tail = parts.next()?;
+    let addr = parse_gpu_device(&gpu.join("-"))?;
+    let (key, slot) = tail.rsplit_once('-')?;
+    let slot: u32 = slot.parse().ok()?;
+    (!key.is_empty() && vgpu_device(&addr, key, slot) == name)
+        .then(|| (addr, key.to_string(), slot))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn vgpu_names_round_trip() {
+        let a: PciAddress = "0000:41:00.0".parse().unwrap();
+        let n = vgpu_device(&a, "NVIDIA A10-4Q", 5);
+        assert_eq!(n, "vgpu-0000-41-00-0-a10-4q-5");
+        assert_eq!(parse_vgpu_device(&n), Some((a, "a10-4q".into(), 5)));
+        let m = vgpu_device(&a, "GRID A100DX-1-10C", 0);
+        assert_eq!(parse_vgpu_device(&m), Some((a, "a100dx-1-10c".into(), 0)));
+        for not in [
+            "gpu-0000-41-00-0",
+            "vgpu-0000-41-00-0",
+            "vgpu-0000-41-00-0-a10-4q",
+            "vgpu-0000-41-00-0-a10-4q-x",
+        ] {
+            assert_eq!(parse_vgpu_device(not), None, "{not}");
+        }
+        assert_eq!(parse_gpu_device(&n), None);
+    }
 
     #[test]
     fn device_names_round_trip_and_are_dns_labels() {

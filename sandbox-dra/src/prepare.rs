@@ -39,6 +39,7 @@ use vfio_manager::{OpOptions, Selection, Selector, Target, ops, select};
 use crate::cdi::{self, ClaimDevice, ClaimId, Layout};
 use crate::names;
 use crate::record::{self, ClaimState, Record};
+use crate::vgpu;
 
 /// One claim kubelet names: namespace, name and UID of the ResourceClaim.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -125,6 +126,8 @@ pub struct PrepareConfig {
     pub on_unprepare: OnUnprepare,
     /// The most one function's bind or unbind may take.
     pub timeout: Duration,
+    /// The GPUs whose vGPUs are published (`--vgpu`).
+    pub vgpu_pool: BTreeSet<PciAddress>,
 }
 
 /// Prepares and unprepares the claims of this node, one at a time.
@@ -301,12 +304,14 @@ pub fn allocated(
         .iter()
         .filter(|r| r.driver == config.driver && r.pool == config.node_name)
     {
-        let Some(address) = names::parse_gpu_device(&r.device) else {
+        let address = names::parse_gpu_device(&r.device)
+            .or_else(|| names::parse_vgpu_device(&r.device).map(|(gpu, _, _)| gpu));
+        let Some(address) = address else {
             return Err(refused(
                 claim,
                 format!(
                     "device {:?} of pool {} is not a GPU of driver {} (names look like \
-                     gpu-0000-41-00-0)",
+                     gpu-0000-41-00-0, vgpu-0000-41-00-0-a10-4q-0)",
                     r.device, r.pool, config.driver
                 ),
             ));
@@ -440,7 +445,61 @@ impl Node {
         wanted: Vec<Wanted>,
         existing: Option<Record>,
     ) -> Result<Vec<PreparedDevice>, PrepareError> {
-        let inv = self.inventory(claim)?;
+        let vgpus = wanted
+            .iter()
+            .filter(|w| names::parse_vgpu_device(&w.device).is_some())
+            .count();
+        if vgpus == wanted.len() {
+            return self.prepare_vgpus(claim, id, wanted, existing);
+        }
+        if vgpus > 0 {
+            return Err(refused(
+                claim,
+                "it asks for whole GPUs and vGPUs together; this driver prepares one kind per \
+                 claim (use two claims); nothing was changed"
+                    .into(),
+            ));
+        }
+        let mut inv = self.inventory(claim)?;
+        // A GPU of the vGPU pool goes to a VM whole only without vGPUs; its VFs (enabled for
+        // vGPUs) are disabled first. No record is needed for that write: a GPU without VFs is
+        // where either mode starts from.
+        let mut vfs_off = Vec::new();
+        for w in &wanted {
+            if !self.config.vgpu_pool.contains(&w.address) {
+                continue;
+            }
+            let cap = common::vgpu::capacity(&inv, &w.address);
+            if !cap.existing.is_empty() {
+                return Err(refused(
+                    claim,
+                    format!(
+                        "GPU {} hosts {} vGPU(s): it goes to a VM whole only without them; \
+                         nothing was changed",
+                        w.address,
+                        cap.existing.len()
+                    ),
+                ));
+            }
+            if inv
+                .device(&w.address)
+                .is_some_and(|d| d.sriov_numvfs.unwrap_or(0) > 0)
+            {
+                vfs_off.push(w.address);
+            }
+        }
+        if !vfs_off.is_empty() {
+            let sysfs = common::Sysfs::new(self.paths.clone());
+            for a in &vfs_off {
+                sysfs.set_sriov_numvfs(a, 0).map_err(|e| {
+                    refused(
+                        claim,
+                        format!("cannot disable the VFs of GPU {a}: {}", error_chain(&e)),
+                    )
+                })?;
+            }
+            inv = self.inventory(claim)?;
+        }
         let sel = self.select(claim, &inv, &wanted)?;
 
         // Who would lose something: asked of every function that is to move, before the
@@ -506,6 +565,7 @@ impl Node {
                     address: w.address,
                     group: group_of(&w.address).unwrap_or_default(),
                     nodes: Vec::new(),
+                    vgpu: None,
                 })
                 .collect();
         }
@@ -554,6 +614,275 @@ impl Node {
                 cdi_ids: layout.cdi_ids(&rec.claim, d),
             })
             .collect())
+    }
+
+    /// Prepares a claim of vGPU devices: each allocated vGPU created (its GPU given back to
+    /// its vGPU driver first when a whole-GPU claim left it on VFIO, its VFs enabled when
+    /// needed), each recorded before its write; then the files.
+    fn prepare_vgpus(
+        &self,
+        claim: &ClaimRef,
+        id: ClaimId,
+        wanted: Vec<Wanted>,
+        existing: Option<Record>,
+    ) -> Result<Vec<PreparedDevice>, PrepareError> {
+        for w in &wanted {
+            if !self.config.vgpu_pool.contains(&w.address) {
+                return Err(refused(
+                    claim,
+                    format!(
+                        "device {}: GPU {} is not in this driver's vGPU pool (--vgpu); nothing \
+                         was changed",
+                        w.device, w.address
+                    ),
+                ));
+            }
+        }
+        let rec_path = record::path(&self.driver_dir(), &claim.uid);
+        let mut rec = existing.unwrap_or_else(|| Record {
+            claim: id,
+            state: ClaimState::Preparing,
+            devices: wanted
+                .iter()
+                .map(|w| ClaimDevice {
+                    requests: w.requests.clone(),
+                    pool: self.config.node_name.clone(),
+                    device: w.device.clone(),
+                    address: w.address,
+                    group: 0,
+                    nodes: Vec::new(),
+                    vgpu: None,
+                })
+                .collect(),
+            originals: BTreeMap::new(),
+        });
+        if rec.state != ClaimState::Prepared {
+            rec.state = ClaimState::Preparing;
+        }
+        let save = |rec: &Record| {
+            record::write_if_changed(&rec_path, &rec.to_bytes())
+                .map(|_| ())
+                .map_err(Self::state_err(claim, "cannot save its record".into()))
+        };
+        let sysfs = common::Sysfs::new(self.paths.clone());
+        let mut inv = self.inventory(claim)?;
+        for i in 0..rec.devices.len() {
+            if rec.devices[i].vgpu.as_ref().is_some_and(|v| v.exists(&inv)) {
+                continue;
+            }
+            let device = rec.devices[i].device.clone();
+            let Some((gpu, key, _)) = names::parse_vgpu_device(&device) else {
+                return Err(refused(claim, format!("{device:?} is not a vGPU device")));
+            };
+            let fail = |reason: String| refused(claim, format!("device {device}: {reason}"));
+            if inv
+                .device(&gpu)
+                .and_then(|d| d.driver.as_deref())
+                .is_some_and(is_vfio_driver)
+            {
+                save(&rec)?;
+                self.give_back(&inv, gpu).map_err(fail)?;
+                inv = self.inventory(claim)?;
+            }
+            let mut enabled = false;
+            loop {
+                match vgpu::next_step(&inv, &gpu, &key) {
+                    Ok(vgpu::Step::EnableVfs(n)) if !enabled => {
+                        save(&rec)?;
+                        sysfs.set_sriov_numvfs(&gpu, n).map_err(|e| {
+                            fail(format!("cannot enable the VFs of GPU {gpu}: {e}"))
+                        })?;
+                        enabled = true;
+                        inv = self.wait_vfs(claim, &gpu)?;
+                    }
+                    Ok(vgpu::Step::EnableVfs(_)) => {
+                        return Err(fail(format!(
+                            "GPU {gpu} shows no vGPU types after its VFs were enabled"
+                        )));
+                    }
+                    Ok(vgpu::Step::Create(v, target)) => {
+                        let d = &mut rec.devices[i];
+                        if let Some(vf) = v.vf() {
+                            d.address = vf;
+                        }
+                        d.vgpu = Some(v.clone());
+                        save(&rec)?;
+                        vgpu::create(&self.paths, &v, &target).map_err(|e| {
+                            fail(format!("cannot create {} on GPU {gpu}: {e}", v.type_name))
+                        })?;
+                        tracing::info!(%claim, gpu = %gpu, vgpu = %v.handle, type_name = %v.type_name, "created a vGPU");
+                        break;
+                    }
+                    Err(reason) => return Err(fail(reason)),
+                }
+            }
+        }
+        for d in &mut rec.devices {
+            let Some(v) = d.vgpu.clone() else { continue };
+            let Some((after, group)) = vgpu::wait_ready(&self.paths, &v) else {
+                return Err(refused(
+                    claim,
+                    format!(
+                        "{} {} on GPU {} has no /dev/vfio group node",
+                        v.type_name, v.handle, v.gpu
+                    ),
+                ));
+            };
+            d.group = group;
+            d.nodes = vec![
+                common::paths::HOST_VFIO_CONTAINER.to_string(),
+                common::host_vfio_group_path(group),
+            ];
+            if let (true, Some(c)) = (after.dev_nodes.iommufd, v.cdev(&after)) {
+                d.nodes.push(common::paths::HOST_IOMMUFD.to_string());
+                d.nodes.push(common::paths::host_vfio_cdev_path(&c));
+            }
+        }
+        self.write_files(claim, &rec)?;
+        rec.state = ClaimState::Prepared;
+        save(&rec)?;
+        let layout = &self.config.layout;
+        Ok(rec
+            .devices
+            .iter()
+            .map(|d| PreparedDevice {
+                requests: d.requests.clone(),
+                pool: d.pool.clone(),
+                device: d.device.clone(),
+                cdi_ids: layout.cdi_ids(&rec.claim, d),
+            })
+            .collect())
+    }
+
+    /// Reads the node until `gpu`'s VFs show vGPU types (up to two seconds).
+    fn wait_vfs(&self, claim: &ClaimRef, gpu: &PciAddress) -> Result<Inventory, PrepareError> {
+        let end = std::time::Instant::now() + Duration::from_secs(2);
+        loop {
+            let inv = self.inventory(claim)?;
+            let cap = common::vgpu::capacity(&inv, gpu);
+            let ready = !matches!(cap.mode, common::vgpu::Mode::NeedsVfs { .. })
+                && cap.types.iter().any(|t| t.type_id.is_some());
+            if ready || std::time::Instant::now() >= end {
+                return Ok(inv);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Gives a GPU a whole-GPU claim left on VFIO back to the driver it had before (its vGPU
+    /// driver, `nvidia` when no record says), with the rest of its group; refused while
+    /// anything holds the group.
+    fn give_back(&self, inv: &Inventory, gpu: PciAddress) -> Result<(), String> {
+        let selector = Selector {
+            addresses: vec![gpu],
+            allow_foreign_in_group: true,
+            ..Selector::default()
+        };
+        let aliases = vfio_manager::load_aliases(&self.paths);
+        let mut sel = select::select(inv, &selector, None, &aliases);
+        sel.refused.clear();
+        let mut originals = vfio_manager::memory::load(&self.paths);
+        originals
+            .entry(gpu)
+            .or_insert_with(|| Some("nvidia".to_string()));
+        let failures = self.unbind_groups(inv, &sel, &originals);
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "GPU {gpu} is on VFIO and cannot go back to its vGPU driver: {}",
+                failures.into_iter().collect::<Vec<_>>().join("; ")
+            ))
+        }
+    }
+
+    /// Gives the functions of `sel` back to their `originals` (refused while their group is in
+    /// use) and forgets those released in vfio-manager's record; the failures, each naming
+    /// the function.
+    fn unbind_groups(
+        &self,
+        inv: &Inventory,
+        sel: &Selection,
+        originals: &vfio_manager::memory::Originals,
+    ) -> BTreeSet<String> {
+        let usage = Usage::read(&self.paths);
+        let in_use = |group: u32| -> Vec<String> {
+            usage
+                .of_group(inv, group)
+                .iter()
+                .map(|u| u.describe(inv))
+                .collect()
+        };
+        let results = ops::unbind_all(&self.paths, sel, &self.op_options(), &in_use, originals);
+        let released: Vec<PciAddress> = results
+            .iter()
+            .filter(|r| matches!(r.outcome, Outcome::Changed { .. }))
+            .map(|r| r.address)
+            .collect();
+        vfio_manager::memory::update(&self.paths, &[], &released);
+        results
+            .iter()
+            .filter_map(|r| match &r.outcome {
+                Outcome::Failed { error } => Some(format!("{}: {error}", r.address)),
+                Outcome::Refused { reason } => Some(reason.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Destroys the claim's vGPUs that exist; one a process holds is kept and named (the
+    /// error has kubelet call again).
+    ///
+    /// A GPU a prepare killed while giving it back from VFIO left without a driver gets its
+    /// vGPU driver, so that it is ready for either mode.
+    fn destroy_vgpus(&self, claim: &ClaimRef, rec: &Record) -> Result<(), PrepareError> {
+        let gpus: BTreeSet<PciAddress> = rec
+            .devices
+            .iter()
+            .filter_map(|d| names::parse_vgpu_device(&d.device).map(|(gpu, _, _)| gpu))
+            .collect();
+        if gpus.is_empty() {
+            return Ok(());
+        }
+        let inv = self.inventory(claim)?;
+        for gpu in &gpus {
+            if inv.device(gpu).is_some_and(|d| d.driver.is_none()) {
+                self.give_back(&inv, *gpu).map_err(|e| refused(claim, e))?;
+            }
+        }
+        let usage: OnceLock<Usage> = OnceLock::new();
+        let mut held = Vec::new();
+        for v in rec.devices.iter().filter_map(|d| d.vgpu.as_ref()) {
+            if !v.exists(&inv) {
+                continue;
+            }
+            let users = v.users(usage.get_or_init(|| Usage::read(&self.paths)), &inv);
+            if !users.is_empty() {
+                held.push(format!(
+                    "{} {} on GPU {} is in use ({}): kept",
+                    v.type_name,
+                    v.handle,
+                    v.gpu,
+                    users.join("; ")
+                ));
+                continue;
+            }
+            vgpu::destroy(&self.paths, v).map_err(|e| {
+                refused(
+                    claim,
+                    format!(
+                        "cannot remove {} {} on GPU {}: {e}",
+                        v.type_name, v.handle, v.gpu
+                    ),
+                )
+            })?;
+            tracing::info!(%claim, gpu = %v.gpu, vgpu = %v.handle, type_name = %v.type_name, "removed a vGPU");
+        }
+        if held.is_empty() {
+            Ok(())
+        } else {
+            Err(refused(claim, held.join("; ")))
+        }
     }
 
     /// The metadata files, then the CDI spec that mounts them.
@@ -621,6 +950,7 @@ impl Node {
                 .map_err(Self::state_err(claim, "cannot save its record".into()))?;
         }
         self.remove_files(claim, Some(&rec))?;
+        self.destroy_vgpus(claim, &rec)?;
         if policy == OnUnprepare::Restore {
             self.restore(claim, &rec)?;
         }
@@ -639,6 +969,7 @@ impl Node {
         let present: Vec<PciAddress> = rec
             .devices
             .iter()
+            .filter(|d| names::parse_vgpu_device(&d.device).is_none())
             .map(|d| d.address)
             .filter(|a| inv.device(a).is_some())
             .collect();
@@ -663,35 +994,7 @@ impl Node {
         }
         sel.groups.retain(|_, t| !t.is_empty());
         sel.refused.clear();
-        let usage = Usage::read(&self.paths);
-        let in_use = |group: u32| -> Vec<String> {
-            usage
-                .of_group(&inv, group)
-                .iter()
-                .map(|u| u.describe(&inv))
-                .collect()
-        };
-        let results = ops::unbind_all(
-            &self.paths,
-            &sel,
-            &self.op_options(),
-            &in_use,
-            &rec.originals,
-        );
-        let released: Vec<PciAddress> = results
-            .iter()
-            .filter(|r| matches!(r.outcome, Outcome::Changed { .. }))
-            .map(|r| r.address)
-            .collect();
-        vfio_manager::memory::update(&self.paths, &[], &released);
-        let failures: BTreeSet<String> = results
-            .iter()
-            .filter_map(|r| match &r.outcome {
-                Outcome::Failed { error } => Some(format!("{}: {error}", r.address)),
-                Outcome::Refused { reason } => Some(reason.clone()),
-                _ => None,
-            })
-            .collect();
+        let failures = self.unbind_groups(&inv, &sel, &rec.originals);
         if failures.is_empty() {
             Ok(())
         } else {
@@ -791,6 +1094,7 @@ mod tests {
             },
             on_unprepare: OnUnprepare::Keep,
             timeout: Duration::from_secs(1),
+            vgpu_pool: BTreeSet::new(),
         }
     }
 

@@ -1,10 +1,13 @@
-//! Keeps the node's ResourceSlice ([`crate::slices`]) true in the API server.
+//! Keeps the node's ResourceSlices ([`crate::slices`]) true in the API server: one slice, or
+//! with a vGPU pool (`--vgpu`) the counter sets in a slice of their own and the devices in
+//! slices of at most 64 ([`slices::Pool::slices`]).
 //!
-//! A pass reads the node, builds the devices and compares them with the slice the API server
-//! holds: when they differ (or the slice is gone) it applies the slice (server-side apply,
-//! field manager `sandbox-dra`, forced: this driver alone writes its node's slice) with the
-//! pool's generation one above the highest seen, so the scheduler takes it over any older
-//! copy; when they are equal it writes nothing. A pass runs at start, on every uevent that can
+//! A pass reads the node, builds the slices and compares them with the slices of this node
+//! and driver the API server holds (one list): when they differ (or one is gone) it deletes
+//! those it no longer publishes and applies the others (server-side apply, field manager
+//! `sandbox-dra`, forced: this driver alone writes its node's slices) with the pool's
+//! generation one above the highest seen, so the scheduler takes them over any older copy;
+//! when they are equal it writes nothing. A pass runs at start, on every uevent that can
 //! change what is published (a GPU hot-plugged or removed, a driver bound or unbound, a VFIO
 //! group node appearing or going), when kubelet (re)registers the driver (kubelet deletes the
 //! node's slices when it starts and when a driver unregisters), and every
@@ -12,8 +15,8 @@
 //! after a backoff, 1 s doubling to 30 s.
 //!
 //! Cleaning up:
-//! - at start, slices of this driver on this node other than the one this process publishes
-//!   (a renamed node, an older naming) are deleted;
+//! - slices of this driver on this node other than those this process publishes (a renamed
+//!   node, an older naming, the vGPU pool's slices once `--vgpu` is gone) are deleted;
 //! - the slice carries an owner reference to its Node (with the Node's UID), so Kubernetes'
 //!   garbage collector deletes it when the Node object is deleted;
 //! - kubelet deletes the node's slices of a driver that unregistered (its registration socket
@@ -21,13 +24,15 @@
 //!   starts; this process therefore leaves its slice in place when it stops (a rollout's
 //!   replacement finds it and keeps the generation).
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use common::uevent::{Monitor, Uevent};
-use common::{HostPaths, Inventory, PciIds, ReadOptions};
+use common::{HostPaths, Inventory, PciAddress, PciIds, ReadOptions};
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
+use k8s_openapi::api::resource::v1::{CounterSet, Device, ResourceSlice, ResourceSliceSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use tokio::sync::{mpsc, watch};
@@ -56,14 +61,22 @@ pub struct PublishConfig {
     pub resync_interval: Duration,
     /// Where passes are counted, and readiness told.
     pub telemetry: std::sync::Arc<crate::telemetry::Telemetry>,
+    /// The GPUs published with vGPU devices (`--vgpu`).
+    pub vgpu_pool: BTreeSet<PciAddress>,
 }
 
-/// Reads the node's devices (on a blocking thread: sysfs reads).
-pub async fn read_devices(paths: &HostPaths, ids: &PciIds) -> anyhow::Result<NodeDevices> {
-    let (paths, ids) = (paths.clone(), ids.clone());
+/// Reads the node's devices (on a blocking thread: sysfs reads); the GPUs of `vgpu_pool` get
+/// their counter sets and vGPU devices.
+pub async fn read_devices(
+    paths: &HostPaths,
+    ids: &PciIds,
+    vgpu_pool: &BTreeSet<PciAddress>,
+) -> anyhow::Result<NodeDevices> {
+    let (paths, ids, pool) = (paths.clone(), ids.clone(), vgpu_pool.clone());
     tokio::task::spawn_blocking(move || {
         let opts = ReadOptions {
-            mdev_types: false,
+            // Type ids, for the vGPU devices' attributes.
+            mdev_types: !pool.is_empty(),
             vf_identity: false,
         };
         let inv = Inventory::read_with(&paths, &opts).with_context(|| {
@@ -77,7 +90,7 @@ pub async fn read_devices(paths: &HostPaths, ids: &PciIds) -> anyhow::Result<Nod
         }
         let aliases = vfio_manager::load_aliases(&paths);
         let sel = select(&inv, &Selector::default(), None, &aliases);
-        Ok(slices::devices(&inv, &sel, &ids))
+        Ok(slices::devices_with_vgpus(&inv, &sel, &ids, &pool))
     })
     .await
     .context("the node reader failed")?
@@ -91,32 +104,80 @@ struct Publisher {
     pool: Pool,
     /// The pool generation last applied or adopted.
     generation: i64,
-    /// The devices last applied or adopted.
-    published: Option<Vec<Device>>,
-    /// Stale slices were deleted.
-    cleaned: bool,
     /// The GPUs left out at the last pass, to log changes only.
     left_out: Vec<LeftOut>,
 }
 
+/// A slice's spec with the generation left out, to compare what it says.
+fn content(
+    s: &ResourceSlice,
+) -> (
+    Option<&str>,
+    ResourceSliceSpec,
+    Option<&Vec<OwnerReference>>,
+) {
+    let mut spec = s.spec.clone();
+    spec.pool.generation = 0;
+    (
+        s.metadata.name.as_deref(),
+        spec,
+        s.metadata.owner_references.as_ref(),
+    )
+}
+
 impl Publisher {
-    /// Deletes this driver's slices of this node other than ours; adopts ours.
-    async fn clean_up(&mut self) -> anyhow::Result<()> {
-        let name = self.pool.slice_name();
+    /// Makes the API server's slices of this node and driver be the node's `devices` and
+    /// `counters`: when they differ, slices of this node and driver not among them are deleted
+    /// and the rest written, all at a new pool generation; returns whether it wrote.
+    async fn publish(
+        &mut self,
+        devices: Vec<Device>,
+        counters: Vec<CounterSet>,
+    ) -> anyhow::Result<bool> {
+        // Read every pass: a Node deleted and registered again has a new UID, and a slice
+        // owned by the old one would be deleted by the garbage collector each time it is put
+        // back.
+        let node = self
+            .nodes
+            .get(&self.pool.node_name)
+            .await
+            .with_context(|| format!("cannot read Node {}", self.pool.node_name))?;
+        self.pool.node_uid = node.metadata.uid;
         let fields = format!(
             "spec.nodeName={},spec.driver={}",
             self.pool.node_name, self.pool.driver
         );
-        let list = self
+        let mut current = self
             .slices
             .list(&ListParams::default().fields(&fields))
             .await
-            .with_context(|| format!("cannot list ResourceSlices ({fields})"))?;
-        for s in list.items {
+            .with_context(|| format!("cannot list ResourceSlices ({fields})"))?
+            .items;
+        current.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        let mut wanted = self.pool.slices(devices, counters, 0);
+        wanted.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        let gens: BTreeSet<i64> = current.iter().map(|c| c.spec.pool.generation).collect();
+        let seen = gens.iter().copied().max().unwrap_or(0);
+        let same = gens.len() == 1
+            && current.len() == wanted.len()
+            && current
+                .iter()
+                .zip(&wanted)
+                .all(|(c, w)| content(c) == content(w));
+        if same {
+            self.generation = seen;
+            return Ok(false);
+        }
+        let generation = seen.max(self.generation) + 1;
+        let names: Vec<String> = wanted
+            .iter()
+            .filter_map(|w| w.metadata.name.clone())
+            .collect();
+        for s in &current {
             let Some(other) = s.metadata.name.as_deref() else {
                 continue;
             };
-            if other == name {
+            if names.iter().any(|n| n == other) {
                 continue;
             }
             match self.slices.delete(other, &DeleteParams::default()).await {
@@ -129,65 +190,24 @@ impl Publisher {
                 }
             }
         }
-        self.cleaned = true;
-        Ok(())
-    }
-
-    /// Makes the API server's slice hold `devices`; returns whether it wrote.
-    async fn publish(&mut self, devices: Vec<Device>) -> anyhow::Result<bool> {
-        // Read every pass: a Node deleted and registered again has a new UID, and a slice
-        // owned by the old one would be deleted by the garbage collector each time it is put
-        // back.
-        let node = self
-            .nodes
-            .get(&self.pool.node_name)
-            .await
-            .with_context(|| format!("cannot read Node {}", self.pool.node_name))?;
-        self.pool.node_uid = node.metadata.uid;
-        if !self.cleaned {
-            self.clean_up().await?;
+        for mut slice in wanted {
+            slice.spec.pool.generation = generation;
+            let name = slice.metadata.name.clone().unwrap_or_default();
+            self.slices
+                .patch(
+                    &name,
+                    &PatchParams::apply(FIELD_MANAGER).force(),
+                    &Patch::Apply(&slice),
+                )
+                .await
+                .with_context(|| format!("cannot apply ResourceSlice {name}"))?;
         }
-        let name = self.pool.slice_name();
-        let current = self
-            .slices
-            .get_opt(&name)
-            .await
-            .with_context(|| format!("cannot read ResourceSlice {name}"))?;
-        if let Some(cur) = &current {
-            let seen_gen = cur.spec.pool.generation;
-            let same_owner = cur.metadata.owner_references == self.pool.owner().map(|o| vec![o]);
-            let ours_unchanged =
-                seen_gen == self.generation && self.published.as_ref() == Some(&devices);
-            let holds_them =
-                self.published.is_none() && cur.spec.devices.as_ref() == Some(&devices);
-            let in_place = cur.spec.pool.name == self.pool.node_name
-                && cur.spec.pool.resource_slice_count == 1
-                && cur.spec.node_name.as_deref() == Some(self.pool.node_name.as_str());
-            if same_owner && in_place && (ours_unchanged || holds_them) {
-                self.generation = seen_gen;
-                self.published = Some(devices);
-                return Ok(false);
-            }
-        }
-        let seen = current.as_ref().map_or(0, |c| c.spec.pool.generation);
-        let generation = seen.max(self.generation) + 1;
-        let slice = self.pool.slice(devices.clone(), generation);
-        self.slices
-            .patch(
-                &name,
-                &PatchParams::apply(FIELD_MANAGER).force(),
-                &Patch::Apply(&slice),
-            )
-            .await
-            .with_context(|| format!("cannot apply ResourceSlice {name}"))?;
         tracing::info!(
-            slice = %name,
+            slices = ?names,
             generation,
-            devices = ?devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>(),
             "published the node's devices"
         );
         self.generation = generation;
-        self.published = Some(devices);
         Ok(true)
     }
 
@@ -220,8 +240,6 @@ pub async fn run(
             node_uid: None,
         },
         generation: 0,
-        published: None,
-        cleaned: false,
         left_out: Vec::new(),
     };
     let (tx, mut rx) = mpsc::unbounded_channel::<Uevent>();
@@ -272,17 +290,17 @@ pub async fn run(
                 tracing::debug!("kubelet registered the driver; checking the slice");
             }
         }
-        let outcome = match read_devices(&paths, &cfg.pci_ids).await {
+        let outcome = match read_devices(&paths, &cfg.pci_ids, &cfg.vgpu_pool).await {
             Ok(nd) => {
                 p.note_left_out(nd.left_out);
-                p.publish(nd.devices).await
+                let published = nd.devices.len();
+                p.publish(nd.devices, nd.counters).await.map(|_| published)
             }
             Err(e) => Err(e),
         };
         match outcome {
-            Ok(_) => {
-                cfg.telemetry
-                    .published(p.published.as_ref().map_or(0, Vec::len));
+            Ok(published) => {
+                cfg.telemetry.published(published);
                 retry = None;
                 backoff = BACKOFF_MIN;
             }

@@ -31,11 +31,12 @@
 //!
 //! and its capacity `memory` (the GPU's framebuffer, `24Gi`) where the model is known.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use common::{Inventory, PciAddress, PciDevice, PciIds, is_vfio_driver};
 use k8s_openapi::api::resource::v1::{
-    Device, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSlice, ResourceSliceSpec,
+    Counter, CounterSet, Device, DeviceAttribute, DeviceCapacity, DeviceCounterConsumption,
+    ResourcePool, ResourceSlice, ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -48,6 +49,21 @@ pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
 
 /// The `mode` attribute of a whole GPU given to a VM.
 pub const MODE_PASSTHROUGH: &str = "passthrough";
+
+/// The `mode` attribute of a vGPU.
+pub const MODE_VGPU: &str = "vgpu";
+
+/// The counter of a GPU's framebuffer in its counter set.
+pub const COUNTER_MEMORY: &str = "memory";
+
+/// The counter of an SR-IOV GPU's VFs (one per vGPU) in its counter set.
+pub const COUNTER_VFS: &str = "vfs";
+
+/// The most devices one slice holds when they consume counters (the API's limit).
+pub const MAX_DEVICES_WITH_COUNTERS: usize = 64;
+
+/// The most counters, in all its sets, one slice holds (the API's limit).
+pub const MAX_COUNTERS: usize = 32;
 
 /// The longest string attribute value the API accepts.
 const MAX_STRING_ATTRIBUTE: usize = 64;
@@ -68,11 +84,26 @@ pub struct NodeDevices {
     pub devices: Vec<Device>,
     /// Selected GPUs that are not published.
     pub left_out: Vec<LeftOut>,
+    /// One counter set per GPU of the vGPU pool, named after its passthrough device.
+    pub counters: Vec<CounterSet>,
 }
 
 /// The devices `inv` has for the slice, from vfio-manager's selection `sel` of it; product
 /// names from `ids`.
 pub fn devices(inv: &Inventory, sel: &Selection, ids: &PciIds) -> NodeDevices {
+    devices_with_vgpus(inv, sel, ids, &BTreeSet::new())
+}
+
+/// [`devices`], and for each GPU of `vgpu_pool` whose model the vGPU model table knows
+/// ([`common::vgpu::models`]): a counter set (its framebuffer; its VFs on an SR-IOV GPU), as
+/// many devices per vGPU type as the GPU could hold of it, each consuming its framebuffer and
+/// one VF, and its passthrough device consuming the whole set.
+pub fn devices_with_vgpus(
+    inv: &Inventory,
+    sel: &Selection,
+    ids: &PciIds,
+    vgpu_pool: &BTreeSet<PciAddress>,
+) -> NodeDevices {
     let mut out = NodeDevices::default();
     for r in &sel.refused {
         out.left_out.push(LeftOut {
@@ -99,7 +130,14 @@ pub fn devices(inv: &Inventory, sel: &Selection, ids: &PciIds) -> NodeDevices {
             });
             continue;
         }
-        out.devices.push(device(gpu, first, group, targets, ids));
+        let mut whole = device(gpu, first, group, targets, ids);
+        if vgpu_pool.contains(&gpu.address)
+            && let Some((set, vgpus)) = vgpu_devices(inv, gpu, &mut whole, ids)
+        {
+            out.counters.push(set);
+            out.devices.extend(vgpus);
+        }
+        out.devices.push(whole);
     }
     out.devices.sort_by(|a, b| a.name.cmp(&b.name));
     out.left_out.sort_by_key(|l| l.address);
@@ -120,10 +158,9 @@ fn int(i: impl Into<i64>) -> DeviceAttribute {
     }
 }
 
-/// The device of IOMMU group `group`, named after `gpu` (its first GPU, `first` its target).
-fn device(gpu: &PciDevice, first: &Target, group: u32, targets: &[Target], ids: &PciIds) -> Device {
-    let mut attrs = BTreeMap::new();
-    attrs.insert("mode".to_string(), string(MODE_PASSTHROUGH));
+/// What a GPU is, for a device of it: `vendorID`, `deviceID`, `productName` (when pci.ids
+/// knows it), `numaNode` (when the kernel says).
+fn identity(gpu: &PciDevice, ids: &PciIds, attrs: &mut BTreeMap<String, DeviceAttribute>) {
     attrs.insert(
         "vendorID".to_string(),
         string(format!("{:04x}", gpu.vendor)),
@@ -133,13 +170,19 @@ fn device(gpu: &PciDevice, first: &Target, group: u32, targets: &[Target], ids: 
         string(format!("{:04x}", gpu.device)),
     );
     if let Some(name) = ids.device_name(gpu.vendor, gpu.device) {
-        let name = truncate(&name);
-        attrs.insert("productName".to_string(), string(name));
+        attrs.insert("productName".to_string(), string(truncate(&name)));
     }
-    attrs.insert(PCI_BUS_ID.to_string(), string(gpu.address.to_string()));
     if let Some(n) = gpu.numa_node {
         attrs.insert("numaNode".to_string(), int(n));
     }
+}
+
+/// The device of IOMMU group `group`, named after `gpu` (its first GPU, `first` its target).
+fn device(gpu: &PciDevice, first: &Target, group: u32, targets: &[Target], ids: &PciIds) -> Device {
+    let mut attrs = BTreeMap::new();
+    attrs.insert("mode".to_string(), string(MODE_PASSTHROUGH));
+    identity(gpu, ids, &mut attrs);
+    attrs.insert(PCI_BUS_ID.to_string(), string(gpu.address.to_string()));
     attrs.insert("iommuGroup".to_string(), int(group));
     attrs.insert(
         "functions".to_string(),
@@ -174,6 +217,94 @@ fn device(gpu: &PciDevice, first: &Target, group: u32, targets: &[Target], ids: 
         }),
         ..Default::default()
     }
+}
+
+/// One pooled GPU's counter set and vGPU devices; `whole` (its passthrough device) is made to
+/// consume the whole set. `None` for a model the table does not know.
+fn vgpu_devices(
+    inv: &Inventory,
+    gpu: &PciDevice,
+    whole: &mut Device,
+    ids: &PciIds,
+) -> Option<(CounterSet, Vec<Device>)> {
+    let model = common::vgpu::models::model(gpu.vendor, gpu.device)?;
+    let set_name = names::gpu_device(&gpu.address);
+    let vfs = gpu.sriov_totalvfs.filter(|n| *n > 0);
+    let mut counters = BTreeMap::from([(
+        COUNTER_MEMORY.to_string(),
+        Counter {
+            value: gib(model.memory_gib),
+        },
+    )]);
+    if let Some(n) = vfs {
+        counters.insert(
+            COUNTER_VFS.to_string(),
+            Counter {
+                value: Quantity(n.to_string()),
+            },
+        );
+    }
+    whole.consumes_counters = Some(vec![DeviceCounterConsumption {
+        counter_set: set_name.clone(),
+        counters: counters.clone(),
+    }]);
+    // Type ids where sysfs shows them (the VFs enabled, or the GPU its own parent).
+    let cap = common::vgpu::capacity(inv, &gpu.address);
+    let mut out = Vec::new();
+    for (name, size) in model.types_before_vfs() {
+        let max = vfs.map_or(model.equal_size_max(size), |n| {
+            model.equal_size_max(size).min(n)
+        });
+        let series = name.chars().last().unwrap_or_default().to_string();
+        let mut attrs = BTreeMap::new();
+        attrs.insert("mode".to_string(), string(MODE_VGPU));
+        attrs.insert("vgpuType".to_string(), string(name.clone()));
+        if let Some(id) = cap.get(&name).and_then(|t| t.type_id.clone()) {
+            attrs.insert("typeID".to_string(), string(id));
+        }
+        attrs.insert("series".to_string(), string(series));
+        attrs.insert("framebufferMiB".to_string(), int(i64::from(size) * 1024));
+        attrs.insert("maxInstances".to_string(), int(max));
+        attrs.insert("parentGPU".to_string(), string(gpu.address.to_string()));
+        identity(gpu, ids, &mut attrs);
+        let mut consumes =
+            BTreeMap::from([(COUNTER_MEMORY.to_string(), Counter { value: gib(size) })]);
+        if vfs.is_some() {
+            consumes.insert(
+                COUNTER_VFS.to_string(),
+                Counter {
+                    value: Quantity("1".into()),
+                },
+            );
+        }
+        for slot in 0..max {
+            out.push(Device {
+                name: names::vgpu_device(&gpu.address, &name, slot),
+                attributes: Some(attrs.clone()),
+                capacity: Some(BTreeMap::from([(
+                    "memory".to_string(),
+                    DeviceCapacity {
+                        value: gib(size),
+                        ..Default::default()
+                    },
+                )])),
+                consumes_counters: Some(vec![DeviceCounterConsumption {
+                    counter_set: set_name.clone(),
+                    counters: consumes.clone(),
+                }]),
+                ..Default::default()
+            });
+        }
+    }
+    let set = CounterSet {
+        name: set_name,
+        counters,
+    };
+    Some((set, out))
+}
+
+fn gib(n: u32) -> Quantity {
+    Quantity(format!("{n}Gi"))
 }
 
 /// The GPU's framebuffer, from the vGPU model table every daemon plans with. `None` for a
@@ -230,9 +361,79 @@ impl Pool {
 
     /// The node's slice holding `devices`, at pool `generation`.
     pub fn slice(&self, devices: Vec<Device>, generation: i64) -> ResourceSlice {
+        self.slice_named(self.slice_name(), Some(devices), None, generation, 1)
+    }
+
+    /// The node's slices: without counters the one [`Pool::slice`]; with counters (a vGPU
+    /// pool) the counter sets in slices of their own, `<slice>-counters`, `<slice>-counters-1`,
+    /// … of at most [`MAX_COUNTERS`] counters (Kubernetes 1.35 and later take counters and
+    /// devices only in separate slices of one pool), and the devices in slices of at most
+    /// [`MAX_DEVICES_WITH_COUNTERS`], `<slice>`, `<slice>-1`, ….
+    pub fn slices(
+        &self,
+        devices: Vec<Device>,
+        counters: Vec<CounterSet>,
+        generation: i64,
+    ) -> Vec<ResourceSlice> {
+        if counters.is_empty() {
+            return vec![self.slice(devices, generation)];
+        }
+        let chunks: Vec<Vec<Device>> = if devices.is_empty() {
+            vec![Vec::new()]
+        } else {
+            devices
+                .chunks(MAX_DEVICES_WITH_COUNTERS)
+                .map(<[Device]>::to_vec)
+                .collect()
+        };
+        let mut counter_chunks: Vec<Vec<CounterSet>> = vec![Vec::new()];
+        for set in counters {
+            let in_last: usize = counter_chunks
+                .last()
+                .map_or(0, |c| c.iter().map(|s| s.counters.len()).sum());
+            if in_last + set.counters.len() > MAX_COUNTERS {
+                counter_chunks.push(Vec::new());
+            }
+            if let Some(last) = counter_chunks.last_mut() {
+                last.push(set);
+            }
+        }
+        let count = i64::try_from(chunks.len() + counter_chunks.len()).unwrap_or(i64::MAX);
+        let base = self.slice_name();
+        let mut out: Vec<ResourceSlice> = chunks
+            .into_iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let name = if i == 0 {
+                    base.clone()
+                } else {
+                    format!("{base}-{i}")
+                };
+                self.slice_named(name, Some(d), None, generation, count)
+            })
+            .collect();
+        for (i, sets) in counter_chunks.into_iter().enumerate() {
+            let name = if i == 0 {
+                format!("{base}-counters")
+            } else {
+                format!("{base}-counters-{i}")
+            };
+            out.push(self.slice_named(name, None, Some(sets), generation, count));
+        }
+        out
+    }
+
+    fn slice_named(
+        &self,
+        name: String,
+        devices: Option<Vec<Device>>,
+        counters: Option<Vec<CounterSet>>,
+        generation: i64,
+        count: i64,
+    ) -> ResourceSlice {
         ResourceSlice {
             metadata: ObjectMeta {
-                name: Some(self.slice_name()),
+                name: Some(name),
                 owner_references: self.owner().map(|o| vec![o]),
                 ..Default::default()
             },
@@ -242,9 +443,10 @@ impl Pool {
                 pool: ResourcePool {
                     name: self.node_name.clone(),
                     generation,
-                    resource_slice_count: 1,
+                    resource_slice_count: count,
                 },
-                devices: Some(devices),
+                devices,
+                shared_counters: counters,
                 ..Default::default()
             },
         }
@@ -455,6 +657,101 @@ mod tests {
             ..pool
         };
         assert_eq!(unknown.slice(vec![], 1).metadata.owner_references, None);
+    }
+
+    #[test]
+    fn a_pooled_a10_has_a_counter_set_its_vgpus_and_its_whole_self_consume() {
+        let mut a10 = dev("0000:41:00.0", 0x2236, 0x030200, 21, "nvidia");
+        a10.sriov_totalvfs = Some(32);
+        let inv = inv(vec![a10], &[]);
+        let sel = select(&inv, &Selector::default(), None, &AliasTable::parse(""));
+        let pool: BTreeSet<PciAddress> = ["0000:41:00.0".parse().unwrap()].into();
+        let nd = devices_with_vgpus(&inv, &sel, &PciIds::embedded(), &pool);
+        let [set] = &nd.counters[..] else {
+            panic!("{:?}", nd.counters)
+        };
+        assert_eq!(set.name, "gpu-0000-41-00-0");
+        assert_eq!(set.counters["memory"].value, Quantity("24Gi".into()));
+        assert_eq!(set.counters["vfs"].value, Quantity("32".into()));
+        let count = |key: &str| {
+            nd.devices
+                .iter()
+                .filter(|d| s(d, "vgpuType") == Some(key))
+                .count()
+        };
+        // Q and A: 24/size each; C from 4 GiB; B (no size the table derives) not offered.
+        assert_eq!(count("NVIDIA A10-1Q"), 24);
+        assert_eq!(count("NVIDIA A10-3Q"), 8);
+        assert_eq!(count("NVIDIA A10-24A"), 1);
+        assert_eq!(count("NVIDIA A10-4C"), 6);
+        assert_eq!(nd.devices.len(), 1 + 60 + 60 + 16);
+        let whole = nd
+            .devices
+            .iter()
+            .find(|d| d.name == "gpu-0000-41-00-0")
+            .unwrap();
+        assert_eq!(
+            whole.consumes_counters.as_ref().unwrap()[0].counters,
+            set.counters
+        );
+        let q4 = nd
+            .devices
+            .iter()
+            .find(|d| d.name == "vgpu-0000-41-00-0-a10-4q-5")
+            .unwrap();
+        let c = &q4.consumes_counters.as_ref().unwrap()[0];
+        assert_eq!(c.counter_set, "gpu-0000-41-00-0");
+        assert_eq!(c.counters["memory"].value, Quantity("4Gi".into()));
+        assert_eq!(c.counters["vfs"].value, Quantity("1".into()));
+        assert_eq!(i(q4, "maxInstances"), Some(6));
+        assert_eq!(s(q4, "series"), Some("Q"));
+        // Not pooled: passthrough only, consuming nothing.
+        let plain = devices(&inv, &sel, &PciIds::embedded());
+        assert!(plain.counters.is_empty());
+        assert_eq!(plain.devices.len(), 1);
+        assert_eq!(plain.devices[0].consumes_counters, None);
+
+        // The slices: devices 64 at most each, counters apart, one generation and count.
+        let pool = Pool {
+            driver: "gpu.gpu-vm-node.io".into(),
+            node_name: "n".into(),
+            node_uid: None,
+        };
+        let sets: Vec<CounterSet> = (0..20)
+            .map(|k| CounterSet {
+                name: format!("s{k}"),
+                ..set.clone()
+            })
+            .collect();
+        let slices = pool.slices(nd.devices.clone(), sets, 4);
+        let names: Vec<&str> = slices
+            .iter()
+            .map(|s| s.metadata.name.as_deref().unwrap())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "n-gpu.gpu-vm-node.io",
+                "n-gpu.gpu-vm-node.io-1",
+                "n-gpu.gpu-vm-node.io-2",
+                "n-gpu.gpu-vm-node.io-counters",
+                "n-gpu.gpu-vm-node.io-counters-1"
+            ]
+        );
+        for sl in &slices {
+            assert_eq!(sl.spec.pool.resource_slice_count, 5);
+            assert_eq!(sl.spec.pool.generation, 4);
+            assert!(sl.spec.devices.as_ref().map_or(0, Vec::len) <= MAX_DEVICES_WITH_COUNTERS);
+            let counters: usize = sl
+                .spec
+                .shared_counters
+                .iter()
+                .flatten()
+                .map(|c| c.counters.len())
+                .sum();
+            assert!(counters <= MAX_COUNTERS);
+            assert!(sl.spec.devices.is_none() || sl.spec.shared_counters.is_none());
+        }
     }
 
     #[test]

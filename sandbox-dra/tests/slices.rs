@@ -185,9 +185,12 @@ fn stale_slices_go_at_start_and_a_wiped_slice_comes_back_with_a_higher_generatio
     let slice = wait_for_devices(&api, &["gpu-0000-41-00-0", "gpu-0000-61-00-0"]);
     assert_eq!(generation(&slice), 9);
 
-    // Nothing changed: resyncs read the slice and write nothing.
+    // Nothing changed: resyncs read the node's slices (a list) and write nothing.
     let count = |method: &str| {
-        let target = format!("{method} /apis/resource.k8s.io/v1/resourceslices/{SLICE}?");
+        let target = match method {
+            "GET" => "GET /apis/resource.k8s.io/v1/resourceslices?".to_string(),
+            _ => format!("{method} /apis/resource.k8s.io/v1/resourceslices/{SLICE}?"),
+        };
         api.requests()
             .iter()
             .filter(|r| r.starts_with(&target))

@@ -272,9 +272,9 @@ fn read_gpus(opts: &Options, record_names: bool) -> Result<Vec<Gpu>, ApplyError>
     let mut names = common::state::vgpu_names::load(&opts.paths);
     names.extend(shown);
     let mut gpus = gpu::discover(&inv, opts.vendor, &usage, &names);
-    // sandbox-dp's on-demand pool owns its GPUs: a pool file that cannot be read stops here,
-    // since any GPU might be in it.
-    let pool = common::state::pool::load(&opts.paths).map_err(ApplyError::Read)?;
+    // sandbox-dp's on-demand pool and sandbox-dra's own their GPUs: a pool file that cannot be
+    // read stops here, since any GPU might be in it.
+    let pool = common::state::pool::load_owned(&opts.paths).map_err(ApplyError::Read)?;
     for g in &mut gpus {
         g.pooled = g.pci.is_some_and(|a| pool.contains(&a));
     }

@@ -6,7 +6,8 @@
 //! | `run/nvidia/validations/vfio-pci-ready` | vfio-manager `daemon`, through [`readiness`] (daemon-kit writes it again when someone removes it); also the GPU Operator's validator | the deployment's init containers, the operator's |
 //! | `run/nvidia/validations/vgpu-devices-ready` | vgpu-device-manager `daemon`, through [`readiness`] (daemon-kit writes it again when someone removes it); also the GPU Operator's validator | the deployment's init containers, the operator's |
 //! | `run/gpu-vm-node/vgpu-type-names` | vgpu-device-manager `apply` only ([`vgpu_names::record`]) | [`crate::Inventory`] ([`vgpu_names::load`]) |
-//! | `run/gpu-vm-node/on-demand-pool` | sandbox-dp `--on-demand` ([`pool::write`]) | vgpu-device-manager ([`pool::load`]) |
+//! | `run/gpu-vm-node/on-demand-pool` | sandbox-dp `--on-demand` ([`pool::write`]) | vgpu-device-manager ([`pool::load_owned`]) |
+//! | `run/gpu-vm-node/dra-pool` | sandbox-dra `--vgpu` ([`pool::write_dra`]) | vgpu-device-manager ([`pool::load_owned`]) |
 //! | `run/gpu-vm-node/on-demand-vgpus.json` | sandbox-dp `--on-demand` ([`write_atomic`]), before and after each vGPU it creates or removes | sandbox-dp, at start and after a crash |
 //! | `run/vfio-manager/original-drivers` | vfio-manager `bind`/`unbind`, sandbox-dra's prepare and unprepare ([`write_atomic`]) | vfio-manager `unbind`, sandbox-dra's unprepare |
 //! | `<kubelet-root>/plugins/<driver>/claims/<uid>.json`, `…/metadata/`, `<cdi-root>/<driver>_<uid>.json` | sandbox-dra's prepare ([`write_atomic`]); removed by its unprepare | sandbox-dra; the container runtime (CDI spec, metadata) |

@@ -1,6 +1,8 @@
 //! sandbox-dra: start → registration socket, then `NodePrepareResources` and
 //! `NodeUnprepareResources` of a one-GPU claim through the fake kubelet's DRA client (dialled
 //! as kubelet dials), repeated; RSS after the cycles, beside sandbox-dp's on the same node.
+//! With `--vgpu`: prepare → vGPU ready and unprepare of an A10-4Q claim, and the time from a
+//! change of the node (a GPU hot-plugged, then unplugged) to the pool's slices showing it.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -118,6 +120,178 @@ async fn dra_once(b: &Bins, topology: &str, cycles: usize) -> Result<DraRun> {
     Ok(run)
 }
 
+/// One run of the vGPU figures.
+struct VgpuRun {
+    /// The first prepare: the GPU's VFs enabled, then the mdev created.
+    first: Duration,
+    /// Later prepares: the mdev created, its group node there.
+    prepare: Vec<Duration>,
+    unprepare: Vec<Duration>,
+    /// A GPU hot-plugged / unplugged → the API server's slices show it.
+    plugged: Duration,
+    unplugged: Duration,
+    slices: usize,
+    devices: usize,
+}
+
+fn slice_devices(api: &FakeApiServer) -> Vec<String> {
+    api.slices()
+        .iter()
+        .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+        .filter_map(|d| d["name"].as_str().map(str::to_string))
+        .collect()
+}
+
+async fn wait_slices(api: &FakeApiServer, f: impl Fn(&[String]) -> bool) -> Result<Duration> {
+    let t = Instant::now();
+    loop {
+        if f(&slice_devices(api)) {
+            return Ok(t.elapsed());
+        }
+        if t.elapsed() > Duration::from_secs(20) {
+            bail!("the slices never showed the change");
+        }
+        tokio::time::sleep(Duration::from_micros(500)).await;
+    }
+}
+
+async fn vgpu_once(b: &Bins, cycles: usize) -> Result<VgpuRun> {
+    let sim = mount(&builtin("2xA10")?);
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[])?;
+    api.put_claim(json!({
+        "metadata": {"namespace": "bench", "name": "v", "uid": "uid-vgpu"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "x"}}]}},
+        "status": {"allocation": {"devices": {"results": [
+            {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "vgpu-0000-41-00-0-a10-4q-0"}
+        ]}}},
+    }));
+    let inv = Invocation::new(
+        &b.dra,
+        &[
+            &"--host-root",
+            &root,
+            &"--node-name",
+            &NODE,
+            &"--kubeconfig",
+            &api.kubeconfig(),
+            &"--vgpu",
+            &"0000:41:00.0",
+            &"serve",
+        ],
+    );
+    let daemon = Daemon::start(&inv, None).await?;
+    let kubelet_root = Path::new("/var/lib/kubelet");
+    let start = Instant::now();
+    let socket = loop {
+        if let Some(s) = dra::registration_sockets(root, kubelet_root).pop() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(10) {
+            bail!("sandbox-dra did not serve: {}", daemon.stderr_tail());
+        }
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    };
+    let drv: DraDriver = dra::register(root, &socket, None).await?;
+    // The whole pool: as many slices as each says it has.
+    wait_slices(&api, |d| {
+        let s = api.slices();
+        d.iter().any(|n| n.starts_with("vgpu-"))
+            && s.iter()
+                .all(|x| x["spec"]["pool"]["resourceSliceCount"].as_u64() == Some(s.len() as u64))
+    })
+    .await
+    .with_context(|| daemon.stderr_tail())?;
+    let claim = [Claim {
+        namespace: "bench".into(),
+        name: "v".into(),
+        uid: "uid-vgpu".into(),
+    }];
+    let mut run = VgpuRun {
+        first: Duration::ZERO,
+        prepare: Vec::with_capacity(cycles),
+        unprepare: Vec::with_capacity(cycles),
+        plugged: Duration::ZERO,
+        unplugged: Duration::ZERO,
+        slices: api.slices().len(),
+        devices: slice_devices(&api).len(),
+    };
+    for i in 0..cycles {
+        let t = Instant::now();
+        prepared_ok(drv.prepare(Version::V1, &claim).await?)
+            .with_context(|| daemon.stderr_tail())?;
+        if i == 0 {
+            run.first = t.elapsed();
+        } else {
+            run.prepare.push(t.elapsed());
+        }
+        let t = Instant::now();
+        let out = drv.unprepare(Version::V1, &claim).await?;
+        run.unprepare.push(t.elapsed());
+        if !matches!(out.first(), Some((_, Ok(())))) {
+            bail!("unprepare: {out:?}: {}", daemon.stderr_tail());
+        }
+    }
+    let t = Instant::now();
+    sim.control("hotplug 0000:81:00.0 A10 group=50 numa=1")?;
+    wait_slices(&api, |d| d.iter().any(|n| n == "gpu-0000-81-00-0")).await?;
+    run.plugged = t.elapsed();
+    let t = Instant::now();
+    sim.control("unplug 0000:81:00.0")?;
+    wait_slices(&api, |d| !d.iter().any(|n| n == "gpu-0000-81-00-0")).await?;
+    run.unplugged = t.elapsed();
+    daemon.stop().await;
+    Ok(run)
+}
+
+async fn bench_vgpu(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
+    let cycles = cli.claims.max(2);
+    r.line(format!("vGPUs (`--vgpu 0000:41:00.0` on 2xA10: one counter set, 137 vGPU devices of that GPU, its passthrough device and the other GPU's, in three device slices and a counter slice): {cycles} cycles per run of an A10-4Q claim. The first prepare enables the GPU's 32 VFs, then creates the mdev; the others create it on the enabled VFs; each returns once the vGPU's /dev/vfio group node exists (vGPU ready). Unprepare removes the mdev. Publication: from node-sim's hot-plug (or unplug) of a third A10 to the API server's slices showing (or no longer showing) its device, through the uevent, a read of the node and the pool's slices written again."));
+    r.line("");
+    r.table(&[
+        "node",
+        "slices / devices",
+        "first prepare (VFs enabled)",
+        "prepare → vGPU ready p50",
+        "p99",
+        "unprepare p50",
+        "unprepare p99",
+        "hot-plug → slices p50",
+        "unplug → slices p50",
+    ]);
+    let mut runs = Vec::new();
+    for _ in 0..cli.runs {
+        runs.push(vgpu_once(b, cycles).await?);
+    }
+    let pct = |v: Vec<Duration>| -> Result<(String, String)> {
+        let s = summarize(&v).ok_or_else(|| anyhow!("no samples"))?;
+        Ok((fmt_duration(s.median), fmt_duration(s.p99)))
+    };
+    let (p50, p99) = pct(runs.iter().flat_map(|x| x.prepare.clone()).collect())?;
+    let (u50, u99) = pct(runs.iter().flat_map(|x| x.unprepare.clone()).collect())?;
+    let first = summarize(&runs.iter().map(|x| x.first).collect::<Vec<_>>())
+        .ok_or_else(|| anyhow!("no runs"))?;
+    let (pl, _) = pct(runs.iter().map(|x| x.plugged).collect())?;
+    let (un, _) = pct(runs.iter().map(|x| x.unplugged).collect())?;
+    r.row(&[
+        "2xA10".to_string(),
+        format!(
+            "{} / {}",
+            runs.first().map_or(0, |x| x.slices),
+            runs.first().map_or(0, |x| x.devices)
+        ),
+        fmt_summary(&first),
+        p50,
+        p99,
+        u50,
+        u99,
+        pl,
+        un,
+    ]);
+    r.line("");
+    Ok(())
+}
+
 pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     let cycles = cli.claims;
     r.line("### sandbox-dra");
@@ -178,5 +352,5 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
         ]);
     }
     r.line("");
-    Ok(())
+    bench_vgpu(cli, b, r).await
 }

@@ -1,0 +1,533 @@
+//! vGPUs as partitionable devices, on simulated nodes (node-sim) with the fake kubelet and the
+//! fake API server: the counters and devices published for `--vgpu`, the scheduler's counter
+//! arithmetic on them (testkit's allocator), and prepare/unprepare creating and destroying
+//! exactly the allocated vGPU, the same GPU serving whole and in fractions across claims.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use testkit::allocator::Allocator;
+use testkit::apiserver::FakeApiServer;
+use testkit::kubelet::dra::{self, Claim, DraDriver, Version};
+use testkit::sim::try_mount;
+
+const BIN: &str = env!("CARGO_BIN_EXE_sandbox-dra");
+const DRIVER: &str = "gpu.gpu-vm-node.io";
+const NODE: &str = "node-a";
+const NS: &str = "vms";
+const PATIENCE: Duration = Duration::from_secs(30);
+
+struct Driver(Child, tempfile::TempDir);
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Driver {
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.1.path().join("log")).unwrap_or_default()
+    }
+}
+
+fn start(root: &Path, api: &FakeApiServer, vgpu: &str) -> Driver {
+    let reg = root.join(format!(
+        "var/lib/kubelet/plugins_registry/{DRIVER}-reg.sock"
+    ));
+    let _ = std::fs::remove_file(&reg);
+    let dir = tempfile::tempdir().unwrap();
+    let child = Command::new(BIN)
+        .arg("--host-root")
+        .arg(root)
+        .args(["--node-name", NODE, "--vgpu", vgpu, "--kubeconfig"])
+        .arg(api.kubeconfig())
+        .arg("serve")
+        .env("RUST_LOG", "info")
+        .env_remove("HOST_ROOT")
+        .env_remove("KUBECONFIG")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("log")).unwrap())
+        .spawn()
+        .unwrap();
+    let mut d = Driver(child, dir);
+    let t = Instant::now();
+    while !reg.exists() {
+        if let Some(st) = d.0.try_wait().unwrap() {
+            panic!("sandbox-dra exited ({st}):\n{}", d.log());
+        }
+        assert!(
+            t.elapsed() < PATIENCE,
+            "no registration socket:\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    d
+}
+
+async fn register(root: &Path) -> DraDriver {
+    let socks = dra::registration_sockets(root, Path::new("/var/lib/kubelet"));
+    dra::register(root, &socks[0], None).await.unwrap()
+}
+
+fn put_claim(api: &FakeApiServer, name: &str, uid: &str, device: &str) -> Claim {
+    api.put_claim(json!({
+        "metadata": {"namespace": NS, "name": name, "uid": uid},
+        "spec": {"devices": {"requests": [
+            {"name": "gpu", "exactly": {"deviceClassName": "vgpu.gpu-vm-node.io"}}
+        ]}},
+        "status": {"allocation": {"devices": {"results": [{
+            "request": "gpu", "driver": DRIVER, "pool": NODE, "device": device,
+        }]}}},
+    }));
+    Claim {
+        namespace: NS.into(),
+        name: name.into(),
+        uid: uid.into(),
+    }
+}
+
+async fn prepare(d: &DraDriver, c: &Claim) -> Result<Vec<dra::PreparedDevice>, String> {
+    d.prepare(Version::V1, std::slice::from_ref(c))
+        .await
+        .unwrap()
+        .remove(0)
+        .1
+}
+
+async fn unprepare(d: &DraDriver, c: &Claim) -> Result<(), String> {
+    d.unprepare(Version::V1, std::slice::from_ref(c))
+        .await
+        .unwrap()
+        .remove(0)
+        .1
+}
+
+/// The mdevs on the node: (uuid, type name, parent, iommu group).
+fn mdevs(root: &Path) -> Vec<(String, String, String, String)> {
+    let dir = root.join("sys/bus/mdev/devices");
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        let name = std::fs::read_to_string(p.join("mdev_type/name")).unwrap_or_default();
+        let parent = std::fs::canonicalize(&p)
+            .ok()
+            .and_then(|c| {
+                c.parent()
+                    .map(|x| x.file_name().unwrap().to_string_lossy().into_owned())
+            })
+            .unwrap_or_default();
+        let group = std::fs::read_link(p.join("iommu_group"))
+            .ok()
+            .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_default();
+        out.push((
+            e.file_name().to_string_lossy().into_owned(),
+            name.trim().to_string(),
+            parent,
+            group,
+        ));
+    }
+    out.sort();
+    out
+}
+
+fn driver_of(root: &Path, bdf: &str) -> Option<String> {
+    std::fs::read_link(root.join("sys/bus/pci/devices").join(bdf).join("driver"))
+        .ok()
+        .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
+}
+
+fn read_json(p: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+fn under(root: &Path, host: &str) -> PathBuf {
+    root.join(host.trim_start_matches('/'))
+}
+
+/// The CDI spec's device nodes and the metadata file's device of a one-device claim.
+fn handed_out(root: &Path, uid: &str) -> (Vec<String>, Value) {
+    let spec = read_json(&root.join(format!("var/run/cdi/{DRIVER}_{uid}.json")));
+    let mut nodes = Vec::new();
+    let mut meta = Value::Null;
+    for d in spec["devices"].as_array().unwrap() {
+        for n in d["containerEdits"]["deviceNodes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            nodes.push(n["path"].as_str().unwrap().to_string());
+        }
+        for m in d["containerEdits"]["mounts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let file = read_json(&under(root, m["hostPath"].as_str().unwrap()));
+            meta = file["requests"][0]["devices"][0].clone();
+        }
+    }
+    (nodes, meta)
+}
+
+fn wait_for_pool(api: &FakeApiServer) -> Vec<Value> {
+    api.wait_for_slices(PATIENCE, |s| {
+        s.iter().any(|s| s["spec"]["sharedCounters"].is_array())
+            && s.iter()
+                .filter_map(|s| s["spec"]["pool"]["resourceSliceCount"].as_i64())
+                .all(|n| n as usize == s.len())
+    })
+    .unwrap_or_else(|| panic!("no counters published: {:#?}", api.slices()))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_a10_publishes_its_fractions_and_serves_whole_then_vgpus_then_whole() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let d = start(root, &api, "all");
+    let drv = register(root).await;
+    let slices = wait_for_pool(&api);
+
+    // What is published: per GPU a counter set of its framebuffer and VFs, every A10 type the
+    // model table names as many times as it fits, and the whole GPU consuming the whole set.
+    let mut alloc = Allocator::from_slices(&slices, NODE);
+    let sets = alloc.counter_sets();
+    assert_eq!(sets.len(), 2, "{sets:?}");
+    let set = &sets["gpu-0000-41-00-0"];
+    assert_eq!(set["memory"], 24i128 << 30);
+    assert_eq!(set["vfs"], 32);
+    for slice in &slices {
+        let n = slice["spec"]["devices"].as_array().map_or(0, Vec::len);
+        assert!(n <= 64, "{n} devices in one slice");
+        assert!(
+            slice["spec"]["devices"].is_null() || slice["spec"]["sharedCounters"].is_null(),
+            "counters and devices share a slice"
+        );
+    }
+    let of = |key: &str| {
+        alloc
+            .names()
+            .iter()
+            .filter(|n| n.starts_with(&format!("vgpu-0000-41-00-0-{key}-")))
+            .count()
+    };
+    assert_eq!(
+        [
+            of("a10-1q"),
+            of("a10-4q"),
+            of("a10-8q"),
+            of("a10-24q"),
+            of("a10-4c")
+        ],
+        [24, 6, 3, 1, 6]
+    );
+    let dev = alloc.device("vgpu-0000-41-00-0-a10-4q-0").unwrap().clone();
+    let a = &dev["attributes"];
+    assert_eq!(a["vgpuType"]["string"], "NVIDIA A10-4Q");
+    assert_eq!(a["series"]["string"], "Q");
+    assert_eq!(a["framebufferMiB"]["int"], 4096);
+    assert_eq!(a["maxInstances"]["int"], 6);
+    assert_eq!(a["parentGPU"]["string"], "0000:41:00.0");
+    assert_eq!(dev["capacity"]["memory"]["value"], "4Gi");
+
+    // The scheduler's arithmetic: a whole GPU next to a vGPU does not fit; on the other GPU
+    // it does; six A10-4Q fill one.
+    alloc.allocate("vgpu-0000-41-00-0-a10-4q-0").unwrap();
+    let why = alloc.allocate("gpu-0000-41-00-0").unwrap_err();
+    assert!(why.contains("memory") || why.contains("vfs"), "{why}");
+    alloc.allocate("gpu-0000-61-00-0").unwrap();
+    for i in 1..6 {
+        alloc
+            .allocate(&format!("vgpu-0000-41-00-0-a10-4q-{i}"))
+            .unwrap();
+    }
+    assert!(alloc.allocate("vgpu-0000-41-00-0-a10-1q-0").is_err());
+
+    // A whole-GPU claim first: the GPU goes to vfio-pci and stays there (--unprepare keep).
+    let whole = put_claim(&api, "whole-1", "uid-w1", "gpu-0000-41-00-0");
+    prepare(&drv, &whole).await.unwrap();
+    assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    unprepare(&drv, &whole).await.unwrap();
+
+    // An A10-4Q claim: the GPU back on nvidia, its VFs enabled, one A10-4Q mdev on a VF.
+    let c = put_claim(&api, "small", "uid-s1", "vgpu-0000-41-00-0-a10-4q-0");
+    let prepared = prepare(&drv, &c)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    assert_eq!(prepared[0].device_name, "vgpu-0000-41-00-0-a10-4q-0");
+    assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("nvidia"));
+    let made = mdevs(root);
+    let [(uuid, name, parent, group)] = &made[..] else {
+        panic!("{made:?}")
+    };
+    assert_eq!(name, "NVIDIA A10-4Q");
+    assert!(parent.starts_with("0000:41:"), "{parent}");
+    let (nodes, meta) = handed_out(root, "uid-s1");
+    assert_eq!(
+        nodes,
+        vec!["/dev/vfio/vfio".to_string(), format!("/dev/vfio/{group}")]
+    );
+    assert!(under(root, &nodes[1]).exists());
+    assert_eq!(meta["attributes"]["mdevUUID"]["string"], uuid.as_str());
+    assert_eq!(meta["name"], "vgpu-0000-41-00-0-a10-4q-0");
+
+    // Counters let an A10-8Q next to it; the equal-size rule does not: refused at prepare,
+    // naming the GPU and both types, nothing created.
+    let big = put_claim(&api, "big", "uid-b1", "vgpu-0000-41-00-0-a10-8q-0");
+    let err = prepare(&drv, &big).await.unwrap_err();
+    for want in [
+        "0000:41:00.0",
+        "NVIDIA A10-4Q",
+        "NVIDIA A10-8Q",
+        "same framebuffer size",
+    ] {
+        assert!(err.contains(want), "{want}: {err}");
+    }
+    assert_eq!(mdevs(root).len(), 1);
+    unprepare(&drv, &big).await.unwrap();
+
+    // Unprepare removes it; the GPU serves a whole-GPU claim again.
+    unprepare(&drv, &c).await.unwrap();
+    assert_eq!(mdevs(root), vec![]);
+    assert!(
+        !root
+            .join(format!("var/run/cdi/{DRIVER}_uid-s1.json"))
+            .exists()
+    );
+    let whole2 = put_claim(&api, "whole-2", "uid-w2", "gpu-0000-41-00-0");
+    prepare(&drv, &whole2)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    unprepare(&drv, &whole2).await.unwrap();
+    // The pool file tells vgpu-device-manager these GPUs are sandbox-dra's.
+    let pool = std::fs::read_to_string(root.join("run/gpu-vm-node/dra-pool")).unwrap();
+    assert_eq!(pool, "0000:41:00.0\n0000:61:00.0\n");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_h100_vgpu_is_a_vf_with_current_vgpu_type() {
+    let Some(sim) = try_mount("8xH100-sriov") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let d = start(root, &api, "0000:13:00.0");
+    let drv = register(root).await;
+    let slices = wait_for_pool(&api);
+    let alloc = Allocator::from_slices(&slices, NODE);
+    assert_eq!(alloc.counter_sets().len(), 1);
+    let dev = alloc
+        .device("vgpu-0000-13-00-0-h100xm-10c-0")
+        .unwrap_or_else(|| panic!("{:?}", alloc.names()));
+    assert_eq!(dev["attributes"]["vgpuType"]["string"], "NVIDIA H100XM-10C");
+    assert_eq!(dev["attributes"]["maxInstances"]["int"], 8);
+    // Only the pooled GPU has vGPU devices.
+    assert!(!alloc.names().iter().any(|n| n.starts_with("vgpu-0000-14-")));
+
+    let c = put_claim(&api, "h", "uid-h1", "vgpu-0000-13-00-0-h100xm-10c-0");
+    prepare(&drv, &c)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    let (_, meta) = handed_out(root, "uid-h1");
+    let vf = meta["attributes"]["resource.kubernetes.io/pciBusID"]["string"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_ne!(vf, "0000:13:00.0", "the VF, not the GPU");
+    let cur = |vf: &str| {
+        std::fs::read_to_string(
+            root.join(format!("sys/bus/pci/devices/{vf}/nvidia/current_vgpu_type")),
+        )
+        .unwrap()
+        .trim()
+        .to_string()
+    };
+    assert_ne!(cur(&vf), "0");
+    unprepare(&drv, &c).await.unwrap();
+    assert_eq!(cur(&vf), "0");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_vgpu_a_vm_holds_is_kept_at_unprepare_and_removed_at_the_retry() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let _d = start(root, &api, "0000:61:00.0");
+    let drv = register(root).await;
+    let c = put_claim(&api, "held", "uid-held", "vgpu-0000-61-00-0-a10-4q-3");
+    prepare(&drv, &c).await.unwrap();
+    let made = mdevs(root);
+    let [(uuid, _, _, group)] = &made[..] else {
+        panic!("{made:?}")
+    };
+    sim.control(&format!("hold {group} pid=4242 comm=qemu-kvm"))
+        .unwrap();
+    let err = unprepare(&drv, &c).await.unwrap_err();
+    for want in [
+        "NVIDIA A10-4Q",
+        uuid.as_str(),
+        "0000:61:00.0",
+        "4242",
+        "kept",
+    ] {
+        assert!(err.contains(want), "{want}: {err}");
+    }
+    assert_eq!(mdevs(root).len(), 1, "the held vGPU stays");
+    // A GPU outside --vgpu has no vGPU devices to prepare.
+    let other = put_claim(&api, "other", "uid-o", "vgpu-0000-41-00-0-a10-4q-0");
+    let err = prepare(&drv, &other).await.unwrap_err();
+    assert!(err.contains("not in this driver's vGPU pool"), "{err}");
+    // The VM ends; kubelet's retry removes it.
+    sim.control(&format!("release {group}")).unwrap();
+    unprepare(&drv, &c).await.unwrap();
+    assert_eq!(mdevs(root), vec![]);
+    assert!(
+        !root
+            .join(format!(
+                "var/lib/kubelet/plugins/{DRIVER}/claims/uid-held.json"
+            ))
+            .exists()
+    );
+}
+
+/// sysfs writes node-sim logged since the last clear.
+fn writes(sim: &testkit::sim::SimDir) -> usize {
+    sim.ops()
+        .into_iter()
+        .filter(|o| !o.path.contains("node-sim/"))
+        .count()
+}
+
+/// Starts prepare (or unprepare) of `c` with every sysfs write slowed, kills the driver once
+/// node-sim logged `k` writes; returns how many it made.
+async fn killed_after(
+    sim: &testkit::sim::SimDir,
+    api: &FakeApiServer,
+    c: &Claim,
+    prepare_it: bool,
+    k: usize,
+) -> usize {
+    let root = sim.root();
+    let mut d = start(root, api, "0000:41:00.0");
+    let drv = register(root).await;
+    for op in [
+        "bind",
+        "unbind",
+        "probe",
+        "driver_override",
+        "sriov_numvfs",
+        "create",
+        "remove",
+    ] {
+        sim.control(&format!("fault {op} * delay=15")).unwrap();
+    }
+    sim.clear_ops();
+    let c2 = c.clone();
+    let task = tokio::spawn(async move {
+        if prepare_it {
+            drv.prepare(Version::V1, &[c2]).await.map(|_| ())
+        } else {
+            drv.unprepare(Version::V1, &[c2]).await.map(|_| ())
+        }
+    });
+    let t = Instant::now();
+    loop {
+        if writes(sim) >= k || task.is_finished() {
+            d.0.kill().unwrap();
+            break;
+        }
+        assert!(t.elapsed() < PATIENCE, "the call neither wrote nor ended");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let _ = d.0.wait();
+    let _ = task.await;
+    sim.control("clear-faults").unwrap();
+    writes(sim)
+}
+
+/// A vGPU claim on a GPU a whole-GPU claim left on vfio-pci writes: the GPU given back to
+/// nvidia (override, unbind, probe), its VFs enabled, the mdev created. Killed after each of
+/// them, the next start converges (no vGPU without a record, a finished claim prepared), and
+/// kubelet's retry makes exactly one vGPU; an unprepare killed at its write is finished.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_vgpu_prepare_or_unprepare_killed_at_any_write_converges_at_start() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let whole = put_claim(&api, "whole", "uid-whole", "gpu-0000-41-00-0");
+    let c = put_claim(&api, "crash", "uid-crash", "vgpu-0000-41-00-0-a10-4q-0");
+    let record = root.join(format!(
+        "var/lib/kubelet/plugins/{DRIVER}/claims/uid-crash.json"
+    ));
+    let mut killed_mid_way = 0;
+    for k in 1..=6 {
+        {
+            // The GPU on vfio-pci, no VFs, no vGPU.
+            let _d = start(root, &api, "0000:41:00.0");
+            let drv = register(root).await;
+            prepare(&drv, &whole).await.unwrap();
+            unprepare(&drv, &whole).await.unwrap();
+            assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+        }
+        let done = killed_after(&sim, &api, &c, true, k).await;
+        if done < 5 {
+            killed_mid_way += 1;
+        }
+        let d = start(root, &api, "0000:41:00.0");
+        let drv = register(root).await;
+        if record.exists() {
+            let r: Value = read_json(&record);
+            assert_eq!(r["state"], "prepared", "k={k}:\n{}", d.log());
+            assert_eq!(mdevs(root).len(), 1, "k={k}");
+        } else {
+            assert_eq!(
+                mdevs(root),
+                vec![],
+                "k={k}: a vGPU without a record:\n{}",
+                d.log()
+            );
+        }
+        prepare(&drv, &c)
+            .await
+            .unwrap_or_else(|e| panic!("k={k}: {e}\n{}", d.log()));
+        let made = mdevs(root);
+        assert_eq!(made.len(), 1, "k={k}: {made:?}");
+        assert_eq!(made[0].1, "NVIDIA A10-4Q");
+        unprepare(&drv, &c).await.unwrap();
+        assert_eq!(mdevs(root), vec![], "k={k}");
+    }
+    assert!(
+        killed_mid_way >= 2,
+        "the kills landed mid-way {killed_mid_way} times"
+    );
+
+    // Unprepare: one write (the mdev's remove); killed at it, the next start finishes.
+    {
+        let _d = start(root, &api, "0000:41:00.0");
+        let drv = register(root).await;
+        prepare(&drv, &c).await.unwrap();
+    }
+    killed_after(&sim, &api, &c, false, 1).await;
+    let d = start(root, &api, "0000:41:00.0");
+    let drv = register(root).await;
+    if record.exists() {
+        // Killed before the record said unpreparing: still prepared; kubelet's retry ends it.
+        unprepare(&drv, &c).await.unwrap();
+    }
+    assert_eq!(mdevs(root), vec![], "{}", d.log());
+    assert!(!record.exists());
+}

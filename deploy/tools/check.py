@@ -260,9 +260,13 @@ EXPECTED_WORKLOADS = {
     "vgpu-device-manager": {"vm-vgpu"},
     "sandbox-dp": {"vm-passthrough", "vm-vgpu"},
     "sandbox-dra": {"vm-dra"},
+    "sandbox-dp-on-demand": {"vm-vgpu-on-demand"},
 }
-# DaemonSets only some deployments have (the DRA driver: deploy/components/dra).
-OPTIONAL_DAEMONSETS = {"sandbox-dra"}
+# DaemonSets only some deployments have (the DRA driver: deploy/components/dra; sandbox-dp
+# --on-demand: deploy/components/on-demand).
+OPTIONAL_DAEMONSETS = {"sandbox-dra", "sandbox-dp-on-demand"}
+# The binary a DaemonSet runs, where it is not the DaemonSet's name.
+BINARY = {"sandbox-dp-on-demand": "sandbox-dp"}
 # What each daemon may mount from the host, and whether writable. Everything lives under
 # HOST_ROOT=/host at its host path.
 ALLOWED_HOST_MOUNTS = {
@@ -303,11 +307,19 @@ ALLOWED_HOST_MOUNTS = {
         "/var/lib/kubelet/device-plugins": False,
         "/var/lib/kubelet/pod-resources": False,
     },
+    "sandbox-dp-on-demand": {
+        "/sys": True,
+        "/dev": False,
+        "/proc": False,
+        "/var/lib/kubelet/device-plugins": True,
+        "/var/lib/kubelet/pod-resources": False,
+        "/run/gpu-vm-node": True,
+    },
 }
 NEEDS_API = {"vgpu-device-manager", "sandbox-dra"}
-NEEDS_UEVENTS = {"vfio-manager", "sandbox-dp", "sandbox-dra"}
-NEEDS_PRIVILEGED = {"vfio-manager", "vgpu-device-manager", "sandbox-dra"}
-NEEDS_HOSTPID = {"vfio-manager", "vgpu-device-manager", "sandbox-dra"}
+NEEDS_UEVENTS = {"vfio-manager", "sandbox-dp", "sandbox-dra", "sandbox-dp-on-demand"}
+NEEDS_PRIVILEGED = {"vfio-manager", "vgpu-device-manager", "sandbox-dra", "sandbox-dp-on-demand"}
+NEEDS_HOSTPID = {"vfio-manager", "vgpu-device-manager", "sandbox-dra", "sandbox-dp-on-demand"}
 # What each service account may do: (apiGroups, resources, verbs) a rule must stay within.
 ALLOWED_RULES = {
     "vgpu-device-manager": [({""}, {"nodes"}, {"get", "list", "watch", "patch"})],
@@ -425,8 +437,9 @@ def check_rules(objs: list[dict], where: str) -> None:
             if kdir in mounted and env.get("KUBELET_DIR", {}).get("value") != kdir:
                 fail(f"{tag}: {c['name']} mounts {kdir} but does not set KUBELET_DIR={kdir}")
             cmd = c.get("command") or []
-            if cmd != [f"/usr/local/bin/{name}"]:
-                fail(f"{tag}: {c['name']} runs {cmd}, expected [/usr/local/bin/{name}]")
+            binary = BINARY.get(name, name)
+            if cmd != [f"/usr/local/bin/{binary}"]:
+                fail(f"{tag}: {c['name']} runs {cmd}, expected [/usr/local/bin/{binary}]")
             ready = READY_FILES.get(name)
             probe = (c.get("readinessProbe") or {}).get("exec", {}).get("command") or []
             if ready and ready not in probe:

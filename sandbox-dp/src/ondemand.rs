@@ -3,8 +3,10 @@
 //! the vGPU, and [`Pool::reconcile`] destroys it once no pod kubelet runs holds its device.
 //!
 //! Device IDs are stable across restarts: `<GPU address>-<type>-<slot>`
-//! (`0000:41:00.0-A10-4Q-0`). An allocated slot is listed while its vGPU lives; the free slots
-//! listed are the lowest numbers not allocated, as many as the GPU can still create.
+//! (`0000:41:00.0-A10-4Q-0`). An allocated slot is listed while its vGPU lives, under the GPU
+//! the vGPU is on (which its record names: a race's loser may be placed on another GPU than the
+//! one its ID names); the free slots listed are the lowest numbers no record uses, as many as
+//! the GPU can still create.
 //!
 //! Every vGPU made here is recorded in `<root>/run/gpu-vm-node/on-demand-vgpus.json` before
 //! its sysfs write (phase `creating`) and after it (`ready`), and before its removal

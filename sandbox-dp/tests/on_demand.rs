@@ -8,8 +8,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use support::*;
+use testkit::kubelet::api::AllocateResponse;
 use testkit::kubelet::pod_resources::pod;
-use testkit::kubelet::{FakeKubelet, FakePodResources, checkpoint};
+use testkit::kubelet::{FakeKubelet, FakePodResources, PluginClient, checkpoint};
 
 const A10_4Q: &str = "nvidia.com/NVIDIA_A10-4Q";
 const A10_8Q: &str = "nvidia.com/NVIDIA_A10-8Q";
@@ -24,6 +25,49 @@ async fn kubelet_with_pods() -> (tempfile::TempDir, PathBuf, FakeKubelet, FakePo
     let socket = kdir.parent().unwrap().join("pod-resources/kubelet.sock");
     let pods = FakePodResources::start(&socket).await.unwrap();
     (k, kdir, kubelet, pods)
+}
+
+/// sandbox-dp `serve` with `args` on `root` (2xA10), with a fake kubelet and PodResources, and
+/// clients of its A10-4Q and A10-8Q plugins.
+async fn a10_pool(root: &Path, args: &[&str]) -> A10Pool {
+    let (k, kdir, mut kubelet, pods) = kubelet_with_pods().await;
+    let d = Daemon::start(root, &kdir, args);
+    let regs = kubelet.wait_for(&[A10_4Q, A10_8Q], DEADLINE).await.unwrap();
+    let p4 = kubelet.plugin(&regs[A10_4Q].endpoint).await.unwrap();
+    let p8 = kubelet.plugin(&regs[A10_8Q].endpoint).await.unwrap();
+    A10Pool {
+        p4,
+        p8,
+        kdir,
+        pods,
+        _d: d,
+        _kubelet: kubelet,
+        _k: k,
+    }
+}
+
+struct A10Pool {
+    p4: PluginClient,
+    p8: PluginClient,
+    kdir: PathBuf,
+    pods: FakePodResources,
+    // Drop order: the daemon before the kubelet and its directory.
+    _d: Daemon,
+    _kubelet: FakeKubelet,
+    _k: tempfile::TempDir,
+}
+
+/// An A10-4Q and an A10-8Q Allocate of GPU A's first slots, at once.
+async fn race_4q_8q(
+    p: &mut A10Pool,
+) -> (
+    Result<AllocateResponse, tonic::Status>,
+    Result<AllocateResponse, tonic::Status>,
+) {
+    let (s4, s8) = (format!("{GPU_A}-A10-4Q-0"), format!("{GPU_A}-A10-8Q-0"));
+    let (c4, c8): (&[&str], &[&str]) = (&[s4.as_str()], &[s8.as_str()]);
+    let (q4, q8) = ([c4], [c8]);
+    tokio::join!(p.p4.allocate(&q4), p.p8.allocate(&q8))
 }
 
 fn records(root: &Path) -> String {
@@ -55,16 +99,10 @@ async fn a10s_create_a_4q_on_allocate_and_remove_it_when_the_pod_is_gone() {
         return;
     };
     let root = sim.root();
-    let (_k, kdir, mut kubelet, pods) = kubelet_with_pods().await;
-    let _d = Daemon::start(
-        root,
-        &kdir,
-        &["--on-demand", "all", "--on-demand-poll", "100ms"],
-    );
-
-    let regs = kubelet.wait_for(&[A10_4Q, A10_8Q], DEADLINE).await.unwrap();
-    let mut p4 = kubelet.plugin(&regs[A10_4Q].endpoint).await.unwrap();
-    let mut p8 = kubelet.plugin(&regs[A10_8Q].endpoint).await.unwrap();
+    let mut pool = a10_pool(root, &["--on-demand", "all", "--on-demand-poll", "100ms"]).await;
+    let A10Pool {
+        p4, p8, kdir, pods, ..
+    } = &mut pool;
     let mut lw4 = p4.list_and_watch().await.unwrap();
     let mut lw8 = p8.list_and_watch().await.unwrap();
     let l4 = lw4.wait_until(DEADLINE, |l| l.len() == 12).await.unwrap();
@@ -424,15 +462,8 @@ async fn racing_allocates_of_two_sizes_on_one_gpu_make_one() {
         return;
     };
     let root = sim.root();
-    let (_k, kdir, mut kubelet, _pods) = kubelet_with_pods().await;
-    let _d = Daemon::start(root, &kdir, &["--on-demand", GPU_A]);
-    let regs = kubelet.wait_for(&[A10_4Q, A10_8Q], DEADLINE).await.unwrap();
-    let mut p4 = kubelet.plugin(&regs[A10_4Q].endpoint).await.unwrap();
-    let mut p8 = kubelet.plugin(&regs[A10_8Q].endpoint).await.unwrap();
-    let (s4, s8) = (format!("{GPU_A}-A10-4Q-0"), format!("{GPU_A}-A10-8Q-0"));
-    let (c4, c8): (&[&str], &[&str]) = (&[s4.as_str()], &[s8.as_str()]);
-    let (q4, q8) = ([c4], [c8]);
-    let (r4, r8) = tokio::join!(p4.allocate(&q4), p8.allocate(&q8));
+    let mut p = a10_pool(root, &["--on-demand", GPU_A]).await;
+    let (r4, r8) = race_4q_8q(&mut p).await;
     let (ok, err) = match (r4, r8) {
         (Ok(_), Err(e)) => ("NVIDIA A10-4Q", (e, "NVIDIA A10-8Q")),
         (Err(e), Ok(_)) => ("NVIDIA A10-8Q", (e, "NVIDIA A10-4Q")),
@@ -845,19 +876,9 @@ async fn the_loser_of_a_race_for_one_gpu_is_placed_on_another() {
         return;
     };
     let root = sim.root();
-    let (_k, kdir, mut kubelet, pods) = kubelet_with_pods().await;
-    let _d = Daemon::start(
-        root,
-        &kdir,
-        &["--on-demand", "all", "--on-demand-poll", "100ms"],
-    );
-    let regs = kubelet.wait_for(&[A10_4Q, A10_8Q], DEADLINE).await.unwrap();
-    let mut p4 = kubelet.plugin(&regs[A10_4Q].endpoint).await.unwrap();
-    let mut p8 = kubelet.plugin(&regs[A10_8Q].endpoint).await.unwrap();
+    let mut p = a10_pool(root, &["--on-demand", "all", "--on-demand-poll", "100ms"]).await;
+    let (r4, r8) = race_4q_8q(&mut p).await;
     let (s4, s8) = (format!("{GPU_A}-A10-4Q-0"), format!("{GPU_A}-A10-8Q-0"));
-    let (c4, c8): (&[&str], &[&str]) = (&[s4.as_str()], &[s8.as_str()]);
-    let (q4, q8) = ([c4], [c8]);
-    let (r4, r8) = tokio::join!(p4.allocate(&q4), p8.allocate(&q8));
     let u4 = r4.unwrap().container_responses[0].envs["MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q"]
         .clone();
     let u8 = r8.unwrap().container_responses[0].envs["MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-8Q"]
@@ -873,8 +894,8 @@ async fn the_loser_of_a_race_for_one_gpu_is_placed_on_another() {
     };
     // The loser's slot is listed (its vGPU lives), and the GPUs' other slots follow what each
     // hosts: 4Q 6 on one GPU, 8Q 3 on the other.
-    let mut lw4 = p4.list_and_watch().await.unwrap();
-    let mut lw8 = p8.list_and_watch().await.unwrap();
+    let mut lw4 = p.p4.list_and_watch().await.unwrap();
+    let mut lw8 = p.p8.list_and_watch().await.unwrap();
     let l4 = lw4.wait_until(DEADLINE, |l| l.len() == 6).await.unwrap();
     let l8 = lw8.wait_until(DEADLINE, |l| l.len() == 3).await.unwrap();
     assert!(
@@ -882,11 +903,12 @@ async fn the_loser_of_a_race_for_one_gpu_is_placed_on_another() {
         "{l4:?} {l8:?}"
     );
 
-    pods.set_pods(vec![pod("vms", "vm-l", "compute", loser, &[loser_slot])]);
+    p.pods
+        .set_pods(vec![pod("vms", "vm-l", "compute", loser, &[loser_slot])]);
     eventually("the pod is seen holding the vGPU", || {
         records(root).contains("\"seen\": true")
     });
-    pods.set_pods(vec![]);
+    p.pods.set_pods(vec![]);
     eventually("the loser's vGPU is removed once its pod is gone", || {
         !root
             .join(format!("sys/bus/mdev/devices/{loser_uuid}"))

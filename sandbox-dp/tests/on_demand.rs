@@ -175,7 +175,7 @@ async fn a10s_create_a_4q_on_allocate_and_remove_it_when_the_pod_is_gone() {
     // kubelet runs the pod, then the pod is deleted: gone from List, its checkpoint entry left.
     pods.set_pods(vec![pod("vms", "vm-a", "compute", A10_4Q, &[&slot])]);
     checkpoint::write(
-        &kdir,
+        kdir,
         &[checkpoint::entry("uid-a", "compute", A10_4Q, &[&slot])],
     )
     .unwrap();

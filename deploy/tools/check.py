@@ -276,9 +276,13 @@ EXPECTED_WORKLOADS = {
     "vgpu-device-manager": {"vm-vgpu"},
     "sandbox-dp": {"vm-passthrough", "vm-vgpu"},
     "sandbox-dra": {"vm-dra"},
+    "sandbox-dp-on-demand": {"vm-vgpu-on-demand"},
 }
-# DaemonSets only some deployments have (the DRA driver: deploy/components/dra).
-OPTIONAL_DAEMONSETS = {"sandbox-dra"}
+# DaemonSets only some deployments have (the DRA driver: deploy/components/dra; sandbox-dp
+# --on-demand: deploy/components/on-demand).
+OPTIONAL_DAEMONSETS = {"sandbox-dra", "sandbox-dp-on-demand"}
+# The binary a DaemonSet runs, where it is not the DaemonSet's name.
+BINARY = {"sandbox-dp-on-demand": "sandbox-dp"}
 # What each daemon may mount from the host, and whether writable. Everything lives under
 # HOST_ROOT=/host at its host path.
 ALLOWED_HOST_MOUNTS = {
@@ -319,11 +323,19 @@ ALLOWED_HOST_MOUNTS = {
         "/var/lib/kubelet/device-plugins": False,
         "/var/lib/kubelet/pod-resources": False,
     },
+    "sandbox-dp-on-demand": {
+        "/sys": True,
+        "/dev": False,
+        "/proc": False,
+        "/var/lib/kubelet/device-plugins": True,
+        "/var/lib/kubelet/pod-resources": False,
+        "/run/gpu-vm-node": True,
+    },
 }
 # Every daemon records Events about its Node, so every one has a token.
 NEEDS_API = set(EXPECTED_WORKLOADS)
-NEEDS_PRIVILEGED = {"vfio-manager", "vgpu-device-manager", "sandbox-dra"}
-NEEDS_HOSTPID = {"vfio-manager", "vgpu-device-manager", "sandbox-dra"}
+NEEDS_PRIVILEGED = {"vfio-manager", "vgpu-device-manager", "sandbox-dra", "sandbox-dp-on-demand"}
+NEEDS_HOSTPID = {"vfio-manager", "vgpu-device-manager", "sandbox-dra", "sandbox-dp-on-demand"}
 # What each service account may do: (apiGroups, resources, verbs) a rule must stay within.
 EVENTS_RULE = ({"events.k8s.io", ""}, {"events"}, {"create", "patch"})
 ALLOWED_RULES = {
@@ -340,11 +352,12 @@ ALLOWED_RULES = {
 }
 # Each daemon's metrics port (--metrics-addr; /metrics, /healthz, /readyz): not 9400, which is
 # dcgm-exporter's.
-METRICS_PORTS = {"vfio-manager": 9481, "vgpu-device-manager": 9482, "sandbox-dp": 9483, "sandbox-dra": 9484}
+METRICS_PORTS = {"vfio-manager": 9481, "vgpu-device-manager": 9482, "sandbox-dp": 9483, "sandbox-dra": 9484,
+                 "sandbox-dp-on-demand": 9483}
 # The GPU Operator's operand names: nvidia.com/gpu.deploy.<operand> "false" or a pause value keeps
 # the DaemonSet off a node.
 OPERANDS = {"vfio-manager": "vfio-manager", "vgpu-device-manager": "vgpu-device-manager",
-            "sandbox-dp": "sandbox-device-plugin"}
+            "sandbox-dp": "sandbox-device-plugin", "sandbox-dp-on-demand": "sandbox-device-plugin"}
 DEPLOY_OFF_VALUES = {"false", "paused-for-vgpu-change", "paused-for-driver-upgrade"}
 VGPU_CONFIGMAP = "default-vgpu-devices-config"
 # The files sandbox-dp's init container waits for.
@@ -470,8 +483,9 @@ def check_rules(objs: list[dict], where: str) -> None:
             if kdir in mounted and env.get("KUBELET_DIR", {}).get("value") != kdir:
                 fail(f"{tag}: {c['name']} mounts {kdir} but does not set KUBELET_DIR={kdir}")
             cmd = c.get("command") or []
-            if cmd != [f"/usr/local/bin/{name}"]:
-                fail(f"{tag}: {c['name']} runs {cmd}, expected [/usr/local/bin/{name}]")
+            binary = BINARY.get(name, name)
+            if cmd != [f"/usr/local/bin/{binary}"]:
+                fail(f"{tag}: {c['name']} runs {cmd}, expected [/usr/local/bin/{binary}]")
             check_metrics(c, name, tag, by_kind.get("Service", {}))
         ok(f"{tag}: service account, host namespaces, privileges and host mounts as required")
     # The init containers of sandbox-dp wait for the readiness files the others write.

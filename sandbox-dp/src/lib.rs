@@ -316,7 +316,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         &config.kubelet_dir,
         &paths.dev(),
         &paths.dev_vfio(),
-        changes_tx,
+        changes_tx.clone(),
         wake.clone(),
         kubelet_generation.clone(),
     )?;
@@ -359,7 +359,12 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         Ok(())
     });
     if let Some(pool) = config.discover.pool.clone() {
-        tasks.spawn(release_loop(pool, config.on_demand_poll, task_stop.clone()));
+        tasks.spawn(release_loop(
+            pool,
+            config.on_demand_poll,
+            changes_tx,
+            task_stop.clone(),
+        ));
     }
     let mut mgr = Manager {
         config: config.clone(),
@@ -466,10 +471,12 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
 }
 
 /// Every `poll`, removes the on-demand vGPUs no pod holds ([`ondemand::Pool::reconcile`]); the
-/// uevents of the removals bring their slots back to the lists.
+/// GPUs whose records changed are read again, so their slots come back to the lists even when
+/// no uevent came (a record whose vGPU a crash left uncreated).
 async fn release_loop(
     pool: Arc<ondemand::Pool>,
     poll: Duration,
+    changes: mpsc::UnboundedSender<events::Change>,
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
     let mut tick = tokio::time::interval(poll);
@@ -480,8 +487,11 @@ async fn release_loop(
             _ = tick.tick() => {}
         }
         let p = pool.clone();
-        tokio::task::spawn_blocking(move || p.reconcile())
+        let changed = tokio::task::spawn_blocking(move || p.reconcile())
             .await
             .context("on-demand release task")?;
+        for gpu in changed {
+            let _ = changes.send(events::Change::Pci(gpu));
+        }
     }
 }

@@ -3,8 +3,10 @@
 //! the vGPU, and [`Pool::reconcile`] destroys it once no pod kubelet runs holds its device.
 //!
 //! Device IDs are stable across restarts: `<GPU address>-<type>-<slot>`
-//! (`0000:41:00.0-A10-4Q-0`). An allocated slot is listed while its vGPU lives; the free slots
-//! listed are the lowest numbers not allocated, as many as the GPU can still create.
+//! (`0000:41:00.0-A10-4Q-0`). An allocated slot is listed while its vGPU lives, under the GPU
+//! the vGPU is on (which its record names: a race's loser may be placed on another GPU than the
+//! one its ID names); the free slots listed are the lowest numbers no record uses, as many as
+//! the GPU can still create.
 //!
 //! Every vGPU made here is recorded in `<root>/run/gpu-vm-node/on-demand-vgpus.json` before
 //! its sysfs write (phase `creating`) and after it (`ready`), and before its removal
@@ -12,8 +14,9 @@
 //! every vGPU this daemon may have made, and the next run removes those no pod holds.
 //!
 //! One GPU serves one Allocate at a time (a lock per GPU), and each reads the GPU afresh: two
-//! Allocates racing for one GPU never make two sizes on it; the second is refused with the GPU
-//! and the type named.
+//! Allocates racing for one GPU never make two sizes on it. The loser is placed on another
+//! pooled GPU that can host its type (its record maps kubelet's device ID to that GPU, and the
+//! answer carries the real vGPU), or refused with the GPU and the type named when none can.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -216,11 +219,28 @@ impl Pool {
         }
         state::pool::write(&self.paths, &gpus)?;
         let sysfs = Sysfs::new(self.paths.clone());
-        for a in &gpus {
-            if let Mode::NeedsVfs { total } = capacity(&inv, a).mode {
-                tracing::info!(gpu = %a, vfs = total, "enabling VFs for on-demand vGPUs");
-                sysfs.set_sriov_numvfs(a, total)?;
+        let need: Vec<(PciAddress, u32)> = gpus
+            .iter()
+            .filter_map(|a| match capacity(&inv, a).mode {
+                Mode::NeedsVfs { total } => Some((*a, total)),
+                _ => None,
+            })
+            .collect();
+        // Enabling VFs changes what the GPU is: a GPU something uses (a process holding
+        // /dev/nvidia<N>, a pod given it) is left as it is, and offers nothing until a restart.
+        let usage = (!need.is_empty()).then(|| common::Usage::read(&self.paths));
+        for (a, total) in need {
+            let uses = usage
+                .as_ref()
+                .map(|u| u.of_gpu(&inv, &a))
+                .unwrap_or_default();
+            if !uses.is_empty() {
+                let who: Vec<String> = uses.iter().map(|u| u.describe(&inv)).collect();
+                tracing::warn!(gpu = %a, "not enabling the VFs of GPU {a} for on-demand vGPUs: it is in use: {}", who.join("; "));
+                continue;
             }
+            tracing::info!(gpu = %a, vfs = total, "enabling VFs for on-demand vGPUs");
+            sysfs.set_sriov_numvfs(&a, total)?;
         }
         tracing::info!(gpus = ?gpus.iter().map(ToString::to_string).collect::<Vec<_>>(), "on-demand pool");
         Ok(())
@@ -277,9 +297,21 @@ impl Pool {
                     continue;
                 }
                 let name = resource_name(&t.name);
-                let held: BTreeSet<u32> = records
+                // The vGPUs of this type on this GPU, by the device ID kubelet gave (it may
+                // name another GPU's slot: see `allocate_one`).
+                let held: Vec<&str> = records
                     .iter()
                     .filter(|r| r.gpu == gpu && r.type_name == t.name && r.phase != Phase::Removing)
+                    .map(|r| r.device.as_str())
+                    .collect();
+                // This GPU's slot numbers of the type that a record uses, wherever it was placed.
+                let taken: BTreeSet<u32> = records
+                    .iter()
+                    .filter(|r| r.phase != Phase::Removing)
+                    .filter(|r| {
+                        parse_device_id(&r.device)
+                            .is_some_and(|(g, k)| g == gpu && k == type_key(&t.name))
+                    })
                     .filter_map(|r| r.device.rsplit_once('-')?.1.parse().ok())
                     .collect();
                 if held.is_empty() && t.available == 0 {
@@ -298,10 +330,10 @@ impl Pool {
                 r.pci_selectors
                     .insert(format!("{:04X}:{:04X}", dev.vendor, dev.device));
                 let free = (0..)
-                    .filter(|s| !held.contains(s))
-                    .take(t.available as usize);
-                for slot in held.iter().copied().chain(free) {
-                    let id = device_id(&gpu, &t.name, slot);
+                    .filter(|s| !taken.contains(s))
+                    .take(t.available as usize)
+                    .map(|slot| device_id(&gpu, &t.name, slot));
+                for id in held.into_iter().map(str::to_string).chain(free) {
                     r.devices.insert(
                         id.clone(),
                         DeviceInfo {
@@ -366,55 +398,99 @@ impl Pool {
         Ok(out)
     }
 
+    /// One device: the vGPU made for it before, else a new one on the GPU its ID names, else
+    /// (that GPU cannot host the type now: another size won a race for it, or it is full) on
+    /// the first other pooled GPU that can. The record maps the device ID to the GPU the vGPU
+    /// is on, and the answer carries the real vGPU (its UUID or VF), so kubelet's ID may name a
+    /// slot of another GPU than the one serving it.
     fn allocate_one(&self, resource: &str, id: &str) -> Result<Created, String> {
         let started = Instant::now();
         let (gpu, key) = parse_device_id(id)
             .ok_or_else(|| format!("{resource}: {id:?} is not an on-demand device ID"))?;
-        let gl = self.gpu_lock(gpu);
+        if let Some(c) = self.reuse(resource, id)? {
+            return Ok(c);
+        }
+        let refused = match self.create_on(resource, id, gpu, key, started) {
+            Placed::Made(c) => return Ok(c),
+            Placed::NoRoom(e) => e,
+            Placed::Failed(e) => return Err(e),
+        };
+        let inv = Inventory::read_with(&self.paths, &READ_OPTIONS)
+            .map_err(|e| format!("reading the node: {e}"))?;
+        for other in self.gpus(&inv).into_iter().filter(|g| *g != gpu) {
+            match self.create_on(resource, id, other, key, started) {
+                Placed::Made(c) => {
+                    tracing::info!(device = id, gpu = %other, "{refused}; placed on GPU {other}");
+                    return Ok(c);
+                }
+                Placed::NoRoom(_) => continue,
+                Placed::Failed(e) => return Err(e),
+            }
+        }
+        Err(format!("{refused}, nor can any other GPU of the pool"))
+    }
+
+    /// A record for this device: kubelet allocates it again (a restarted container, or a retry
+    /// after this daemon died inside the first Allocate). Its vGPU, when it is there whole, is
+    /// the answer; a partial one is removed with its record.
+    fn reuse(&self, resource: &str, id: &str) -> Result<Option<Created>, String> {
+        let Some(r) = self.records().into_iter().find(|r| r.device == id) else {
+            return Ok(None);
+        };
+        let gl = self.gpu_lock(r.gpu);
         let _held = lock(&gl);
         let mut inv = Inventory::read_with(&self.paths, &READ_OPTIONS)
             .map_err(|e| format!("reading the node: {e}"))?;
-        // A record for this device: kubelet allocates it again (a restarted container, or a
-        // retry after this daemon died inside the first Allocate). Its vGPU, when it is there
-        // whole, is the answer; a partial one goes first.
-        if let Some(r) = self.records().into_iter().find(|r| r.device == id) {
-            if r.phase != Phase::Removing
-                && let Some(c) = created(&mut inv, &self.paths, &r)
-            {
-                if r.phase != Phase::Ready {
-                    self.update(|rs| {
-                        if let Some(x) = rs.iter_mut().find(|x| x.device == id) {
-                            x.phase = Phase::Ready;
-                        }
-                    })
-                    .map_err(|e| format!("recording the vGPU for {id}: {e:#}"))?;
+        if r.phase != Phase::Removing
+            && let Some(c) = created(&mut inv, &self.paths, &r)
+        {
+            // Ready, and its grace period starts again: kubelet is admitting a pod with it.
+            self.update(|rs| {
+                if let Some(x) = rs.iter_mut().find(|x| x.device == id) {
+                    x.phase = Phase::Ready;
+                    x.since = now();
                 }
-                tracing::info!(device = id, vgpu = %r.handle, "reusing the vGPU made for this device");
-                return Ok(c);
-            }
-            if exists(&inv, &r) {
-                self.destroy_handle_of(&r).map_err(|e| {
-                    format!("{resource}: removing {} {}: {e}", r.type_name, r.handle)
-                })?;
-            }
-            self.update(|rs| rs.retain(|x| x.device != id))
-                .map_err(|e| format!("recording the vGPU for {id}: {e:#}"))?;
-            inv = Inventory::read_with(&self.paths, &READ_OPTIONS)
-                .map_err(|e| format!("reading the node: {e}"))?;
+            })
+            .map_err(|e| format!("recording the vGPU for {id}: {e:#}"))?;
+            tracing::info!(device = id, vgpu = %r.handle, "reusing the vGPU made for this device");
+            return Ok(Some(c));
         }
+        if exists(&inv, &r) {
+            self.destroy_handle_of(&r)
+                .map_err(|e| format!("{resource}: removing {} {}: {e}", r.type_name, r.handle))?;
+        }
+        self.update(|rs| rs.retain(|x| x.device != id))
+            .map_err(|e| format!("recording the vGPU for {id}: {e:#}"))?;
+        Ok(None)
+    }
+
+    /// Creates a vGPU of type `key` for device `id` on `gpu`, under the GPU's lock and from a
+    /// fresh read of it.
+    fn create_on(
+        &self,
+        resource: &str,
+        id: &str,
+        gpu: PciAddress,
+        key: &str,
+        started: Instant,
+    ) -> Placed {
+        let gl = self.gpu_lock(gpu);
+        let _held = lock(&gl);
+        let mut inv = match Inventory::read_with(&self.paths, &READ_OPTIONS) {
+            Ok(inv) => inv,
+            Err(e) => return Placed::Failed(format!("reading the node: {e}")),
+        };
         if !self.gpus(&inv).contains(&gpu) {
-            return Err(format!(
+            return Placed::NoRoom(format!(
                 "{resource}: GPU {gpu} of {id} is not in the on-demand pool"
             ));
         }
         let cap = capacity(&inv, &gpu);
-        let t = cap
-            .types
-            .iter()
-            .find(|t| type_key(&t.name) == key)
-            .ok_or_else(|| format!("{resource}: GPU {gpu} does not offer {key}"))?;
+        let Some(t) = cap.types.iter().find(|t| type_key(&t.name) == key) else {
+            return Placed::NoRoom(format!("{resource}: GPU {gpu} does not offer {key}"));
+        };
         let (Some(type_id), Some(parent)) = (t.type_id.clone(), t.parents.first().cloned()) else {
-            return Err(no_room(&cap, t));
+            return Placed::NoRoom(no_room(&cap, t));
         };
         let vendor = cap.mode == Mode::Vendor;
         let handle = if vendor {
@@ -433,11 +509,12 @@ impl Pool {
             since: now(),
             seen: false,
         };
-        self.update(|rs| {
+        if let Err(e) = self.update(|rs| {
             rs.retain(|r| r.device != id);
             rs.push(rec.clone());
-        })
-        .map_err(|e| format!("recording the vGPU for {id}: {e:#}"))?;
+        }) {
+            return Placed::Failed(format!("recording the vGPU for {id}: {e:#}"));
+        }
         let sysfs = Sysfs::new(self.paths.clone());
         let write = if vendor {
             match (parent.parse::<PciAddress>(), type_id.parse::<u32>()) {
@@ -452,7 +529,7 @@ impl Pool {
         };
         if let Err(e) = write {
             let _ = self.update(|rs| rs.retain(|r| r.device != id));
-            return Err(format!(
+            return Placed::Failed(format!(
                 "{resource}: cannot create {} on GPU {gpu} ({parent}): {e}",
                 t.name
             ));
@@ -461,32 +538,35 @@ impl Pool {
             phase: Phase::Ready,
             ..rec
         };
-        self.update(|rs| {
+        if let Err(e) = self.update(|rs| {
             if let Some(r) = rs.iter_mut().find(|r| r.device == id) {
                 *r = ready.clone();
             }
-        })
-        .map_err(|e| format!("recording the vGPU for {id}: {e:#}"))?;
-        let c = wait_created(&mut inv, &self.paths, &ready).ok_or_else(|| {
-            format!(
+        }) {
+            return Placed::Failed(format!("recording the vGPU for {id}: {e:#}"));
+        }
+        let Some(c) = wait_created(&mut inv, &self.paths, &ready) else {
+            return Placed::Failed(format!(
                 "{resource}: {} {handle} on GPU {gpu} has no /dev/vfio group node",
                 t.name
-            )
-        })?;
+            ));
+        };
         self.metrics.on_demand_created(started.elapsed());
         tracing::info!(device = id, gpu = %gpu, vgpu = %handle, type_name = %t.name, took_ms = started.elapsed().as_millis() as u64, "created an on-demand vGPU");
-        Ok(c)
+        Placed::Made(c)
     }
 
     /// Removes the vGPUs no pod holds: those a pod held once and no longer does, and those no
     /// pod was seen holding within the grace period. A vGPU a process holds is kept and
     /// reported until it is let go. Does nothing when kubelet does not answer. Blocking.
-    pub fn reconcile(&self) {
+    /// Returns the GPUs whose records it dropped.
+    pub fn reconcile(&self) -> BTreeSet<PciAddress> {
+        let mut dropped = BTreeSet::new();
         let active = match common::usage::active_pods(&self.paths, Duration::from_secs(5)) {
             Ok(a) => a,
             Err(e) => {
                 tracing::warn!("keeping every on-demand vGPU: {e}");
-                return;
+                return dropped;
             }
         };
         let t = now();
@@ -511,16 +591,27 @@ impl Pool {
             tracing::warn!(error = format!("{e:#}"), "cannot record the vGPUs' pods");
         }
         for r in release {
-            if let Err(e) = self.release(&r) {
-                self.metrics.on_demand_failure();
-                tracing::warn!(device = %r.device, vgpu = %r.handle, "cannot remove an on-demand vGPU: {e}");
+            match self.release(&r) {
+                Ok(()) => {
+                    dropped.insert(r.gpu);
+                }
+                Err(e) => {
+                    self.metrics.on_demand_failure();
+                    tracing::warn!(device = %r.device, vgpu = %r.handle, "cannot remove an on-demand vGPU: {e}");
+                }
             }
         }
+        dropped
     }
 
     fn release(&self, r: &Record) -> Result<(), String> {
         let gl = self.gpu_lock(r.gpu);
         let _held = lock(&gl);
+        // An Allocate may have taken the record up again meanwhile (kubelet's retry): the next
+        // poll decides anew.
+        if !self.records().contains(r) {
+            return Ok(());
+        }
         let inv = Inventory::read_with(&self.paths, &READ_OPTIONS)
             .map_err(|e| format!("reading the node: {e}"))?;
         if exists(&inv, r) {
@@ -580,6 +671,16 @@ impl Pool {
         };
         res.map_err(|e| e.to_string())
     }
+}
+
+/// What one GPU made of an Allocate.
+enum Placed {
+    /// The vGPU.
+    Made(Created),
+    /// The GPU cannot host the type now (or is not pooled, or lacks the type): try another.
+    NoRoom(String),
+    /// Anything else: the Allocate fails.
+    Failed(String),
 }
 
 fn no_room(cap: &Capacity, t: &Creatable) -> String {

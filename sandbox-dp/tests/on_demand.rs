@@ -8,8 +8,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use support::*;
+use testkit::kubelet::api::AllocateResponse;
 use testkit::kubelet::pod_resources::pod;
-use testkit::kubelet::{FakeKubelet, FakePodResources, checkpoint};
+use testkit::kubelet::{FakeKubelet, FakePodResources, PluginClient, checkpoint};
 
 const A10_4Q: &str = "nvidia.com/NVIDIA_A10-4Q";
 const A10_8Q: &str = "nvidia.com/NVIDIA_A10-8Q";
@@ -24,6 +25,49 @@ async fn kubelet_with_pods() -> (tempfile::TempDir, PathBuf, FakeKubelet, FakePo
     let socket = kdir.parent().unwrap().join("pod-resources/kubelet.sock");
     let pods = FakePodResources::start(&socket).await.unwrap();
     (k, kdir, kubelet, pods)
+}
+
+/// sandbox-dp `serve` with `args` on `root` (2xA10), with a fake kubelet and PodResources, and
+/// clients of its A10-4Q and A10-8Q plugins.
+async fn a10_pool(root: &Path, args: &[&str]) -> A10Pool {
+    let (k, kdir, mut kubelet, pods) = kubelet_with_pods().await;
+    let d = Daemon::start(root, &kdir, args);
+    let regs = kubelet.wait_for(&[A10_4Q, A10_8Q], DEADLINE).await.unwrap();
+    let p4 = kubelet.plugin(&regs[A10_4Q].endpoint).await.unwrap();
+    let p8 = kubelet.plugin(&regs[A10_8Q].endpoint).await.unwrap();
+    A10Pool {
+        p4,
+        p8,
+        kdir,
+        pods,
+        _d: d,
+        _kubelet: kubelet,
+        _k: k,
+    }
+}
+
+struct A10Pool {
+    p4: PluginClient,
+    p8: PluginClient,
+    kdir: PathBuf,
+    pods: FakePodResources,
+    // Drop order: the daemon before the kubelet and its directory.
+    _d: Daemon,
+    _kubelet: FakeKubelet,
+    _k: tempfile::TempDir,
+}
+
+/// An A10-4Q and an A10-8Q Allocate of GPU A's first slots, at once.
+async fn race_4q_8q(
+    p: &mut A10Pool,
+) -> (
+    Result<AllocateResponse, tonic::Status>,
+    Result<AllocateResponse, tonic::Status>,
+) {
+    let (s4, s8) = (format!("{GPU_A}-A10-4Q-0"), format!("{GPU_A}-A10-8Q-0"));
+    let (c4, c8): (&[&str], &[&str]) = (&[s4.as_str()], &[s8.as_str()]);
+    let (q4, q8) = ([c4], [c8]);
+    tokio::join!(p.p4.allocate(&q4), p.p8.allocate(&q8))
 }
 
 fn records(root: &Path) -> String {
@@ -55,16 +99,10 @@ async fn a10s_create_a_4q_on_allocate_and_remove_it_when_the_pod_is_gone() {
         return;
     };
     let root = sim.root();
-    let (_k, kdir, mut kubelet, pods) = kubelet_with_pods().await;
-    let _d = Daemon::start(
-        root,
-        &kdir,
-        &["--on-demand", "all", "--on-demand-poll", "100ms"],
-    );
-
-    let regs = kubelet.wait_for(&[A10_4Q, A10_8Q], DEADLINE).await.unwrap();
-    let mut p4 = kubelet.plugin(&regs[A10_4Q].endpoint).await.unwrap();
-    let mut p8 = kubelet.plugin(&regs[A10_8Q].endpoint).await.unwrap();
+    let mut pool = a10_pool(root, &["--on-demand", "all", "--on-demand-poll", "100ms"]).await;
+    let A10Pool {
+        p4, p8, kdir, pods, ..
+    } = &mut pool;
     let mut lw4 = p4.list_and_watch().await.unwrap();
     let mut lw8 = p8.list_and_watch().await.unwrap();
     let l4 = lw4.wait_until(DEADLINE, |l| l.len() == 12).await.unwrap();
@@ -137,7 +175,7 @@ async fn a10s_create_a_4q_on_allocate_and_remove_it_when_the_pod_is_gone() {
     // kubelet runs the pod, then the pod is deleted: gone from List, its checkpoint entry left.
     pods.set_pods(vec![pod("vms", "vm-a", "compute", A10_4Q, &[&slot])]);
     checkpoint::write(
-        &kdir,
+        kdir,
         &[checkpoint::entry("uid-a", "compute", A10_4Q, &[&slot])],
     )
     .unwrap();
@@ -424,15 +462,8 @@ async fn racing_allocates_of_two_sizes_on_one_gpu_make_one() {
         return;
     };
     let root = sim.root();
-    let (_k, kdir, mut kubelet, _pods) = kubelet_with_pods().await;
-    let _d = Daemon::start(root, &kdir, &["--on-demand", GPU_A]);
-    let regs = kubelet.wait_for(&[A10_4Q, A10_8Q], DEADLINE).await.unwrap();
-    let mut p4 = kubelet.plugin(&regs[A10_4Q].endpoint).await.unwrap();
-    let mut p8 = kubelet.plugin(&regs[A10_8Q].endpoint).await.unwrap();
-    let (s4, s8) = (format!("{GPU_A}-A10-4Q-0"), format!("{GPU_A}-A10-8Q-0"));
-    let (c4, c8): (&[&str], &[&str]) = (&[s4.as_str()], &[s8.as_str()]);
-    let (q4, q8) = ([c4], [c8]);
-    let (r4, r8) = tokio::join!(p4.allocate(&q4), p8.allocate(&q8));
+    let mut p = a10_pool(root, &["--on-demand", GPU_A]).await;
+    let (r4, r8) = race_4q_8q(&mut p).await;
     let (ok, err) = match (r4, r8) {
         (Ok(_), Err(e)) => ("NVIDIA A10-4Q", (e, "NVIDIA A10-8Q")),
         (Err(e), Ok(_)) => ("NVIDIA A10-8Q", (e, "NVIDIA A10-4Q")),
@@ -457,4 +488,482 @@ async fn racing_allocates_of_two_sizes_on_one_gpu_make_one() {
         })
         .collect();
     assert_eq!(names, [ok]);
+}
+
+/// What a crash test runs against: a topology, the pooled GPU, and one vGPU type of it.
+struct Case {
+    topology: &'static str,
+    gpu: &'static str,
+    resource: &'static str,
+    /// The type's key in device IDs (`A10-4Q`).
+    key: &'static str,
+    /// The env KubeVirt reads the vGPU from.
+    env: &'static str,
+    /// node-sim's op for the create and the removal of one vGPU.
+    op: (&'static str, &'static str),
+    /// Devices the type lists on the GPU with nothing on it.
+    slots: usize,
+}
+
+const A10_CASE: Case = Case {
+    topology: "2xA10",
+    gpu: GPU_A,
+    resource: A10_4Q,
+    key: "A10-4Q",
+    env: "MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q",
+    op: ("create", "remove"),
+    slots: 6,
+};
+
+const H100_CASE: Case = Case {
+    topology: "8xH100-sriov",
+    gpu: "0000:13:00.0",
+    resource: "nvidia.com/NVIDIA_H100XM-8C",
+    key: "H100XM-8C",
+    env: "PCI_RESOURCE_NVIDIA_COM_NVIDIA_H100XM-8C",
+    op: ("current_vgpu_type", "current_vgpu_type"),
+    slots: 10,
+};
+
+impl Case {
+    fn slot(&self, n: u32) -> String {
+        format!("{}-{}-{n}", self.gpu, self.key)
+    }
+
+    /// The vGPUs on the node: mdev UUIDs, or the GPU's VFs holding a vGPU type.
+    fn vgpus(&self, root: &Path) -> Vec<String> {
+        let mut out: Vec<String> = if self.op.0 == "create" {
+            std::fs::read_dir(root.join("sys/bus/mdev/devices"))
+                .unwrap()
+                .map(|d| d.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        } else {
+            std::fs::read_dir(root.join(format!("sys/bus/pci/devices/{}", self.gpu)))
+                .unwrap()
+                .filter_map(|d| {
+                    let d = d.unwrap();
+                    d.file_name()
+                        .to_string_lossy()
+                        .starts_with("virtfn")
+                        .then(|| {
+                            std::fs::read_link(d.path())
+                                .unwrap()
+                                .file_name()
+                                .unwrap()
+                                .to_string_lossy()
+                                .into_owned()
+                        })
+                })
+                .filter(|vf| {
+                    !matches!(
+                        read(
+                            root,
+                            &format!("sys/bus/pci/devices/{vf}/nvidia/current_vgpu_type")
+                        )
+                        .as_str(),
+                        "0" | ""
+                    )
+                })
+                .collect()
+        };
+        out.sort();
+        out
+    }
+}
+
+/// Where a crash test kills sandbox-dp: at each of the writes of one Allocate or release.
+#[derive(Clone, Copy, Debug)]
+enum KillAt {
+    /// The record file says `phase` for the device (written before the sysfs write; that write
+    /// is slowed, so the kill lands before it takes effect).
+    Recorded(&'static str),
+    /// node-sim logged the sysfs write (it took effect; the record after it may or may not).
+    SysfsWrite,
+    /// The call is over (every write made).
+    Done,
+}
+
+const ALLOCATE_KILLS: [KillAt; 3] = [
+    KillAt::Recorded("creating"),
+    KillAt::SysfsWrite,
+    KillAt::Done,
+];
+const RELEASE_KILLS: [KillAt; 3] = [
+    KillAt::Recorded("removing"),
+    KillAt::SysfsWrite,
+    KillAt::Done,
+];
+
+/// A record of `device` in phase `phase` is on disk.
+fn recorded(root: &Path, device: &str, phase: &str) -> bool {
+    let text = records(root);
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return false;
+    };
+    v["vgpus"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|r| r["device"] == device && r["phase"] == phase)
+}
+
+/// Kills `d` at `at` (the sysfs writes counted since the last `clear_ops`; `done` says the call
+/// ended); the faults are cleared after.
+fn kill_at(
+    sim: &testkit::sim::SimDir,
+    d: &mut Daemon,
+    at: KillAt,
+    device: &str,
+    done: impl Fn() -> bool,
+) {
+    let root = sim.root();
+    testkit::sim::kill_when(&mut d.child, DEADLINE, || match at {
+        KillAt::Recorded(phase) => recorded(root, device, phase),
+        KillAt::SysfsWrite => !testkit::sim::writes(sim).is_empty(),
+        KillAt::Done => done(),
+    });
+    sim.control("clear-faults").unwrap();
+}
+
+/// Starts sandbox-dp and waits for `resource` to register; the daemon and its endpoint.
+async fn start(
+    root: &Path,
+    kubelet: &mut FakeKubelet,
+    resource: &str,
+    args: &[&str],
+) -> (Daemon, String) {
+    let d = Daemon::start(root, kubelet.dir(), args);
+    let regs = kubelet.wait_for(&[resource], DEADLINE).await.unwrap();
+    (d, regs[resource].endpoint.clone())
+}
+
+/// Lists `endpoint`'s devices from a fresh ListAndWatch until `pred` holds.
+async fn listed(
+    kubelet: &FakeKubelet,
+    endpoint: &str,
+    what: &str,
+    pred: impl Fn(&[testkit::kubelet::api::Device]) -> bool,
+) -> Vec<String> {
+    let mut p = kubelet.plugin(endpoint).await.unwrap();
+    let mut lw = p.list_and_watch().await.unwrap();
+    match lw.wait_until(DEADLINE, |l| pred(l)).await {
+        Ok(l) => ids(&l),
+        Err(e) => panic!("{what}: {e:#}"),
+    }
+}
+
+/// Allocates `slot` of the case's type; the vGPU handed over.
+async fn allocate(
+    kubelet: &FakeKubelet,
+    endpoint: &str,
+    case: &Case,
+    slot: &str,
+) -> Result<String, tonic::Status> {
+    let mut p = kubelet.plugin(endpoint).await.unwrap();
+    let resp = p.allocate(&[&[slot]]).await?;
+    Ok(resp.container_responses[0].envs[case.env].clone())
+}
+
+fn block<T>(f: impl FnOnce() -> T) -> T {
+    tokio::task::block_in_place(f)
+}
+
+/// `kill -9` at each write of an Allocate (its record, the sysfs write, the record after) and
+/// of a release (the same three), with a pod holding another vGPU of the GPU throughout; each
+/// next start converges: a vGPU no pod holds is removed (after the grace period when kubelet
+/// never recorded its pod), kubelet's retry of the killed Allocate gets one vGPU, the pod's
+/// vGPU is never touched, and the device IDs are the same.
+async fn killed_at_every_write_converges(case: Case) {
+    let Some(sim) = testkit::sim::try_mount(case.topology) else {
+        return;
+    };
+    let root = sim.root();
+    let (_k, _kdir, mut kubelet, pods) = kubelet_with_pods().await;
+    let args = [
+        "--on-demand",
+        case.gpu,
+        "--on-demand-poll",
+        "100ms",
+        "--on-demand-grace",
+        "1s",
+    ];
+    let (s0, s1) = (case.slot(0), case.slot(1));
+    let all_slots = |l: &[testkit::kubelet::api::Device]| {
+        l.len() == case.slots && [&s0, &s1].iter().all(|s| l.iter().any(|d| &&d.id == s))
+    };
+    let only_held = |held: &str| {
+        case.vgpus(root) == [held.to_string()] && !records(root).contains(&format!("\"{s0}\""))
+    };
+    let pod0 = pod("vms", "vm-0", "compute", case.resource, &[&s0]);
+
+    // A pod holds slot 1's vGPU all along.
+    let (mut d, ep) = start(root, &mut kubelet, case.resource, &args).await;
+    let held = allocate(&kubelet, &ep, &case, &s1).await.unwrap();
+    let held_pod = pod("vms", "vm-held", "compute", case.resource, &[&s1]);
+    pods.set_pods(vec![held_pod.clone()]);
+    block(|| {
+        eventually("the held pod is seen", || {
+            records(root).contains("\"seen\": true")
+        })
+    });
+
+    let mut killed_mid_way = 0;
+    for at in ALLOCATE_KILLS {
+        // kubelet retries the Allocate, or never does (admission failed).
+        for retry in [true, false] {
+            sim.control(&format!("fault {} * delay=300", case.op.0))
+                .unwrap();
+            sim.clear_ops();
+            let call = tokio::spawn({
+                let mut p = kubelet.plugin(&ep).await.unwrap();
+                let s0 = s0.clone();
+                async move { p.allocate(&[&[s0.as_str()]]).await.map(|_| ()) }
+            });
+            block(|| kill_at(&sim, &mut d, at, &s0, || call.is_finished()));
+            if !matches!(call.await, Ok(Ok(()))) {
+                killed_mid_way += 1;
+            }
+            assert!(
+                case.vgpus(root).contains(&held),
+                "{at:?}: the pod's vGPU stays"
+            );
+            (d, _) = start(root, &mut kubelet, case.resource, &args).await;
+            if retry {
+                let v = allocate(&kubelet, &ep, &case, &s0).await.unwrap();
+                let mut want = vec![held.clone(), v];
+                want.sort();
+                assert_eq!(
+                    case.vgpus(root),
+                    want,
+                    "{at:?}, retried: one vGPU for the device"
+                );
+                pods.set_pods(vec![held_pod.clone(), pod0.clone()]);
+                block(|| {
+                    eventually("the retried pod is seen", || {
+                        records(root).matches("\"seen\": true").count() == 2
+                    })
+                });
+                pods.set_pods(vec![held_pod.clone()]);
+            }
+            block(|| {
+                eventually(
+                    &format!("{at:?} (retry {retry}): only the pod's vGPU is left"),
+                    || only_held(&held),
+                )
+            });
+            listed(&kubelet, &ep, &format!("{at:?} (retry {retry})"), all_slots).await;
+        }
+    }
+    assert!(
+        killed_mid_way >= 2,
+        "only {killed_mid_way} Allocates were cut short"
+    );
+
+    let mut killed_mid_way = 0;
+    for at in RELEASE_KILLS {
+        allocate(&kubelet, &ep, &case, &s0).await.unwrap();
+        pods.set_pods(vec![held_pod.clone(), pod0.clone()]);
+        block(|| {
+            eventually("the pod is seen", || {
+                records(root).matches("\"seen\": true").count() == 2
+            })
+        });
+        sim.control(&format!("fault {} * delay=300", case.op.1))
+            .unwrap();
+        sim.clear_ops();
+        pods.set_pods(vec![held_pod.clone()]);
+        block(|| {
+            kill_at(&sim, &mut d, at, &s0, || {
+                !records(root).contains(&format!("\"{s0}\""))
+            })
+        });
+        // The write itself is finished by the kernel (node-sim) even for a killed writer; the
+        // record left is what the next start must finish.
+        if records(root).contains(&format!("\"{s0}\"")) {
+            killed_mid_way += 1;
+        }
+        assert!(
+            case.vgpus(root).contains(&held),
+            "{at:?}: the pod's vGPU stays"
+        );
+        (d, _) = start(root, &mut kubelet, case.resource, &args).await;
+        block(|| {
+            eventually(
+                &format!("{at:?}: the released vGPU is gone, the pod's stays"),
+                || only_held(&held),
+            )
+        });
+        listed(&kubelet, &ep, &format!("{at:?}"), all_slots).await;
+    }
+    assert!(
+        killed_mid_way >= 2,
+        "only {killed_mid_way} releases were cut short"
+    );
+    drop(d);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a10_killed_at_every_write_of_an_allocate_and_a_release_converges() {
+    killed_at_every_write_converges(A10_CASE).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h100_killed_at_every_write_of_an_allocate_and_a_release_converges() {
+    killed_at_every_write_converges(H100_CASE).await;
+}
+
+/// `kill -9` while the start enables a pooled H100's VFs: the next start enables them and
+/// offers the GPU's types.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h100_killed_while_enabling_vfs_at_start_converges() {
+    let Some(sim) = testkit::sim::try_mount(H100_CASE.topology) else {
+        return;
+    };
+    let root = sim.root();
+    let (_k, kdir, mut kubelet, _pods) = kubelet_with_pods().await;
+    let args = ["--on-demand", H100_CASE.gpu];
+    sim.control("fault sriov_numvfs * delay=300").unwrap();
+    sim.clear_ops();
+    let mut d = Daemon::start(root, &kdir, &args);
+    let killed = block(|| {
+        testkit::sim::kill_when(&mut d.child, DEADLINE, || {
+            !testkit::sim::writes(&sim).is_empty()
+        })
+    });
+    assert!(killed, "sandbox-dp exited by itself");
+    sim.control("clear-faults").unwrap();
+    let numvfs = read(
+        root,
+        &format!("sys/bus/pci/devices/{}/sriov_numvfs", H100_CASE.gpu),
+    );
+    let (_d, ep) = start(root, &mut kubelet, H100_CASE.resource, &args).await;
+    listed(&kubelet, &ep, "after the restart", |l| {
+        l.len() == H100_CASE.slots
+    })
+    .await;
+    assert_ne!(
+        read(
+            root,
+            &format!("sys/bus/pci/devices/{}/sriov_numvfs", H100_CASE.gpu)
+        ),
+        "0",
+        "the VFs are enabled (after the kill: {numvfs})"
+    );
+}
+
+/// The GPU an mdev is on (its parent, or the parent's PF).
+fn gpu_of_mdev(root: &Path, uuid: &str) -> String {
+    let link = std::fs::read_link(root.join(format!("sys/bus/mdev/devices/{uuid}"))).unwrap();
+    let parent = link
+        .parent()
+        .unwrap()
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    match std::fs::read_link(root.join(format!("sys/bus/pci/devices/{parent}/physfn"))) {
+        Ok(pf) => pf.file_name().unwrap().to_string_lossy().into_owned(),
+        Err(_) => parent,
+    }
+}
+
+/// Two Allocates of different sizes racing for one GPU with another pooled GPU free: both
+/// succeed, each GPU holds one size, the loser's device ID (a slot of the first GPU) is listed
+/// while its vGPU lives, and its vGPU goes when its pod does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_loser_of_a_race_for_one_gpu_is_placed_on_another() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let mut p = a10_pool(root, &["--on-demand", "all", "--on-demand-poll", "100ms"]).await;
+    let (r4, r8) = race_4q_8q(&mut p).await;
+    let (s4, s8) = (format!("{GPU_A}-A10-4Q-0"), format!("{GPU_A}-A10-8Q-0"));
+    let u4 = r4.unwrap().container_responses[0].envs["MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q"]
+        .clone();
+    let u8 = r8.unwrap().container_responses[0].envs["MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-8Q"]
+        .clone();
+    let (g4, g8) = (gpu_of_mdev(root, &u4), gpu_of_mdev(root, &u8));
+    let mut gpus = [g4.clone(), g8.clone()];
+    gpus.sort();
+    assert_eq!(gpus, [GPU_A, GPU_B], "one size per GPU");
+    let (loser, loser_slot, loser_uuid) = if g4 == GPU_B {
+        (A10_4Q, &s4, &u4)
+    } else {
+        (A10_8Q, &s8, &u8)
+    };
+    // The loser's slot is listed (its vGPU lives), and the GPUs' other slots follow what each
+    // hosts: 4Q 6 on one GPU, 8Q 3 on the other.
+    let mut lw4 = p.p4.list_and_watch().await.unwrap();
+    let mut lw8 = p.p8.list_and_watch().await.unwrap();
+    let l4 = lw4.wait_until(DEADLINE, |l| l.len() == 6).await.unwrap();
+    let l8 = lw8.wait_until(DEADLINE, |l| l.len() == 3).await.unwrap();
+    assert!(
+        ids(&l4).contains(&s4) && ids(&l8).contains(&s8),
+        "{l4:?} {l8:?}"
+    );
+
+    p.pods
+        .set_pods(vec![pod("vms", "vm-l", "compute", loser, &[loser_slot])]);
+    eventually("the pod is seen holding the vGPU", || {
+        records(root).contains("\"seen\": true")
+    });
+    p.pods.set_pods(vec![]);
+    eventually("the loser's vGPU is removed once its pod is gone", || {
+        !root
+            .join(format!("sys/bus/mdev/devices/{loser_uuid}"))
+            .exists()
+    });
+}
+
+/// A pooled GPU something uses keeps its VFs off at start (the log names the holder); the other
+/// GPU's are enabled and offered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vfs_are_not_enabled_at_start_on_a_gpu_in_use() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    assert_eq!(
+        read(root, &format!("sys/bus/pci/devices/{GPU_A}/sriov_numvfs")),
+        "0"
+    );
+    // A process (this test) holds GPU A's /dev/nvidia0.
+    let _holder = std::fs::File::open(root.join("dev/nvidia0")).unwrap();
+    let (_k, kdir, mut kubelet, _pods) = kubelet_with_pods().await;
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let child = std::process::Command::new(BIN)
+        .arg("serve")
+        .arg("--host-root")
+        .arg(root)
+        .arg("--kubelet-dir")
+        .arg(&kdir)
+        .args(["--on-demand", "all"])
+        .env("RUST_LOG", "sandbox_dp=info")
+        .env("NO_COLOR", "1")
+        .stderr(log.reopen().unwrap())
+        .spawn()
+        .unwrap();
+    let _d = Daemon { child };
+    let regs = kubelet.wait_for(&[A10_4Q], DEADLINE).await.unwrap();
+    let l = listed(&kubelet, &regs[A10_4Q].endpoint, "GPU B's", |l| {
+        l.len() == 6
+    })
+    .await;
+    assert!(l.iter().all(|i| i.starts_with(GPU_B)), "{l:?}");
+    assert_eq!(
+        read(root, &format!("sys/bus/pci/devices/{GPU_A}/sriov_numvfs")),
+        "0"
+    );
+    assert_ne!(
+        read(root, &format!("sys/bus/pci/devices/{GPU_B}/sriov_numvfs")),
+        "0"
+    );
+    let text = std::fs::read_to_string(log.path()).unwrap();
+    let me = std::process::id();
+    assert!(
+        text.contains(&format!("not enabling the VFs of GPU {GPU_A}"))
+            && text.contains(&format!("pid {me}")),
+        "{text}"
+    );
 }

@@ -25,17 +25,9 @@ fn apply_killed_after(sim: &testkit::sim::SimDir, f: &str, profile: &str, k: usi
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    loop {
-        if sim.ops().len() >= k {
-            child.kill().unwrap(); // SIGKILL
-            break;
-        }
-        if child.try_wait().unwrap().is_some() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let _ = child.wait();
+    testkit::sim::kill_when(&mut child, Duration::from_secs(120), || {
+        sim.ops().len() >= k
+    });
     sim.control("clear-faults").unwrap();
     sim.ops().len()
 }

@@ -23,7 +23,16 @@ use clap::Parser;
 use harness::report::{Report, write_out};
 
 /// The report's sections, in order.
-const SECTIONS: [&str; 7] = ["vfio", "vgpu", "dp", "dra", "curve", "plain", "sim"];
+const SECTIONS: [&str; 8] = [
+    "vfio",
+    "vgpu",
+    "dp",
+    "on-demand",
+    "dra",
+    "curve",
+    "plain",
+    "sim",
+];
 
 /// Benchmarks of vfio-manager, vgpu-device-manager, sandbox-dp and sandbox-dra on simulated
 /// nodes.
@@ -39,6 +48,9 @@ pub struct Cli {
     /// Allocate calls per topology.
     #[arg(long, default_value_t = 1000)]
     pub allocations: usize,
+    /// sandbox-dp --on-demand Allocate/release cycles per run and node.
+    #[arg(long, default_value_t = 20)]
+    pub on_demand_cycles: usize,
     /// sandbox-dra prepare/unprepare cycles per run.
     #[arg(long, default_value_t = 50)]
     pub claims: usize,
@@ -55,7 +67,8 @@ pub struct Cli {
     /// Keep the strace logs the plain tree's limits are replayed from in this directory.
     #[arg(long, value_name = "DIR")]
     pub traces: Option<PathBuf>,
-    /// Only these sections: vfio, vgpu, dp, dra, curve, plain, sim (repeatable; default all).
+    /// Only these sections: vfio, vgpu, dp, on-demand, dra, curve, plain, sim (repeatable;
+    /// default all).
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(SECTIONS))]
     pub only: Vec<String>,
 }
@@ -108,13 +121,16 @@ fn main() -> Result<()> {
     if want("vgpu") {
         sections::vgpu::bench(&cli, &b, &mut r)?;
     }
-    if want("dp") || want("dra") || want("curve") || want("plain") {
+    if want("dp") || want("on-demand") || want("dra") || want("curve") || want("plain") {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()?;
         if want("dp") {
             rt.block_on(sections::dp::bench(&cli, &b, &mut r))?;
+        }
+        if want("on-demand") {
+            rt.block_on(sections::ondemand::bench(&cli, &b, &mut r))?;
         }
         if want("dra") {
             rt.block_on(sections::dra::bench(&cli, &b, &mut r))?;

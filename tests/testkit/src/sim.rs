@@ -7,6 +7,8 @@
 
 use std::ops::Deref;
 use std::path::Path;
+use std::process::Child;
+use std::time::{Duration, Instant};
 
 pub use node_sim::{Op, Sim, Topology};
 
@@ -100,4 +102,36 @@ pub fn hold_nvidia_node(root: &Path, bdf: &str) -> std::fs::File {
         .to_string();
     let node = root.join(format!("dev/nvidia{minor}"));
     std::fs::File::open(&node).unwrap_or_else(|e| panic!("{}: {e}", node.display()))
+}
+
+/// The writes to simulated kernel files node-sim logged since the last `clear_ops` (the
+/// control file's own left out), in order.
+pub fn writes(sim: &Sim) -> Vec<Op> {
+    sim.ops()
+        .into_iter()
+        .filter(|o| !o.path.contains("node-sim/"))
+        .collect()
+}
+
+/// Kills `child` with SIGKILL as soon as `now()` holds (polled every millisecond) or it exits
+/// by itself, and reaps it. Returns whether it was still running when `now()` held. Crash tests
+/// pair it with slowed writes (`fault <op> * delay=MS`) and `now` counting [`writes`], so that
+/// the kill lands near the k-th write.
+pub fn kill_when(child: &mut Child, patience: Duration, mut now: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + patience;
+    let killed = loop {
+        if matches!(child.try_wait(), Ok(Some(_))) {
+            break false;
+        }
+        if now() {
+            let _ = child.kill();
+            break true;
+        }
+        if Instant::now() >= end {
+            panic!("within {patience:?}: neither the kill point came nor the process ended");
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let _ = child.wait();
+    killed
 }

@@ -40,6 +40,12 @@ pub fn summarize(samples: &[Duration]) -> Option<Summary> {
     })
 }
 
+/// The median and the p99 of `samples` for a table; `None` when there are none.
+pub fn fmt_p50_p99(samples: &[Duration]) -> Option<(String, String)> {
+    let s = summarize(samples)?;
+    Some((fmt_duration(s.median), fmt_duration(s.p99)))
+}
+
 /// A duration for a table: `0.142 ms`, `12.3 ms`, `1.52 s`.
 pub fn fmt_duration(d: Duration) -> String {
     let ms = d.as_secs_f64() * 1e3;

@@ -17,7 +17,7 @@ use crate::harness::bins::Bins;
 use crate::harness::process::Invocation;
 use crate::harness::procstat;
 use crate::harness::report::{Report, mib};
-use crate::harness::stats::{fmt_duration, fmt_summary, summarize};
+use crate::harness::stats::{fmt_p50_p99, fmt_summary, summarize};
 use crate::harness::topology::{builtin, mount};
 use crate::sections::dp::{Daemon, DpCase, dp_once, prep_passthrough};
 
@@ -319,10 +319,7 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
         let all = |f: fn(&DraRun) -> &Vec<Duration>| -> Vec<Duration> {
             runs.iter().flat_map(|x| f(x).iter().copied()).collect()
         };
-        let pct = |v: Vec<Duration>| -> Result<(String, String)> {
-            let s = summarize(&v).ok_or_else(|| anyhow!("no samples"))?;
-            Ok((fmt_duration(s.median), fmt_duration(s.p99)))
-        };
+        let pct = |v: Vec<Duration>| fmt_p50_p99(&v).ok_or_else(|| anyhow!("no samples"));
         let (p50, p99) = pct(all(|x| &x.prepare))?;
         let (a50, a99) = pct(all(|x| &x.again))?;
         let (u50, u99) = pct(all(|x| &x.unprepare))?;

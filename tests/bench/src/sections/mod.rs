@@ -3,6 +3,7 @@
 pub mod curve;
 pub mod dp;
 pub mod dra;
+pub mod ondemand;
 pub mod plain;
 pub mod plain_dp;
 pub mod sim;

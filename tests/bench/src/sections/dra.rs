@@ -17,7 +17,7 @@ use crate::harness::bins::Bins;
 use crate::harness::process::Invocation;
 use crate::harness::procstat;
 use crate::harness::report::{Report, mib};
-use crate::harness::stats::{fmt_p50_p99, fmt_summary, summarize};
+use crate::harness::stats::{fmt_duration, fmt_p50_p99, fmt_summary, summarize};
 use crate::harness::topology::{builtin, mount};
 use crate::sections::dp::{Daemon, DpCase, dp_once, prep_passthrough};
 

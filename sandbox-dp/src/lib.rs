@@ -36,7 +36,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::alloc::DevNodes;
-use crate::discovery::{DiscoverConfig, Resource, Snapshot};
+use crate::discovery::{DeviceInfo, DiscoverConfig, Resource, Snapshot};
 use crate::events::Pending;
 use crate::metrics::Metrics;
 use crate::plugin::{ResourceState, ResourceTask};
@@ -199,38 +199,50 @@ impl Manager {
     }
 
     /// Sets the health of every device in `groups` from whether its group node exists
-    /// (`present`), as a new snapshot would, without rebuilding the resources; pushes only the
-    /// resources that changed.
+    /// (`present`), as a new snapshot would, without rebuilding the resources. Only the devices
+    /// that changed are touched: a resource's state is updated in place (copied first only
+    /// while a call still holds it), with no copy and no comparison of its whole list, and
+    /// only the resources that changed wake their ListAndWatch streams. `nodes` is the host's
+    /// iommufd nodes now.
     fn set_group_health(
         &mut self,
         groups: &BTreeSet<u32>,
         present: &BTreeSet<u32>,
         nodes: &DevNodes,
-        tasks: &mut JoinSet<anyhow::Result<()>>,
     ) {
-        let changed: Vec<(String, Resource)> = self
-            .resources
-            .iter()
-            .filter_map(|(name, tx)| {
-                let cur = tx.borrow();
-                let mut r: Option<Resource> = None;
-                for (id, d) in &cur.resource.devices {
-                    let Some(g) = d.iommu_group.filter(|g| groups.contains(g)) else {
-                        continue;
-                    };
-                    let healthy = present.contains(&g);
-                    if d.healthy != healthy {
-                        let r = r.get_or_insert_with(|| cur.resource.clone());
-                        if let Some(d) = r.devices.get_mut(id) {
-                            d.healthy = healthy;
-                        }
+        let flips = |d: &DeviceInfo| {
+            d.iommu_group
+                .filter(|g| groups.contains(g))
+                .is_some_and(|g| d.healthy != present.contains(&g))
+        };
+        for (name, tx) in &self.resources {
+            let mut counts = None;
+            tx.send_if_modified(|cur| {
+                if !cur.resource.devices.values().any(flips) && cur.nodes == *nodes {
+                    return false;
+                }
+                let st = Arc::make_mut(cur);
+                if st.nodes != *nodes {
+                    st.nodes = nodes.clone();
+                }
+                for d in st.resource.devices.values_mut() {
+                    if flips(d) {
+                        d.healthy = !d.healthy;
                     }
                 }
-                r.map(|r| (name.clone(), r))
-            })
-            .collect();
-        for (name, r) in changed {
-            self.push(name, r, nodes, tasks);
+                let healthy = st.resource.devices.values().filter(|d| d.healthy).count();
+                tracing::info!(
+                    resource = %name,
+                    devices = st.resource.devices.len(),
+                    healthy,
+                    "device list changed"
+                );
+                counts = Some((healthy, st.resource.devices.len() - healthy));
+                true
+            });
+            if let Some((healthy, unhealthy)) = counts {
+                self.metrics.set_devices(name, healthy, unhealthy);
+            }
         }
     }
 
@@ -409,12 +421,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
                 pending.node = true;
                 continue;
             }
-            mgr.set_group_health(
-                &work.groups,
-                &view.inv.vfio_nodes,
-                &view.inv.dev_nodes,
-                &mut tasks,
-            );
+            mgr.set_group_health(&work.groups, &view.inv.vfio_nodes, &view.inv.dev_nodes);
             continue;
         }
         match view.update_async(&paths, &config.discover, work).await {

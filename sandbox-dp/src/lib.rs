@@ -466,3 +466,107 @@ async fn release_loop(
             .context("on-demand release task")?;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::discovery::Kind;
+
+    fn dev(id: &str, group: u32) -> DeviceInfo {
+        DeviceInfo {
+            id: id.into(),
+            healthy: true,
+            numa_node: Some(0),
+            iommu_group: Some(group),
+            vfio_cdev: None,
+            gpu: Some(id.into()),
+            switch: None,
+            driver: Some("vfio-pci".into()),
+        }
+    }
+
+    fn manager() -> Manager {
+        Manager {
+            config: Config {
+                kubelet_dir: PathBuf::new(),
+                discover: DiscoverConfig {
+                    vendor: Some(0x10de),
+                    pci_ids: common::PciIds::embedded(),
+                    aliases: BTreeMap::new(),
+                    pool: None,
+                },
+                metrics_addr: None,
+                resync_interval: Duration::from_secs(30),
+                debounce: Duration::from_millis(20),
+                on_demand_poll: Duration::from_secs(1),
+            },
+            metrics: Arc::new(Metrics::default()),
+            resources: BTreeMap::new(),
+            reported: BTreeSet::new(),
+            wake: Arc::new(watch::channel(0).0),
+            kubelet_generation: Arc::new(AtomicU64::new(0)),
+            shutdown: CancellationToken::new(),
+        }
+    }
+
+    fn health(rx: &mut watch::Receiver<Arc<ResourceState>>) -> Vec<(String, bool)> {
+        let st = rx.borrow_and_update().clone();
+        st.resource
+            .devices
+            .values()
+            .map(|d| (d.id.clone(), d.healthy))
+            .collect()
+    }
+
+    #[test]
+    fn a_group_node_flips_only_its_devices_and_wakes_only_their_resource() {
+        let mut m = manager();
+        let mut rx = BTreeMap::new();
+        for (name, devs) in [
+            (
+                "nvidia.com/A",
+                vec![dev("0000:01:00.0", 21), dev("0000:02:00.0", 22)],
+            ),
+            ("nvidia.com/B", vec![dev("0000:03:00.0", 23)]),
+        ] {
+            let mut r = Resource::new(name.into(), Kind::Passthrough);
+            for d in devs {
+                r.devices.insert(d.id.clone(), d);
+            }
+            let state = ResourceState {
+                resource: r,
+                nodes: DevNodes::default(),
+            };
+            let (tx, r) = watch::channel(Arc::new(state));
+            m.resources.insert(name.to_string(), tx);
+            rx.insert(name, r);
+        }
+        let mut ra = rx.remove("nvidia.com/A").unwrap();
+        let rb = rx.remove("nvidia.com/B").unwrap();
+        let nodes = DevNodes::default();
+        let groups = BTreeSet::from([21]);
+
+        m.set_group_health(&groups, &BTreeSet::from([22, 23]), &nodes);
+        assert!(ra.has_changed().unwrap());
+        assert_eq!(
+            health(&mut ra),
+            [
+                ("0000:01:00.0".into(), false),
+                ("0000:02:00.0".into(), true)
+            ]
+        );
+        assert!(!rb.has_changed().unwrap(), "B's devices did not change");
+
+        // Nothing new: no list is sent.
+        m.set_group_health(&groups, &BTreeSet::from([22, 23]), &nodes);
+        assert!(!ra.has_changed().unwrap());
+
+        m.set_group_health(&groups, &BTreeSet::from([21, 22, 23]), &nodes);
+        assert!(ra.has_changed().unwrap());
+        assert_eq!(
+            health(&mut ra),
+            [("0000:01:00.0".into(), true), ("0000:02:00.0".into(), true)]
+        );
+        assert!(!rb.has_changed().unwrap());
+    }
+}

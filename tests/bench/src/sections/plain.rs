@@ -1,6 +1,7 @@
 //! The plain tree: the read-only figures measured on a copy of the simulated node on tmpfs
-//! (reads at the cost of real sysfs), each beside its limit (the same reads replayed by a bare
-//! loop, [`crate::harness::limit`]).
+//! (reads at the cost of real sysfs), each beside its limit: the same reads replayed by a bare
+//! loop ([`crate::harness::limit`]), plus what the figure costs however little the daemon does,
+//! the cheapest process start or a bare ListAndWatch list ([`crate::harness::baseline`]).
 //!
 //! Nodes are prepared on node-sim (GPUs bound, vGPUs created), copied, and the simulator
 //! unmounted. Figures: vfio-manager `status`, vgpu-device-manager `assert` and `plan` and their

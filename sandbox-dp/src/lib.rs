@@ -37,7 +37,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::alloc::DevNodes;
-use crate::discovery::{DiscoverConfig, Resource, Snapshot};
+use crate::discovery::{DeviceInfo, DiscoverConfig, Resource, Snapshot};
 use crate::events::Pending;
 use crate::metrics::Metrics;
 use crate::plugin::{ResourceState, ResourceTask};
@@ -200,38 +200,50 @@ impl Manager {
     }
 
     /// Sets the health of every device in `groups` from whether its group node exists
-    /// (`present`), as a new snapshot would, without rebuilding the resources; pushes only the
-    /// resources that changed.
+    /// (`present`), as a new snapshot would, without rebuilding the resources. Only the devices
+    /// that changed are touched: a resource's state is updated in place (copied first only
+    /// while a call still holds it), with no copy and no comparison of its whole list, and
+    /// only the resources that changed wake their ListAndWatch streams. `nodes` is the host's
+    /// iommufd nodes now.
     fn set_group_health(
         &mut self,
         groups: &BTreeSet<u32>,
         present: &BTreeSet<u32>,
         nodes: &DevNodes,
-        tasks: &mut JoinSet<anyhow::Result<()>>,
     ) {
-        let changed: Vec<(String, Resource)> = self
-            .resources
-            .iter()
-            .filter_map(|(name, tx)| {
-                let cur = tx.borrow();
-                let mut r: Option<Resource> = None;
-                for (id, d) in &cur.resource.devices {
-                    let Some(g) = d.iommu_group.filter(|g| groups.contains(g)) else {
-                        continue;
-                    };
-                    let healthy = present.contains(&g);
-                    if d.healthy != healthy {
-                        let r = r.get_or_insert_with(|| cur.resource.clone());
-                        if let Some(d) = r.devices.get_mut(id) {
-                            d.healthy = healthy;
-                        }
+        let flips = |d: &DeviceInfo| {
+            d.iommu_group
+                .filter(|g| groups.contains(g))
+                .is_some_and(|g| d.healthy != present.contains(&g))
+        };
+        for (name, tx) in &self.resources {
+            let mut counts = None;
+            tx.send_if_modified(|cur| {
+                if !cur.resource.devices.values().any(flips) && cur.nodes == *nodes {
+                    return false;
+                }
+                let st = Arc::make_mut(cur);
+                if st.nodes != *nodes {
+                    st.nodes = nodes.clone();
+                }
+                for d in st.resource.devices.values_mut() {
+                    if flips(d) {
+                        d.healthy = !d.healthy;
                     }
                 }
-                r.map(|r| (name.clone(), r))
-            })
-            .collect();
-        for (name, r) in changed {
-            self.push(name, r, nodes, tasks);
+                let healthy = st.resource.devices.values().filter(|d| d.healthy).count();
+                tracing::info!(
+                    resource = %name,
+                    devices = st.resource.devices.len(),
+                    healthy,
+                    "device list changed"
+                );
+                counts = Some((healthy, st.resource.devices.len() - healthy));
+                true
+            });
+            if let Some((healthy, unhealthy)) = counts {
+                self.metrics.set_devices(name, healthy, unhealthy);
+            }
         }
     }
 
@@ -440,12 +452,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
                 pending.node = true;
                 continue;
             }
-            mgr.set_group_health(
-                &work.groups,
-                &view.inv.vfio_nodes,
-                &view.inv.dev_nodes,
-                &mut tasks,
-            );
+            mgr.set_group_health(&work.groups, &view.inv.vfio_nodes, &view.inv.dev_nodes);
             continue;
         }
         match view.update_async(&paths, &config.discover, work).await {
@@ -493,5 +500,109 @@ async fn release_loop(
         for gpu in changed {
             let _ = changes.send(events::Change::Pci(gpu));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::discovery::Kind;
+
+    fn dev(id: &str, group: u32) -> DeviceInfo {
+        DeviceInfo {
+            id: id.into(),
+            healthy: true,
+            numa_node: Some(0),
+            iommu_group: Some(group),
+            vfio_cdev: None,
+            gpu: Some(id.into()),
+            switch: None,
+            driver: Some("vfio-pci".into()),
+        }
+    }
+
+    fn manager() -> Manager {
+        Manager {
+            config: Config {
+                kubelet_dir: PathBuf::new(),
+                discover: DiscoverConfig {
+                    vendor: Some(0x10de),
+                    pci_ids: common::PciIds::embedded(),
+                    aliases: BTreeMap::new(),
+                    pool: None,
+                },
+                metrics_addr: None,
+                resync_interval: Duration::from_secs(30),
+                debounce: Duration::from_millis(20),
+                on_demand_poll: Duration::from_secs(1),
+            },
+            metrics: Arc::new(Metrics::default()),
+            resources: BTreeMap::new(),
+            reported: BTreeSet::new(),
+            wake: Arc::new(watch::channel(0).0),
+            kubelet_generation: Arc::new(AtomicU64::new(0)),
+            shutdown: CancellationToken::new(),
+        }
+    }
+
+    fn health(rx: &mut watch::Receiver<Arc<ResourceState>>) -> Vec<(String, bool)> {
+        let st = rx.borrow_and_update().clone();
+        st.resource
+            .devices
+            .values()
+            .map(|d| (d.id.clone(), d.healthy))
+            .collect()
+    }
+
+    #[test]
+    fn a_group_node_flips_only_its_devices_and_wakes_only_their_resource() {
+        let mut m = manager();
+        let mut rx = BTreeMap::new();
+        for (name, devs) in [
+            (
+                "nvidia.com/A",
+                vec![dev("0000:01:00.0", 21), dev("0000:02:00.0", 22)],
+            ),
+            ("nvidia.com/B", vec![dev("0000:03:00.0", 23)]),
+        ] {
+            let mut r = Resource::new(name.into(), Kind::Passthrough);
+            for d in devs {
+                r.devices.insert(d.id.clone(), d);
+            }
+            let state = ResourceState {
+                resource: r,
+                nodes: DevNodes::default(),
+            };
+            let (tx, r) = watch::channel(Arc::new(state));
+            m.resources.insert(name.to_string(), tx);
+            rx.insert(name, r);
+        }
+        let mut ra = rx.remove("nvidia.com/A").unwrap();
+        let rb = rx.remove("nvidia.com/B").unwrap();
+        let nodes = DevNodes::default();
+        let groups = BTreeSet::from([21]);
+
+        m.set_group_health(&groups, &BTreeSet::from([22, 23]), &nodes);
+        assert!(ra.has_changed().unwrap());
+        assert_eq!(
+            health(&mut ra),
+            [
+                ("0000:01:00.0".into(), false),
+                ("0000:02:00.0".into(), true)
+            ]
+        );
+        assert!(!rb.has_changed().unwrap(), "B's devices did not change");
+
+        // Nothing new: no list is sent.
+        m.set_group_health(&groups, &BTreeSet::from([22, 23]), &nodes);
+        assert!(!ra.has_changed().unwrap());
+
+        m.set_group_health(&groups, &BTreeSet::from([21, 22, 23]), &nodes);
+        assert!(ra.has_changed().unwrap());
+        assert_eq!(
+            health(&mut ra),
+            [("0000:01:00.0".into(), true), ("0000:02:00.0".into(), true)]
+        );
+        assert!(!rb.has_changed().unwrap());
     }
 }

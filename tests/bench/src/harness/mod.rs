@@ -1,6 +1,7 @@
 //! What every section shares: the binaries, the nodes (simulated, and their plain copies),
-//! running and sampling processes, the floor and the limit, summaries and the report.
+//! running and sampling processes, the floor and the limit and what is added to it, summaries and the report.
 
+pub mod baseline;
 pub mod bins;
 pub mod floor;
 pub mod limit;

@@ -1,6 +1,7 @@
 //! The plain tree: the read-only figures measured on a copy of the simulated node on tmpfs
-//! (reads at the cost of real sysfs), each beside its limit (the same reads replayed by a bare
-//! loop, [`crate::harness::limit`]).
+//! (reads at the cost of real sysfs), each beside its limit: the same reads replayed by a bare
+//! loop ([`crate::harness::limit`]), plus what the figure costs however little the daemon does,
+//! the cheapest process start or a bare ListAndWatch list ([`crate::harness::baseline`]).
 //!
 //! Nodes are prepared on node-sim (GPUs bound, vGPUs created), copied, and the simulator
 //! unmounted. Figures: vfio-manager `status`, vgpu-device-manager `assert` and `plan` and their
@@ -13,6 +14,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow};
 
 use crate::Cli;
+use crate::harness::baseline;
 use crate::harness::bins::Bins;
 use crate::harness::limit::{Limit, limit};
 use crate::harness::process::{Invocation, ok, peak_rss_kib, run};
@@ -27,6 +29,9 @@ use crate::sections::vgpu::{config_file, vgpu};
 
 /// Replays per limit (after one to warm the caches).
 pub const REPLAYS: usize = 10;
+
+/// Runs of the cheapest process start.
+const START_RUNS: usize = 50;
 
 /// The most × limit a read-only figure may be.
 const LIMIT_GOAL: f64 = 3.0;
@@ -267,7 +272,19 @@ pub struct Row {
     pub figure: String,
     pub value: Value,
     pub limit: Option<Limit>,
+    /// What the figure costs beyond its reads however little the daemon does, added to its
+    /// limit.
+    pub base: Option<Base>,
     pub goal: String,
+}
+
+/// A cost added to a limit that is not a read ([`crate::harness::baseline`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Base {
+    /// `start`: the cheapest process start; `list`: a list of the same size delivered by a
+    /// bare ListAndWatch server; `connect + list`: the same on a new connection.
+    pub what: &'static str,
+    pub time: Duration,
 }
 
 /// A row's figure.
@@ -284,6 +301,7 @@ impl Row {
             figure: figure.into(),
             value: Value::Time(s),
             limit,
+            base: None,
             goal: String::new(),
         }
     }
@@ -294,8 +312,15 @@ impl Row {
             figure: figure.into(),
             value: Value::Memory(kib),
             limit: None,
+            base: None,
             goal: String::new(),
         }
+    }
+
+    /// Adds `base` to the limit.
+    pub fn plus(mut self, base: Option<Base>) -> Row {
+        self.base = base;
+        self
     }
 
     pub fn goal(mut self, g: impl Into<String>) -> Row {
@@ -303,11 +328,18 @@ impl Row {
         self
     }
 
+    /// The whole limit: the reads replayed, and the base.
+    fn limit_time(&self) -> Option<Duration> {
+        let l = self.limit.as_ref()?;
+        Some(l.time + self.base.map(|b| b.time).unwrap_or_default())
+    }
+
     fn times_limit(&self) -> Option<f64> {
-        let (Value::Time(s), Some(l)) = (&self.value, &self.limit) else {
+        let Value::Time(s) = &self.value else {
             return None;
         };
-        (l.calls > 0 && !l.time.is_zero()).then(|| s.median.as_secs_f64() / l.time.as_secs_f64())
+        let t = self.limit_time().filter(|t| !t.is_zero())?;
+        Some(s.median.as_secs_f64() / t.as_secs_f64())
     }
 }
 
@@ -324,7 +356,7 @@ fn table(r: &mut Report, rows: &[Row]) {
         "node",
         "figure",
         "median (min–max)",
-        "limit (calls replayed)",
+        "limit: reads (calls replayed) + base",
         "× limit",
         "goal",
     ]);
@@ -335,11 +367,22 @@ fn table(r: &mut Report, rows: &[Row]) {
             Value::Skipped(why) => format!("skipped: {why}"),
         };
         let limit = match (&row.value, &row.limit) {
-            (Value::Time(_), Some(l)) if l.calls == 0 => "no reads".to_string(),
             (Value::Time(_), Some(l)) => {
-                let mut s = format!("{} ({} calls)", fmt_duration(l.time), l.calls);
+                let mut s = if l.calls == 0 {
+                    "no reads".to_string()
+                } else {
+                    format!("{} ({} calls)", fmt_duration(l.time), l.calls)
+                };
                 if l.differed > 0 {
                     s.push_str(&format!("; {} opens differed", l.differed));
+                }
+                if let (Some(b), Some(t)) = (row.base, row.limit_time()) {
+                    s = format!(
+                        "{} = {s} + {} {}",
+                        fmt_duration(t),
+                        fmt_duration(b.time),
+                        b.what
+                    );
                 }
                 s
             }
@@ -369,27 +412,30 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     let pci_ids = cli.pci_ids.canonicalize().ok().filter(|p| p.is_file());
     r.line("## Plain tree");
     r.line("");
-    r.line(format!("Each node prepared on node-sim, then copied onto a tmpfs as plain files, directories and symlinks (device nodes as empty files), and the daemons run with `--host-root` at the copy: reads cost what real sysfs reads cost, not a FUSE round trip. Read-only figures only. **limit**: the reads the daemon made for that figure (recorded once under strace: opens, reads, directory listings, stats, link reads, of the node's files and of the files named on its command line), replayed in order by a bare loop, median of {REPLAYS}. **× limit** = median / limit; goal ≤ {LIMIT_GOAL}×. Process start-up (table below) is part of every figure that starts a process and of no limit."));
+    r.line(format!("Each node prepared on node-sim, then copied onto a tmpfs as plain files, directories and symlinks (device nodes as empty files), and the daemons run with `--host-root` at the copy: reads cost what real sysfs reads cost, not a FUSE round trip. Read-only figures only. **limit**: the reads the daemon made for that figure (recorded once under strace: opens, reads, directory listings, stats, link reads, of the node's files and of the files named on its command line), replayed in order by a bare loop, median of {REPLAYS}, plus a **base** where the figure has a cost no daemon can avoid: **start**, for a figure that starts a process, the median spawn → exit of a static executable that only exits (measured here, {START_RUNS} runs); **list**, for a figure that ends with a ListAndWatch message, the same-sized list delivered to the same client by a bare server that sends prebuilt lists (on its own thread and current-thread runtime, as the daemon's), on an open stream, or with **connect + list** on a new one (the first ListAndWatch). **× limit** = median / (reads + base); goal ≤ {LIMIT_GOAL}×, judged on every row with a limit. What start-up costs beyond the base is the daemon's (each binary's `--version`, table below)."));
     r.line("");
     if !strace::available() {
         r.line("skipped: limits: no strace on this machine (tests/setup.sh installs it).");
         r.line("");
     }
-    startup(cli, b, r)?;
+    let start = startup(cli, b, r)?;
     let nodes = nodes(b, &cfg)?;
     let mut rows = Vec::new();
     r.line("### vfio-manager");
     r.line("");
     for n in nodes.iter().filter(|n| n.vfio) {
-        rows.push(cli_row(
-            cli,
-            &tracer,
-            n,
-            &b.vfio,
-            &[&"status"],
-            &[],
-            "`status`".into(),
-        )?);
+        rows.push(
+            cli_row(
+                cli,
+                &tracer,
+                n,
+                &b.vfio,
+                &[&"status"],
+                &[],
+                "`status`".into(),
+            )?
+            .plus(start),
+        );
     }
     table(r, &rows);
     let mut all = std::mem::take(&mut rows);
@@ -404,15 +450,18 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
             ("plan", p2, format!("`plan` → {p2}")),
         ] {
             let args: [&dyn AsRef<std::ffi::OsStr>; 5] = [&sub, &"-f", &cfg, &"-c", &profile];
-            rows.push(cli_row(
-                cli,
-                &tracer,
-                n,
-                &b.vgpu,
-                &args,
-                std::slice::from_ref(&cfg),
-                figure,
-            )?);
+            rows.push(
+                cli_row(
+                    cli,
+                    &tracer,
+                    n,
+                    &b.vgpu,
+                    &args,
+                    std::slice::from_ref(&cfg),
+                    figure,
+                )?
+                .plus(start),
+            );
             rss = rss.max(peak_rss_kib(&mut on_node(&b.vgpu, &args, n).command())?);
         }
         rows.push(Row {
@@ -420,6 +469,7 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
             figure: "peak RSS (`assert`, `plan`)".into(),
             value: Value::Memory(rss),
             limit: None,
+            base: None,
             goal: format!(
                 "≤ 8 MB: {}",
                 if rss * 1024 <= 8_000_000 {
@@ -447,17 +497,9 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     let ids: Vec<PathBuf> = pci_ids.iter().cloned().collect();
     for n in nodes.iter().filter(|n| n.dp) {
         let list = [&"list" as &dyn AsRef<std::ffi::OsStr>, &"--json"];
-        rows.push(cli_row(
-            cli,
-            &tracer,
-            n,
-            &b.dp,
-            &list,
-            &[],
-            "`list`".into(),
-        )?);
+        rows.push(cli_row(cli, &tracer, n, &b.dp, &list, &[], "`list`".into())?.plus(start));
         let inputs = Inputs::new(n, &ids);
-        match plain_dp::figures(cli, b, n, pci_ids.as_deref(), &tracer, &inputs).await {
+        match plain_dp::figures(cli, b, n, pci_ids.as_deref(), &tracer, &inputs, start).await {
             Ok(mut x) => rows.append(&mut x),
             Err(e) => {
                 let why = format!("{e:#}").replace('|', "/").replace('\n', " ");
@@ -467,6 +509,7 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
                     figure: "daemon".into(),
                     value: Value::Skipped(format!("failed: {why}")),
                     limit: None,
+                    base: None,
                     goal: String::new(),
                 });
             }
@@ -491,9 +534,22 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     Ok(())
 }
 
-/// Process start-up: each binary's `--version`, which reads nothing of the node.
-fn startup(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
-    r.table(&["process start-up (`--version`)", "median (min–max)"]);
+/// Process start-up: each binary's `--version`, which reads nothing of the node, beside the
+/// cheapest process start ([`baseline::process_start`]), which is returned as the base of the
+/// limits of figures that start a process.
+fn startup(cli: &Cli, b: &Bins, r: &mut Report) -> Result<Option<Base>> {
+    r.table(&["process start-up", "median (min–max)"]);
+    let least = baseline::process_start(START_RUNS)?;
+    match &least {
+        Some(s) => r.row(&[
+            "a static executable that only exits (129 bytes): the base".into(),
+            fmt_summary(s),
+        ]),
+        None => r.row(&[
+            "a static executable that only exits".into(),
+            "skipped: built for x86-64 only".into(),
+        ]),
+    }
     for (name, bin) in [
         ("vfio-manager", &b.vfio),
         ("vgpu-device-manager", &b.vgpu),
@@ -504,10 +560,13 @@ fn startup(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
             walls.push(ok(run(Command::new(bin).arg("--version"))?, name)?.wall);
         }
         r.row(&[
-            name.to_string(),
+            format!("{name} `--version`"),
             fmt_summary(&summarize(&walls).ok_or_else(|| anyhow!("no runs"))?),
         ]);
     }
     r.line("");
-    Ok(())
+    Ok(least.map(|s| Base {
+        what: "start",
+        time: s.median,
+    }))
 }

@@ -66,6 +66,18 @@ impl LogArgs {
     }
 }
 
+/// `--node-name` and `--kubeconfig`: where a daemon records its Node events.
+#[derive(Clone, Debug, clap::Args)]
+pub struct EventsArgs {
+    /// This node's name: the changes made and refused are recorded as Events on its Node
+    /// object (none without it).
+    #[arg(long, env = "NODE_NAME", global = true)]
+    pub node_name: Option<String>,
+    /// A kubeconfig file for those events; in-cluster config (or $KUBECONFIG) when absent.
+    #[arg(long, value_name = "FILE", global = true)]
+    pub kubeconfig: Option<std::path::PathBuf>,
+}
+
 /// `--metrics-addr`, for the daemons' long-running mode.
 #[derive(Clone, Copy, Debug, clap::Args)]
 pub struct MetricsArgs {

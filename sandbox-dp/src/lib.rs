@@ -61,6 +61,10 @@ pub struct Config {
     /// With `--on-demand`: how often kubelet's PodResources `List` is asked which on-demand
     /// vGPUs pods still hold.
     pub on_demand_poll: Duration,
+    /// This node's name, for Node events about on-demand vGPUs (none without it).
+    pub node_name: Option<String>,
+    /// A kubeconfig for those events; in-cluster config when absent.
+    pub kubeconfig: Option<PathBuf>,
 }
 
 /// What sandbox-dp reads of the node. Instances carry their type name; the parents' type lists
@@ -316,6 +320,18 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         .as_ref()
         .map(|p| p.metrics())
         .unwrap_or_default();
+    // Only the on-demand pool changes the node; its creations, removals and refusals are told
+    // on the Node.
+    if let Some(pool) = &config.discover.pool {
+        pool.set_events(
+            daemon_kit::events::for_node(
+                config.node_name.as_deref(),
+                config.kubeconfig.as_deref(),
+                "sandbox-dp",
+            )
+            .await,
+        );
+    }
     common::state::ensure_dir(&config.kubelet_dir).map_err(anyhow::Error::new)?;
     let (changes_tx, mut changes) = mpsc::unbounded_channel();
     // The uevent monitor joins its groups while the file watches are set up; both listen

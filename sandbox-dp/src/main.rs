@@ -78,6 +78,9 @@ struct Cli {
     pod_resources: PodResourcesArgs,
 
     #[command(flatten)]
+    events: daemon_kit::cli::EventsArgs,
+
+    #[command(flatten)]
     log: LogArgs,
 }
 
@@ -171,6 +174,8 @@ fn run(cli: Cli) -> exit::Result {
                 resync_interval: cli.resync_interval,
                 debounce: Duration::from_millis(20),
                 on_demand_poll: cli.on_demand_poll,
+                node_name: cli.events.node_name.clone(),
+                kubeconfig: cli.events.kubeconfig.clone(),
             };
             // One thread serves every resource: a device plugin answers a few calls a minute,
             // and each worker thread costs memory. Node reads run on the blocking pool.

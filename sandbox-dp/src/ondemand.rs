@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::discovery::{DeviceInfo, Kind, Resource};
 use crate::metrics::Metrics;
+use daemon_kit::events::NodeEvents;
 
 /// Which GPUs are pooled: `all` (every GPU of the vendor on its vGPU driver), or a list of PCI
 /// addresses.
@@ -119,6 +120,10 @@ pub struct Pool {
     records: Mutex<Vec<Record>>,
     locks: Mutex<BTreeMap<PciAddress, Arc<Mutex<()>>>>,
     metrics: Arc<Metrics>,
+    /// Node events for creations, removals and refusals (set once the runtime runs).
+    events: std::sync::OnceLock<NodeEvents>,
+    /// Devices whose vGPU is kept because a process holds it, told once each.
+    kept_told: Mutex<BTreeSet<String>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -186,7 +191,26 @@ impl Pool {
             records: Mutex::new(records),
             locks: Mutex::new(BTreeMap::new()),
             metrics,
+            events: std::sync::OnceLock::new(),
+            kept_told: Mutex::new(BTreeSet::new()),
         })
+    }
+
+    /// Records its creations, removals and refusals as Events on the Node from now on.
+    pub fn set_events(&self, events: NodeEvents) {
+        let _ = self.events.set(events);
+    }
+
+    fn event_normal(&self, reason: &str, action: &str, note: String) {
+        if let Some(ev) = self.events.get() {
+            ev.normal(reason, action, note);
+        }
+    }
+
+    fn event_warning(&self, reason: &str, action: &str, note: String) {
+        if let Some(ev) = self.events.get() {
+            ev.warning(reason, action, note);
+        }
     }
 
     /// The metrics it counts in.
@@ -391,6 +415,7 @@ impl Pool {
                         }
                     }
                     self.metrics.on_demand_failure();
+                    self.event_warning("VgpuNotCreated", "Create", e.clone());
                     return Err(e);
                 }
             }
@@ -552,6 +577,11 @@ impl Pool {
             ));
         };
         self.metrics.on_demand_created(started.elapsed());
+        self.event_normal(
+            "VgpuCreated",
+            "Create",
+            format!("{} {handle} created on GPU {gpu} for device {id}", t.name),
+        );
         tracing::info!(device = id, gpu = %gpu, vgpu = %handle, type_name = %t.name, took_ms = started.elapsed().as_millis() as u64, "created an on-demand vGPU");
         Placed::Made(c)
     }
@@ -597,6 +627,16 @@ impl Pool {
                 }
                 Err(e) => {
                     self.metrics.on_demand_failure();
+                    if lock(&self.kept_told).insert(r.device.clone()) {
+                        self.event_warning(
+                            "VgpuNotRemoved",
+                            "Remove",
+                            format!(
+                                "{} {} on GPU {} (device {}): {e}",
+                                r.type_name, r.handle, r.gpu, r.device
+                            ),
+                        );
+                    }
                     tracing::warn!(device = %r.device, vgpu = %r.handle, "cannot remove an on-demand vGPU: {e}");
                 }
             }
@@ -640,6 +680,15 @@ impl Pool {
             .map_err(|e| format!("{e:#}"))?;
             self.destroy_handle_of(r)?;
             self.metrics.on_demand_destroyed();
+            lock(&self.kept_told).remove(&r.device);
+            self.event_normal(
+                "VgpuRemoved",
+                "Remove",
+                format!(
+                    "{} {} removed from GPU {} (device {}): no pod holds it",
+                    r.type_name, r.handle, r.gpu, r.device
+                ),
+            );
             tracing::info!(device = %r.device, vgpu = %r.handle, type_name = %r.type_name, gpu = %r.gpu, "removed an on-demand vGPU: no pod holds it");
         }
         self.update(|rs| rs.retain(|x| x.device != r.device))

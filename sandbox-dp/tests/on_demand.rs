@@ -967,3 +967,72 @@ async fn vfs_are_not_enabled_at_start_on_a_gpu_in_use() {
         "{text}"
     );
 }
+
+/// What the pool changes and refuses is told on the Node: the vGPU created (type, UUID, GPU,
+/// device), the Allocate refused (naming the GPU and the type), the vGPU removed once its pod is
+/// gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creations_refusals_and_removals_are_node_events() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = testkit::apiserver::FakeApiServer::start("node-od", &[]).unwrap();
+    let kubeconfig = api.kubeconfig().to_str().unwrap().to_string();
+    let mut pool = a10_pool(
+        root,
+        &[
+            "--on-demand",
+            GPU_A,
+            "--on-demand-poll",
+            "100ms",
+            "--node-name",
+            "node-od",
+            "--kubeconfig",
+            &kubeconfig,
+        ],
+    )
+    .await;
+    let slot = format!("{GPU_A}-A10-4Q-0");
+    let resp = pool.p4.allocate(&[&[slot.as_str()]]).await.unwrap();
+    let uuid =
+        resp.container_responses[0].envs["MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q"].clone();
+    let created = block(|| api.wait_for_event("VgpuCreated", DEADLINE))
+        .expect("a VgpuCreated event on the Node");
+    let note = created["note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains("NVIDIA A10-4Q")
+            && note.contains(&uuid)
+            && note.contains(GPU_A)
+            && note.contains(&slot),
+        "{created}"
+    );
+    assert_eq!(created["regarding"]["kind"], "Node");
+    assert_eq!(created["regarding"]["name"], "node-od");
+    assert_eq!(created["type"], "Normal");
+
+    // GPU A hosts a 4Q: an 8Q cannot go there, and no other GPU is pooled.
+    let s8 = format!("{GPU_A}-A10-8Q-0");
+    let refused = pool.p8.allocate(&[&[s8.as_str()]]).await;
+    assert!(refused.is_err(), "{refused:?}");
+    let ev = block(|| api.wait_for_event("VgpuNotCreated", DEADLINE))
+        .expect("a VgpuNotCreated event on the Node");
+    let note = ev["note"].as_str().unwrap_or_default();
+    assert!(note.contains(GPU_A) && note.contains("A10-8Q"), "{ev}");
+    assert_eq!(ev["type"], "Warning");
+
+    // The pod runs, then is gone: the vGPU is removed and that is told too.
+    pool.pods
+        .set_pods(vec![pod("vms", "vm-a", "compute", A10_4Q, &[&slot])]);
+    block(|| {
+        eventually("the pod is seen holding the vGPU", || {
+            records(root).contains("\"seen\": true")
+        })
+    });
+    pool.pods.set_pods(vec![]);
+    let removed = block(|| api.wait_for_event("VgpuRemoved", DEADLINE))
+        .expect("a VgpuRemoved event on the Node");
+    let note = removed["note"].as_str().unwrap_or_default();
+    assert!(note.contains(&uuid) && note.contains(GPU_A), "{removed}");
+    assert!(!root.join(format!("sys/bus/mdev/devices/{uuid}")).exists());
+}

@@ -355,6 +355,8 @@ async fn in_process_run_registers_and_stops_cleanly() {
         resync_interval: Duration::from_secs(3600),
         debounce: Duration::from_millis(50),
         on_demand_poll: Duration::from_secs(1),
+        node_name: None,
+        kubeconfig: None,
     };
     let stop = tokio_util::sync::CancellationToken::new();
     let run = tokio::spawn(sandbox_dp::run(

@@ -551,6 +551,8 @@ mod tests {
                 resync_interval: Duration::from_secs(30),
                 debounce: Duration::from_millis(20),
                 on_demand_poll: Duration::from_secs(1),
+                node_name: None,
+                kubeconfig: None,
             },
             metrics: Arc::new(Metrics::default()),
             resources: BTreeMap::new(),

@@ -37,14 +37,20 @@ fn fds(m: &Mounted, pid: u32) -> Vec<(String, String)> {
     let Ok(rd) = std::fs::read_dir(m.p(&format!("proc/{pid}/fd"))) else {
         return Vec::new();
     };
+    // A descriptor listed and closed before its link is read (another test's thread in this
+    // process) is left out, as it would be from a listing taken a moment later.
     let mut v: Vec<(String, String)> = rd
-        .map(|e| {
+        .filter_map(|e| {
             let e = e.unwrap();
-            let target = std::fs::read_link(e.path()).unwrap();
-            (
+            let target = match std::fs::read_link(e.path()) {
+                Ok(t) => t,
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => return None,
+                Err(err) => panic!("{}: {err}", e.path().display()),
+            };
+            Some((
                 e.file_name().to_string_lossy().into_owned(),
                 target.to_string_lossy().into_owned(),
-            )
+            ))
         })
         .collect();
     v.sort();

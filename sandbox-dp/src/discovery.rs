@@ -199,6 +199,11 @@ pub fn discover(inv: &Inventory, cfg: &DiscoverConfig) -> Snapshot {
     let healthy = |g: Option<u32>| g.is_some_and(|g| inv.vfio_nodes.contains(&g));
     let gpu_of = |d: &PciDevice| d.physfn.unwrap_or(d.address);
     let pooled: BTreeSet<PciAddress> = cfg.pool.as_ref().map(|p| p.gpus(inv)).unwrap_or_default();
+    let pooled_parents: BTreeSet<String> = cfg
+        .pool
+        .as_ref()
+        .map(|p| p.parents(inv))
+        .unwrap_or_default();
 
     // Display functions on VFIO drivers, to leave out their group companions (HDMI audio).
     let passthrough: Vec<&PciDevice> = inv
@@ -295,7 +300,7 @@ pub fn discover(inv: &Inventory, cfg: &DiscoverConfig) -> Snapshot {
         let parent = m.parent_pci.and_then(|p| inv.device(&p));
         match parent {
             Some(p) if !vendor_ok(cfg, p.vendor) => continue,
-            None if cfg.vendor.is_some() => continue,
+            None if cfg.vendor.is_some() || pooled_parents.contains(&m.parent) => continue,
             Some(p) if pooled.contains(&gpu_of(p)) => continue,
             _ => {}
         }

@@ -121,7 +121,18 @@ impl NodeView {
             self.inv.refresh_pci(paths, *a, opts);
         }
         for u in &pending.mdevs {
+            let parent_of = |inv: &Inventory| {
+                let m = inv.mdevs.get(&u.to_ascii_lowercase());
+                m.map(|m| m.parent.clone())
+            };
+            let before = parent_of(&self.inv);
             self.inv.refresh_mdev(paths, u);
+            if opts.mdev_types {
+                let after = parent_of(&self.inv);
+                for p in before.into_iter().chain(after) {
+                    self.refresh_virtual_parent_types(paths, &p);
+                }
+            }
         }
         for g in &pending.groups {
             self.inv.refresh_vfio_node(paths, *g);
@@ -130,6 +141,21 @@ impl NodeView {
             self.inv.refresh_dev_nodes(paths);
         }
         Ok(())
+    }
+
+    /// Re-reads the types of a non-PCI mdev parent (`mtty`): an mdev made or removed on it
+    /// changed their `available_instances`. A PCI parent's are read with its function.
+    fn refresh_virtual_parent_types(&mut self, paths: &HostPaths, parent: &str) {
+        let Some(p) = self.inv.mdev_parents.get_mut(parent) else {
+            return;
+        };
+        if p.pci.is_some() {
+            return;
+        }
+        match common::inventory::read_parent_mdev_types(paths, parent) {
+            Ok(types) => p.types = types,
+            Err(e) => tracing::debug!(parent, error = %e, "cannot read the mdev parent's types"),
+        }
     }
 
     /// [`NodeView::update`], then the resources. Device reads run on the blocking pool; a group
@@ -494,7 +520,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
 }
 
 /// Every `poll`, removes the on-demand vGPUs no pod holds ([`ondemand::Pool::reconcile`]); the
-/// GPUs whose records changed are read again, so their slots come back to the lists even when
+/// GPUs and parents whose records changed are read again, so their slots come back to the lists even when
 /// no uevent came (a record whose vGPU a crash left uncreated).
 async fn release_loop(
     pool: Arc<ondemand::Pool>,
@@ -513,8 +539,12 @@ async fn release_loop(
         let changed = tokio::task::spawn_blocking(move || p.reconcile())
             .await
             .context("on-demand release task")?;
-        for gpu in changed {
-            let _ = changes.send(events::Change::Pci(gpu));
+        for member in changed {
+            // A non-PCI parent has no function to read again: the node is.
+            let _ = changes.send(match member {
+                ondemand::Member::Gpu(gpu) => events::Change::Pci(gpu),
+                ondemand::Member::Parent(_) => events::Change::Node,
+            });
         }
     }
 }

@@ -59,10 +59,12 @@ struct Cli {
     resync_interval: Duration,
 
     /// Create vGPUs when pods ask for them, on these GPUs: "all" (every GPU of --vendor on the
-    /// nvidia driver) or a comma list of PCI addresses. Each vGPU type they can host is
-    /// advertised with as many devices as could still be created; Allocate creates one, and it
-    /// is removed once no pod holds it. vgpu-device-manager leaves these GPUs alone.
-    #[arg(long, value_name = "all|BDF,...", value_parser = ondemand::parse_selector, global = true)]
+    /// nvidia driver) or a comma list of PCI addresses and non-PCI mdev parents (their names
+    /// under /sys/class/mdev_bus, e.g. mtty: their types and counts as sysfs lists them). Each
+    /// vGPU type they can host is advertised with as many devices as could still be created;
+    /// Allocate creates one, and it is removed once no pod holds it. vgpu-device-manager leaves
+    /// these GPUs alone.
+    #[arg(long, value_name = "all|BDF|PARENT,...", value_parser = ondemand::parse_selector, global = true)]
     on_demand: Option<ondemand::Selector>,
 
     /// How often kubelet's PodResources API is asked which on-demand vGPUs pods still hold.

@@ -2,8 +2,13 @@
 //! many devices as could still be created now ([`common::vgpu::capacity`]); `Allocate` creates
 //! the vGPU, and [`Pool::reconcile`] destroys it once no pod kubelet runs holds its device.
 //!
-//! Device IDs are stable across restarts: `<GPU address>-<type>-<slot>`
-//! (`0000:41:00.0-A10-4Q-0`). An allocated slot is listed while its vGPU lives, under the GPU
+//! A pool member is a GPU (NVIDIA's vGPU rules, [`common::vgpu::capacity`]) or a non-PCI mdev
+//! parent named by its entry in `<sys>/class/mdev_bus/` (`mtty`): its types and how many more of
+//! each it can host are what sysfs says (`name`, `available_instances`), with no model rules.
+//!
+//! Device IDs are stable across restarts: `<member>-<type>-<slot>` (`0000:41:00.0-A10-4Q-0`,
+//! `mtty-mtty-2-0`: a GPU's type by the last word of its name, a parent's by its sysfs id). An
+//! allocated slot is listed while its vGPU lives, under the GPU
 //! the vGPU is on (which its record names: a race's loser may be placed on another GPU than the
 //! one its ID names); the free slots listed are the lowest numbers no record uses, as many as
 //! the GPU can still create.
@@ -13,7 +18,7 @@
 //! (`removing`), each time replacing the file whole: a crash at any point leaves a record of
 //! every vGPU this daemon may have made, and the next run removes those no pod holds.
 //!
-//! One GPU serves one Allocate at a time (a lock per GPU), and each reads the GPU afresh: two
+//! One member serves one Allocate at a time (a lock per member), and each reads it afresh: two
 //! Allocates racing for one GPU never make two sizes on it. The loser is placed on another
 //! pooled GPU that can host its type (its record maps kubelet's device ID to that GPU, and the
 //! answer carries the real vGPU), or refused with the GPU and the type named when none can.
@@ -30,32 +35,89 @@ use crate::discovery::{DeviceInfo, Kind, Resource};
 use crate::metrics::Metrics;
 use daemon_kit::events::NodeEvents;
 
-/// Which GPUs are pooled: `all` (every GPU of the vendor on its vGPU driver), or a list of PCI
-/// addresses.
+/// What is pooled: `all` (every GPU of the vendor on its vGPU driver), or a list of GPU PCI
+/// addresses and non-PCI mdev parents.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Selector {
     /// Every GPU of `--vendor` on the nvidia driver.
     All,
-    /// These GPUs.
-    Gpus(BTreeSet<PciAddress>),
+    /// These GPUs, and these non-PCI mdev parents (names under `<sys>/class/mdev_bus/`).
+    Listed {
+        /// GPUs by PCI address.
+        gpus: BTreeSet<PciAddress>,
+        /// mdev parents by name (`mtty`).
+        parents: BTreeSet<String>,
+    },
 }
 
-/// Parses `--on-demand all|BDF,BDF,…`.
+/// Parses `--on-demand all|BDF|PARENT,…`: an entry that is not a PCI address names a non-PCI
+/// mdev parent (`mtty`).
 pub fn parse_selector(s: &str) -> Result<Selector, String> {
     if s.trim() == "all" {
         return Ok(Selector::All);
     }
-    let mut out = BTreeSet::new();
+    let (mut gpus, mut parents) = (BTreeSet::new(), BTreeSet::new());
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        out.insert(
-            part.parse()
-                .map_err(|_| format!("{part:?} is not a PCI address (0000:41:00.0) or \"all\""))?,
+        if let Ok(a) = part.parse() {
+            gpus.insert(a);
+        } else if part.contains([':', '/']) || part == "." || part == ".." || part == "all" {
+            return Err(format!(
+                "{part:?} is neither a PCI address (0000:41:00.0) nor an mdev parent's name (mtty)"
+            ));
+        } else {
+            parents.insert(part.to_string());
+        }
+    }
+    if gpus.is_empty() && parents.is_empty() {
+        return Err(
+            "expected \"all\" or a comma list of GPU PCI addresses and mdev parents".into(),
         );
     }
-    if out.is_empty() {
-        return Err("expected \"all\" or a comma list of GPU PCI addresses".into());
+    Ok(Selector::Listed { gpus, parents })
+}
+
+/// A member of the pool: what device IDs, records and locks name.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(into = "String", from = "String")]
+pub enum Member {
+    /// A GPU: NVIDIA's vGPU rules ([`common::vgpu::capacity`]).
+    Gpu(PciAddress),
+    /// A non-PCI mdev parent (`mtty`): its types and counts as sysfs has them.
+    Parent(String),
+}
+
+impl Member {
+    /// `GPU` or `mdev parent`, for messages.
+    fn what(&self) -> &'static str {
+        match self {
+            Member::Gpu(_) => "GPU",
+            Member::Parent(_) => "mdev parent",
+        }
     }
-    Ok(Selector::Gpus(out))
+}
+
+impl std::fmt::Display for Member {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Member::Gpu(a) => a.fmt(f),
+            Member::Parent(n) => f.write_str(n),
+        }
+    }
+}
+
+impl From<Member> for String {
+    fn from(m: Member) -> String {
+        m.to_string()
+    }
+}
+
+impl From<String> for Member {
+    fn from(s: String) -> Member {
+        match s.parse() {
+            Ok(a) => Member::Gpu(a),
+            Err(_) => Member::Parent(s),
+        }
+    }
 }
 
 /// Where a record's vGPU is in its life.
@@ -77,9 +139,10 @@ pub struct Record {
     pub device: String,
     /// Its resource.
     pub resource: String,
-    /// The GPU.
-    pub gpu: PciAddress,
-    /// `NVIDIA A10-4Q`.
+    /// The GPU or mdev parent the vGPU is on (`gpu` in files an earlier version wrote).
+    #[serde(alias = "gpu")]
+    pub parent: Member,
+    /// `NVIDIA A10-4Q`, `Dual port serial`.
     pub type_name: String,
     /// The mdev's UUID, or the VF's address on the vendor path.
     pub handle: String,
@@ -118,7 +181,7 @@ pub struct Pool {
     /// How long an allocation no pod was ever seen holding lives.
     grace: Duration,
     records: Mutex<Vec<Record>>,
-    locks: Mutex<BTreeMap<PciAddress, Arc<Mutex<()>>>>,
+    locks: Mutex<BTreeMap<Member, Arc<Mutex<()>>>>,
     metrics: Arc<Metrics>,
     /// Node events for creations, removals and refusals (set once the runtime runs).
     events: std::sync::OnceLock<NodeEvents>,
@@ -142,9 +205,15 @@ fn type_key(name: &str) -> &str {
     name.split_whitespace().last().unwrap_or(name)
 }
 
-/// `0000:41:00.0-A10-4Q-3`.
-pub fn device_id(gpu: &PciAddress, type_name: &str, slot: u32) -> String {
-    format!("{gpu}-{}-{slot}", type_key(type_name))
+/// `0000:41:00.0-A10-4Q-3`, `mtty-mtty-2-0`: `key` is a GPU's type by the last word of its
+/// name, a parent's by its sysfs id.
+pub fn device_id(member: &Member, key: &str, slot: u32) -> String {
+    format!("{member}-{key}-{slot}")
+}
+
+/// The slot number of `id` when it is one of `member`'s slots of type `key`.
+fn slot_of(id: &str, member: &Member, key: &str) -> Option<u32> {
+    id.strip_prefix(&format!("{member}-{key}-"))?.parse().ok()
 }
 
 /// The GPU and type key of a device ID.
@@ -225,10 +294,50 @@ impl Pool {
             .filter(|d| !d.is_vf())
             .filter(|d| match &self.selector {
                 Selector::All => d.driver.as_deref() == Some("nvidia") || d.mdev_parent,
-                Selector::Gpus(set) => set.contains(&d.address),
+                Selector::Listed { gpus, .. } => gpus.contains(&d.address),
             })
             .map(|d| d.address)
             .collect()
+    }
+
+    /// The pooled non-PCI mdev parents the inventory has.
+    pub fn parents(&self, inv: &Inventory) -> BTreeSet<String> {
+        let Selector::Listed { parents, .. } = &self.selector else {
+            return BTreeSet::new();
+        };
+        parents
+            .iter()
+            .filter(|n| inv.mdev_parents.get(*n).is_some_and(|p| p.pci.is_none()))
+            .cloned()
+            .collect()
+    }
+
+    /// Every pooled GPU and mdev parent the inventory has, GPUs first.
+    fn members(&self, inv: &Inventory) -> Vec<Member> {
+        let gpus = self.gpus(inv).into_iter().map(Member::Gpu);
+        gpus.chain(self.parents(inv).into_iter().map(Member::Parent))
+            .collect()
+    }
+
+    /// The member and type key a device ID names: a GPU's (`0000:41:00.0-A10-4Q-0`) or a
+    /// listed parent's (`mtty-mtty-2-0`; the longest listed name that fits).
+    fn parse_id<'a>(&self, id: &'a str) -> Option<(Member, &'a str)> {
+        if let Some((gpu, key)) = parse_device_id(id) {
+            return Some((Member::Gpu(gpu), key));
+        }
+        let Selector::Listed { parents, .. } = &self.selector else {
+            return None;
+        };
+        parents
+            .iter()
+            .filter_map(|p| {
+                let rest = id.strip_prefix(p.as_str())?.strip_prefix('-')?;
+                let (key, slot) = rest.rsplit_once('-')?;
+                slot.parse::<u32>().ok()?;
+                (!key.is_empty()).then_some((p, key))
+            })
+            .max_by_key(|(p, _)| p.len())
+            .map(|(p, key)| (Member::Parent(p.clone()), key))
     }
 
     /// At start: writes the pool file (vgpu-device-manager leaves these GPUs alone) and enables
@@ -236,9 +345,16 @@ impl Pool {
     pub fn start(&self) -> anyhow::Result<()> {
         let inv = Inventory::read_with(&self.paths, &READ_OPTIONS)?;
         let gpus = self.gpus(&inv);
-        if let Selector::Gpus(want) = &self.selector {
+        if let Selector::Listed {
+            gpus: want,
+            parents,
+        } = &self.selector
+        {
             for a in want.difference(&gpus) {
                 tracing::warn!(gpu = %a, "--on-demand names a GPU this node does not have");
+            }
+            for p in parents.difference(&self.parents(&inv)) {
+                tracing::warn!(parent = %p, "--on-demand names an mdev parent this node does not have: no {}", self.paths.mdev_bus().join(p).display());
             }
         }
         state::pool::write(&self.paths, &gpus)?;
@@ -266,7 +382,7 @@ impl Pool {
             tracing::info!(gpu = %a, vfs = total, "enabling VFs for on-demand vGPUs");
             sysfs.set_sriov_numvfs(&a, total)?;
         }
-        tracing::info!(gpus = ?gpus.iter().map(ToString::to_string).collect::<Vec<_>>(), "on-demand pool");
+        tracing::info!(gpus = ?gpus.iter().map(ToString::to_string).collect::<Vec<_>>(), parents = ?self.parents(&inv), "on-demand pool");
         Ok(())
     }
 
@@ -284,8 +400,8 @@ impl Pool {
         self.save(&r)
     }
 
-    fn gpu_lock(&self, gpu: PciAddress) -> Arc<Mutex<()>> {
-        lock(&self.locks).entry(gpu).or_default().clone()
+    fn member_lock(&self, m: &Member) -> Arc<Mutex<()>> {
+        lock(&self.locks).entry(m.clone()).or_default().clone()
     }
 
     /// The records now.
@@ -293,8 +409,8 @@ impl Pool {
         lock(&self.records).clone()
     }
 
-    /// Adds the pooled GPUs' slots to `resources`, named by `resource_name` from a type name.
-    /// The vGPUs of pooled GPUs are advertised through their slots only.
+    /// Adds the pool members' slots to `resources`, named by `resource_name` from a type name.
+    /// The vGPUs of pooled GPUs and parents are advertised through their slots only.
     pub fn advertise(
         &self,
         inv: &Inventory,
@@ -303,71 +419,73 @@ impl Pool {
     ) -> BTreeSet<String> {
         let mut clashes = BTreeSet::new();
         let records = self.records();
-        for gpu in self.gpus(inv) {
-            let Some(dev) = inv.device(&gpu) else {
+        for member in self.members(inv) {
+            let Some(offers) = offers(inv, &member) else {
                 continue;
             };
-            let cap = capacity(inv, &gpu);
-            let kind = match cap.mode {
-                Mode::MdevPf | Mode::MdevVf => Kind::Mdev,
-                Mode::Vendor => Kind::SriovVgpu,
-                _ => continue,
+            let dev = match &member {
+                Member::Gpu(a) => match inv.device(a) {
+                    Some(d) => Some(d),
+                    None => continue,
+                },
+                Member::Parent(_) => None,
             };
-            for t in &cap.types {
+            for (key, t) in &offers.types {
                 // MIG-backed types need GPU instances made first: not offered on demand.
-                let mig =
-                    common::vgpu::models::TypeName::parse(type_key(&t.name)).is_some_and(|n| n.mig);
+                let mig = matches!(member, Member::Gpu(_))
+                    && common::vgpu::models::TypeName::parse(key).is_some_and(|n| n.mig);
                 if mig {
                     continue;
                 }
                 let name = resource_name(&t.name);
-                // The vGPUs of this type on this GPU, by the device ID kubelet gave (it may
+                // The vGPUs of this type on this member, by the device ID kubelet gave (it may
                 // name another GPU's slot: see `allocate_one`).
                 let held: Vec<&str> = records
                     .iter()
-                    .filter(|r| r.gpu == gpu && r.type_name == t.name && r.phase != Phase::Removing)
+                    .filter(|r| {
+                        r.parent == member && r.type_name == t.name && r.phase != Phase::Removing
+                    })
                     .map(|r| r.device.as_str())
                     .collect();
-                // This GPU's slot numbers of the type that a record uses, wherever it was placed.
+                // This member's slot numbers of the type that a record uses, wherever it was
+                // placed.
                 let taken: BTreeSet<u32> = records
                     .iter()
                     .filter(|r| r.phase != Phase::Removing)
-                    .filter(|r| {
-                        parse_device_id(&r.device)
-                            .is_some_and(|(g, k)| g == gpu && k == type_key(&t.name))
-                    })
-                    .filter_map(|r| r.device.rsplit_once('-')?.1.parse().ok())
+                    .filter_map(|r| slot_of(&r.device, &member, key))
                     .collect();
                 if held.is_empty() && t.available == 0 {
                     continue;
                 }
                 let r = resources.entry(name.clone()).or_insert_with(|| {
-                    let mut r = Resource::new(name.clone(), kind);
+                    let mut r = Resource::new(name.clone(), offers.kind);
                     r.on_demand = true;
                     r
                 });
-                if r.kind != kind || !r.on_demand {
+                if r.kind != offers.kind || !r.on_demand {
                     clashes.insert(name);
                     continue;
                 }
                 r.type_names.insert(t.name.clone());
-                r.pci_selectors
-                    .insert(format!("{:04X}:{:04X}", dev.vendor, dev.device));
+                if let Some(dev) = dev {
+                    r.pci_selectors
+                        .insert(format!("{:04X}:{:04X}", dev.vendor, dev.device));
+                }
                 let free = (0..)
                     .filter(|s| !taken.contains(s))
                     .take(t.available as usize)
-                    .map(|slot| device_id(&gpu, &t.name, slot));
+                    .map(|slot| device_id(&member, key, slot));
                 for id in held.into_iter().map(str::to_string).chain(free) {
                     r.devices.insert(
                         id.clone(),
                         DeviceInfo {
                             id,
                             healthy: true,
-                            numa_node: dev.numa_node,
+                            numa_node: dev.and_then(|d| d.numa_node),
                             iommu_group: None,
                             vfio_cdev: None,
-                            gpu: Some(gpu.to_string()),
-                            switch: crate::discovery::switch_of(dev),
+                            gpu: Some(member.to_string()),
+                            switch: dev.and_then(crate::discovery::switch_of),
                             driver: None,
                         },
                     );
@@ -381,16 +499,20 @@ impl Pool {
     /// already host vGPUs made here first (packing leaves other GPUs free for other sizes),
     /// then in GPU and slot order.
     pub fn preferred(&self, available: &[String], must: &[String], size: usize) -> Vec<String> {
-        let hosting: BTreeSet<PciAddress> = self.records().iter().map(|r| r.gpu).collect();
+        let hosting: BTreeSet<Member> = self.records().into_iter().map(|r| r.parent).collect();
         let mut out: Vec<String> = must.to_vec();
         let mut cands: Vec<&String> = available.iter().filter(|a| !out.contains(a)).collect();
-        cands.sort_by_key(|id| {
-            let gpu = parse_device_id(id).map(|(g, _)| g);
+        cands.sort_by_cached_key(|id| {
+            let gpu = self.parse_id(id).map(|(m, _)| m);
             let slot: u32 = id
                 .rsplit_once('-')
                 .and_then(|(_, s)| s.parse().ok())
                 .unwrap_or(u32::MAX);
-            (!gpu.is_some_and(|g| hosting.contains(&g)), gpu, slot)
+            (
+                !gpu.as_ref().is_some_and(|g| hosting.contains(g)),
+                gpu,
+                slot,
+            )
         });
         out.extend(
             cands
@@ -430,29 +552,33 @@ impl Pool {
     /// slot of another GPU than the one serving it.
     fn allocate_one(&self, resource: &str, id: &str) -> Result<Created, String> {
         let started = Instant::now();
-        let (gpu, key) = parse_device_id(id)
+        let (member, key) = self
+            .parse_id(id)
             .ok_or_else(|| format!("{resource}: {id:?} is not an on-demand device ID"))?;
         if let Some(c) = self.reuse(resource, id)? {
             return Ok(c);
         }
-        let refused = match self.create_on(resource, id, gpu, key, started) {
+        let refused = match self.create_on(resource, id, &member, key, started) {
             Placed::Made(c) => return Ok(c),
             Placed::NoRoom(e) => e,
             Placed::Failed(e) => return Err(e),
         };
         let inv = Inventory::read_with(&self.paths, &READ_OPTIONS)
             .map_err(|e| format!("reading the node: {e}"))?;
-        for other in self.gpus(&inv).into_iter().filter(|g| *g != gpu) {
-            match self.create_on(resource, id, other, key, started) {
+        for other in self.members(&inv).into_iter().filter(|m| *m != member) {
+            match self.create_on(resource, id, &other, key, started) {
                 Placed::Made(c) => {
-                    tracing::info!(device = id, gpu = %other, "{refused}; placed on GPU {other}");
+                    tracing::info!(device = id, gpu = %other, "{refused}; placed on {} {other}", other.what());
                     return Ok(c);
                 }
                 Placed::NoRoom(_) => continue,
                 Placed::Failed(e) => return Err(e),
             }
         }
-        Err(format!("{refused}, nor can any other GPU of the pool"))
+        Err(format!(
+            "{refused}, nor can any other {} of the pool",
+            member.what()
+        ))
     }
 
     /// A record for this device: kubelet allocates it again (a restarted container, or a retry
@@ -462,7 +588,7 @@ impl Pool {
         let Some(r) = self.records().into_iter().find(|r| r.device == id) else {
             return Ok(None);
         };
-        let gl = self.gpu_lock(r.gpu);
+        let gl = self.member_lock(&r.parent);
         let _held = lock(&gl);
         let mut inv = Inventory::read_with(&self.paths, &READ_OPTIONS)
             .map_err(|e| format!("reading the node: {e}"))?;
@@ -489,35 +615,40 @@ impl Pool {
         Ok(None)
     }
 
-    /// Creates a vGPU of type `key` for device `id` on `gpu`, under the GPU's lock and from a
-    /// fresh read of it.
+    /// Creates a vGPU of type `key` for device `id` on `gpu` (a GPU or an mdev parent), under
+    /// its lock and from a fresh read of it.
     fn create_on(
         &self,
         resource: &str,
         id: &str,
-        gpu: PciAddress,
+        gpu: &Member,
         key: &str,
         started: Instant,
     ) -> Placed {
-        let gl = self.gpu_lock(gpu);
+        let what = gpu.what();
+        let gl = self.member_lock(gpu);
         let _held = lock(&gl);
         let mut inv = match Inventory::read_with(&self.paths, &READ_OPTIONS) {
             Ok(inv) => inv,
             Err(e) => return Placed::Failed(format!("reading the node: {e}")),
         };
-        if !self.gpus(&inv).contains(&gpu) {
+        if !self.members(&inv).contains(gpu) {
             return Placed::NoRoom(format!(
-                "{resource}: GPU {gpu} of {id} is not in the on-demand pool"
+                "{resource}: {what} {gpu} of {id} is not in the on-demand pool"
             ));
         }
-        let cap = capacity(&inv, &gpu);
-        let Some(t) = cap.types.iter().find(|t| type_key(&t.name) == key) else {
-            return Placed::NoRoom(format!("{resource}: GPU {gpu} does not offer {key}"));
+        let offers = offers(&inv, gpu);
+        let Some(t) = offers
+            .as_ref()
+            .and_then(|o| o.types.iter().find(|(k, _)| k == key))
+            .map(|(_, t)| t)
+        else {
+            return Placed::NoRoom(format!("{resource}: {what} {gpu} does not offer {key}"));
         };
         let (Some(type_id), Some(parent)) = (t.type_id.clone(), t.parents.first().cloned()) else {
-            return Placed::NoRoom(no_room(&cap, t));
+            return Placed::NoRoom(no_room(gpu, offers.as_ref(), t));
         };
-        let vendor = cap.mode == Mode::Vendor;
+        let vendor = offers.as_ref().is_some_and(|o| o.vendor);
         let handle = if vendor {
             parent.clone()
         } else {
@@ -526,7 +657,7 @@ impl Pool {
         let rec = Record {
             device: id.to_string(),
             resource: resource.to_string(),
-            gpu,
+            parent: gpu.clone(),
             type_name: t.name.clone(),
             handle: handle.clone(),
             vendor,
@@ -545,7 +676,10 @@ impl Pool {
             match (parent.parse::<PciAddress>(), type_id.parse::<u32>()) {
                 (Ok(vf), Ok(n)) => sysfs.set_current_vgpu_type(&vf, n),
                 _ => Err(common::Error::Parse {
-                    path: self.paths.pci_device(&gpu),
+                    path: match gpu {
+                        Member::Gpu(a) => self.paths.pci_device(a),
+                        Member::Parent(n) => self.paths.mdev_bus().join(n),
+                    },
                     reason: format!("VF {parent} or type id {type_id} is malformed"),
                 }),
             }
@@ -555,7 +689,7 @@ impl Pool {
         if let Err(e) = write {
             let _ = self.update(|rs| rs.retain(|r| r.device != id));
             return Placed::Failed(format!(
-                "{resource}: cannot create {} on GPU {gpu} ({parent}): {e}",
+                "{resource}: cannot create {} on {what} {gpu} ({parent}): {e}",
                 t.name
             ));
         }
@@ -572,7 +706,7 @@ impl Pool {
         }
         let Some(c) = wait_created(&mut inv, &self.paths, &ready) else {
             return Placed::Failed(format!(
-                "{resource}: {} {handle} on GPU {gpu} has no /dev/vfio group node",
+                "{resource}: {} {handle} on {what} {gpu} has no /dev/vfio group node",
                 t.name
             ));
         };
@@ -580,7 +714,10 @@ impl Pool {
         self.event_normal(
             "VgpuCreated",
             "Create",
-            format!("{} {handle} created on GPU {gpu} for device {id}", t.name),
+            format!(
+                "{} {handle} created on {what} {gpu} for device {id}",
+                t.name
+            ),
         );
         tracing::info!(device = id, gpu = %gpu, vgpu = %handle, type_name = %t.name, took_ms = started.elapsed().as_millis() as u64, "created an on-demand vGPU");
         Placed::Made(c)
@@ -589,8 +726,8 @@ impl Pool {
     /// Removes the vGPUs no pod holds: those a pod held once and no longer does, and those no
     /// pod was seen holding within the grace period. A vGPU a process holds is kept and
     /// reported until it is let go. Does nothing when kubelet does not answer. Blocking.
-    /// Returns the GPUs whose records it dropped.
-    pub fn reconcile(&self) -> BTreeSet<PciAddress> {
+    /// Returns the GPUs and parents whose records it dropped.
+    pub fn reconcile(&self) -> BTreeSet<Member> {
         let mut dropped = BTreeSet::new();
         let active = match common::usage::active_pods(&self.paths, Duration::from_secs(5)) {
             Ok(a) => a,
@@ -623,7 +760,7 @@ impl Pool {
         for r in release {
             match self.release(&r) {
                 Ok(()) => {
-                    dropped.insert(r.gpu);
+                    dropped.insert(r.parent.clone());
                 }
                 Err(e) => {
                     self.metrics.on_demand_failure();
@@ -632,8 +769,12 @@ impl Pool {
                             "VgpuNotRemoved",
                             "Remove",
                             format!(
-                                "{} {} on GPU {} (device {}): {e}",
-                                r.type_name, r.handle, r.gpu, r.device
+                                "{} {} on {} {} (device {}): {e}",
+                                r.type_name,
+                                r.handle,
+                                r.parent.what(),
+                                r.parent,
+                                r.device
                             ),
                         );
                     }
@@ -645,7 +786,7 @@ impl Pool {
     }
 
     fn release(&self, r: &Record) -> Result<(), String> {
-        let gl = self.gpu_lock(r.gpu);
+        let gl = self.member_lock(&r.parent);
         let _held = lock(&gl);
         // An Allocate may have taken the record up again meanwhile (kubelet's retry): the next
         // poll decides anew.
@@ -685,11 +826,15 @@ impl Pool {
                 "VgpuRemoved",
                 "Remove",
                 format!(
-                    "{} {} removed from GPU {} (device {}): no pod holds it",
-                    r.type_name, r.handle, r.gpu, r.device
+                    "{} {} removed from {} {} (device {}): no pod holds it",
+                    r.type_name,
+                    r.handle,
+                    r.parent.what(),
+                    r.parent,
+                    r.device
                 ),
             );
-            tracing::info!(device = %r.device, vgpu = %r.handle, type_name = %r.type_name, gpu = %r.gpu, "removed an on-demand vGPU: no pod holds it");
+            tracing::info!(device = %r.device, vgpu = %r.handle, type_name = %r.type_name, gpu = %r.parent, "removed an on-demand vGPU: no pod holds it");
         }
         self.update(|rs| rs.retain(|x| x.device != r.device))
             .map_err(|e| format!("{e:#}"))
@@ -732,7 +877,84 @@ enum Placed {
     Failed(String),
 }
 
-fn no_room(cap: &Capacity, t: &Creatable) -> String {
+/// What one member can create now, by type.
+struct Offers {
+    kind: Kind,
+    /// The vendor SR-IOV path: `current_vgpu_type` on a free VF.
+    vendor: bool,
+    /// Each type by its key in device IDs.
+    types: Vec<(String, Creatable)>,
+    /// A GPU's capacity (for messages).
+    cap: Option<Capacity>,
+}
+
+/// A GPU's types by NVIDIA's rules ([`capacity`]); a non-PCI parent's as sysfs lists them, each
+/// with its `available_instances`. `None`: it offers nothing now (VFs not enabled, not a vGPU
+/// GPU, no such parent).
+fn offers(inv: &Inventory, m: &Member) -> Option<Offers> {
+    match m {
+        Member::Gpu(gpu) => {
+            let cap = capacity(inv, gpu);
+            let kind = match cap.mode {
+                Mode::MdevPf | Mode::MdevVf => Kind::Mdev,
+                Mode::Vendor => Kind::SriovVgpu,
+                _ => return None,
+            };
+            let types = cap
+                .types
+                .iter()
+                .map(|t| (type_key(&t.name).to_string(), t.clone()))
+                .collect();
+            Some(Offers {
+                kind,
+                vendor: cap.mode == Mode::Vendor,
+                types,
+                cap: Some(cap),
+            })
+        }
+        Member::Parent(name) => {
+            let p = inv.mdev_parents.get(name).filter(|p| p.pci.is_none())?;
+            let types = p
+                .types
+                .iter()
+                .map(|t| {
+                    let c = Creatable {
+                        name: t.name.clone().unwrap_or_else(|| t.id.clone()),
+                        type_id: Some(t.id.clone()),
+                        framebuffer_mb: None,
+                        max: None,
+                        available: t.available_instances,
+                        parents: if t.available_instances > 0 {
+                            vec![name.clone()]
+                        } else {
+                            Vec::new()
+                        },
+                    };
+                    (t.id.clone(), c)
+                })
+                .collect();
+            Some(Offers {
+                kind: Kind::Mdev,
+                vendor: false,
+                types,
+                cap: None,
+            })
+        }
+    }
+}
+
+fn no_room(m: &Member, offers: Option<&Offers>, t: &Creatable) -> String {
+    match offers.and_then(|o| o.cap.as_ref()) {
+        Some(cap) => gpu_no_room(cap, t),
+        None => format!(
+            "{} {m} cannot host another {} now: its available_instances is 0",
+            m.what(),
+            t.name
+        ),
+    }
+}
+
+fn gpu_no_room(cap: &Capacity, t: &Creatable) -> String {
     let have: Vec<String> = cap
         .existing
         .iter()
@@ -789,7 +1011,7 @@ fn created(inv: &mut Inventory, paths: &HostPaths, r: &Record) -> Option<Created
             numa_node: None,
             iommu_group: Some(group),
             vfio_cdev: cdev,
-            gpu: Some(r.gpu.to_string()),
+            gpu: Some(r.parent.to_string()),
             switch: None,
             driver: None,
         },
@@ -820,17 +1042,23 @@ mod tests {
         let a: PciAddress = "0000:41:00.0".parse().unwrap();
         assert_eq!(
             parse_selector("0000:41:00.0, 0000:61:00.0").unwrap(),
-            Selector::Gpus(
-                [
+            Selector::Listed {
+                gpus: [
                     "0000:41:00.0".parse().unwrap(),
                     "0000:61:00.0".parse().unwrap()
                 ]
-                .into()
-            )
+                .into(),
+                parents: BTreeSet::new(),
+            }
         );
-        assert!(parse_selector("gpu0").unwrap_err().contains("gpu0"));
+        assert!(
+            parse_selector("0000:41:00")
+                .unwrap_err()
+                .contains("0000:41:00")
+        );
+        assert!(parse_selector("../mtty").unwrap_err().contains("../mtty"));
         assert!(parse_selector(",").is_err());
-        let id = device_id(&a, "NVIDIA A10-4Q", 3);
+        let id = device_id(&Member::Gpu(a), type_key("NVIDIA A10-4Q"), 3);
         assert_eq!(id, "0000:41:00.0-A10-4Q-3");
         assert_eq!(parse_device_id(&id), Some((a, "A10-4Q")));
         assert_eq!(
@@ -840,6 +1068,51 @@ mod tests {
         assert_eq!(
             parse_device_id("5a3b2c1d-0000-4000-8000-00000000abcd"),
             None
+        );
+    }
+
+    #[test]
+    fn mdev_parents_are_named_and_their_ids_parse_by_the_listed_names() {
+        let sel = parse_selector("mtty, 0000:41:00.0,mtty-x").unwrap();
+        assert_eq!(
+            sel,
+            Selector::Listed {
+                gpus: ["0000:41:00.0".parse().unwrap()].into(),
+                parents: ["mtty".to_string(), "mtty-x".to_string()].into(),
+            }
+        );
+        let pool = Pool::new(
+            HostPaths::new("/nonexistent-root"),
+            sel,
+            None,
+            Duration::from_secs(1),
+            Default::default(),
+        )
+        .unwrap();
+        let mtty = Member::Parent("mtty".into());
+        let id = device_id(&mtty, "mtty-2", 0);
+        assert_eq!(id, "mtty-mtty-2-0");
+        assert_eq!(pool.parse_id(&id), Some((mtty.clone(), "mtty-2")));
+        // The longest listed name that fits.
+        assert_eq!(
+            pool.parse_id("mtty-x-mtty-1-4"),
+            Some((Member::Parent("mtty-x".into()), "mtty-1"))
+        );
+        assert_eq!(pool.parse_id("mbochs-mbochs-small-0"), None);
+        assert_eq!(pool.parse_id("mtty-mtty-2-x"), None);
+        assert_eq!(slot_of("mtty-mtty-2-7", &mtty, "mtty-2"), Some(7));
+        assert_eq!(slot_of("mtty-mtty-2-7", &mtty, "mtty-1"), None);
+        // Records name the member by its string, and read files that still say `gpu`.
+        let r: Record = serde_json::from_str(
+            r#"{"device":"d","resource":"r","gpu":"0000:41:00.0","type_name":"t","handle":"h","vendor":false,"phase":"ready","since":0,"seen":false}"#,
+        )
+        .unwrap();
+        assert_eq!(r.parent, Member::Gpu("0000:41:00.0".parse().unwrap()));
+        let text = serde_json::to_string(&Record { parent: mtty, ..r }).unwrap();
+        assert!(text.contains(r#""parent":"mtty""#), "{text}");
+        assert_eq!(
+            serde_json::from_str::<Record>(&text).unwrap().parent,
+            Member::Parent("mtty".into())
         );
     }
 }

@@ -1036,3 +1036,88 @@ async fn creations_refusals_and_removals_are_node_events() {
     assert!(note.contains(&uuid) && note.contains(GPU_A), "{removed}");
     assert!(!root.join(format!("sys/bus/mdev/devices/{uuid}")).exists());
 }
+
+/// Each resource `list --json` prints, with its device IDs in order.
+fn list_json(out: &std::process::Output) -> Vec<(String, Vec<String>)> {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            let ids = r["devices"].as_array().unwrap().iter();
+            let mut ids: Vec<String> = ids.map(|d| d["id"].as_str().unwrap().into()).collect();
+            ids.sort_by_key(|id| {
+                let (head, slot) = id.rsplit_once('-').unwrap();
+                (head.to_string(), slot.parse::<u32>().unwrap_or(u32::MAX))
+            });
+            (r["name"].as_str().unwrap().to_string(), ids)
+        })
+        .collect()
+}
+
+/// A non-PCI mdev parent named in `--on-demand` offers each of its types with as many slots as
+/// sysfs's `available_instances` says, named as sandbox-dp names such mdevs (by the type's
+/// `name`); its existing mdevs are not advertised on their own. No node-sim: a hand-built tree.
+#[test]
+fn an_mtty_parent_offers_what_sysfs_says_it_can_still_create() {
+    let t = testkit::sysfs::SysfsTree::new();
+    let dev = t.root().join("sys/devices/virtual/mtty/mtty");
+    t.mdev_type(&dev, "mtty-1", "Single port serial", 22);
+    t.mdev_type(&dev, "mtty-2", "Dual port serial", 3);
+    t.mdev_parent("virtual/mtty/mtty", "mtty");
+    let uuid = "6f1c8a52-0000-4000-8000-000000000001";
+    t.mdev("virtual/mtty/mtty", uuid, "mtty-2", Some(7));
+    t.vfio_node(7);
+    let slots =
+        |key: &str, n: u32| -> Vec<String> { (0..n).map(|i| format!("mtty-{key}-{i}")).collect() };
+    let want = vec![
+        (
+            "nvidia.com/Dual_port_serial".to_string(),
+            slots("mtty-2", 3),
+        ),
+        (
+            "nvidia.com/Single_port_serial".to_string(),
+            slots("mtty-1", 22),
+        ),
+    ];
+    // Without the pool, `--vendor any` advertises the mdev by its UUID.
+    assert_eq!(
+        list_json(&run(&["list", "--json", "--vendor", "any"], t.root())),
+        [(
+            "nvidia.com/Dual_port_serial".to_string(),
+            vec![uuid.to_string()]
+        )]
+    );
+    // Pooled: the slots only, whatever --vendor says (the parent is named).
+    for vendor in [&["--vendor", "any"][..], &[]] {
+        let args = [&["list", "--json", "--on-demand", "mtty"][..], vendor].concat();
+        assert_eq!(list_json(&run(&args, t.root())), want, "{args:?}");
+    }
+    // The counts are sysfs's: one fewer available, one slot fewer.
+    write(
+        t.root(),
+        "sys/devices/virtual/mtty/mtty/mdev_supported_types/mtty-2/available_instances",
+        "2\n",
+    );
+    let out = run(&["list", "--json", "--on-demand", "mtty"], t.root());
+    assert_eq!(list_json(&out)[0].1, slots("mtty-2", 2));
+    // A GPU and a parent together; a malformed entry is refused naming it.
+    let out = run(
+        &["list", "--json", "--on-demand", "0000:41:00.0,mtty"],
+        t.root(),
+    );
+    assert_eq!(list_json(&out)[0].1, slots("mtty-2", 2));
+    let out = run(&["list", "--on-demand", "mtty,0000:41:00"], t.root());
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("0000:41:00"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -7,13 +7,21 @@
 //! through sysfs and waits for ListAndWatch to drop it (or mark it unhealthy), printing how long
 //! that took. Prints `PASS <check>` / `FAIL <check>: <detail>` lines on stdout (the VM tier's
 //! results format); exit status 0 when every check passed.
+//!
+//! With `--on-demand NAME=COUNT --pod-resources SOCKET` (sandbox-dp `--on-demand`) it also
+//! serves kubelet's PodResources API on SOCKET and plays a pod's life: NAME lists COUNT slots;
+//! Allocate of one creates an mdev (its UUID in the env, its group node in the specs); `List`
+//! then holds the device and the mdev stays; `List` drops it and the mdev is removed, and the
+//! slots come back. `--other NAME=BEFORE,AFTER` is another type of the same parent, whose list
+//! must go from BEFORE to AFTER slots while the mdev lives and back.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use testkit::kubelet::{FakeKubelet, summary};
+use testkit::kubelet::pod_resources::pod;
+use testkit::kubelet::{FakeKubelet, FakePodResources, ListWatch, summary};
 use vm_tier::Checks;
 
 #[derive(Debug)]
@@ -23,6 +31,12 @@ struct Args {
     resources: Vec<(String, Vec<String>)>,
     remove_mdev: Option<String>,
     timeout: Duration,
+    /// `--on-demand NAME=COUNT`.
+    on_demand: Option<(String, usize)>,
+    /// `--other NAME=BEFORE,AFTER`.
+    other: Option<(String, usize, usize)>,
+    /// `--pod-resources SOCKET`.
+    pod_resources: Option<PathBuf>,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -32,6 +46,9 @@ fn parse_args() -> anyhow::Result<Args> {
         resources: Vec::new(),
         remove_mdev: None,
         timeout: Duration::from_secs(30),
+        on_demand: None,
+        other: None,
+        pod_resources: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -48,6 +65,25 @@ fn parse_args() -> anyhow::Result<Args> {
                 args.resources.push((name.to_string(), ids.collect()));
             }
             "--remove-mdev" => args.remove_mdev = Some(value()?),
+            "--on-demand" => {
+                let v = value()?;
+                let (name, n) = v
+                    .split_once('=')
+                    .with_context(|| format!("--on-demand {v}: expected NAME=COUNT"))?;
+                let n = n.parse().with_context(|| format!("--on-demand {v}"))?;
+                args.on_demand = Some((name.to_string(), n));
+            }
+            "--other" => {
+                let v = value()?;
+                let parsed = v.split_once('=').and_then(|(name, counts)| {
+                    let (b, a) = counts.split_once(',')?;
+                    Some((name.to_string(), b.parse().ok()?, a.parse().ok()?))
+                });
+                args.other = Some(
+                    parsed.with_context(|| format!("--other {v}: expected NAME=BEFORE,AFTER"))?,
+                );
+            }
+            "--pod-resources" => args.pod_resources = Some(PathBuf::from(value()?)),
             "--timeout" => {
                 let v = value()?;
                 args.timeout =
@@ -56,9 +92,10 @@ fn parse_args() -> anyhow::Result<Args> {
             other => bail!("unknown argument {other}"),
         }
     }
-    if args.dir.as_os_str().is_empty() || args.resources.is_empty() {
+    let on_demand = args.on_demand.is_some() && args.pod_resources.is_some();
+    if args.dir.as_os_str().is_empty() || (args.resources.is_empty() && !on_demand) {
         bail!(
-            "usage: vm-kubelet --dir DIR --resource NAME=ID,ID... [--remove-mdev UUID] [--timeout SECS] [--sys DIR]"
+            "usage: vm-kubelet --dir DIR (--resource NAME=ID,ID... [--remove-mdev UUID] | --on-demand NAME=COUNT --pod-resources SOCKET [--other NAME=BEFORE,AFTER]) [--timeout SECS] [--sys DIR]"
         );
     }
     Ok(args)
@@ -116,6 +153,13 @@ async fn run() -> anyhow::Result<usize> {
     let args = parse_args()?;
     let mut report = Checks::default();
     let mut kubelet = FakeKubelet::start(&args.dir).await?;
+    if let (Some(od), Some(socket)) = (&args.on_demand, &args.pod_resources) {
+        let pods = FakePodResources::start(socket).await?;
+        let res = on_demand(&args, od, &mut kubelet, &pods, &mut report).await;
+        report.check("on-demand", res);
+        kubelet.stop().await;
+        return Ok(report.failed);
+    }
     let names: Vec<&str> = args.resources.iter().map(|(n, _)| n.as_str()).collect();
     let regs = kubelet.wait_for(&names, args.timeout).await;
     let regs = match regs {
@@ -240,4 +284,169 @@ async fn run() -> anyhow::Result<usize> {
     }
     kubelet.stop().await;
     Ok(report.failed)
+}
+
+/// A slot's number: the last part of its ID (`mtty-mtty-2-3` → 3).
+fn slot(id: &str) -> u32 {
+    id.rsplit_once('-')
+        .and_then(|(_, n)| n.parse().ok())
+        .unwrap_or(u32::MAX)
+}
+
+/// Waits until `lw` lists `n` devices, all healthy.
+async fn lists(lw: &mut ListWatch, n: usize, timeout: Duration) -> anyhow::Result<Vec<String>> {
+    let l = lw
+        .wait_until(timeout, |l| {
+            l.len() == n && l.iter().all(|d| d.health == "Healthy")
+        })
+        .await?;
+    let mut ids: Vec<String> = l.into_iter().map(|d| d.id).collect();
+    ids.sort_by_key(|id| slot(id));
+    Ok(ids)
+}
+
+/// Waits until `pred` holds, polling every 20 ms.
+async fn until(timeout: Duration, what: &str, pred: impl Fn() -> bool) -> anyhow::Result<()> {
+    let end = Instant::now() + timeout;
+    while !pred() {
+        if Instant::now() >= end {
+            bail!("not within {timeout:?}: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+/// The on-demand pod life (see the module's doc). Each step is a check; an `Err` is a step
+/// the others depend on that failed.
+async fn on_demand(
+    args: &Args,
+    (name, count): &(String, usize),
+    kubelet: &mut FakeKubelet,
+    pods: &FakePodResources,
+    report: &mut Checks,
+) -> anyhow::Result<()> {
+    let t = args.timeout;
+    let mut names = vec![name.as_str()];
+    names.extend(args.other.as_ref().map(|(n, _, _)| n.as_str()));
+    let regs = kubelet.wait_for(&names, t).await?;
+    let s = slug(name);
+    let mut plugin = kubelet.plugin(&regs[name].endpoint).await?;
+    let mut lw = plugin.list_and_watch().await?;
+    let mut other = match &args.other {
+        Some((o, before, after)) => {
+            let mut p = kubelet.plugin(&regs[o].endpoint).await?;
+            let lw = p.list_and_watch().await?;
+            Some((slug(o), *before, *after, lw))
+        }
+        None => None,
+    };
+
+    // The slots: as many as sysfs says can be created.
+    let ids = lists(&mut lw, *count, t).await;
+    report.check(
+        &format!("on-demand-{s}-lists-{count}-slots"),
+        ids.as_ref()
+            .map(|_| ())
+            .map_err(|e| anyhow::anyhow!("{e:#}")),
+    );
+    if let Some((o, before, _, lw)) = &mut other {
+        let r = lists(lw, *before, t).await.map(|_| ());
+        report.check(&format!("on-demand-{o}-lists-{before}-slots"), r);
+    }
+    let id = ids?
+        .into_iter()
+        .next()
+        .with_context(|| format!("{name} lists no slot"))?;
+
+    // Allocate: an mdev now exists, and the answer names it.
+    let resp = plugin
+        .allocate(&[&[id.as_str()]])
+        .await
+        .map_err(|e| anyhow::anyhow!("Allocate {id}: {e}"))?;
+    let c = resp
+        .container_responses
+        .into_iter()
+        .next()
+        .unwrap_or_default();
+    let key = env_name(name, true);
+    let uuid = c.envs.get(&key).cloned().unwrap_or_default();
+    let mdev_dir = args.sys.join("bus/mdev/devices").join(&uuid);
+    eprintln!("vm-kubelet: Allocate {id} answered {key}={uuid}");
+    report.check(
+        "allocate-creates-the-mdev-named-in-the-env",
+        if is_uuid(&uuid) && mdev_dir.exists() {
+            Ok(())
+        } else {
+            Err(anyhow::anyhow!(
+                "{key}={uuid:?} ({} exists: {}); envs {:?}",
+                mdev_dir.display(),
+                mdev_dir.exists(),
+                c.envs
+            ))
+        },
+    );
+    let specs = (|| -> anyhow::Result<()> {
+        let want: BTreeSet<String> = [
+            "/dev/vfio/vfio".to_string(),
+            format!("/dev/vfio/{}", group_of(&args.sys, &uuid)?),
+        ]
+        .into();
+        let got: BTreeSet<String> = c.devices.iter().map(|d| d.host_path.clone()).collect();
+        if got != want {
+            bail!("device specs {got:?}, want {want:?}");
+        }
+        if let Some(d) = c.devices.iter().find(|d| !Path::new(&d.host_path).exists()) {
+            bail!("{} does not exist", d.host_path);
+        }
+        Ok(())
+    })();
+    report.check("allocate-answers-the-mdev-group-node", specs);
+    if let Some((o, _, after, lw)) = &mut other {
+        let r = lists(lw, *after, t).await.map(|_| ());
+        report.check(
+            &format!("on-demand-{o}-lists-{after}-slots-while-it-lives"),
+            r,
+        );
+    }
+
+    // A pod holds it: kept across polls.
+    let calls = pods.list_calls();
+    pods.set_pods(vec![pod("default", "vm", "compute", name, &[id.as_str()])]);
+    let polled = until(t, "two PodResources List calls", || {
+        pods.list_calls() >= calls + 2
+    })
+    .await;
+    report.check(
+        "held-mdev-kept",
+        polled.and_then(|()| {
+            if mdev_dir.exists() {
+                Ok(())
+            } else {
+                Err(anyhow::anyhow!(
+                    "{} was removed under its pod",
+                    mdev_dir.display()
+                ))
+            }
+        }),
+    );
+
+    // The pod is gone: the mdev is removed, and the slots come back.
+    pods.set_pods(Vec::new());
+    let started = Instant::now();
+    let gone = until(t, "the mdev removed", || !mdev_dir.exists()).await;
+    if gone.is_ok() {
+        eprintln!(
+            "vm-kubelet: {uuid} removed {} ms after its pod left List",
+            started.elapsed().as_millis()
+        );
+    }
+    report.check("released-mdev-removed", gone);
+    let back = lists(&mut lw, *count, t).await.map(|_| ());
+    report.check(&format!("on-demand-{s}-lists-{count}-slots-again"), back);
+    if let Some((o, before, _, lw)) = &mut other {
+        let r = lists(lw, *before, t).await.map(|_| ());
+        report.check(&format!("on-demand-{o}-lists-{before}-slots-again"), r);
+    }
+    Ok(())
 }

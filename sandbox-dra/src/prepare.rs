@@ -414,9 +414,18 @@ impl Node {
         wanted: &[Wanted],
     ) -> Result<Selection, PrepareError> {
         for w in wanted {
-            if let Some(a) = w.address
-                && inv.device(&a).is_none()
-            {
+            let Some(a) = w.address else {
+                // An mdev of a parent --vgpu named when it was prepared, and names no more.
+                return Err(refused(
+                    claim,
+                    format!(
+                        "device {} is not a GPU, and its mdev parent is not in --vgpu; nothing \
+                         was changed",
+                        w.device
+                    ),
+                ));
+            };
+            if inv.device(&a).is_none() {
                 return Err(refused(
                     claim,
                     format!(
@@ -467,8 +476,9 @@ impl Node {
         if vgpus + mdevs > 0 {
             return Err(refused(
                 claim,
-                "it asks for whole GPUs and vGPUs together; this driver prepares one kind per \
-                 claim (use two claims); nothing was changed"
+                "it asks for devices of more than one kind together (whole GPUs, vGPUs, mdevs \
+                 of other parents); this driver prepares one kind per claim (use a claim per \
+                 kind); nothing was changed"
                     .into(),
             ));
         }
@@ -1309,6 +1319,38 @@ mod tests {
                 address: None,
             }]
         );
+    }
+
+    #[test]
+    fn a_claim_of_a_vgpu_and_an_mdev_of_another_parent_is_refused_before_any_read() {
+        let cfg = PrepareConfig {
+            mdev_parents: ["mtty".to_string()].into(),
+            ..config()
+        };
+        let c = rc(
+            "u-1",
+            &[
+                (
+                    "a",
+                    "gpu.example.io",
+                    "node-a",
+                    "vgpu-0000-41-00-0-a10-4q-0",
+                ),
+                ("b", "gpu.example.io", "node-a", "mdev-mtty-mtty-1-0"),
+            ],
+        );
+        let (id, wanted) = allocated(&cfg, &claim_ref(), &c).unwrap();
+        // A root with nothing in it: the refusal comes before any read or write.
+        let node = Node {
+            config: cfg,
+            paths: HostPaths::new("/nonexistent-root"),
+        };
+        match node.prepare(&claim_ref(), id, wanted, None) {
+            Err(PrepareError::Refused { reason, .. }) => {
+                assert!(reason.contains("more than one kind"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -69,8 +69,9 @@ pub struct ClaimDevice {
     pub pool: String,
     /// Its name in the pool (`gpu-0000-41-00-0`).
     pub device: String,
-    /// The GPU's PCI address.
-    pub address: common::PciAddress,
+    /// The GPU's PCI address; none for an mdev of a parent that is not a PCI function.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<common::PciAddress>,
     /// Its IOMMU group.
     pub group: u32,
     /// The VFIO device nodes the container gets, as the host names them.
@@ -79,15 +80,20 @@ pub struct ClaimDevice {
     /// the vendor path).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vgpu: Option<crate::vgpu::Vgpu>,
+    /// The mdev made for it, for a device of an mdev parent that is not a PCI function.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mdev: Option<crate::vgpu::Mdev>,
 }
 
 impl ClaimDevice {
     /// What KubeVirt reads of it: the mdev's UUID (`mdevUUID`) for a mediated device, else
     /// the PCI address of the function (a GPU, or an SR-IOV VF vGPU).
     fn attributes(&self) -> Value {
-        match &self.vgpu {
-            Some(v) if !v.vendor => json!({MDEV_UUID: {"string": v.handle}}),
-            _ => json!({PCI_BUS_ID: {"string": self.address.to_string()}}),
+        match (&self.vgpu, &self.mdev, self.address) {
+            (Some(v), _, _) if !v.vendor => json!({MDEV_UUID: {"string": v.handle}}),
+            (_, Some(m), _) => json!({MDEV_UUID: {"string": m.uuid}}),
+            (_, _, Some(a)) => json!({PCI_BUS_ID: {"string": a.to_string()}}),
+            (_, None, None) => json!({}),
         }
     }
 }
@@ -295,10 +301,11 @@ mod tests {
             requests: vec![request.into()],
             pool: "node-a".into(),
             device: "gpu-0000-41-00-0".into(),
-            address: "0000:41:00.0".parse().unwrap(),
+            address: Some("0000:41:00.0".parse().unwrap()),
             group: 21,
             nodes: vec!["/dev/vfio/vfio".into(), "/dev/vfio/21".into()],
             vgpu: None,
+            mdev: None,
         }
     }
 

@@ -160,10 +160,12 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     let events =
         daemon_kit::events::NodeEvents::start(client.clone(), &config.node_name, "sandbox-dra");
     let telemetry = Arc::new(telemetry::Telemetry::new(ops.clone(), events));
-    let vgpu_pool = match &config.vgpu {
-        Some(sel) => vgpu::claim_pool(&paths, sel)?,
-        None => vgpu::claim_pool(&paths, &vgpu::Selector::Gpus(Default::default()))?,
-    };
+    let sel = config.vgpu.clone().unwrap_or_else(vgpu::Selector::none);
+    let vgpu_pool = vgpu::claim_pool(&paths, &sel)?;
+    let mdev_parents = vgpu::mdev_parents(
+        &common::Inventory::read(&paths).context("cannot read the node's mdev parents")?,
+        &sel,
+    );
     let prepare_config = PrepareConfig {
         driver: config.driver.clone(),
         node_name: config.node_name.clone(),
@@ -175,6 +177,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         on_unprepare: config.on_unprepare,
         timeout: config.timeout,
         vgpu_pool: vgpu_pool.clone(),
+        mdev_parents: mdev_parents.clone(),
     };
     let preparer = Arc::new(Preparer::new(prepare_config, paths.clone(), client.clone()));
     // Before kubelet can call: what a crash left half done is brought in line first.
@@ -200,6 +203,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
             resync_interval: config.resync_interval,
             telemetry,
             vgpu_pool,
+            mdev_parents,
         },
         paths.clone(),
         registrar.subscribe(),

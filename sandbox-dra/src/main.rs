@@ -113,7 +113,10 @@ struct Cli {
     /// comma list of PCI addresses. Each gets a counter set and one device per vGPU it could
     /// host, besides its passthrough device; the others stay passthrough only. sandbox-dra
     /// owns these GPUs (`run/gpu-vm-node/dra-pool`): vgpu-device-manager leaves them alone.
-    #[arg(long, env = "VGPU", value_name = "all|BDF,...", value_parser = sandbox_dra::vgpu::parse_selector, global = true)]
+    /// An entry that is not a PCI address names an mdev parent that is not a PCI function
+    /// (`mtty`, under `class/mdev_bus/`): its types are published as devices, made into mdevs
+    /// at prepare.
+    #[arg(long, env = "VGPU", value_name = "all|BDF|PARENT,...", value_parser = sandbox_dra::vgpu::parse_selector, global = true)]
     vgpu: Option<sandbox_dra::vgpu::Selector>,
 
     #[command(flatten)]

@@ -58,9 +58,59 @@ pub fn parse_vgpu_device(name: &str) -> Option<(PciAddress, String, u32)> {
         .then(|| (addr, key.to_string(), slot))
 }
 
+/// The device name of the `slot`-th mdev of type `type_id` the non-PCI mdev parent `parent`
+/// (`mtty`) could host: `mdev-mtty-mtty-2-0`.
+pub fn mdev_device(parent: &str, type_id: &str, slot: u32) -> String {
+    format!("mdev-{parent}-{type_id}-{slot}")
+}
+
+/// The parent (one of `parents`), type id and slot an [`mdev_device`] name stands for; `None`
+/// for any other name.
+pub fn parse_mdev_device<'a>(
+    name: &str,
+    parents: impl IntoIterator<Item = &'a String>,
+) -> Option<(String, String, u32)> {
+    let rest = name.strip_prefix("mdev-")?;
+    parents.into_iter().find_map(|p| {
+        let (type_id, slot) = rest
+            .strip_prefix(p.as_str())?
+            .strip_prefix('-')?
+            .rsplit_once('-')?;
+        let slot: u32 = slot.parse().ok()?;
+        (!type_id.is_empty() && mdev_device(p, type_id, slot) == name)
+            .then(|| (p.clone(), type_id.to_string(), slot))
+    })
+}
+
+/// Whether `s` may stand in a device name (lowercase letters, digits and `-`).
+pub fn is_name_part(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mdev_names_round_trip() {
+        let parents = ["mtty".to_string()];
+        let n = mdev_device("mtty", "mtty-2", 3);
+        assert_eq!(n, "mdev-mtty-mtty-2-3");
+        assert_eq!(
+            parse_mdev_device(&n, &parents),
+            Some(("mtty".into(), "mtty-2".into(), 3))
+        );
+        for not in [
+            "mdev-mtty-3",
+            "mdev-other-mtty-2-0",
+            "mdev-mtty-mtty-2-x",
+            "mdev-mtty",
+        ] {
+            assert_eq!(parse_mdev_device(not, &parents), None, "{not}");
+        }
+    }
 
     #[test]
     fn vgpu_names_round_trip() {

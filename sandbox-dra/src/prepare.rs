@@ -128,6 +128,8 @@ pub struct PrepareConfig {
     pub timeout: Duration,
     /// The GPUs whose vGPUs are published (`--vgpu`).
     pub vgpu_pool: BTreeSet<PciAddress>,
+    /// The mdev parents that are not PCI functions whose types are published (`--vgpu mtty`).
+    pub mdev_parents: BTreeSet<String>,
 }
 
 /// Prepares and unprepares the claims of this node, one at a time.
@@ -258,8 +260,8 @@ pub struct Wanted {
     pub requests: Vec<String>,
     /// Its name in the pool.
     pub device: String,
-    /// Its PCI address.
-    pub address: PciAddress,
+    /// Its PCI address; none for an mdev of a parent that is not a PCI function.
+    pub address: Option<PciAddress>,
 }
 
 impl From<&ClaimDevice> for Wanted {
@@ -306,16 +308,17 @@ pub fn allocated(
     {
         let address = names::parse_gpu_device(&r.device)
             .or_else(|| names::parse_vgpu_device(&r.device).map(|(gpu, _, _)| gpu));
-        let Some(address) = address else {
+        let mdev = names::parse_mdev_device(&r.device, &config.mdev_parents).is_some();
+        if address.is_none() && !mdev {
             return Err(refused(
                 claim,
                 format!(
                     "device {:?} of pool {} is not a GPU of driver {} (names look like \
-                     gpu-0000-41-00-0, vgpu-0000-41-00-0-a10-4q-0)",
+                     gpu-0000-41-00-0, vgpu-0000-41-00-0-a10-4q-0, mdev-mtty-mtty-1-0)",
                     r.device, r.pool, config.driver
                 ),
             ));
-        };
+        }
         match wanted.iter_mut().find(|w| w.device == r.device) {
             Some(w) if !w.requests.contains(&r.request) => w.requests.push(r.request.clone()),
             Some(_) => {}
@@ -411,19 +414,30 @@ impl Node {
         wanted: &[Wanted],
     ) -> Result<Selection, PrepareError> {
         for w in wanted {
-            if inv.device(&w.address).is_none() {
+            let Some(a) = w.address else {
+                // An mdev of a parent --vgpu named when it was prepared, and names no more.
                 return Err(refused(
                     claim,
                     format!(
-                        "device {} ({}) is not on this node any more (removed or unplugged); \
+                        "device {} is not a GPU, and its mdev parent is not in --vgpu; nothing \
+                         was changed",
+                        w.device
+                    ),
+                ));
+            };
+            if inv.device(&a).is_none() {
+                return Err(refused(
+                    claim,
+                    format!(
+                        "device {} ({a}) is not on this node any more (removed or unplugged); \
                          nothing was changed",
-                        w.device, w.address
+                        w.device
                     ),
                 ));
             }
         }
         let selector = Selector {
-            addresses: wanted.iter().map(|w| w.address).collect(),
+            addresses: wanted.iter().filter_map(|w| w.address).collect(),
             ..Selector::default()
         };
         let aliases = vfio_manager::load_aliases(&self.paths);
@@ -449,14 +463,22 @@ impl Node {
             .iter()
             .filter(|w| names::parse_vgpu_device(&w.device).is_some())
             .count();
+        let mdevs = wanted
+            .iter()
+            .filter(|w| names::parse_mdev_device(&w.device, &self.config.mdev_parents).is_some())
+            .count();
         if vgpus == wanted.len() {
             return self.prepare_vgpus(claim, id, wanted, existing);
         }
-        if vgpus > 0 {
+        if mdevs == wanted.len() {
+            return self.prepare_mdevs(claim, id, wanted, existing);
+        }
+        if vgpus + mdevs > 0 {
             return Err(refused(
                 claim,
-                "it asks for whole GPUs and vGPUs together; this driver prepares one kind per \
-                 claim (use two claims); nothing was changed"
+                "it asks for devices of more than one kind together (whole GPUs, vGPUs, mdevs \
+                 of other parents); this driver prepares one kind per claim (use a claim per \
+                 kind); nothing was changed"
                     .into(),
             ));
         }
@@ -466,26 +488,26 @@ impl Node {
         // where either mode starts from.
         let mut vfs_off = Vec::new();
         for w in &wanted {
-            if !self.config.vgpu_pool.contains(&w.address) {
+            let Some(a) = w.address.filter(|a| self.config.vgpu_pool.contains(a)) else {
                 continue;
-            }
-            let cap = common::vgpu::capacity(&inv, &w.address);
+            };
+            let cap = common::vgpu::capacity(&inv, &a);
             if !cap.existing.is_empty() {
                 return Err(refused(
                     claim,
                     format!(
                         "GPU {} hosts {} vGPU(s): it goes to a VM whole only without them; \
                          nothing was changed",
-                        w.address,
+                        a,
                         cap.existing.len()
                     ),
                 ));
             }
             if inv
-                .device(&w.address)
+                .device(&a)
                 .is_some_and(|d| d.sriov_numvfs.unwrap_or(0) > 0)
             {
-                vfs_off.push(w.address);
+                vfs_off.push(a);
             }
         }
         if !vfs_off.is_empty() {
@@ -563,9 +585,10 @@ impl Node {
                     pool: self.config.node_name.clone(),
                     device: w.device.clone(),
                     address: w.address,
-                    group: group_of(&w.address).unwrap_or_default(),
+                    group: w.address.as_ref().and_then(group_of).unwrap_or_default(),
                     nodes: Vec::new(),
                     vgpu: None,
+                    mdev: None,
                 })
                 .collect();
         }
@@ -596,12 +619,23 @@ impl Node {
             .any(|r| matches!(r.outcome, Outcome::Changed { .. }));
         let after = if moved { self.inventory(claim)? } else { inv };
         for d in &mut rec.devices {
-            d.group = group_of(&d.address).unwrap_or(d.group);
+            d.group = d.address.as_ref().and_then(group_of).unwrap_or(d.group);
             d.nodes = device_nodes(&after, d);
         }
+        self.finish(claim, rec, &rec_path)
+    }
+
+    /// The last steps of every prepare: the files written, the record marked prepared and
+    /// saved; what kubelet is answered.
+    fn finish(
+        &self,
+        claim: &ClaimRef,
+        mut rec: Record,
+        rec_path: &Path,
+    ) -> Result<Vec<PreparedDevice>, PrepareError> {
         self.write_files(claim, &rec)?;
         rec.state = ClaimState::Prepared;
-        record::write_if_changed(&rec_path, &rec.to_bytes())
+        record::write_if_changed(rec_path, &rec.to_bytes())
             .map_err(Self::state_err(claim, "cannot save its record".into()))?;
         let layout = &self.config.layout;
         Ok(rec
@@ -616,30 +650,9 @@ impl Node {
             .collect())
     }
 
-    /// Prepares a claim of vGPU devices: each allocated vGPU created (its GPU given back to
-    /// its vGPU driver first when a whole-GPU claim left it on VFIO, its VFs enabled when
-    /// needed), each recorded before its write; then the files.
-    fn prepare_vgpus(
-        &self,
-        claim: &ClaimRef,
-        id: ClaimId,
-        wanted: Vec<Wanted>,
-        existing: Option<Record>,
-    ) -> Result<Vec<PreparedDevice>, PrepareError> {
-        for w in &wanted {
-            if !self.config.vgpu_pool.contains(&w.address) {
-                return Err(refused(
-                    claim,
-                    format!(
-                        "device {}: GPU {} is not in this driver's vGPU pool (--vgpu); nothing \
-                         was changed",
-                        w.device, w.address
-                    ),
-                ));
-            }
-        }
-        let rec_path = record::path(&self.driver_dir(), &claim.uid);
-        let mut rec = existing.unwrap_or_else(|| Record {
+    /// The record of a claim of vGPUs or mdevs before anything is made for it.
+    fn new_record(&self, id: ClaimId, wanted: &[Wanted]) -> Record {
+        Record {
             claim: id,
             state: ClaimState::Preparing,
             devices: wanted
@@ -652,10 +665,39 @@ impl Node {
                     group: 0,
                     nodes: Vec::new(),
                     vgpu: None,
+                    mdev: None,
                 })
                 .collect(),
             originals: BTreeMap::new(),
-        });
+        }
+    }
+
+    /// Prepares a claim of vGPU devices: each allocated vGPU created (its GPU given back to
+    /// its vGPU driver first when a whole-GPU claim left it on VFIO, its VFs enabled when
+    /// needed), each recorded before its write; then the files.
+    fn prepare_vgpus(
+        &self,
+        claim: &ClaimRef,
+        id: ClaimId,
+        wanted: Vec<Wanted>,
+        existing: Option<Record>,
+    ) -> Result<Vec<PreparedDevice>, PrepareError> {
+        for w in &wanted {
+            if let Some((gpu, _, _)) = names::parse_vgpu_device(&w.device)
+                && !self.config.vgpu_pool.contains(&gpu)
+            {
+                return Err(refused(
+                    claim,
+                    format!(
+                        "device {}: GPU {gpu} is not in this driver's vGPU pool (--vgpu); nothing \
+                         was changed",
+                        w.device
+                    ),
+                ));
+            }
+        }
+        let rec_path = record::path(&self.driver_dir(), &claim.uid);
+        let mut rec = existing.unwrap_or_else(|| self.new_record(id, &wanted));
         if rec.state != ClaimState::Prepared {
             rec.state = ClaimState::Preparing;
         }
@@ -703,7 +745,7 @@ impl Node {
                     Ok(vgpu::Step::Create(v, target)) => {
                         let d = &mut rec.devices[i];
                         if let Some(vf) = v.vf() {
-                            d.address = vf;
+                            d.address = Some(vf);
                         }
                         d.vgpu = Some(v.clone());
                         save(&rec)?;
@@ -729,29 +771,113 @@ impl Node {
                 ));
             };
             d.group = group;
-            d.nodes = vec![
-                common::paths::HOST_VFIO_CONTAINER.to_string(),
-                common::host_vfio_group_path(group),
-            ];
-            if let (true, Some(c)) = (after.dev_nodes.iommufd, v.cdev(&after)) {
-                d.nodes.push(common::paths::HOST_IOMMUFD.to_string());
-                d.nodes.push(common::paths::host_vfio_cdev_path(&c));
-            }
+            d.nodes = vfio_nodes(&after, group, v.cdev(&after));
         }
-        self.write_files(claim, &rec)?;
-        rec.state = ClaimState::Prepared;
-        save(&rec)?;
-        let layout = &self.config.layout;
-        Ok(rec
-            .devices
-            .iter()
-            .map(|d| PreparedDevice {
-                requests: d.requests.clone(),
-                pool: d.pool.clone(),
-                device: d.device.clone(),
-                cdi_ids: layout.cdi_ids(&rec.claim, d),
-            })
-            .collect())
+        self.finish(claim, rec, &rec_path)
+    }
+
+    /// Prepares a claim of mdevs of parents that are not PCI functions (`--vgpu mtty`): each
+    /// allocated mdev created on its parent, recorded before the write; then the files.
+    fn prepare_mdevs(
+        &self,
+        claim: &ClaimRef,
+        id: ClaimId,
+        wanted: Vec<Wanted>,
+        existing: Option<Record>,
+    ) -> Result<Vec<PreparedDevice>, PrepareError> {
+        let rec_path = record::path(&self.driver_dir(), &claim.uid);
+        let mut rec = existing.unwrap_or_else(|| self.new_record(id, &wanted));
+        if rec.state != ClaimState::Prepared {
+            rec.state = ClaimState::Preparing;
+        }
+        let save = |rec: &Record| {
+            record::write_if_changed(&rec_path, &rec.to_bytes())
+                .map(|_| ())
+                .map_err(Self::state_err(claim, "cannot save its record".into()))
+        };
+        let inv = self.inventory(claim)?;
+        for i in 0..rec.devices.len() {
+            if rec.devices[i].mdev.as_ref().is_some_and(|m| m.exists(&inv)) {
+                continue;
+            }
+            let device = rec.devices[i].device.clone();
+            let Some((parent, type_id, _)) =
+                names::parse_mdev_device(&device, &self.config.mdev_parents)
+            else {
+                return Err(refused(claim, format!("{device:?} is not an mdev device")));
+            };
+            let m = vgpu::Mdev::new(&parent, &type_id);
+            rec.devices[i].mdev = Some(m.clone());
+            save(&rec)?;
+            m.create(&self.paths).map_err(|e| {
+                refused(
+                    claim,
+                    format!(
+                        "device {device}: cannot create an mdev of type {type_id} on {parent}: {}",
+                        error_chain(&e)
+                    ),
+                )
+            })?;
+            tracing::info!(%claim, parent = %parent, mdev = %m.uuid, type_id = %type_id, "created an mdev");
+        }
+        for d in &mut rec.devices {
+            let Some(m) = d.mdev.clone() else { continue };
+            let Some((after, group)) = vgpu::wait_group(&self.paths, |inv| m.group(inv)) else {
+                return Err(refused(
+                    claim,
+                    format!(
+                        "mdev {} of type {} on {} has no /dev/vfio group node",
+                        m.uuid, m.type_id, m.parent
+                    ),
+                ));
+            };
+            d.group = group;
+            d.nodes = vfio_nodes(&after, group, m.cdev(&after));
+        }
+        self.finish(claim, rec, &rec_path)
+    }
+
+    /// Removes the claim's mdevs of parents that are not PCI functions that exist; one a
+    /// process holds is kept and named (the error has kubelet call again).
+    fn destroy_mdevs(&self, claim: &ClaimRef, rec: &Record) -> Result<(), PrepareError> {
+        if rec.devices.iter().all(|d| d.mdev.is_none()) {
+            return Ok(());
+        }
+        let inv = self.inventory(claim)?;
+        let usage: OnceLock<Usage> = OnceLock::new();
+        let mut held = Vec::new();
+        for m in rec.devices.iter().filter_map(|d| d.mdev.as_ref()) {
+            if !m.exists(&inv) {
+                continue;
+            }
+            let users = m.users(usage.get_or_init(|| Usage::read(&self.paths)), &inv);
+            if !users.is_empty() {
+                held.push(format!(
+                    "mdev {} on {} is in use ({}): kept",
+                    m.uuid,
+                    m.parent,
+                    users.join("; ")
+                ));
+                continue;
+            }
+            m.destroy(&self.paths).map_err(|e| {
+                refused(
+                    claim,
+                    format!(
+                        "cannot remove mdev {} on {}: {}",
+                        m.uuid,
+                        m.parent,
+                        error_chain(&e)
+                    ),
+                )
+            })?;
+            tracing::info!(%claim, parent = %m.parent, mdev = %m.uuid, "removed an mdev");
+        }
+        if held.is_empty() {
+            Ok(())
+        } else {
+            Err(refused(claim, held.join("; ")))
+        }
     }
 
     /// Reads the node until `gpu`'s VFs show vGPU types (up to two seconds).
@@ -951,6 +1077,7 @@ impl Node {
         }
         self.remove_files(claim, Some(&rec))?;
         self.destroy_vgpus(claim, &rec)?;
+        self.destroy_mdevs(claim, &rec)?;
         if policy == OnUnprepare::Restore {
             self.restore(claim, &rec)?;
         }
@@ -970,7 +1097,7 @@ impl Node {
             .devices
             .iter()
             .filter(|d| names::parse_vgpu_device(&d.device).is_none())
-            .map(|d| d.address)
+            .filter_map(|d| d.address)
             .filter(|a| inv.device(a).is_some())
             .collect();
         if present.is_empty() {
@@ -1054,17 +1181,24 @@ impl Node {
 /// The host paths of the VFIO nodes a container needs for `d`: the container and its group,
 /// plus `/dev/iommu` and the GPU's cdev where the kernel has them (as sandbox-dp hands out).
 fn device_nodes(inv: &Inventory, d: &ClaimDevice) -> Vec<String> {
+    let cdev = d
+        .address
+        .and_then(|a| inv.device(&a))
+        .and_then(|p| p.vfio_cdev.clone())
+        .filter(|c| inv.dev_nodes.cdevs.contains(c));
+    vfio_nodes(inv, d.group, cdev)
+}
+
+/// The host paths of the VFIO nodes of IOMMU group `group`: the container and the group, plus
+/// `/dev/iommu` and `cdev` where the kernel has them.
+fn vfio_nodes(inv: &Inventory, group: u32, cdev: Option<String>) -> Vec<String> {
     let mut nodes = vec![
         common::paths::HOST_VFIO_CONTAINER.to_string(),
-        common::host_vfio_group_path(d.group),
+        common::host_vfio_group_path(group),
     ];
-    let cdev = inv
-        .device(&d.address)
-        .and_then(|p| p.vfio_cdev.as_ref())
-        .filter(|c| inv.dev_nodes.cdevs.contains(*c));
     if let (true, Some(c)) = (inv.dev_nodes.iommufd, cdev) {
         nodes.push(common::paths::HOST_IOMMUFD.to_string());
-        nodes.push(common::paths::host_vfio_cdev_path(c));
+        nodes.push(common::paths::host_vfio_cdev_path(&c));
     }
     nodes
 }
@@ -1095,6 +1229,7 @@ mod tests {
             on_unprepare: OnUnprepare::Keep,
             timeout: Duration::from_secs(1),
             vgpu_pool: BTreeSet::new(),
+            mdev_parents: BTreeSet::new(),
         }
     }
 
@@ -1158,9 +1293,64 @@ mod tests {
             vec![Wanted {
                 requests: vec!["gpu".into()],
                 device: "gpu-0000-41-00-0".into(),
-                address: "0000:41:00.0".parse().unwrap(),
+                address: Some("0000:41:00.0".parse().unwrap()),
             }]
         );
+    }
+
+    #[test]
+    fn an_mdev_of_a_pooled_parent_is_taken_and_of_another_refused() {
+        let c = rc(
+            "u-1",
+            &[("tty", "gpu.example.io", "node-a", "mdev-mtty-mtty-2-0")],
+        );
+        let r = reason(allocated(&config(), &claim_ref(), &c));
+        assert!(r.contains("\"mdev-mtty-mtty-2-0\""), "{r}");
+        let cfg = PrepareConfig {
+            mdev_parents: ["mtty".to_string()].into(),
+            ..config()
+        };
+        let (_, wanted) = allocated(&cfg, &claim_ref(), &c).unwrap();
+        assert_eq!(
+            wanted,
+            vec![Wanted {
+                requests: vec!["tty".into()],
+                device: "mdev-mtty-mtty-2-0".into(),
+                address: None,
+            }]
+        );
+    }
+
+    #[test]
+    fn a_claim_of_a_vgpu_and_an_mdev_of_another_parent_is_refused_before_any_read() {
+        let cfg = PrepareConfig {
+            mdev_parents: ["mtty".to_string()].into(),
+            ..config()
+        };
+        let c = rc(
+            "u-1",
+            &[
+                (
+                    "a",
+                    "gpu.example.io",
+                    "node-a",
+                    "vgpu-0000-41-00-0-a10-4q-0",
+                ),
+                ("b", "gpu.example.io", "node-a", "mdev-mtty-mtty-1-0"),
+            ],
+        );
+        let (id, wanted) = allocated(&cfg, &claim_ref(), &c).unwrap();
+        // A root with nothing in it: the refusal comes before any read or write.
+        let node = Node {
+            config: cfg,
+            paths: HostPaths::new("/nonexistent-root"),
+        };
+        match node.prepare(&claim_ref(), id, wanted, None) {
+            Err(PrepareError::Refused { reason, .. }) => {
+                assert!(reason.contains("more than one kind"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

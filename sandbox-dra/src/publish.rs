@@ -63,20 +63,25 @@ pub struct PublishConfig {
     pub telemetry: std::sync::Arc<crate::telemetry::Telemetry>,
     /// The GPUs published with vGPU devices (`--vgpu`).
     pub vgpu_pool: BTreeSet<PciAddress>,
+    /// The mdev parents that are not PCI functions published with their types (`--vgpu mtty`).
+    pub mdev_parents: BTreeSet<String>,
 }
 
 /// Reads the node's devices (on a blocking thread: sysfs reads); the GPUs of `vgpu_pool` get
-/// their counter sets and vGPU devices.
+/// their counter sets and vGPU devices, the `mdev_parents` theirs
+/// ([`slices::mdev_parent_devices`]).
 pub async fn read_devices(
     paths: &HostPaths,
     ids: &PciIds,
     vgpu_pool: &BTreeSet<PciAddress>,
+    mdev_parents: &BTreeSet<String>,
 ) -> anyhow::Result<NodeDevices> {
     let (paths, ids, pool) = (paths.clone(), ids.clone(), vgpu_pool.clone());
+    let parents = mdev_parents.clone();
     tokio::task::spawn_blocking(move || {
         let opts = ReadOptions {
             // Type ids, for the vGPU devices' attributes.
-            mdev_types: !pool.is_empty(),
+            mdev_types: !pool.is_empty() || !parents.is_empty(),
             vf_identity: false,
         };
         let inv = Inventory::read_with(&paths, &opts).with_context(|| {
@@ -90,7 +95,15 @@ pub async fn read_devices(
         }
         let aliases = vfio_manager::load_aliases(&paths);
         let sel = select(&inv, &Selector::default(), None, &aliases);
-        Ok(slices::devices_with_vgpus(&inv, &sel, &ids, &pool))
+        let mut out = slices::devices_with_vgpus(&inv, &sel, &ids, &pool);
+        for p in &parents {
+            if let Some((set, devices)) = slices::mdev_parent_devices(&inv, p) {
+                out.counters.extend(set);
+                out.devices.extend(devices);
+            }
+        }
+        out.devices.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
     })
     .await
     .context("the node reader failed")?
@@ -290,14 +303,15 @@ pub async fn run(
                 tracing::debug!("kubelet registered the driver; checking the slice");
             }
         }
-        let outcome = match read_devices(&paths, &cfg.pci_ids, &cfg.vgpu_pool).await {
-            Ok(nd) => {
-                p.note_left_out(nd.left_out);
-                let published = nd.devices.len();
-                p.publish(nd.devices, nd.counters).await.map(|_| published)
-            }
-            Err(e) => Err(e),
-        };
+        let outcome =
+            match read_devices(&paths, &cfg.pci_ids, &cfg.vgpu_pool, &cfg.mdev_parents).await {
+                Ok(nd) => {
+                    p.note_left_out(nd.left_out);
+                    let published = nd.devices.len();
+                    p.publish(nd.devices, nd.counters).await.map(|_| published)
+                }
+                Err(e) => Err(e),
+            };
         match outcome {
             Ok(published) => {
                 cfg.telemetry.published(published);

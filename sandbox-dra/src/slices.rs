@@ -303,6 +303,102 @@ fn vgpu_devices(
     Some((set, out))
 }
 
+/// The counter of the ports of the kernel's sample mdev driver `mtty` in its counter set.
+pub const COUNTER_PORTS: &str = "ports";
+
+/// How many serial ports one mdev of each `mtty` type takes (the sample driver's
+/// `mtty-1`, one port, and `mtty-2`, two), out of the driver's total.
+const MTTY_PORTS: &[(&str, u32)] = &[("mtty-1", 1), ("mtty-2", 2)];
+
+/// The counter set and devices of an mdev parent that is not a PCI function (`--vgpu mtty`),
+/// from its types in sysfs: per type as many devices as could exist (attributes `vgpuType`,
+/// the type's `name` or its id, `typeID`, `mdevParent`, `maxInstances`). `mtty` gets one
+/// counter, its ports (the free ones, `mtty-1`'s `available_instances`, plus those its mdevs
+/// take), each device consuming its type's ports; any other parent no counters, and per type
+/// its `available_instances` plus its mdevs. `None` for a parent `inv` does not have.
+pub fn mdev_parent_devices(
+    inv: &Inventory,
+    parent: &str,
+) -> Option<(Option<CounterSet>, Vec<Device>)> {
+    let p = inv.mdev_parents.get(parent)?;
+    let ports_of = |type_id: &str| {
+        (parent == "mtty")
+            .then(|| {
+                MTTY_PORTS
+                    .iter()
+                    .find(|(t, _)| *t == type_id)
+                    .map(|(_, n)| *n)
+            })
+            .flatten()
+    };
+    let counted = parent == "mtty" && p.types.iter().all(|t| ports_of(&t.id).is_some());
+    let total = counted.then(|| {
+        let free = p
+            .types
+            .iter()
+            .find(|t| ports_of(&t.id) == Some(1))
+            .map_or(0, |t| t.available_instances);
+        let used: u32 = inv
+            .mdevs_of(parent)
+            .iter()
+            .filter_map(|m| ports_of(&m.type_id))
+            .sum();
+        free.saturating_add(used)
+    });
+    let set = total.map(|total| CounterSet {
+        name: format!("mdev-{parent}"),
+        counters: BTreeMap::from([(
+            COUNTER_PORTS.to_string(),
+            Counter {
+                value: Quantity(total.to_string()),
+            },
+        )]),
+    });
+    let mut out = Vec::new();
+    for t in &p.types {
+        if !names::is_name_part(&t.id) {
+            tracing::warn!(parent, type_id = %t.id, "mdev type id cannot stand in a device name; not published");
+            continue;
+        }
+        let (max, consumes) = match (&set, total, ports_of(&t.id)) {
+            (Some(set), Some(total), Some(n)) => {
+                let consumes = DeviceCounterConsumption {
+                    counter_set: set.name.clone(),
+                    counters: BTreeMap::from([(
+                        COUNTER_PORTS.to_string(),
+                        Counter {
+                            value: Quantity(n.to_string()),
+                        },
+                    )]),
+                };
+                (total / n, Some(vec![consumes]))
+            }
+            _ => {
+                let n = u32::try_from(t.devices.len()).unwrap_or(u32::MAX);
+                (t.available_instances.saturating_add(n), None)
+            }
+        };
+        let mut attrs = BTreeMap::new();
+        attrs.insert("mode".to_string(), string(MODE_VGPU));
+        attrs.insert(
+            "vgpuType".to_string(),
+            string(truncate(t.name.as_deref().unwrap_or(&t.id))),
+        );
+        attrs.insert("typeID".to_string(), string(truncate(&t.id)));
+        attrs.insert("mdevParent".to_string(), string(truncate(parent)));
+        attrs.insert("maxInstances".to_string(), int(max));
+        for slot in 0..max {
+            out.push(Device {
+                name: names::mdev_device(parent, &t.id, slot),
+                attributes: Some(attrs.clone()),
+                consumes_counters: consumes.clone(),
+                ..Default::default()
+            });
+        }
+    }
+    Some((set, out))
+}
+
 fn gib(n: u32) -> Quantity {
     Quantity(format!("{n}Gi"))
 }
@@ -534,6 +630,95 @@ mod tests {
                 "{k}"
             );
         }
+    }
+
+    fn mdev_type(id: &str, name: &str, available: u32, devices: &[&str]) -> common::MdevType {
+        common::MdevType {
+            id: id.into(),
+            name: Some(name.into()),
+            available_instances: available,
+            device_api: Some("vfio-pci".into()),
+            description: None,
+            devices: devices.iter().map(|d| d.to_string()).collect(),
+        }
+    }
+
+    fn mdev_node(parent: &str, types: Vec<common::MdevType>) -> Inventory {
+        let mut inv = Inventory::default();
+        for t in &types {
+            for uuid in &t.devices {
+                inv.mdevs.insert(
+                    uuid.clone(),
+                    common::MdevDevice {
+                        uuid: uuid.clone(),
+                        type_id: t.id.clone(),
+                        type_name: t.name.clone(),
+                        parent: parent.into(),
+                        parent_pci: None,
+                        iommu_group: Some(7),
+                        driver: Some("vfio_mdev".into()),
+                        vfio_cdev: None,
+                    },
+                );
+            }
+        }
+        inv.mdev_parents.insert(
+            parent.into(),
+            common::MdevParent {
+                name: parent.into(),
+                pci: None,
+                types,
+            },
+        );
+        inv
+    }
+
+    #[test]
+    fn mtty_publishes_its_ports_as_one_counter_whatever_is_in_use() {
+        // 24 ports, one dual-port mdev made: 22 free (mtty-1 shows 22, mtty-2 11).
+        let inv = mdev_node(
+            "mtty",
+            vec![
+                mdev_type("mtty-1", "Single port serial", 22, &[]),
+                mdev_type("mtty-2", "Dual port serial", 11, &["u-1"]),
+            ],
+        );
+        let (set, devices) = mdev_parent_devices(&inv, "mtty").unwrap();
+        let set = set.unwrap();
+        assert_eq!(set.name, "mdev-mtty");
+        assert_eq!(set.counters[COUNTER_PORTS].value, Quantity("24".into()));
+        let of = |t: &str| devices.iter().filter(|d| s(d, "typeID") == Some(t)).count();
+        assert_eq!((of("mtty-1"), of("mtty-2"), devices.len()), (24, 12, 36));
+        let d = devices
+            .iter()
+            .find(|d| d.name == "mdev-mtty-mtty-2-11")
+            .unwrap();
+        assert_eq!(s(d, "mode"), Some(MODE_VGPU));
+        assert_eq!(s(d, "vgpuType"), Some("Dual port serial"));
+        assert_eq!(s(d, "mdevParent"), Some("mtty"));
+        assert_eq!(i(d, "maxInstances"), Some(12));
+        let c = &d.consumes_counters.as_ref().unwrap()[0];
+        assert_eq!(c.counter_set, "mdev-mtty");
+        assert_eq!(c.counters[COUNTER_PORTS].value, Quantity("2".into()));
+        assert_eq!(mdev_parent_devices(&inv, "mbochs"), None);
+    }
+
+    #[test]
+    fn another_mdev_parent_has_no_counters_and_its_types_own_counts() {
+        let inv = mdev_node(
+            "mbochs",
+            vec![
+                mdev_type("mbochs-1", "mbochs-64", 1, &["u-1"]),
+                mdev_type("mbochs-2", "mbochs-128", 0, &[]),
+                mdev_type("Odd Type", "odd", 3, &[]),
+            ],
+        );
+        let (set, devices) = mdev_parent_devices(&inv, "mbochs").unwrap();
+        assert_eq!(set, None);
+        let names: Vec<&str> = devices.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["mdev-mbochs-mbochs-1-0", "mdev-mbochs-mbochs-1-1"]);
+        assert!(devices.iter().all(|d| d.consumes_counters.is_none()));
+        assert_eq!(i(&devices[0], "maxInstances"), Some(2));
     }
 
     #[test]

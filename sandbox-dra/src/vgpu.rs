@@ -25,26 +25,68 @@ use crate::names;
 pub enum Selector {
     /// Every NVIDIA GPU whose model the vGPU model table knows.
     All,
-    /// These GPUs.
-    Gpus(BTreeSet<PciAddress>),
+    /// These GPUs, and these mdev parents that are not PCI functions (`mtty`), by their
+    /// name under `class/mdev_bus/`.
+    Named {
+        /// NVIDIA GPUs, by PCI address.
+        gpus: BTreeSet<PciAddress>,
+        /// Other mdev parents.
+        parents: BTreeSet<String>,
+    },
 }
 
-/// Parses `--vgpu all|BDF,BDF,…`.
+impl Selector {
+    /// Nothing selected.
+    pub fn none() -> Selector {
+        Selector::Named {
+            gpus: BTreeSet::new(),
+            parents: BTreeSet::new(),
+        }
+    }
+}
+
+/// Parses `--vgpu all|BDF,…|PARENT,…`: a PCI address names an NVIDIA GPU, any other entry
+/// an mdev parent by its `class/mdev_bus/` name.
 pub fn parse_selector(s: &str) -> Result<Selector, String> {
     if s.trim() == "all" {
         return Ok(Selector::All);
     }
-    let mut out = BTreeSet::new();
+    let (mut gpus, mut parents) = (BTreeSet::new(), BTreeSet::new());
     for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        out.insert(
-            part.parse()
-                .map_err(|_| format!("{part:?} is not a PCI address (0000:41:00.0) or \"all\""))?,
-        );
+        if let Ok(a) = part.parse::<PciAddress>() {
+            gpus.insert(a);
+        } else if names::is_name_part(part) {
+            parents.insert(part.to_string());
+        } else {
+            return Err(format!(
+                "{part:?} is neither a PCI address (0000:41:00.0) nor an mdev parent's name \
+                 (mtty: lowercase letters, digits, -) nor \"all\""
+            ));
+        }
     }
-    if out.is_empty() {
-        return Err("expected \"all\" or a comma list of GPU PCI addresses".into());
+    if gpus.is_empty() && parents.is_empty() {
+        return Err("expected \"all\" or a comma list of GPU PCI addresses or mdev parents".into());
     }
-    Ok(Selector::Gpus(out))
+    Ok(Selector::Named { gpus, parents })
+}
+
+/// The mdev parents `sel` names that this node has (`<sys>/class/mdev_bus/<name>`, not a PCI
+/// function); one it does not have is logged and left out.
+pub fn mdev_parents(inv: &Inventory, sel: &Selector) -> BTreeSet<String> {
+    let Selector::Named { parents, .. } = sel else {
+        return BTreeSet::new();
+    };
+    parents
+        .iter()
+        .filter(|p| {
+            let there = inv.mdev_parents.get(*p).is_some_and(|m| m.pci.is_none());
+            if !there {
+                tracing::warn!(parent = %p, "--vgpu names an mdev parent this node does not have");
+            }
+            there
+        })
+        .cloned()
+        .collect()
 }
 
 /// The GPUs `sel` names on this node, written as sandbox-dra's pool
@@ -59,11 +101,11 @@ pub fn claim_pool(paths: &HostPaths, sel: &Selector) -> anyhow::Result<BTreeSet<
         .filter(|d| common::vgpu::models::model(d.vendor, d.device).is_some())
         .filter(|d| match sel {
             Selector::All => true,
-            Selector::Gpus(set) => set.contains(&d.address),
+            Selector::Named { gpus, .. } => gpus.contains(&d.address),
         })
         .map(|d| d.address)
         .collect();
-    if let Selector::Gpus(want) = sel {
+    if let Selector::Named { gpus: want, .. } = sel {
         for a in want.difference(&gpus) {
             tracing::warn!(gpu = %a, "--vgpu names a GPU this node does not have, or one whose vGPU model is unknown");
         }
@@ -134,6 +176,65 @@ impl Vgpu {
             Some(vf) => inv.device(&vf)?.vfio_cdev.clone(),
             None => inv.mdevs.get(&self.handle)?.vfio_cdev.clone(),
         }
+    }
+}
+
+/// An mdev made for a claim on a parent that is not a PCI function (`mtty`), as its record
+/// holds it (written before the sysfs write).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mdev {
+    /// The parent's name under `class/mdev_bus/`.
+    pub parent: String,
+    /// The type id (`mtty-2`).
+    pub type_id: String,
+    /// The mdev's UUID.
+    pub uuid: String,
+}
+
+impl Mdev {
+    /// A new mdev of `type_id` on `parent`, with a fresh UUID.
+    pub fn new(parent: &str, type_id: &str) -> Mdev {
+        Mdev {
+            parent: parent.to_string(),
+            type_id: type_id.to_string(),
+            uuid: uuid::Uuid::new_v4().to_string(),
+        }
+    }
+
+    /// Whether it exists on the node `inv` shows.
+    pub fn exists(&self, inv: &Inventory) -> bool {
+        inv.mdevs.contains_key(&self.uuid)
+    }
+
+    /// Who holds it: processes holding its group node or cdev.
+    pub fn users(&self, usage: &common::Usage, inv: &Inventory) -> Vec<String> {
+        inv.mdevs
+            .get(&self.uuid)
+            .map(|m| usage.of_mdev(m))
+            .unwrap_or_default()
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    }
+
+    /// Its IOMMU group, once the kernel made it.
+    pub fn group(&self, inv: &Inventory) -> Option<u32> {
+        inv.mdevs.get(&self.uuid)?.iommu_group
+    }
+
+    /// Its VFIO cdev, where the kernel has one.
+    pub fn cdev(&self, inv: &Inventory) -> Option<String> {
+        inv.mdevs.get(&self.uuid)?.vfio_cdev.clone()
+    }
+
+    /// Creates it (`mdev_supported_types/<type>/create`).
+    pub fn create(&self, paths: &HostPaths) -> common::Result<()> {
+        Sysfs::new(paths.clone()).mdev_create(&self.parent, &self.type_id, &self.uuid)
+    }
+
+    /// Removes it (its `remove`).
+    pub fn destroy(&self, paths: &HostPaths) -> common::Result<()> {
+        Sysfs::new(paths.clone()).mdev_remove(&self.uuid)
     }
 }
 
@@ -248,10 +349,19 @@ pub fn destroy(paths: &HostPaths, v: &Vgpu) -> common::Result<()> {
 
 /// Reads the node until `v`'s VFIO group node exists (up to two seconds): the inventory then.
 pub fn wait_ready(paths: &HostPaths, v: &Vgpu) -> Option<(Inventory, u32)> {
+    wait_group(paths, |inv| v.group(inv))
+}
+
+/// Reads the node until the VFIO group node of the group `group_of` finds exists (up to two
+/// seconds): the inventory then.
+pub fn wait_group(
+    paths: &HostPaths,
+    group_of: impl Fn(&Inventory) -> Option<u32>,
+) -> Option<(Inventory, u32)> {
     let end = Instant::now() + Duration::from_secs(2);
     loop {
         if let Ok(inv) = Inventory::read(paths)
-            && let Some(g) = v.group(&inv)
+            && let Some(g) = group_of(&inv)
             && inv.vfio_nodes.contains(&g)
         {
             return Some((inv, g));
@@ -273,9 +383,19 @@ mod tests {
         let a: PciAddress = "0000:41:00.0".parse().unwrap();
         assert_eq!(
             parse_selector("0000:41:00.0,"),
-            Ok(Selector::Gpus([a].into()))
+            Ok(Selector::Named {
+                gpus: [a].into(),
+                parents: BTreeSet::new()
+            })
         );
-        assert!(parse_selector("gpu0").unwrap_err().contains("gpu0"));
+        assert_eq!(
+            parse_selector("mtty,0000:41:00.0"),
+            Ok(Selector::Named {
+                gpus: [a].into(),
+                parents: ["mtty".to_string()].into()
+            })
+        );
+        assert!(parse_selector("GPU 0").unwrap_err().contains("GPU 0"));
         assert!(parse_selector("").is_err());
     }
 }

@@ -495,6 +495,9 @@ pub fn run(p: &Prereqs, job: &Job) -> Result<Outcome, Error> {
         // A tmpfs in the guest (the guest init mounts one on /run): sockets work there.
         ("VMTIER_SCRATCH".to_string(), "/run/vmtier".to_string()),
         ("HOME".to_string(), "/run/vmtier".to_string()),
+        // Temporary files too: the guest's /tmp is the host's, read-only, when the checkout
+        // lives under /tmp.
+        ("TMPDIR".to_string(), "/run/vmtier".to_string()),
     ];
     vars.extend(job.env.iter().cloned());
     for (k, v) in &vars {

@@ -511,6 +511,22 @@ impl Node {
             }
         }
         if !vfs_off.is_empty() {
+            // Disabling VFs takes them from whoever holds them: asked first, for every GPU,
+            // before the first write.
+            let usage = Usage::read(&self.paths);
+            for a in &vfs_off {
+                let users = usage.of_gpu_for_passthrough(&inv, a);
+                if !users.is_empty() {
+                    let who: Vec<String> = users.iter().map(|u| u.describe(&inv)).collect();
+                    return Err(refused(
+                        claim,
+                        format!(
+                            "GPU {a} is in use: {}; its VFs stay enabled, nothing was changed",
+                            who.join("; ")
+                        ),
+                    ));
+                }
+            }
             let sysfs = common::Sysfs::new(self.paths.clone());
             for a in &vfs_off {
                 sysfs.set_sriov_numvfs(a, 0).map_err(|e| {

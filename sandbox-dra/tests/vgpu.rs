@@ -531,3 +531,75 @@ async fn a_vgpu_prepare_or_unprepare_killed_at_any_write_converges_at_start() {
     assert_eq!(mdevs(root), vec![], "{}", d.log());
     assert!(!record.exists());
 }
+
+/// A whole-GPU claim on a pooled GPU whose VFs are enabled disables them only when nothing
+/// uses the GPU: held by a shell (`exec 7<>/dev/nvidia<N>`), the claim is refused naming the
+/// holder and `sriov_numvfs` is left as it was; let go, the claim is prepared.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_whole_gpu_claim_leaves_the_vfs_of_a_gpu_in_use_enabled() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let d = start(root, &api, "0000:61:00.0");
+    let drv = register(root).await;
+    // A vGPU claim enables the GPU's VFs; unprepare removes the vGPU and leaves them on.
+    let v = put_claim(&api, "frac", "uid-frac", "vgpu-0000-61-00-0-a10-4q-0");
+    prepare(&drv, &v)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    unprepare(&drv, &v).await.unwrap();
+    let numvfs = || {
+        std::fs::read_to_string(root.join("sys/bus/pci/devices/0000:61:00.0/sriov_numvfs"))
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    let before = numvfs();
+    assert_ne!(before, "0");
+
+    let info =
+        std::fs::read_to_string(root.join("proc/driver/nvidia/gpus/0000:61:00.0/information"))
+            .unwrap();
+    let minor = info
+        .lines()
+        .find_map(|l| l.strip_prefix("Device Minor:"))
+        .unwrap()
+        .trim()
+        .to_string();
+    let node = root.join(format!("dev/nvidia{minor}"));
+    let mut shell = std::process::Command::new("bash")
+        .arg("-c")
+        .arg(r#"exec 7<>"$N"; echo held; exec sleep 60"#)
+        .env("N", &node)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(shell.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line.trim(), "held");
+
+    let whole = put_claim(&api, "whole", "uid-whole", "gpu-0000-61-00-0");
+    let err = prepare(&drv, &whole).await.unwrap_err();
+    assert!(
+        err.contains("0000:61:00.0")
+            && err.contains("in use")
+            && err.contains(&shell.id().to_string()),
+        "{err}"
+    );
+    assert_eq!(numvfs(), before, "the VFs of a GPU in use stay enabled");
+    assert_eq!(driver_of(root, "0000:61:00.0").as_deref(), Some("nvidia"));
+
+    shell.kill().unwrap();
+    shell.wait().unwrap();
+    prepare(&drv, &whole)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    assert_eq!(numvfs(), "0");
+    assert_eq!(driver_of(root, "0000:61:00.0").as_deref(), Some("vfio-pci"));
+}

@@ -10,7 +10,7 @@
 //!
 //! A device is Healthy while its `/dev/vfio/<group>` node exists.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use common::{Inventory, PciAddress, PciDevice, PciIds, is_vfio_driver};
 use serde::Serialize;
@@ -251,7 +251,11 @@ pub fn discover(inv: &Inventory, cfg: &DiscoverConfig) -> Snapshot {
         );
     }
 
-    // SR-IOV vGPU VFs.
+    // SR-IOV vGPU VFs. Hundreds of them share a few types and GPUs: what a type (its
+    // resource) and a GPU (its name, NUMA node, switch) give is worked out once for all.
+    let mut vf_types: HashMap<String, Option<String>> = HashMap::new();
+    let mut gpus: HashMap<PciAddress, GpuFacts> = HashMap::new();
+    let mut selectors: HashMap<(u16, u16), String> = HashMap::new();
     for d in inv.devices.values() {
         let Some(v) = &d.nvidia_vgpu else { continue };
         if v.current == 0
@@ -262,34 +266,63 @@ pub fn discover(inv: &Inventory, cfg: &DiscoverConfig) -> Snapshot {
         {
             continue;
         }
-        let type_name = v
-            .current_name
-            .clone()
-            .unwrap_or_else(|| v.current.to_string());
-        let name = alias(cfg, common::vgpu_resource_name(&type_name), None);
-        if kind_clash(&resources, &name, Kind::SriovVgpu, &type_name) {
+        let numbered;
+        let type_name = match &v.current_name {
+            Some(n) => n.as_str(),
+            None => {
+                numbered = v.current.to_string();
+                numbered.as_str()
+            }
+        };
+        let name = match vf_types.get(type_name) {
+            Some(known) => known.clone(),
+            None => {
+                let name = alias(cfg, common::vgpu_resource_name(type_name), None);
+                let name =
+                    (!kind_clash(&resources, &name, Kind::SriovVgpu, type_name)).then(|| {
+                        sources
+                            .entry(name.clone())
+                            .or_default()
+                            .insert(type_name.to_string());
+                        resources
+                            .entry(name.clone())
+                            .or_insert_with(|| Resource::new(name.clone(), Kind::SriovVgpu))
+                            .type_names
+                            .insert(type_name.to_string());
+                        name
+                    });
+                vf_types.insert(type_name.to_string(), name.clone());
+                name
+            }
+        };
+        let Some(r) = name.and_then(|n| resources.get_mut(&n)) else {
             continue;
+        };
+        let sel = selectors
+            .entry((d.vendor, d.device))
+            .or_insert_with(|| selector(d));
+        if !r.pci_selectors.contains(sel.as_str()) {
+            r.pci_selectors.insert(sel.clone());
         }
-        sources
-            .entry(name.clone())
-            .or_default()
-            .insert(type_name.clone());
-        let parent = d.physfn.and_then(|p| inv.device(&p));
-        let r = resources
-            .entry(name.clone())
-            .or_insert_with(|| Resource::new(name, Kind::SriovVgpu));
-        r.pci_selectors.insert(selector(d));
-        r.type_names.insert(type_name);
+        let gpu = gpus.entry(gpu_of(d)).or_insert_with(|| {
+            let parent = d.physfn.and_then(|p| inv.device(&p));
+            GpuFacts {
+                name: gpu_of(d).to_string(),
+                numa_node: parent.and_then(|p| p.numa_node),
+                switch: parent.and_then(switch_of),
+            }
+        });
+        let id = d.address.to_string();
         r.devices.insert(
-            d.address.to_string(),
+            id.clone(),
             DeviceInfo {
-                id: d.address.to_string(),
+                id,
                 healthy: healthy(d.iommu_group),
-                numa_node: d.numa_node.or(parent.and_then(|p| p.numa_node)),
+                numa_node: d.numa_node.or(gpu.numa_node),
                 iommu_group: d.iommu_group,
                 vfio_cdev: d.vfio_cdev.clone(),
-                gpu: Some(gpu_of(d).to_string()),
-                switch: parent.and_then(switch_of).or_else(|| switch_of(d)),
+                gpu: Some(gpu.name.clone()),
+                switch: gpu.switch.clone().or_else(|| switch_of(d)),
                 driver: d.driver.clone(),
             },
         );
@@ -367,6 +400,14 @@ pub fn discover(inv: &Inventory, cfg: &DiscoverConfig) -> Snapshot {
         resources,
         problems,
     }
+}
+
+/// What the VFs of one GPU share.
+struct GpuFacts {
+    /// The GPU's PCI address.
+    name: String,
+    numa_node: Option<i32>,
+    switch: Option<String>,
 }
 
 fn selector(d: &PciDevice) -> String {
@@ -563,30 +604,33 @@ mod tests {
         }
         let text = "10de  NVIDIA Corporation\n\t2236  GA102GL [A10]\n\t\t10de 1482  A10\n\
                     8086  Intel Corporation\n\t1572  Ethernet Controller X710\n";
-        let reads = Arc::new(AtomicUsize::new(0));
-        let ids =
-            PciIds::from_source(Box::new(Counting(text.as_bytes(), reads.clone())), "t").unwrap();
-        let indexed = reads.load(Ordering::SeqCst);
-        let inv = inventory(
-            vec![
-                func("0000:13:00.0", 0x10de, 0x2236, 0x030200, "vfio-pci", 1),
-                func("0000:14:00.0", 0x10de, 0x2236, 0x030200, "vfio-pci", 2),
-            ],
-            Vec::new(),
-            &[1, 2],
-        );
-        let c = DiscoverConfig {
-            pci_ids: ids,
-            ..cfg(Some(0x10de))
+        let gpus = [
+            func("0000:13:00.0", 0x10de, 0x2236, 0x030200, "vfio-pci", 1),
+            func("0000:14:00.0", 0x10de, 0x2236, 0x030200, "vfio-pci", 2),
+        ];
+        // The reads of a fresh pci.ids naming the first `n` GPUs, and its configuration.
+        let named = |n: usize| {
+            let reads = Arc::new(AtomicUsize::new(0));
+            let ids = PciIds::from_source(Box::new(Counting(text.as_bytes(), reads.clone())), "t");
+            assert_eq!(reads.load(Ordering::SeqCst), 0, "nothing is read up front");
+            let inv = inventory(gpus[..n].to_vec(), Vec::new(), &[1, 2][..n]);
+            let c = DiscoverConfig {
+                pci_ids: ids,
+                ..cfg(Some(0x10de))
+            };
+            let snap = discover(&inv, &c);
+            (reads, c, inv, snap)
         };
-        let first = discover(&inv, &c);
+        let (one, ..) = named(1);
+        let (reads, c, inv, first) = named(2);
         assert_eq!(
             first.resources.keys().collect::<Vec<_>>(),
             ["nvidia.com/GA102GL_A10"]
         );
-        // Two GPUs of one model: one lookup.
+        // Two GPUs of one model: one lookup, the reads of one GPU's.
         let looked_up = reads.load(Ordering::SeqCst);
-        assert_eq!(looked_up, indexed + 1);
+        assert!(looked_up > 0);
+        assert_eq!(looked_up, one.load(Ordering::SeqCst));
         // Each re-read (the daemon clones its configuration for it) reads no pci.ids again.
         for _ in 0..5 {
             assert_eq!(discover(&inv, &c.clone()), first);

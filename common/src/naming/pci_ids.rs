@@ -1,18 +1,22 @@
 //! Device names from `pci.ids`, looked up for the few devices a node has.
 //!
 //! A distribution's `pci.ids` is ~1.4 MB naming ~40,000 devices of ~2,500 vendors; a node
-//! needs the names of a handful. [`PciIds`] reads the file once, at start, to note where each
-//! vendor's section lies (a few dozen kB of offsets), and keeps nothing else of it. Naming a
-//! device reads its vendor's section (kept open, with `pread`) and remembers the answer, so a
-//! device is looked up once per process, whatever the number of re-reads of the node.
+//! needs the names of a handful. [`PciIds`] keeps the file open and parses none of it up
+//! front: the first device of a vendor asked for finds the vendor's line (a byte search for
+//! `\n10de `, in 64 KiB reads, from the start up to that line only) and the end of its
+//! section, and each device is then found in that section (a byte search for `\n\t2236 `).
+//! Sections and names are remembered, unknown ones included, so a device is looked up once
+//! per process whatever the number of re-reads of the node, and nothing else of the file is
+//! kept.
 //!
 //! The format (<https://pci-ids.ucw.cz>): `#` comments; vendor lines `10de  NVIDIA Corporation`;
 //! below each, device lines `\t2236  GA102GL [A10]` and subsystem lines
 //! `\t\t10de 1482  GA102GL [A10]`; after all vendors, the device classes (`C 03  Display
-//! controller`, with its own tab-indented lines), which name no device.
+//! controller`, with its own tab-indented lines), which name no device. Ids are lower-case hex,
+//! as the file writes them.
 
 use std::collections::HashMap;
-use std::io::{self, BufRead as _};
+use std::io;
 use std::ops::Range;
 use std::os::unix::fs::FileExt as _;
 use std::path::Path;
@@ -20,8 +24,10 @@ use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
 
-/// How much is read at a time while indexing.
+/// How much is read at a time while searching.
 const CHUNK: usize = 64 * 1024;
+/// The longest line looked at whole (a device line with its name).
+const MAX_LINE: usize = 1024;
 
 /// Where `pci.ids` text is read from: the embedded block, an opened file, or (tests) a source
 /// that counts what is read.
@@ -66,12 +72,15 @@ impl IdsSource for FileSource {
 /// Device names looked up so far, unknown devices included.
 type Names = HashMap<(u16, u16), Option<Arc<str>>>;
 
+/// Vendors looked up so far: the byte range of each one's device and subsystem lines, or
+/// `None` for a vendor the file does not have.
+type Sections = HashMap<u16, Option<Range<u64>>>;
+
 struct Inner {
     source: Box<dyn IdsSource>,
     /// For messages: the file, or "the embedded block".
     origin: String,
-    /// Each vendor's device and subsystem lines: a byte range of the source.
-    vendors: HashMap<u16, Range<u64>>,
+    sections: Mutex<Sections>,
     names: Mutex<Names>,
 }
 
@@ -85,7 +94,6 @@ impl std::fmt::Debug for PciIds {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PciIds")
             .field("origin", &self.inner.origin)
-            .field("vendors", &self.inner.vendors.len())
             .finish_non_exhaustive()
     }
 }
@@ -94,14 +102,11 @@ impl PciIds {
     /// The pinned NVIDIA block embedded in the binary.
     pub fn embedded() -> Self {
         let text: &'static [u8] = super::EMBEDDED.as_bytes();
-        match Self::from_source(Box::new(text), "the embedded NVIDIA block") {
-            Ok(ids) => ids,
-            // Indexing in-memory text cannot fail on I/O; an empty index names nothing.
-            Err(_) => Self::new(Box::new(text), "the embedded NVIDIA block", HashMap::new()),
-        }
+        Self::from_source(Box::new(text), "the embedded NVIDIA block")
     }
 
-    /// A full `pci.ids` file (`--pci-ids`): opened, indexed, kept open for lookups.
+    /// A full `pci.ids` file (`--pci-ids`): opened, its start checked to hold a vendor line,
+    /// kept open for lookups.
     pub fn from_file(path: &Path) -> Result<Self> {
         let io_err = |e| Error::Io {
             path: path.to_path_buf(),
@@ -109,32 +114,32 @@ impl PciIds {
         };
         let file = std::fs::File::open(path).map_err(io_err)?;
         let len = file.metadata().map_err(io_err)?.len();
-        let ids = Self::from_source(
-            Box::new(FileSource { file, len }),
-            &path.display().to_string(),
-        )
-        .map_err(io_err)?;
-        if ids.inner.vendors.is_empty() {
+        let source = FileSource { file, len };
+        // The real file has its first vendor line after a few dozen lines of comments.
+        let mut head = vec![0u8; CHUNK];
+        let n = read_full(&source, 0, &mut head).map_err(io_err)?;
+        if !head[..n]
+            .split(|&b| b == b'\n')
+            .any(|l| vendor_line(l).is_some())
+        {
             return Err(Error::Parse {
                 path: path.to_path_buf(),
-                reason: "no vendor lines: not a pci.ids file".into(),
+                reason: format!("no vendor line in its first {CHUNK} bytes: not a pci.ids file"),
             });
         }
-        Ok(ids)
+        Ok(Self::from_source(
+            Box::new(source),
+            &path.display().to_string(),
+        ))
     }
 
-    /// Indexes `source` (one pass over it); `origin` names it in messages.
-    pub fn from_source(source: Box<dyn IdsSource>, origin: &str) -> io::Result<Self> {
-        let vendors = index(source.as_ref())?;
-        Ok(Self::new(source, origin, vendors))
-    }
-
-    fn new(source: Box<dyn IdsSource>, origin: &str, vendors: HashMap<u16, Range<u64>>) -> Self {
+    /// Names from `source`, read when asked; `origin` names it in messages.
+    pub fn from_source(source: Box<dyn IdsSource>, origin: &str) -> Self {
         PciIds {
             inner: Arc::new(Inner {
                 source,
                 origin: origin.to_string(),
-                vendors,
+                sections: Mutex::new(HashMap::new()),
                 names: Mutex::new(HashMap::new()),
             }),
         }
@@ -169,31 +174,131 @@ impl PciIds {
     }
 
     fn find(&self, vendor: u16, device: u16) -> io::Result<Option<Arc<str>>> {
-        let Some(range) = self.inner.vendors.get(&vendor) else {
+        let Some(section) = self.section(vendor)? else {
             return Ok(None);
         };
-        let len = usize::try_from(range.end - range.start).unwrap_or(0);
-        let mut section = vec![0u8; len];
-        let mut got = 0;
-        while got < len {
-            let n = self
-                .inner
-                .source
-                .read_at(range.start + got as u64, &mut section[got..])?;
-            if n == 0 {
-                break;
-            }
-            got += n;
+        let src = self.inner.source.as_ref();
+        // The section starts at a line's start: the search sees the newline before it.
+        let needle = format!("\n\t{device:04x} ");
+        let Some(at) = search(src, section.start - 1, section.end, needle.as_bytes())? else {
+            return Ok(None);
+        };
+        let line = line_at(src, at + 2)?;
+        let text = String::from_utf8_lossy(&line);
+        Ok(split_id(&text).map(|(_, name)| Arc::from(name)))
+    }
+
+    /// The vendor's device and subsystem lines, found the first time it is asked for.
+    fn section(&self, vendor: u16) -> io::Result<Option<Range<u64>>> {
+        let mut sections = self
+            .inner
+            .sections
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(known) = sections.get(&vendor) {
+            return Ok(known.clone());
         }
-        section.truncate(got);
-        let text = String::from_utf8_lossy(&section);
-        Ok(text
-            .lines()
-            .filter_map(|l| l.strip_prefix('\t'))
-            .filter(|l| !l.starts_with('\t'))
-            .filter_map(split_id)
-            .find(|(id, _)| *id == device)
-            .map(|(_, name)| Arc::from(name)))
+        let found = locate(self.inner.source.as_ref(), vendor)?;
+        sections.insert(vendor, found.clone());
+        Ok(found)
+    }
+}
+
+/// Reads at `offset` until `buf` is full or the source ends; how much was read.
+fn read_full(src: &dyn IdsSource, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        let n = src.read_at(offset + got as u64, &mut buf[got..])?;
+        if n == 0 {
+            break;
+        }
+        got += n;
+    }
+    Ok(got)
+}
+
+/// Where `needle` first occurs in the source between `from` and `to`, in [`CHUNK`] reads.
+/// `from` may be one before the start (`u64::MAX` wraps to it): the text is then searched as
+/// if a newline preceded it, so that a needle starting with one matches the first line.
+fn search(src: &dyn IdsSource, from: u64, to: u64, needle: &[u8]) -> io::Result<Option<u64>> {
+    let finder = memchr::memmem::Finder::new(needle);
+    let keep = needle.len().saturating_sub(1);
+    let mut buf = Vec::with_capacity(CHUNK + keep);
+    // Where buf[0] lies in the source.
+    let mut base = from;
+    let mut next = from;
+    if from == u64::MAX {
+        buf.push(b'\n');
+        next = 0;
+    }
+    let mut chunk = vec![0u8; CHUNK];
+    while next < to {
+        let want = usize::try_from((to - next).min(CHUNK as u64)).unwrap_or(CHUNK);
+        let n = read_full(src, next, &mut chunk[..want])?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        next += n as u64;
+        if let Some(i) = finder.find(&buf) {
+            return Ok(Some(base.wrapping_add(i as u64)));
+        }
+        // Keep the tail a match could start in.
+        let drop = buf.len().saturating_sub(keep);
+        buf.drain(..drop);
+        base = base.wrapping_add(drop as u64);
+    }
+    Ok(None)
+}
+
+/// The line that starts at `offset`, without its newline (at most [`MAX_LINE`] bytes).
+fn line_at(src: &dyn IdsSource, offset: u64) -> io::Result<Vec<u8>> {
+    let mut line = vec![0u8; MAX_LINE];
+    let n = read_full(src, offset, &mut line)?;
+    line.truncate(n);
+    if let Some(end) = memchr::memchr(b'\n', &line) {
+        line.truncate(end);
+    }
+    Ok(line)
+}
+
+/// The vendor's section: from the line after its vendor line to the next vendor line (or the
+/// classes, or the end). `None` when the file has no such vendor.
+fn locate(src: &dyn IdsSource, vendor: u16) -> io::Result<Option<Range<u64>>> {
+    let size = src.size();
+    let needle = format!("\n{vendor:04x} ");
+    let Some(at) = search(src, u64::MAX, size, needle.as_bytes())? else {
+        return Ok(None);
+    };
+    // The vendor line itself starts after the newline; the section after its own newline.
+    let head = at.wrapping_add(1);
+    let Some(eol) = search(src, head, size, b"\n")? else {
+        return Ok(Some(size..size));
+    };
+    let start = eol + 1;
+    // The next line that is not the vendor's: a vendor line or the classes.
+    let mut buf = vec![0u8; CHUNK];
+    let mut line_start = start;
+    loop {
+        let n = read_full(src, line_start, &mut buf)?;
+        if n == 0 {
+            return Ok(Some(start..size));
+        }
+        let text = &buf[..n];
+        let mut pos = 0;
+        while pos < n {
+            let line = &text[pos..];
+            if vendor_line(line).is_some() || line.starts_with(b"C ") {
+                return Ok(Some(start..line_start + pos as u64));
+            }
+            match memchr::memchr(b'\n', line) {
+                Some(e) => pos += e + 1,
+                // A line cut by the read: read again from its start.
+                None if n == buf.len() && pos > 0 => break,
+                None => return Ok(Some(start..size)),
+            }
+        }
+        line_start += pos as u64;
     }
 }
 
@@ -204,53 +309,6 @@ pub(super) fn split_id(s: &str) -> Option<(u16, &str)> {
         return None;
     }
     Some((u16::from_str_radix(id, 16).ok()?, name.trim()))
-}
-
-/// Reads a source front to back.
-struct SourceReader<'a> {
-    source: &'a dyn IdsSource,
-    offset: u64,
-}
-
-impl io::Read for SourceReader<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.source.read_at(self.offset, buf)?;
-        self.offset += n as u64;
-        Ok(n)
-    }
-}
-
-/// One pass over the source: the byte range of each vendor's section, up to the classes.
-fn index(source: &dyn IdsSource) -> io::Result<HashMap<u16, Range<u64>>> {
-    let mut vendors = HashMap::new();
-    let mut current: Option<(u16, u64)> = None;
-    let mut close = |current: &mut Option<(u16, u64)>, end: u64| {
-        if let Some((v, start)) = current.take() {
-            vendors.entry(v).or_insert(start..end);
-        }
-    };
-    let mut reader = io::BufReader::with_capacity(CHUNK, SourceReader { source, offset: 0 });
-    let mut line = Vec::with_capacity(256);
-    let mut at = 0u64;
-    loop {
-        line.clear();
-        let n = reader.read_until(b'\n', &mut line)? as u64;
-        if n == 0 {
-            close(&mut current, at);
-            break;
-        }
-        if line.starts_with(b"C ") {
-            // The device classes: no vendor after them.
-            close(&mut current, at);
-            break;
-        }
-        if let Some(v) = vendor_line(&line) {
-            close(&mut current, at);
-            current = Some((v, at + n));
-        }
-        at += n;
-    }
-    Ok(vendors)
 }
 
 /// The vendor id of a vendor line (`10de  NVIDIA Corporation`).
@@ -338,7 +396,7 @@ C 03  Display controller
             reads: reads.clone(),
             bytes: bytes.clone(),
         };
-        let ids = PciIds::from_source(Box::new(src), "test").unwrap();
+        let ids = PciIds::from_source(Box::new(src), "test");
         (ids, reads, bytes)
     }
 
@@ -365,28 +423,103 @@ C 03  Display controller
     }
 
     #[test]
-    fn the_file_is_read_once_and_a_lookup_reads_only_its_vendor() {
+    fn a_lookup_reads_no_further_than_its_vendor_and_only_once() {
         let (ids, reads, bytes) = counting();
-        // Indexing: the text once, up to the classes at most.
-        assert!(bytes.load(Ordering::SeqCst) <= REAL_FORMAT.len());
-        let (r0, b0) = (reads.load(Ordering::SeqCst), bytes.load(Ordering::SeqCst));
-        // A lookup reads NVIDIA's section and nothing else.
+        // Nothing is read before a name is asked for.
+        assert_eq!(bytes.load(Ordering::SeqCst), 0);
         ids.device_name(0x10de, 0x2236);
-        let section = REAL_FORMAT.find("\t1eb8").unwrap()..REAL_FORMAT.find("1af4  ").unwrap();
-        assert_eq!(bytes.load(Ordering::SeqCst) - b0, section.len());
+        assert!(reads.load(Ordering::SeqCst) > 0);
         // Asked again (a re-read of the node), or for a device known to be absent: no read.
-        let (r1, b1) = (reads.load(Ordering::SeqCst), bytes.load(Ordering::SeqCst));
-        assert!(r1 > r0);
         for _ in 0..3 {
             ids.device_name(0x10de, 0x2236);
             ids.clone().device_name(0x10de, 0x2236);
         }
         ids.device_name(0x8086, 0x1572);
+        let after_unknown = (reads.load(Ordering::SeqCst), bytes.load(Ordering::SeqCst));
         ids.device_name(0x8086, 0x1572);
+        ids.device_name(0x8086, 0x1573);
         assert_eq!(
             (reads.load(Ordering::SeqCst), bytes.load(Ordering::SeqCst)),
-            (r1, b1)
+            after_unknown,
+            "an unknown vendor is searched once"
         );
+        // Another device of a known vendor: its section, and its line.
+        let before = bytes.load(Ordering::SeqCst);
+        ids.device_name(0x10de, 0x26b9);
+        let section = REAL_FORMAT.find("\t1eb8").unwrap()..REAL_FORMAT.find("1af4  ").unwrap();
+        assert!(bytes.load(Ordering::SeqCst) - before <= section.len() + 1 + MAX_LINE);
+    }
+
+    #[test]
+    fn a_vendor_near_the_start_of_a_big_file_reads_little_of_it() {
+        // NVIDIA early, then 32 chunks of other vendors, as 10de sits a quarter into the
+        // real file.
+        let mut text = String::from(
+            "# header\n0001  First\n10de  NVIDIA Corporation\n\t2236  GA102GL [A10]\n",
+        );
+        let mut v = 0x2000u32;
+        while text.len() < 32 * CHUNK {
+            text.push_str(&format!(
+                "{v:04x}  Vendor\n\t0001  Device\n\t\t{v:04x} 0001  Sub\n"
+            ));
+            v += 1;
+        }
+        let text: &'static str = Box::leak(text.into_boxed_str());
+        let bytes = Arc::new(AtomicUsize::new(0));
+        let src = Counting {
+            text: text.as_bytes(),
+            reads: Arc::new(AtomicUsize::new(0)),
+            bytes: bytes.clone(),
+        };
+        let ids = PciIds::from_source(Box::new(src), "test");
+        assert_eq!(
+            ids.device_name(0x10de, 0x2236).as_deref(),
+            Some("GA102GL [A10]")
+        );
+        assert_eq!(ids.device_name(0x10de, 0x2237), None);
+        let read = bytes.load(Ordering::SeqCst);
+        assert!(
+            read <= 4 * CHUNK + MAX_LINE,
+            "read {read} of {} bytes",
+            text.len()
+        );
+    }
+
+    #[test]
+    fn a_big_file_is_searched_in_chunks_and_found_across_their_boundaries() {
+        // Vendor lines and device lines placed across every offset of a chunk boundary.
+        for shift in 0..12 {
+            let mut text = String::from("# padding\n");
+            while text.len() < CHUNK - shift {
+                text.push_str("#\n");
+            }
+            text.push_str("0100  Someone\n\t2236  Not NVIDIA's\n");
+            while text.len() < 2 * CHUNK - shift {
+                text.push_str("\t\t0100 0001  sub\n");
+            }
+            text.push_str("10de  NVIDIA Corporation\n\t2236  GA102GL [A10]\n\t\t10de 1482  sub\nC 03  Display\n\t2237  class line\n");
+            let text: &'static str = Box::leak(text.into_boxed_str());
+            let ids = PciIds::from_source(Box::new(text.as_bytes()), "test");
+            assert_eq!(
+                ids.device_name(0x10de, 0x2236).as_deref(),
+                Some("GA102GL [A10]"),
+                "shift {shift}"
+            );
+            assert_eq!(
+                ids.device_name(0x0100, 0x2236).as_deref(),
+                Some("Not NVIDIA's")
+            );
+            assert_eq!(
+                ids.device_name(0x10de, 0x2237),
+                None,
+                "a class line is no device"
+            );
+            assert_eq!(
+                ids.device_name(0x0100, 0x0001),
+                None,
+                "a subsystem is no device"
+            );
+        }
     }
 
     #[test]
@@ -398,13 +531,13 @@ C 03  Display controller
         }
         text.push_str("10de  NVIDIA Corporation\n\t2236  GA102GL [A10]\n");
         let text: &'static str = Box::leak(text.into_boxed_str());
-        let ids = PciIds::from_source(Box::new(text.as_bytes()), "test").unwrap();
+        let ids = PciIds::from_source(Box::new(text.as_bytes()), "test");
         assert_eq!(
             ids.device_name(0x10de, 0x2236).as_deref(),
             Some("GA102GL [A10]")
         );
         // No final newline.
-        let ids = PciIds::from_source(Box::new(&b"10de  NVIDIA\n\t2236  A10"[..]), "t").unwrap();
+        let ids = PciIds::from_source(Box::new(&b"10de  NVIDIA\n\t2236  A10"[..]), "t");
         assert_eq!(ids.device_name(0x10de, 0x2236).as_deref(), Some("A10"));
     }
 }

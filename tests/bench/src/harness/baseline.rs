@@ -8,13 +8,14 @@ use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow};
-use testkit::kubelet::PluginClient;
 use testkit::kubelet::api::device_plugin_server::{DevicePlugin, DevicePluginServer};
+use testkit::kubelet::api::registration_client::RegistrationClient;
 use testkit::kubelet::api::{
     AllocateRequest, AllocateResponse, Device, DevicePluginOptions, Empty, ListAndWatchResponse,
     NumaNode, PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationRequest,
-    PreferredAllocationResponse, TopologyInfo,
+    PreferredAllocationResponse, RegisterRequest, TopologyInfo,
 };
+use testkit::kubelet::{FakeKubelet, PluginClient};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::Stream;
 use tokio_stream::wrappers::{UnboundedReceiverStream, UnixListenerStream};
@@ -213,6 +214,61 @@ pub async fn list_cost(dir: &Path, n: usize, runs: usize) -> Result<ListCost> {
         first: med(&firsts),
         update: med(&updates),
     })
+}
+
+/// The bare cost of registering `resources` resources with the test kubelet: a client on a
+/// thread and current-thread runtime of its own (as the daemon's) dials a fresh connection per
+/// resource, all at once, and sends one `Register` on each; timed from the moment it starts to
+/// dial until the kubelet holds every registration. `runs` times after one warm-up; the median.
+pub async fn register_cost(dir: &Path, resources: usize, runs: usize) -> Result<Duration> {
+    let mut kubelet = FakeKubelet::start(dir).await?;
+    let sock = kubelet.socket();
+    let mut times = Vec::with_capacity(runs);
+    for i in 0..=runs {
+        let (go, ready) = oneshot::channel::<()>();
+        let (started_tx, started) = oneshot::channel::<Instant>();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let sock = sock.clone();
+        let client = std::thread::spawn(move || {
+            rt.block_on(async move {
+                let _ = ready.await;
+                let _ = started_tx.send(Instant::now());
+                let calls = (0..resources).map(|r| {
+                    let sock = sock.clone();
+                    async move {
+                        let ch = testkit::kubelet::unix_channel(&sock).await?;
+                        RegistrationClient::new(ch)
+                            .register(RegisterRequest {
+                                version: "v1beta1".into(),
+                                endpoint: format!("bare-{r}.sock"),
+                                resource_name: format!("bench.example/r{r}"),
+                                options: None,
+                            })
+                            .await
+                            .map_err(|s| anyhow!("Register: {s}"))?;
+                        anyhow::Ok(())
+                    }
+                });
+                futures::future::try_join_all(calls).await.map(|_| ())
+            })
+        });
+        let _ = go.send(());
+        for _ in 0..resources {
+            kubelet.next_registration(Duration::from_secs(10)).await?;
+        }
+        let took = started.await.map(|t| t.elapsed());
+        client
+            .join()
+            .map_err(|_| anyhow!("the bare registration client panicked"))??;
+        // The first registration warms the caches, as the daemon's figures come after its start.
+        if i > 0 {
+            times.push(took.map_err(|_| anyhow!("the bare registration client never started"))?);
+        }
+    }
+    kubelet.stop().await;
+    Ok(summarize(&times).map(|s| s.median).unwrap_or_default())
 }
 
 /// Starts the bare server on `sock` in a thread with a current-thread runtime.

@@ -10,6 +10,9 @@ pub struct Bins {
     pub vgpu: PathBuf,
     pub dp: PathBuf,
     pub dra: PathBuf,
+    /// `gpu-vm-noop`, a Rust executable of the same build that only exits (absent in builds
+    /// of the daemons alone).
+    pub noop: Option<PathBuf>,
 }
 
 /// Finds the daemons beside this binary.
@@ -23,6 +26,7 @@ pub fn bins() -> Result<Bins> {
         vgpu: dir.join("vgpu-device-manager"),
         dp: dir.join("sandbox-dp"),
         dra: dir.join("sandbox-dra"),
+        noop: Some(dir.join("gpu-vm-noop")).filter(|p| p.exists()),
     };
     for p in [&b.vfio, &b.vgpu, &b.dp, &b.dra] {
         if !p.exists() {

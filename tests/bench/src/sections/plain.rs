@@ -282,7 +282,8 @@ pub struct Row {
 #[derive(Clone, Copy, Debug)]
 pub struct Base {
     /// `start`: the cheapest process start; `list`: a list of the same size delivered by a
-    /// bare ListAndWatch server; `connect + list`: the same on a new connection.
+    /// bare ListAndWatch server; `connect + list`: the same on a new connection;
+    /// `start + connect + Register`: the start and a bare registration of as many resources.
     pub what: &'static str,
     pub time: Duration,
 }
@@ -412,7 +413,7 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     let pci_ids = cli.pci_ids.canonicalize().ok().filter(|p| p.is_file());
     r.line("## Plain tree");
     r.line("");
-    r.line(format!("Each node prepared on node-sim, then copied onto a tmpfs as plain files, directories and symlinks (device nodes as empty files), and the daemons run with `--host-root` at the copy: reads cost what real sysfs reads cost, not a FUSE round trip. Read-only figures only. **limit**: the reads the daemon made for that figure (recorded once under strace: opens, reads, directory listings, stats, link reads, of the node's files and of the files named on its command line), replayed in order by a bare loop, median of {REPLAYS}, plus a **base** where the figure has a cost no daemon can avoid: **start**, for a figure that starts a process, the median spawn → exit of a static executable that only exits (measured here, {START_RUNS} runs); **list**, for a figure that ends with a ListAndWatch message, the same-sized list delivered to the same client by a bare server that sends prebuilt lists (on its own thread and current-thread runtime, as the daemon's), on an open stream, or with **connect + list** on a new one (the first ListAndWatch). **× limit** = median / (reads + base); goal ≤ {LIMIT_GOAL}×, judged on every row with a limit. What start-up costs beyond the base is the daemon's (each binary's `--version`, table below)."));
+    r.line(format!("Each node prepared on node-sim, then copied onto a tmpfs as plain files, directories and symlinks (device nodes as empty files), and the daemons run with `--host-root` at the copy: reads cost what real sysfs reads cost, not a FUSE round trip. Read-only figures only. **limit**: the reads the daemon made for that figure (recorded once under strace: opens, reads, directory listings, stats, link reads, of the node's files and of the files named on its command line), replayed in order by a bare loop, median of {REPLAYS}, plus a **base** where the figure has a cost no daemon can avoid: **start**, for a figure that starts a process, the median spawn → exit of a static executable that only exits (measured here, {START_RUNS} runs); **list**, for a figure that ends with a ListAndWatch message, the same-sized list delivered to the same client by a bare server that sends prebuilt lists (on its own thread and current-thread runtime, as the daemon's), on an open stream, or with **connect + list** on a new one (the first ListAndWatch); **connect + Register**, for start → registered, a bare client on its own thread and current-thread runtime dialling the same test kubelet and registering as many resources, each on a new connection, all at once, until the kubelet holds them (added to **start**). **× limit** = median / (reads + base); goal ≤ {LIMIT_GOAL}×, judged on every row with a limit. What start-up costs beyond the base is the daemon's (each binary's `--version`, table below)."));
     r.line("");
     if !strace::available() {
         r.line("skipped: limits: no strace on this machine (tests/setup.sh installs it).");
@@ -550,19 +551,33 @@ fn startup(cli: &Cli, b: &Bins, r: &mut Report) -> Result<Option<Base>> {
             "skipped: built for x86-64 only".into(),
         ]),
     }
+    let mut timed = |what: String, cmd: &mut dyn FnMut() -> Command| -> Result<()> {
+        let mut walls = Vec::new();
+        for _ in 0..cli.runs.max(5) {
+            walls.push(ok(run(&mut cmd())?, &what)?.wall);
+        }
+        r.row(&[
+            what,
+            fmt_summary(&summarize(&walls).ok_or_else(|| anyhow!("no runs"))?),
+        ]);
+        Ok(())
+    };
+    if let Some(noop) = &b.noop {
+        timed(
+            "a Rust executable built as the daemons are that only exits (`gpu-vm-noop`): the dynamic loader, glibc's and Rust's set-up".into(),
+            &mut || Command::new(noop),
+        )?;
+    }
     for (name, bin) in [
         ("vfio-manager", &b.vfio),
         ("vgpu-device-manager", &b.vgpu),
         ("sandbox-dp", &b.dp),
     ] {
-        let mut walls = Vec::new();
-        for _ in 0..cli.runs.max(5) {
-            walls.push(ok(run(Command::new(bin).arg("--version"))?, name)?.wall);
-        }
-        r.row(&[
-            format!("{name} `--version`"),
-            fmt_summary(&summarize(&walls).ok_or_else(|| anyhow!("no runs"))?),
-        ]);
+        timed(format!("{name} `--version`"), &mut || {
+            let mut c = Command::new(bin);
+            c.arg("--version");
+            c
+        })?;
     }
     r.line("");
     Ok(least.map(|s| Base {

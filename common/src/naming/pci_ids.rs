@@ -36,6 +36,10 @@ pub trait IdsSource: Send + Sync {
     fn size(&self) -> u64;
     /// Reads up to `buf.len()` bytes at `offset`; 0 at the end.
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<usize>;
+    /// All of it, when it is in memory already: searched in place, with no copy.
+    fn in_memory(&self) -> Option<&[u8]> {
+        None
+    }
 }
 
 impl IdsSource for &'static [u8] {
@@ -50,6 +54,10 @@ impl IdsSource for &'static [u8] {
         let n = buf.len().min(<[u8]>::len(self) - start);
         buf[..n].copy_from_slice(&self[start..start + n]);
         Ok(n)
+    }
+
+    fn in_memory(&self) -> Option<&[u8]> {
+        Some(self)
     }
 }
 
@@ -222,6 +230,18 @@ fn read_full(src: &dyn IdsSource, offset: u64, buf: &mut [u8]) -> io::Result<usi
 /// if a newline preceded it, so that a needle starting with one matches the first line.
 fn search(src: &dyn IdsSource, from: u64, to: u64, needle: &[u8]) -> io::Result<Option<u64>> {
     let finder = memchr::memmem::Finder::new(needle);
+    if let Some(all) = src.in_memory() {
+        let end = usize::try_from(to).unwrap_or(usize::MAX).min(all.len());
+        let (start, at_newline) = match from {
+            u64::MAX => (0, true),
+            f => (usize::try_from(f).unwrap_or(usize::MAX).min(end), false),
+        };
+        // Before the start, a newline: a needle beginning with one matches the first line.
+        if at_newline && needle.first() == Some(&b'\n') && all[..end].starts_with(&needle[1..]) {
+            return Ok(Some(u64::MAX));
+        }
+        return Ok(finder.find(&all[start..end]).map(|i| (start + i) as u64));
+    }
     let keep = needle.len().saturating_sub(1);
     let mut buf = Vec::with_capacity(CHUNK + keep);
     // Where buf[0] lies in the source.
@@ -345,6 +365,19 @@ mod tests {
             self.reads.fetch_add(1, Ordering::SeqCst);
             self.bytes.fetch_add(n, Ordering::SeqCst);
             Ok(n)
+        }
+    }
+
+    /// Text read in chunks, as a file is.
+    struct Chunked(&'static [u8]);
+
+    impl IdsSource for Chunked {
+        fn size(&self) -> u64 {
+            self.0.len() as u64
+        }
+
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
+            self.0.read_at(offset, buf)
         }
     }
 
@@ -499,26 +532,33 @@ C 03  Display controller
             }
             text.push_str("10de  NVIDIA Corporation\n\t2236  GA102GL [A10]\n\t\t10de 1482  sub\nC 03  Display\n\t2237  class line\n");
             let text: &'static str = Box::leak(text.into_boxed_str());
-            let ids = PciIds::from_source(Box::new(text.as_bytes()), "test");
-            assert_eq!(
-                ids.device_name(0x10de, 0x2236).as_deref(),
-                Some("GA102GL [A10]"),
-                "shift {shift}"
-            );
-            assert_eq!(
-                ids.device_name(0x0100, 0x2236).as_deref(),
-                Some("Not NVIDIA's")
-            );
-            assert_eq!(
-                ids.device_name(0x10de, 0x2237),
-                None,
-                "a class line is no device"
-            );
-            assert_eq!(
-                ids.device_name(0x0100, 0x0001),
-                None,
-                "a subsystem is no device"
-            );
+            // Read in chunks (a file), and searched in place (the embedded block).
+            let sources: [Box<dyn IdsSource>; 2] = [
+                Box::new(Chunked(text.as_bytes())),
+                Box::new(text.as_bytes()),
+            ];
+            for src in sources {
+                let ids = PciIds::from_source(src, "test");
+                assert_eq!(
+                    ids.device_name(0x10de, 0x2236).as_deref(),
+                    Some("GA102GL [A10]"),
+                    "shift {shift}"
+                );
+                assert_eq!(
+                    ids.device_name(0x0100, 0x2236).as_deref(),
+                    Some("Not NVIDIA's")
+                );
+                assert_eq!(
+                    ids.device_name(0x10de, 0x2237),
+                    None,
+                    "a class line is no device"
+                );
+                assert_eq!(
+                    ids.device_name(0x0100, 0x0001),
+                    None,
+                    "a subsystem is no device"
+                );
+            }
         }
     }
 
@@ -531,13 +571,19 @@ C 03  Display controller
         }
         text.push_str("10de  NVIDIA Corporation\n\t2236  GA102GL [A10]\n");
         let text: &'static str = Box::leak(text.into_boxed_str());
-        let ids = PciIds::from_source(Box::new(text.as_bytes()), "test");
+        let ids = PciIds::from_source(Box::new(Chunked(text.as_bytes())), "test");
         assert_eq!(
             ids.device_name(0x10de, 0x2236).as_deref(),
             Some("GA102GL [A10]")
         );
-        // No final newline.
-        let ids = PciIds::from_source(Box::new(&b"10de  NVIDIA\n\t2236  A10"[..]), "t");
-        assert_eq!(ids.device_name(0x10de, 0x2236).as_deref(), Some("A10"));
+        // No final newline; the first line a vendor's.
+        let text = &b"10de  NVIDIA\n\t2236  A10"[..];
+        for src in [
+            Box::new(Chunked(text)) as Box<dyn IdsSource>,
+            Box::new(text),
+        ] {
+            let ids = PciIds::from_source(src, "t");
+            assert_eq!(ids.device_name(0x10de, 0x2236).as_deref(), Some("A10"));
+        }
     }
 }

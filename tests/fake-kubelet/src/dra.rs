@@ -66,7 +66,25 @@ pub fn registration_sockets(root: &Path, kubelet_root: &Path) -> Vec<PathBuf> {
 /// `:authority`.
 pub async fn dial(root: &Path, host: &Path) -> anyhow::Result<RawGrpc> {
     let authority = percent_encode(&host.to_string_lossy());
-    RawGrpc::connect(&under(root, host), Some(&authority)).await
+    let path = under(root, host);
+    // A socket file exists from its bind, an instant before it listens: a dial in between is
+    // refused. kubelet's plugin watcher tries again; so does this, for up to a second.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    loop {
+        match RawGrpc::connect(&path, Some(&authority)).await {
+            Err(e) if refused(&e) && std::time::Instant::now() < deadline => {
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Whether `e` is a connection refused (a socket file nobody listens on yet).
+fn refused(e: &anyhow::Error) -> bool {
+    e.chain()
+        .filter_map(|c| c.downcast_ref::<std::io::Error>())
+        .any(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
 }
 
 /// One unary call; its answer decoded, or the gRPC status as an error.

@@ -314,6 +314,61 @@ impl FileWatch {
 mod tests {
     use super::*;
 
+    /// The next events of `fw` until one matches `want`, or a panic after 5 s.
+    async fn until(fw: &mut FileWatch, want: &FileEvent) {
+        let wait = std::time::Duration::from_secs(5);
+        loop {
+            let evs = tokio::time::timeout(wait, fw.next())
+                .await
+                .unwrap_or_else(|_| panic!("no {want:?} within {wait:?}"))
+                .unwrap();
+            if evs.contains(want) {
+                return;
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn file_watches_follow_dev_vfio_as_it_comes_and_goes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (kdir, dev) = (dir.path().join("kubelet"), dir.path().join("dev"));
+        let vfio = dev.join("vfio");
+        std::fs::create_dir_all(&kdir).unwrap();
+        std::fs::create_dir_all(&dev).unwrap();
+        let mut fw = FileWatch::start(&kdir, &dev, &vfio).unwrap();
+
+        // kubelet (re)starts: its socket is created in the plugin directory.
+        std::fs::write(kdir.join(KUBELET_SOCKET), "").unwrap();
+        until(&mut fw, &FileEvent::PluginDir { kubelet: true }).await;
+        std::fs::remove_file(kdir.join(KUBELET_SOCKET)).unwrap();
+        until(&mut fw, &FileEvent::PluginDir { kubelet: false }).await;
+
+        // /dev/vfio appears after the start: the whole node, then its group nodes are watched.
+        std::fs::create_dir(&vfio).unwrap();
+        until(&mut fw, &FileEvent::Dev(Change::Node)).await;
+        fw.refresh();
+        std::fs::write(vfio.join("42"), "").unwrap();
+        until(&mut fw, &FileEvent::Dev(Change::GroupNode(42))).await;
+        std::fs::remove_file(vfio.join("42")).unwrap();
+        until(&mut fw, &FileEvent::Dev(Change::GroupNode(42))).await;
+
+        // The iommufd directory and its nodes.
+        std::fs::create_dir(vfio.join("devices")).unwrap();
+        until(&mut fw, &FileEvent::Dev(Change::DevNodes)).await;
+        fw.refresh();
+        std::fs::write(vfio.join("devices/vfio0"), "").unwrap();
+        until(&mut fw, &FileEvent::Dev(Change::DevNodes)).await;
+
+        // /dev/vfio removed, and created again: watched again after a refresh.
+        std::fs::remove_dir_all(&vfio).unwrap();
+        until(&mut fw, &FileEvent::Dev(Change::Node)).await;
+        std::fs::create_dir(&vfio).unwrap();
+        until(&mut fw, &FileEvent::Dev(Change::Node)).await;
+        fw.refresh();
+        std::fs::write(vfio.join("7"), "").unwrap();
+        until(&mut fw, &FileEvent::Dev(Change::GroupNode(7))).await;
+    }
+
     #[test]
     fn device_node_events_name_what_to_read() {
         let dev = Path::new("/host/dev");

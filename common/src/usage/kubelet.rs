@@ -91,25 +91,32 @@ enum ListError {
     Failed(String),
 }
 
-/// `List` on `socket`, blocking for at most about `timeout`. The client runs on a thread and
-/// runtime of its own, so that this may be called from anywhere, async code included.
+/// `List` on `socket`, blocking for at most about `timeout`. The socket is dialled here
+/// (non-blocking): when nothing listens, that is known without a runtime. The client then runs
+/// on a runtime of its own, on this thread when it is not a runtime's, otherwise on a thread
+/// of its own, so that this may be called from anywhere, async code included.
 fn list(socket: &Path, timeout: Duration) -> Result<Allocations, ListError> {
+    let stream = dial(socket)?;
+    let client = move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| ListError::Failed(format!("cannot start a runtime: {e}")))?;
+        rt.block_on(async {
+            let stream = tokio::net::UnixStream::from_std(stream)
+                .map_err(|e| ListError::Failed(format!("cannot use the connection: {e}")))?;
+            tokio::time::timeout(timeout, list_async(stream))
+                .await
+                .unwrap_or_else(|_| Err(ListError::Failed(format!("no answer within {timeout:?}"))))
+        })
+    };
+    if tokio::runtime::Handle::try_current().is_err() {
+        return client();
+    }
     std::thread::scope(|s| {
         let worker = std::thread::Builder::new()
             .name("pod-resources".into())
-            .spawn_scoped(s, || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .map_err(|e| ListError::Failed(format!("cannot start a runtime: {e}")))?;
-                rt.block_on(async {
-                    tokio::time::timeout(timeout, list_async(socket))
-                        .await
-                        .unwrap_or_else(|_| {
-                            Err(ListError::Failed(format!("no answer within {timeout:?}")))
-                        })
-                })
-            })
+            .spawn_scoped(s, client)
             .map_err(|e| ListError::Failed(format!("cannot start a thread: {e}")))?;
         worker
             .join()
@@ -117,19 +124,31 @@ fn list(socket: &Path, timeout: Duration) -> Result<Allocations, ListError> {
     })
 }
 
-async fn list_async(socket: &Path) -> Result<Allocations, ListError> {
-    let stream = match tokio::net::UnixStream::connect(socket).await {
-        Ok(s) => s,
-        Err(e)
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
-            ) =>
-        {
-            return Err(ListError::Unreachable(e.to_string()));
+/// Connects to `socket` without blocking: a listener whose backlog is full is an error, not a
+/// wait.
+fn dial(socket: &Path) -> Result<std::os::unix::net::UnixStream, ListError> {
+    use nix::errno::Errno;
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket as open};
+    let failed =
+        |e: Errno| ListError::Failed(format!("cannot connect: {}", std::io::Error::from(e)));
+    let addr = UnixAddr::new(socket).map_err(failed)?;
+    let fd = open(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(failed)?;
+    match connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &addr) {
+        Ok(()) => Ok(std::os::unix::net::UnixStream::from(fd)),
+        Err(e @ (Errno::ENOENT | Errno::ECONNREFUSED)) => {
+            Err(ListError::Unreachable(std::io::Error::from(e).to_string()))
         }
-        Err(e) => return Err(ListError::Failed(format!("cannot connect: {e}"))),
-    };
+        Err(e) => Err(failed(e)),
+    }
+}
+
+async fn list_async(stream: tokio::net::UnixStream) -> Result<Allocations, ListError> {
     let channel = kubelet_api::channel_over(stream)
         .await
         .map_err(|e| ListError::Failed(error_chain(&e)))?;

@@ -948,7 +948,9 @@ def cmd_containerfile() -> None:
     ws = workspace()
     members = ws.get("workspace", {}).get("members", [])
     need_prefixes = [m.rstrip("/") + "/" for m in members]
-    needed = ["Cargo.toml", "Cargo.lock"] + [
+    # The build script the image runs, when it runs it.
+    scripts = sorted(set(re.findall(r"\b(tools/[\w.-]+\.sh)\b", text)))
+    needed = ["Cargo.toml", "Cargo.lock"] + scripts + [
         f for f in files if any(f.startswith(p) for p in need_prefixes)
     ]
     # Files outside the members pulled in by include_str!/include_bytes!/#[path].
@@ -972,8 +974,8 @@ def cmd_containerfile() -> None:
             continue
         if d not in [m.rstrip("/") for m in members]:
             fail(f"{d} is not a workspace member")
-        if not re.search(rf"cargo build[^\n]*-p {re.escape(d)}\b", text):
-            fail(f"Containerfile does not build package {d} (cargo build -p {d})")
+        if not re.search(rf"(?:cargo build|tools/build-release\.sh)[^\n]*-p {re.escape(d)}\b", text):
+            fail(f"Containerfile does not build package {d} (tools/build-release.sh -p {d})")
         for b in bin_targets(d):
             if b not in text:
                 fail(f"Containerfile does not install binary {b}")

@@ -3,10 +3,10 @@
 //! read-only figures again on the plain tree (the simulated node copied onto tmpfs), next to the
 //! limit (the same reads replayed by a bare loop); and node-sim's own cost.
 //!
-//! Run it from a release build so the daemons are release builds too:
+//! Run it from a release build so the daemons are release builds too, linked as they ship:
 //!
 //! ```sh
-//! cargo build --release --workspace --bins && target/release/gpu-vm-bench --out BENCHMARKS.md
+//! tools/build-release.sh --workspace --bins && target/shipped/gpu-vm-bench --out BENCHMARKS.md
 //! ```
 //!
 //! It needs root and /dev/fuse (node-sim), and strace for the limits. Every figure is the median of `--runs` runs with

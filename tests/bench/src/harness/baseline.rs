@@ -28,7 +28,7 @@ use super::stats::{Summary, summarize};
 /// dynamic loader, no libc, one page mapped. Its spawn → `waitpid` is the least any process
 /// start costs on this machine, measured as the daemons' commands are ([`run`]).
 #[cfg(target_arch = "x86_64")]
-fn no_op_elf() -> Vec<u8> {
+pub(crate) fn no_op_elf() -> Vec<u8> {
     const BASE: u64 = 0x40_0000;
     const HEADERS: u64 = 64 + 56;
     // mov eax, 60 (exit); xor edi, edi; syscall

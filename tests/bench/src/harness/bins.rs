@@ -31,10 +31,72 @@ pub fn bins() -> Result<Bins> {
     for p in [&b.vfio, &b.vgpu, &b.dp, &b.dra] {
         if !p.exists() {
             bail!(
-                "{} not found: build the daemons beside this binary first (cargo build --release --workspace --bins)",
+                "{} not found: build the daemons beside this binary first (tools/build-release.sh --workspace --bins)",
                 p.display()
             );
         }
     }
     Ok(b)
+}
+
+/// How an ELF executable is linked: "dynamically linked" when it names a program interpreter
+/// (the dynamic loader), "static" otherwise; "unknown" when it cannot be read as 64-bit ELF.
+pub fn linkage(path: &std::path::Path) -> &'static str {
+    const PT_INTERP: u32 = 3;
+    let Ok(b) = std::fs::read(path) else {
+        return "unknown";
+    };
+    let u16_at = |o: usize| b.get(o..o + 2).map(|s| u16::from_le_bytes([s[0], s[1]]));
+    let u32_at = |o: usize| {
+        b.get(o..o + 4)
+            .map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+    };
+    let u64_at = |o: usize| {
+        b.get(o..o + 8).map(|s| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(s);
+            u64::from_le_bytes(a)
+        })
+    };
+    // 64-bit little-endian ELF only (x86-64, aarch64).
+    if b.get(..6) != Some(b"\x7fELF\x02\x01".as_slice()) {
+        return "unknown";
+    }
+    let (Some(phoff), Some(phentsize), Some(phnum)) = (u64_at(0x20), u16_at(0x36), u16_at(0x38))
+    else {
+        return "unknown";
+    };
+    let Ok(phoff) = usize::try_from(phoff) else {
+        return "unknown";
+    };
+    let interp = (0..usize::from(phnum))
+        .filter_map(|i| u32_at(phoff + i * usize::from(phentsize)))
+        .any(|t| t == PT_INTERP);
+    if interp {
+        "dynamically linked"
+    } else {
+        "static"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::linkage;
+
+    #[test]
+    fn this_test_binary_is_dynamically_linked_and_garbage_is_unknown() {
+        let exe = std::env::current_exe().unwrap_or_default();
+        assert_eq!(linkage(&exe), "dynamically linked");
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let f = dir.path().join("not-elf");
+        std::fs::write(&f, b"#!/bin/sh\n").unwrap_or_else(|e| panic!("write: {e}"));
+        assert_eq!(linkage(&f), "unknown");
+        #[cfg(target_arch = "x86_64")]
+        {
+            let g = dir.path().join("static");
+            std::fs::write(&g, crate::harness::baseline::no_op_elf())
+                .unwrap_or_else(|e| panic!("write: {e}"));
+            assert_eq!(linkage(&g), "static");
+        }
+    }
 }

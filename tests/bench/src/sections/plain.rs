@@ -15,7 +15,7 @@ use anyhow::{Context, Result, anyhow};
 
 use crate::Cli;
 use crate::harness::baseline;
-use crate::harness::bins::Bins;
+use crate::harness::bins::{Bins, linkage};
 use crate::harness::limit::{Limit, limit};
 use crate::harness::process::{Invocation, ok, peak_rss_kib, run};
 use crate::harness::report::{Report, mib, need};
@@ -564,7 +564,10 @@ fn startup(cli: &Cli, b: &Bins, r: &mut Report) -> Result<Option<Base>> {
     };
     if let Some(noop) = &b.noop {
         timed(
-            "a Rust executable built as the daemons are that only exits (`gpu-vm-noop`): the dynamic loader, glibc's and Rust's set-up".into(),
+            format!(
+                "a Rust executable built as the daemons are that only exits (`gpu-vm-noop`, {}): the loader's relocations, glibc's and Rust's set-up",
+                linkage(noop)
+            ),
             &mut || Command::new(noop),
         )?;
     }
@@ -573,11 +576,14 @@ fn startup(cli: &Cli, b: &Bins, r: &mut Report) -> Result<Option<Base>> {
         ("vgpu-device-manager", &b.vgpu),
         ("sandbox-dp", &b.dp),
     ] {
-        timed(format!("{name} `--version`"), &mut || {
-            let mut c = Command::new(bin);
-            c.arg("--version");
-            c
-        })?;
+        timed(
+            format!("{name} `--version` ({})", linkage(bin)),
+            &mut || {
+                let mut c = Command::new(bin);
+                c.arg("--version");
+                c
+            },
+        )?;
     }
     r.line("");
     Ok(least.map(|s| Base {

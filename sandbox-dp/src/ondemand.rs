@@ -35,46 +35,9 @@ use crate::discovery::{DeviceInfo, Kind, Resource};
 use crate::metrics::Metrics;
 use daemon_kit::events::NodeEvents;
 
-/// What is pooled: `all` (every GPU of the vendor on its vGPU driver), or a list of GPU PCI
-/// addresses and non-PCI mdev parents.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Selector {
-    /// Every GPU of `--vendor` on the nvidia driver.
-    All,
-    /// These GPUs, and these non-PCI mdev parents (names under `<sys>/class/mdev_bus/`).
-    Listed {
-        /// GPUs by PCI address.
-        gpus: BTreeSet<PciAddress>,
-        /// mdev parents by name (`mtty`).
-        parents: BTreeSet<String>,
-    },
-}
-
-/// Parses `--on-demand all|BDF|PARENT,…`: an entry that is not a PCI address names a non-PCI
-/// mdev parent (`mtty`).
-pub fn parse_selector(s: &str) -> Result<Selector, String> {
-    if s.trim() == "all" {
-        return Ok(Selector::All);
-    }
-    let (mut gpus, mut parents) = (BTreeSet::new(), BTreeSet::new());
-    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        if let Ok(a) = part.parse() {
-            gpus.insert(a);
-        } else if part.contains([':', '/']) || part == "." || part == ".." || part == "all" {
-            return Err(format!(
-                "{part:?} is neither a PCI address (0000:41:00.0) nor an mdev parent's name (mtty)"
-            ));
-        } else {
-            parents.insert(part.to_string());
-        }
-    }
-    if gpus.is_empty() && parents.is_empty() {
-        return Err(
-            "expected \"all\" or a comma list of GPU PCI addresses and mdev parents".into(),
-        );
-    }
-    Ok(Selector::Listed { gpus, parents })
-}
+/// What is pooled (`--on-demand`): `all`, every GPU of the vendor on its vGPU driver and every
+/// non-PCI mdev parent, or the GPUs and parents listed.
+pub use common::vgpu::selector::{Selector, parse_selector};
 
 /// A member of the pool: what device IDs, records and locks name.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -1037,27 +1000,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn selectors_and_device_ids() {
-        assert_eq!(parse_selector("all"), Ok(Selector::All));
+    fn device_ids() {
         let a: PciAddress = "0000:41:00.0".parse().unwrap();
-        assert_eq!(
-            parse_selector("0000:41:00.0, 0000:61:00.0").unwrap(),
-            Selector::Listed {
-                gpus: [
-                    "0000:41:00.0".parse().unwrap(),
-                    "0000:61:00.0".parse().unwrap()
-                ]
-                .into(),
-                parents: BTreeSet::new(),
-            }
-        );
-        assert!(
-            parse_selector("0000:41:00")
-                .unwrap_err()
-                .contains("0000:41:00")
-        );
-        assert!(parse_selector("../mtty").unwrap_err().contains("../mtty"));
-        assert!(parse_selector(",").is_err());
         let id = device_id(&Member::Gpu(a), type_key("NVIDIA A10-4Q"), 3);
         assert_eq!(id, "0000:41:00.0-A10-4Q-3");
         assert_eq!(parse_device_id(&id), Some((a, "A10-4Q")));

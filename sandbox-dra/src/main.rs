@@ -114,8 +114,8 @@ struct Cli {
     /// host, besides its passthrough device; the others stay passthrough only. sandbox-dra
     /// owns these GPUs (`run/gpu-vm-node/dra-pool`): vgpu-device-manager leaves them alone.
     /// An entry that is not a PCI address names an mdev parent that is not a PCI function
-    /// (`mtty`, under `class/mdev_bus/`): its types are published as devices, made into mdevs
-    /// at prepare.
+    /// (`mtty`, under `class/mdev_bus/`; lowercase letters, digits and `-`, as it names devices):
+    /// its types are published as devices, made into mdevs at prepare.
     #[arg(long, env = "VGPU", value_name = "all|BDF|PARENT,...", value_parser = sandbox_dra::vgpu::parse_selector, global = true)]
     vgpu: Option<sandbox_dra::vgpu::Selector>,
 

@@ -20,60 +20,30 @@ use serde::{Deserialize, Serialize};
 
 use crate::names;
 
-/// Which GPUs are published as vGPUs.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Selector {
-    /// Every NVIDIA GPU whose model the vGPU model table knows.
-    All,
-    /// These GPUs, and these mdev parents that are not PCI functions (`mtty`), by their
-    /// name under `class/mdev_bus/`.
-    Named {
-        /// NVIDIA GPUs, by PCI address.
-        gpus: BTreeSet<PciAddress>,
-        /// Other mdev parents.
-        parents: BTreeSet<String>,
-    },
-}
+/// Which GPUs are published as vGPUs (`--vgpu`): `all`, every NVIDIA GPU whose model the vGPU
+/// model table knows, or the GPUs and non-PCI mdev parents listed.
+pub use common::vgpu::selector::Selector;
 
-impl Selector {
-    /// Nothing selected.
-    pub fn none() -> Selector {
-        Selector::Named {
-            gpus: BTreeSet::new(),
-            parents: BTreeSet::new(),
-        }
-    }
-}
-
-/// Parses `--vgpu all|BDF,…|PARENT,…`: a PCI address names an NVIDIA GPU, any other entry
-/// an mdev parent by its `class/mdev_bus/` name.
+/// Parses `--vgpu all|BDF,…|PARENT,…` ([`common::vgpu::selector::parse_selector`]); an mdev
+/// parent must also be fit to stand in a device name (lowercase letters, digits and `-`), which
+/// the ResourceSlice's device names are made of.
 pub fn parse_selector(s: &str) -> Result<Selector, String> {
-    if s.trim() == "all" {
-        return Ok(Selector::All);
+    let sel = common::vgpu::selector::parse_selector(s)?;
+    if let Selector::Listed { parents, .. } = &sel
+        && let Some(p) = parents.iter().find(|p| !names::is_name_part(p))
+    {
+        return Err(format!(
+            "mdev parent {p:?} cannot name a device in a ResourceSlice: only lowercase letters, \
+             digits and - may"
+        ));
     }
-    let (mut gpus, mut parents) = (BTreeSet::new(), BTreeSet::new());
-    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        if let Ok(a) = part.parse::<PciAddress>() {
-            gpus.insert(a);
-        } else if names::is_name_part(part) {
-            parents.insert(part.to_string());
-        } else {
-            return Err(format!(
-                "{part:?} is neither a PCI address (0000:41:00.0) nor an mdev parent's name \
-                 (mtty: lowercase letters, digits, -) nor \"all\""
-            ));
-        }
-    }
-    if gpus.is_empty() && parents.is_empty() {
-        return Err("expected \"all\" or a comma list of GPU PCI addresses or mdev parents".into());
-    }
-    Ok(Selector::Named { gpus, parents })
+    Ok(sel)
 }
 
 /// The mdev parents `sel` names that this node has (`<sys>/class/mdev_bus/<name>`, not a PCI
 /// function); one it does not have is logged and left out.
 pub fn mdev_parents(inv: &Inventory, sel: &Selector) -> BTreeSet<String> {
-    let Selector::Named { parents, .. } = sel else {
+    let Selector::Listed { parents, .. } = sel else {
         return BTreeSet::new();
     };
     parents
@@ -101,11 +71,11 @@ pub fn claim_pool(paths: &HostPaths, sel: &Selector) -> anyhow::Result<BTreeSet<
         .filter(|d| common::vgpu::models::model(d.vendor, d.device).is_some())
         .filter(|d| match sel {
             Selector::All => true,
-            Selector::Named { gpus, .. } => gpus.contains(&d.address),
+            Selector::Listed { gpus, .. } => gpus.contains(&d.address),
         })
         .map(|d| d.address)
         .collect();
-    if let Selector::Named { gpus: want, .. } = sel {
+    if let Selector::Listed { gpus: want, .. } = sel {
         for a in want.difference(&gpus) {
             tracing::warn!(gpu = %a, "--vgpu names a GPU this node does not have, or one whose vGPU model is unknown");
         }
@@ -378,24 +348,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn selectors() {
+    fn selectors_take_only_parents_that_can_name_a_device() {
         assert_eq!(parse_selector("all"), Ok(Selector::All));
         let a: PciAddress = "0000:41:00.0".parse().unwrap();
         assert_eq!(
-            parse_selector("0000:41:00.0,"),
-            Ok(Selector::Named {
-                gpus: [a].into(),
-                parents: BTreeSet::new()
-            })
-        );
-        assert_eq!(
             parse_selector("mtty,0000:41:00.0"),
-            Ok(Selector::Named {
+            Ok(Selector::Listed {
                 gpus: [a].into(),
                 parents: ["mtty".to_string()].into()
             })
         );
+        // A kernel device name, but not a DNS label.
+        let e = parse_selector("mdev_1.0").unwrap_err();
+        assert!(
+            e.contains("\"mdev_1.0\"") && e.contains("ResourceSlice"),
+            "{e}"
+        );
         assert!(parse_selector("GPU 0").unwrap_err().contains("GPU 0"));
-        assert!(parse_selector("").is_err());
     }
 }

@@ -16,6 +16,7 @@
 //! what [`capacity`] would never offer.
 
 pub mod models;
+pub mod selector;
 
 use crate::{Inventory, MdevType, PciAddress, PciDevice};
 

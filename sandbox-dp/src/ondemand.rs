@@ -320,7 +320,14 @@ impl Pool {
                 tracing::warn!(parent = %p, "--on-demand names an mdev parent this node does not have: no {}", self.paths.mdev_bus().join(p).display());
             }
         }
-        state::pool::write(&self.paths, &gpus)?;
+        let parents = self.parents(&inv);
+        state::pool::write(
+            &self.paths,
+            &state::pool::Members {
+                gpus: gpus.clone(),
+                parents: parents.clone(),
+            },
+        )?;
         let sysfs = Sysfs::new(self.paths.clone());
         let need: Vec<(PciAddress, u32)> = gpus
             .iter()
@@ -345,7 +352,7 @@ impl Pool {
             tracing::info!(gpu = %a, vfs = total, "enabling VFs for on-demand vGPUs");
             sysfs.set_sriov_numvfs(&a, total)?;
         }
-        tracing::info!(gpus = ?gpus.iter().map(ToString::to_string).collect::<Vec<_>>(), parents = ?self.parents(&inv), "on-demand pool");
+        tracing::info!(gpus = ?gpus.iter().map(ToString::to_string).collect::<Vec<_>>(), parents = ?parents, "on-demand pool");
         Ok(())
     }
 
@@ -1057,6 +1064,32 @@ mod tests {
         assert_eq!(
             serde_json::from_str::<Record>(&text).unwrap().parent,
             Member::Parent("mtty".into())
+        );
+    }
+
+    #[test]
+    fn the_pool_file_names_the_mdev_parents_too() {
+        let t = testkit::sysfs::SysfsTree::new();
+        let dev = t.root().join("sys/devices/virtual/mtty/mtty");
+        t.mdev_type(&dev, "mtty-2", "Dual port serial", 3);
+        t.mdev_parent("virtual/mtty/mtty", "mtty");
+        let paths = HostPaths::new(t.root());
+        let pool = Pool::new(
+            paths.clone(),
+            parse_selector("mtty").unwrap(),
+            None,
+            Duration::from_secs(1),
+            Default::default(),
+        )
+        .unwrap();
+        pool.start().unwrap();
+        assert_eq!(
+            state::pool::load(&paths).unwrap(),
+            state::pool::Members {
+                gpus: BTreeSet::new(),
+                parents: ["mtty".to_string()].into(),
+            },
+            "vgpu-device-manager leaves mtty alone"
         );
     }
 }

@@ -161,11 +161,10 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         daemon_kit::events::NodeEvents::start(client.clone(), &config.node_name, "sandbox-dra");
     let telemetry = Arc::new(telemetry::Telemetry::new(ops.clone(), events));
     let sel = config.vgpu.clone().unwrap_or_else(vgpu::Selector::none);
-    let vgpu_pool = vgpu::claim_pool(&paths, &sel)?;
-    let mdev_parents = vgpu::mdev_parents(
-        &common::Inventory::read(&paths).context("cannot read the node's mdev parents")?,
-        &sel,
-    );
+    let common::state::pool::Members {
+        gpus: vgpu_pool,
+        parents: mdev_parents,
+    } = vgpu::claim_pool(&paths, &sel)?;
     let prepare_config = PrepareConfig {
         driver: config.driver.clone(),
         node_name: config.node_name.clone(),

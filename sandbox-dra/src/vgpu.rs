@@ -59,10 +59,10 @@ pub fn mdev_parents(inv: &Inventory, sel: &Selector) -> BTreeSet<String> {
         .collect()
 }
 
-/// The GPUs `sel` names on this node, written as sandbox-dra's pool
+/// The GPUs and non-PCI mdev parents `sel` names on this node, written as sandbox-dra's pool
 /// ([`state::pool::write_dra`]), so that vgpu-device-manager leaves them alone; refused when
 /// sandbox-dp's on-demand pool holds one.
-pub fn claim_pool(paths: &HostPaths, sel: &Selector) -> anyhow::Result<BTreeSet<PciAddress>> {
+pub fn claim_pool(paths: &HostPaths, sel: &Selector) -> anyhow::Result<state::pool::Members> {
     let inv = Inventory::read(paths).context("cannot read the node's PCI devices")?;
     let gpus: BTreeSet<PciAddress> = inv
         .gpus(Some(0x10de))
@@ -80,12 +80,16 @@ pub fn claim_pool(paths: &HostPaths, sel: &Selector) -> anyhow::Result<BTreeSet<
             tracing::warn!(gpu = %a, "--vgpu names a GPU this node does not have, or one whose vGPU model is unknown");
         }
     }
-    state::pool::write_dra(paths, &gpus)
-        .with_context(|| "cannot record the GPUs of --vgpu as sandbox-dra's")?;
-    if !gpus.is_empty() {
-        tracing::info!(gpus = ?gpus.iter().map(ToString::to_string).collect::<Vec<_>>(), "vGPU pool");
+    let pool = state::pool::Members {
+        gpus,
+        parents: mdev_parents(&inv, sel),
+    };
+    state::pool::write_dra(paths, &pool)
+        .with_context(|| "cannot record the GPUs and mdev parents of --vgpu as sandbox-dra's")?;
+    if !pool.is_empty() {
+        tracing::info!(gpus = ?pool.gpus.iter().map(ToString::to_string).collect::<Vec<_>>(), parents = ?pool.parents, "vGPU pool");
     }
-    Ok(gpus)
+    Ok(pool)
 }
 
 /// A vGPU made for a claim, as its record holds it (written before the sysfs write).

@@ -272,11 +272,17 @@ fn read_gpus(opts: &Options, record_names: bool) -> Result<Vec<Gpu>, ApplyError>
     let mut names = common::state::vgpu_names::load(&opts.paths);
     names.extend(shown);
     let mut gpus = gpu::discover(&inv, opts.vendor, &usage, &names);
-    // sandbox-dp's on-demand pool and sandbox-dra's own their GPUs: a pool file that cannot be
-    // read stops here, since any GPU might be in it.
+    // sandbox-dp's on-demand pool and sandbox-dra's own their GPUs and mdev parents: a pool
+    // file that cannot be read stops here, since any of them might be in it.
     let pool = common::state::pool::load_owned(&opts.paths).map_err(ApplyError::Read)?;
     for g in &mut gpus {
-        g.pooled = g.pci.is_some_and(|a| pool.contains(&a));
+        g.pooled = pool
+            .iter()
+            .find(|(_, m)| match g.pci {
+                Some(a) => m.gpus.contains(&a),
+                None => m.parents.contains(&g.name),
+            })
+            .map(|(owner, _)| *owner);
     }
     for g in &gpus {
         tracing::debug!(

@@ -148,10 +148,10 @@ pub struct Gpu {
     pub vgpus: Vec<Vgpu>,
     /// Parents that can take a vGPU: the PF itself (mdev on the PF) or each VF in order.
     pub slots: Vec<String>,
-    /// In sandbox-dp's on-demand pool ([`common::state::pool`]): sandbox-dp owns it and its
-    /// vGPUs; no profile touches it.
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
-    pub pooled: bool,
+    /// The pool that owns it and its vGPUs, if one does (sandbox-dp's on-demand pool or
+    /// sandbox-dra's, [`common::state::pool`]): no profile touches it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pooled: Option<&'static str>,
 }
 
 impl Gpu {
@@ -209,7 +209,7 @@ pub fn discover(
                 types: p.types.iter().map(mdev_type_info).collect(),
                 vgpus: mdev_vgpus(inv, std::slice::from_ref(&p.name), usage),
                 slots: vec![p.name.clone()],
-                pooled: false,
+                pooled: None,
             });
         }
     }
@@ -253,7 +253,7 @@ fn pci_gpu(
         types: Vec::new(),
         vgpus: Vec::new(),
         slots: Vec::new(),
-        pooled: false,
+        pooled: None,
     };
     let vfs: Vec<&common::PciDevice> = dev.virtfns.iter().filter_map(|a| inv.device(a)).collect();
     if dev.mdev_parent {

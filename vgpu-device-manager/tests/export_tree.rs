@@ -91,3 +91,66 @@ fn without_a_readable_proc_no_vgpu_is_removed() {
         "the vGPU is still there"
     );
 }
+
+/// `plan` and `apply` of a profile that empties every parent, on the mtty tree.
+fn run_none(dir: &SysfsTree, sub: &str) -> (Option<i32>, String) {
+    let cfg = dir.root().join("none.yaml");
+    fs::write(
+        &cfg,
+        "version: v1\nvgpu-configs:\n  none:\n    - devices: all\n      vgpu-devices: {}\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_vgpu-device-manager"))
+        .args([sub, "--vendor", "any", "-c", "none", "-f"])
+        .arg(&cfg)
+        .arg("--host-root")
+        .arg(dir.root())
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
+#[test]
+fn an_mdev_parent_a_pool_holds_is_left_alone() {
+    let dir = mtty_tree();
+    // Unpooled, the profile would remove the parent's vGPU.
+    let (code, text) = run_none(&dir, "plan");
+    assert_eq!(code, Some(0), "{text}");
+    assert!(
+        text.contains(UUID) && !text.contains("left alone"),
+        "{text}"
+    );
+
+    // sandbox-dp pooled the parent (`--on-demand mtty`), then sandbox-dra's pool holds it.
+    fs::create_dir_all(dir.root().join("run/gpu-vm-node")).unwrap();
+    for (file, owner) in [
+        ("on-demand-pool", "sandbox-dp's on-demand pool"),
+        ("dra-pool", "sandbox-dra's vGPU pool"),
+    ] {
+        let pool = dir.root().join("run/gpu-vm-node").join(file);
+        fs::write(&pool, "mtty\n").unwrap();
+        let (code, text) = run_none(&dir, "plan");
+        assert_eq!(code, Some(0), "{text}");
+        assert!(
+            text.contains(&format!("GPU 0 (mtty): in {owner}; left alone")) && !text.contains(UUID),
+            "{text}"
+        );
+        let (code, text) = run_none(&dir, "apply");
+        assert_eq!(code, Some(0), "{text}");
+        let remove = dir
+            .root()
+            .join("sys/devices/virtual/mtty/mtty")
+            .join(UUID)
+            .join("remove");
+        assert!(
+            fs::read_to_string(&remove).unwrap_or_default().is_empty(),
+            "the vGPU was not removed: {text}"
+        );
+        fs::remove_file(&pool).unwrap();
+    }
+}

@@ -1,5 +1,6 @@
-//! A GPU in sandbox-dp's on-demand pool (`run/gpu-vm-node/on-demand-pool`) is never touched by
-//! a profile: its vGPUs stay, none are made on it, and plan says so (node-sim).
+//! A GPU in sandbox-dp's on-demand pool (`run/gpu-vm-node/on-demand-pool`) or sandbox-dra's
+//! (`run/gpu-vm-node/dra-pool`) is never touched by a profile: its vGPUs stay, none are made on
+//! it, and plan says so, naming the pool (node-sim).
 
 #![allow(clippy::unwrap_used)]
 
@@ -51,8 +52,19 @@ fn a_pooled_gpu_keeps_its_vgpus_and_gets_none_from_a_profile() {
     );
     assert_eq!(counts.len(), 2, "nothing else: {counts:?}");
 
+    // GPU B in sandbox-dra's pool: plan names that pool.
+    std::fs::write(root.join("run/gpu-vm-node/dra-pool"), "0000:61:00.0\n").unwrap();
+    let o = run(root, &["plan", "-f", f, "-c", "A10-4Q"]);
+    assert!(
+        text(&o)
+            .contains("GPU 1 (0000:61:00.0, 10de:2236): in sandbox-dra's vGPU pool; left alone"),
+        "{}",
+        text(&o)
+    );
+    std::fs::remove_file(root.join("run/gpu-vm-node/dra-pool")).unwrap();
+
     // A pool file that cannot be read changes nothing and names the file.
-    std::fs::write(root.join("run/gpu-vm-node/on-demand-pool"), "gpu-a\n").unwrap();
+    std::fs::write(root.join("run/gpu-vm-node/on-demand-pool"), "0000:41:00\n").unwrap();
     let o = run(root, &["apply", "-f", f, "-c", "A10-4Q"]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("on-demand-pool"), "{}", text(&o));

@@ -34,7 +34,7 @@ impl Selector {
 /// Whether `s` can be a non-PCI mdev parent's name under `class/mdev_bus/`: a kernel device
 /// name of letters, digits, `-`, `_` and `.` (not `.` or `..`). A `:` is refused: a PCI
 /// function is named by its full address (`0000:41:00.0`), and `0000:41:00` is a typo of one.
-fn is_parent_name(s: &str) -> bool {
+pub fn is_parent_name(s: &str) -> bool {
     !s.is_empty()
         && s != "."
         && s != ".."

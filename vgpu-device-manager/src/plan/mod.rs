@@ -121,9 +121,18 @@ pub struct Plan {
     pub gpus: Vec<GpuPlan>,
     /// Things worth saying that are not errors (an index that selects no GPU).
     pub warnings: Vec<String>,
-    /// GPUs the profile selects that are in sandbox-dp's on-demand pool: left alone.
+    /// GPUs (and mdev parents) the profile selects that a pool owns: left alone.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub pooled: Vec<String>,
+    pub pooled: Vec<Pooled>,
+}
+
+/// A GPU the profile selects that a pool owns.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Pooled {
+    /// The GPU, as plans name it (`GPU 0 (0000:41:00.0, 10de:2236)`).
+    pub gpu: String,
+    /// The pool (`sandbox-dp's on-demand pool`).
+    pub owner: &'static str,
 }
 
 impl Plan {
@@ -138,10 +147,8 @@ impl Plan {
         for w in &self.warnings {
             s.push_str(&format!("warning: {w}\n"));
         }
-        for g in &self.pooled {
-            s.push_str(&format!(
-                "{g}: in sandbox-dp's on-demand pool; left alone\n"
-            ));
+        for p in &self.pooled {
+            s.push_str(&format!("{}: in {}; left alone\n", p.gpu, p.owner));
         }
         if self.gpus.is_empty() && self.pooled.is_empty() {
             s.push_str(&format!(
@@ -308,8 +315,11 @@ pub fn plan(gpus: &[Gpu], name: &str, entries: &[Entry]) -> Result<Plan, Vec<Pla
     let mut out = Vec::new();
     let mut pooled = Vec::new();
     for (gi, eis) in &chosen {
-        if gpus[*gi].pooled {
-            pooled.push(gpus[*gi].label());
+        if let Some(owner) = gpus[*gi].pooled {
+            pooled.push(Pooled {
+                gpu: gpus[*gi].label(),
+                owner,
+            });
             continue;
         }
         match plan_selected(&gpus[*gi], name, entries, eis) {

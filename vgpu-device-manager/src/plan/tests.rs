@@ -48,7 +48,7 @@ fn a10(index: usize, bus: u8, vgpus: &[(usize, u32, bool)]) -> Gpu {
             })
             .collect(),
         slots: (0..32).map(vf).collect(),
-        pooled: false,
+        pooled: None,
     }
 }
 
@@ -281,7 +281,7 @@ fn vendor_any_admits_virtual_mdev_parents() {
 #[test]
 fn pooled_gpus_are_left_alone_and_said_so() {
     let mut a = a10(0, 0x41, &[(0, 593, false), (1, 593, false)]);
-    a.pooled = true;
+    a.pooled = Some(common::state::pool::ON_DEMAND_OWNER);
     let b = a10(1, 0x61, &[]);
     let p = run(
         &[a, b],
@@ -290,7 +290,8 @@ fn pooled_gpus_are_left_alone_and_said_so() {
     .unwrap();
     assert_eq!(p.gpus.len(), 1, "only GPU 1 is planned: {p:?}");
     assert_eq!(p.gpus[0].index, 1);
-    assert_eq!(p.pooled, ["GPU 0 (0000:41:00.0, 10de:2236)"]);
+    assert_eq!(p.pooled.len(), 1);
+    assert_eq!(p.pooled[0].gpu, "GPU 0 (0000:41:00.0, 10de:2236)");
     let text = p.render();
     assert!(
         text.contains(

@@ -11,6 +11,7 @@
 //! A device is Healthy while its `/dev/vfio/<group>` node exists.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::rc::Rc;
 
 use common::{Inventory, PciAddress, PciDevice, PciIds, is_vfio_driver};
 use serde::Serialize;
@@ -254,78 +255,40 @@ pub fn discover(inv: &Inventory, cfg: &DiscoverConfig) -> Snapshot {
     // SR-IOV vGPU VFs. Hundreds of them share a few types and GPUs: what a type (its
     // resource) and a GPU (its name, NUMA node, switch) give is worked out once for all.
     let mut vf_types: HashMap<String, Option<String>> = HashMap::new();
-    let mut gpus: HashMap<PciAddress, GpuFacts> = HashMap::new();
-    let mut selectors: HashMap<(u16, u16), String> = HashMap::new();
+    let mut facts = VfFacts::new(inv, cfg);
     for d in inv.devices.values() {
-        let Some(v) = &d.nvidia_vgpu else { continue };
-        if v.current == 0
-            || !d.is_vf()
-            || pooled.contains(&gpu_of(d))
-            || !vendor_ok(cfg, d.vendor)
-            || d.driver.as_deref() != Some("nvidia")
-        {
+        if pooled.contains(&gpu_of(d)) {
             continue;
         }
-        let numbered;
-        let type_name = match &v.current_name {
-            Some(n) => n.as_str(),
-            None => {
-                numbered = v.current.to_string();
-                numbered.as_str()
-            }
-        };
-        let name = match vf_types.get(type_name) {
+        let Some(vf) = facts.entry(d) else { continue };
+        let name = match vf_types.get(vf.type_name.as_ref()) {
             Some(known) => known.clone(),
             None => {
-                let name = alias(cfg, common::vgpu_resource_name(type_name), None);
+                let name = vf.resource.to_string();
                 let name =
-                    (!kind_clash(&resources, &name, Kind::SriovVgpu, type_name)).then(|| {
+                    (!kind_clash(&resources, &name, Kind::SriovVgpu, &vf.type_name)).then(|| {
                         sources
                             .entry(name.clone())
                             .or_default()
-                            .insert(type_name.to_string());
+                            .insert(vf.type_name.to_string());
                         resources
                             .entry(name.clone())
                             .or_insert_with(|| Resource::new(name.clone(), Kind::SriovVgpu))
                             .type_names
-                            .insert(type_name.to_string());
+                            .insert(vf.type_name.to_string());
                         name
                     });
-                vf_types.insert(type_name.to_string(), name.clone());
+                vf_types.insert(vf.type_name.to_string(), name.clone());
                 name
             }
         };
         let Some(r) = name.and_then(|n| resources.get_mut(&n)) else {
             continue;
         };
-        let sel = selectors
-            .entry((d.vendor, d.device))
-            .or_insert_with(|| selector(d));
-        if !r.pci_selectors.contains(sel.as_str()) {
-            r.pci_selectors.insert(sel.clone());
+        if !r.pci_selectors.contains(&*vf.selector) {
+            r.pci_selectors.insert(vf.selector.to_string());
         }
-        let gpu = gpus.entry(gpu_of(d)).or_insert_with(|| {
-            let parent = d.physfn.and_then(|p| inv.device(&p));
-            GpuFacts {
-                name: gpu_of(d).to_string(),
-                numa_node: parent.and_then(|p| p.numa_node),
-                switch: parent.and_then(switch_of),
-            }
-        });
-        let id = d.address.to_string();
-        r.devices.insert(
-            id.clone(),
-            DeviceInfo {
-                id,
-                healthy: healthy(d.iommu_group),
-                numa_node: d.numa_node.or(gpu.numa_node),
-                iommu_group: d.iommu_group,
-                vfio_cdev: d.vfio_cdev.clone(),
-                gpu: Some(gpu.name.clone()),
-                switch: gpu.switch.clone().or_else(|| switch_of(d)),
-                driver: d.driver.clone(),
-            },
-        );
+        r.devices.insert(vf.info.id.clone(), vf.info);
     }
 
     // mdevs.
@@ -400,6 +363,183 @@ pub fn discover(inv: &Inventory, cfg: &DiscoverConfig) -> Snapshot {
         resources,
         problems,
     }
+}
+
+/// One SR-IOV vGPU VF as [`discover`] lists it.
+struct VfEntry<'a> {
+    /// Its vGPU type's name (the type number when sysfs names none).
+    type_name: std::borrow::Cow<'a, str>,
+    /// The resource the type names (aliases applied), before any clash with another kind.
+    resource: Rc<str>,
+    /// `VVVV:DDDD` of the VF.
+    selector: Rc<str>,
+    info: DeviceInfo,
+}
+
+/// What VFs share, worked out once per type, GPU and device id: [`discover`] asks it for
+/// hundreds of VFs, [`vf_devices`] for the few an event named.
+struct VfFacts<'a> {
+    inv: &'a Inventory,
+    cfg: &'a DiscoverConfig,
+    resources: HashMap<String, Rc<str>>,
+    gpus: HashMap<PciAddress, GpuFacts>,
+    selectors: HashMap<(u16, u16), Rc<str>>,
+}
+
+impl<'a> VfFacts<'a> {
+    fn new(inv: &'a Inventory, cfg: &'a DiscoverConfig) -> Self {
+        VfFacts {
+            inv,
+            cfg,
+            resources: HashMap::new(),
+            gpus: HashMap::new(),
+            selectors: HashMap::new(),
+        }
+    }
+
+    /// `d` as an SR-IOV vGPU device, if it is one: a VF of `--vendor` on the nvidia driver with
+    /// a vGPU type set. Pools are the caller's to leave out.
+    fn entry(&mut self, d: &'a PciDevice) -> Option<VfEntry<'a>> {
+        let v = d.nvidia_vgpu.as_ref()?;
+        if v.current == 0
+            || !d.is_vf()
+            || !vendor_ok(self.cfg, d.vendor)
+            || d.driver.as_deref() != Some("nvidia")
+        {
+            return None;
+        }
+        let type_name = match &v.current_name {
+            Some(n) => std::borrow::Cow::Borrowed(n.as_str()),
+            None => std::borrow::Cow::Owned(v.current.to_string()),
+        };
+        let resource = match self.resources.get(type_name.as_ref()) {
+            Some(r) => r.clone(),
+            None => {
+                let r: Rc<str> =
+                    alias(self.cfg, common::vgpu_resource_name(&type_name), None).into();
+                self.resources.insert(type_name.to_string(), r.clone());
+                r
+            }
+        };
+        let selector = self
+            .selectors
+            .entry((d.vendor, d.device))
+            .or_insert_with(|| selector(d).into())
+            .clone();
+        let inv = self.inv;
+        let gpu_addr = d.physfn.unwrap_or(d.address);
+        let gpu = self.gpus.entry(gpu_addr).or_insert_with(|| {
+            let parent = d.physfn.and_then(|p| inv.device(&p));
+            GpuFacts {
+                name: gpu_addr.to_string(),
+                numa_node: parent.and_then(|p| p.numa_node),
+                switch: parent.and_then(switch_of),
+            }
+        });
+        let id = d.address.to_string();
+        let info = DeviceInfo {
+            id,
+            healthy: d.iommu_group.is_some_and(|g| inv.vfio_nodes.contains(&g)),
+            numa_node: d.numa_node.or(gpu.numa_node),
+            iommu_group: d.iommu_group,
+            vfio_cdev: d.vfio_cdev.clone(),
+            gpu: Some(gpu.name.clone()),
+            switch: gpu.switch.clone().or_else(|| switch_of(d)),
+            driver: d.driver.clone(),
+        };
+        Some(VfEntry {
+            type_name,
+            resource,
+            selector,
+            info,
+        })
+    }
+}
+
+/// One device of a resource, as a change to it: `info` `None` when the device left it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DevicePatch {
+    /// The resource.
+    pub resource: String,
+    /// The device ID.
+    pub id: String,
+    /// The device now, or `None` when it is no longer in the resource.
+    pub info: Option<DeviceInfo>,
+}
+
+/// What [`discover`] would change in `current` (the resources as advertised) because the VFs
+/// `changed` were read again, without going over the node: the devices that left or joined a
+/// resource, or changed in it. `None` when that cannot be told from those VFs alone, and the
+/// node must be discovered whole: a function that is not a vGPU-capable VF (a VFIO-bound one is
+/// a passthrough device, an mdev parent has mdevs), a resource that would be made (or one left
+/// with no devices filled again), a resource of several types or device ids (which could
+/// shrink), a pool, a VF whose type has no name yet. A resource a VF's removal empties stays,
+/// with no devices, as [`discover`]'s caller keeps a resource that vanished.
+pub fn vf_devices(
+    inv: &Inventory,
+    cfg: &DiscoverConfig,
+    current: &BTreeMap<String, &Resource>,
+    changed: &BTreeSet<PciAddress>,
+) -> Option<Vec<DevicePatch>> {
+    if cfg.pool.is_some() {
+        return None;
+    }
+    let mut facts = VfFacts::new(inv, cfg);
+    let mut patches = Vec::new();
+    for a in changed {
+        let d = inv.device(a)?;
+        let vgpu = d.nvidia_vgpu.as_ref()?;
+        if !d.is_vf()
+            || d.mdev_parent
+            || d.driver.as_deref().is_some_and(is_vfio_driver)
+            || (vgpu.current != 0 && vgpu.current_name.is_none())
+        {
+            return None;
+        }
+        let id = a.to_string();
+        let before = current.iter().find(|(_, r)| r.devices.contains_key(&id));
+        if let Some((_, r)) = before
+            && (r.kind != Kind::SriovVgpu || r.type_names.len() != 1 || r.pci_selectors.len() != 1)
+        {
+            return None;
+        }
+        let now = facts.entry(d);
+        match (&now, before) {
+            (Some(vf), _) => {
+                let r = current.get(&*vf.resource)?;
+                if r.kind != Kind::SriovVgpu
+                    || r.devices.is_empty()
+                    || !r.type_names.contains(vf.type_name.as_ref())
+                    || !r.pci_selectors.contains(&*vf.selector)
+                {
+                    return None;
+                }
+                if let Some((old, _)) = before.filter(|(n, _)| n.as_str() != &*vf.resource) {
+                    patches.push(DevicePatch {
+                        resource: old.clone(),
+                        id: id.clone(),
+                        info: None,
+                    });
+                }
+            }
+            (None, Some((old, _))) => {
+                patches.push(DevicePatch {
+                    resource: old.clone(),
+                    id: id.clone(),
+                    info: None,
+                });
+            }
+            (None, None) => {}
+        }
+        if let Some(vf) = now {
+            patches.push(DevicePatch {
+                resource: vf.resource.to_string(),
+                id,
+                info: Some(vf.info),
+            });
+        }
+    }
+    Some(patches)
 }
 
 /// What the VFs of one GPU share.
@@ -583,6 +723,134 @@ mod tests {
         assert_eq!(r.env_var(), "PCI_RESOURCE_NVIDIA_COM_NVIDIA_H100XM-4C");
         assert_eq!(r.pci_selectors.iter().collect::<Vec<_>>(), ["10DE:2330"]);
         assert_eq!(snap.resources.len(), 1);
+    }
+
+    /// A vendor-path GPU with `n` VFs, VF `i` holding type `types[i]` (0: none; 1000 is
+    /// H100XM-4C, 1001 H100XM-8C, 1002 an unnamed type).
+    fn h100(types: &[u32]) -> Inventory {
+        let pf = func("0000:13:00.0", 0x10de, 0x2330, 0x030200, "nvidia", 1);
+        let mut devs = vec![pf];
+        for (i, t) in types.iter().enumerate() {
+            let mut vf = func(
+                &format!("0000:13:00.{}", i + 4),
+                0x10de,
+                0x2330,
+                0x030200,
+                "nvidia",
+                10 + i as u32,
+            );
+            vf.physfn = Some(addr("0000:13:00.0"));
+            vf.nvidia_vgpu = Some(NvidiaVgpu {
+                creatable: Vec::new(),
+                current: *t,
+                current_name: match t {
+                    1000 => Some("NVIDIA H100XM-4C".into()),
+                    1001 => Some("NVIDIA H100XM-8C".into()),
+                    _ => None,
+                },
+            });
+            devs.push(vf);
+        }
+        let groups: Vec<u32> = (0..types.len() as u32).map(|i| 10 + i).collect();
+        inventory(devs, Vec::new(), &groups)
+    }
+
+    /// The resources after `patches`, as the manager keeps them (a resource emptied stays).
+    fn patched(
+        mut resources: BTreeMap<String, Resource>,
+        patches: &[DevicePatch],
+    ) -> BTreeMap<String, Resource> {
+        for p in patches {
+            let r = resources.get_mut(&p.resource).expect("a known resource");
+            match &p.info {
+                Some(d) => r.devices.insert(p.id.clone(), d.clone()),
+                None => r.devices.remove(&p.id),
+            };
+        }
+        resources.retain(|_, r| !r.devices.is_empty());
+        resources
+    }
+
+    #[test]
+    fn a_vf_read_again_patches_what_a_full_discovery_would_give() {
+        let c = cfg(Some(0x10de));
+        let vf = |i: u8| -> BTreeSet<PciAddress> { [addr(&format!("0000:13:00.{i}"))].into() };
+        // (before, after, the VFs read again): removal, a removal that empties a resource,
+        // restore, a type change between two existing resources, a VF without a vGPU, and two
+        // VFs at once.
+        let cases: [(&[u32], &[u32], BTreeSet<PciAddress>); 6] = [
+            (&[1000, 1000, 1001], &[0, 1000, 1001], vf(4)),
+            (&[1000, 1001], &[0, 1001], vf(4)),
+            (&[0, 1000, 1001], &[1000, 1000, 1001], vf(4)),
+            (&[1000, 1000, 1001, 1001], &[1001, 1000, 1001, 1001], vf(4)),
+            (&[0, 1000], &[0, 1000], vf(4)),
+            (
+                &[1000, 1000, 1000],
+                &[0, 0, 1000],
+                vf(4).union(&vf(5)).copied().collect(),
+            ),
+        ];
+        for (before, after, changed) in cases {
+            let old = discover(&h100(before), &c).resources;
+            let inv = h100(after);
+            let current: BTreeMap<String, &Resource> =
+                old.iter().map(|(n, r)| (n.clone(), r)).collect();
+            let patches = vf_devices(&inv, &c, &current, &changed)
+                .unwrap_or_else(|| panic!("{before:?} -> {after:?} is a VF change"));
+            assert_eq!(
+                patched(old.clone(), &patches),
+                discover(&inv, &c).resources,
+                "{before:?} -> {after:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn what_a_vf_alone_cannot_tell_asks_for_the_whole_node() {
+        let c = cfg(Some(0x10de));
+        let vf4: BTreeSet<PciAddress> = [addr("0000:13:00.4")].into();
+        let none = |before: &[u32], after: Inventory, changed: &BTreeSet<PciAddress>| {
+            let old = discover(&h100(before), &c).resources;
+            let current: BTreeMap<String, &Resource> =
+                old.iter().map(|(n, r)| (n.clone(), r)).collect();
+            vf_devices(&after, &c, &current, changed).is_none()
+        };
+        // A type no resource has yet: a resource would be made.
+        assert!(none(&[0, 1000], h100(&[1001, 1000]), &vf4));
+        // A type without a name.
+        assert!(none(&[0, 1000], h100(&[1002, 1000]), &vf4));
+        // A VF bound to vfio-pci (a passthrough device), and one that is an mdev parent.
+        let mut inv = h100(&[0, 1000]);
+        if let Some(d) = inv.devices.get_mut(&addr("0000:13:00.4")) {
+            d.driver = Some("vfio-pci".into());
+        }
+        assert!(none(&[0, 1000], inv, &vf4));
+        let mut inv = h100(&[0, 1000]);
+        if let Some(d) = inv.devices.get_mut(&addr("0000:13:00.4")) {
+            d.mdev_parent = true;
+        }
+        assert!(none(&[0, 1000], inv, &vf4));
+        // The PF, and a function that is gone.
+        assert!(none(&[1000], h100(&[1000]), &[addr("0000:13:00.0")].into()));
+        assert!(none(&[1000], h100(&[1000]), &[addr("0000:13:00.7")].into()));
+        // A pool.
+        let old = discover(&h100(&[1000]), &c).resources;
+        let current: BTreeMap<String, &Resource> =
+            old.iter().map(|(n, r)| (n.clone(), r)).collect();
+        let pooled = DiscoverConfig {
+            pool: Some(std::sync::Arc::new(
+                crate::ondemand::Pool::new(
+                    common::HostPaths::new("/nonexistent-root"),
+                    crate::ondemand::Selector::All,
+                    Some(0x10de),
+                    std::time::Duration::from_secs(1),
+                    Default::default(),
+                )
+                .unwrap_or_else(|e| panic!("{e:#}")),
+            )),
+            ..cfg(Some(0x10de))
+        };
+        assert!(vf_devices(&h100(&[1000]), &pooled, &current, &vf4).is_none());
     }
 
     #[test]

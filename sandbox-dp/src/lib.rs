@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context as _;
-use common::{HostPaths, Inventory, ReadOptions};
+use common::{HostPaths, Inventory, PciAddress, ReadOptions};
 use daemon_kit::exit;
 use daemon_kit::ops::{Ops, liveness_window};
 use tokio::sync::{mpsc, watch};
@@ -170,7 +170,7 @@ impl NodeView {
         paths: &HostPaths,
         cfg: &DiscoverConfig,
         pending: Pending,
-    ) -> anyhow::Result<Snapshot> {
+    ) -> anyhow::Result<Rebuilt> {
         let opts = read_options(cfg);
         // A function with VFs is read with all of them: that goes to the pool, as does an
         // on-demand pool's read (every type of every VF).
@@ -182,8 +182,21 @@ impl NodeView {
                 .iter()
                 .all(|a| self.inv.devices.get(a).is_none_or(|d| d.virtfns.is_empty()));
         if !pending.reads_devices() || few {
+            // VFs alone, and no vGPU type the refresh could name on other VFs: the resources
+            // may be patched rather than rebuilt ([`Manager::patch_vfs`]).
+            let vfs_only = !pending.pci.is_empty()
+                && pending.mdevs.is_empty()
+                && !pending.node
+                && !self.inv.devices.values().any(|d| {
+                    d.nvidia_vgpu
+                        .as_ref()
+                        .is_some_and(|v| v.current != 0 && v.current_name.is_none())
+                });
             self.update(paths, &opts, &pending)?;
-            return Ok(discovery::discover(&self.inv, cfg));
+            if vfs_only {
+                return Ok(Rebuilt::Vfs(pending.pci));
+            }
+            return Ok(Rebuilt::Whole(discovery::discover(&self.inv, cfg)));
         }
         let mut view = std::mem::take(self);
         let (p, c) = (paths.clone(), cfg.clone());
@@ -196,7 +209,7 @@ impl NodeView {
         match done {
             Ok((view, res)) => {
                 *self = view;
-                res
+                res.map(Rebuilt::Whole)
             }
             // The view went with the task: the next update must read the whole node.
             Err(e) => Err(anyhow::Error::new(e).context("inventory task")),
@@ -204,7 +217,16 @@ impl NodeView {
     }
 }
 
-/// A resource whose devices' health changed: its size and healthy count after the change.
+/// What a read of the node gives the manager.
+enum Rebuilt {
+    /// The resources, discovered anew.
+    Whole(Snapshot),
+    /// Only these VFs were read again: their devices may be patched in place.
+    Vfs(BTreeSet<PciAddress>),
+}
+
+/// A resource whose devices (or their health) changed: its size and healthy count after the
+/// change.
 struct HealthChange {
     resource: String,
     devices: usize,
@@ -295,7 +317,70 @@ impl Manager {
         changed
     }
 
-    /// Logs and counts what [`Manager::set_group_health`] changed.
+    /// Patches the devices of the VFs `changed` (read again) into the resources in place, as
+    /// [`Manager::set_group_health`] flips health: only the resources they are in change, with
+    /// no rebuild, copy or comparison of the others' lists. `None` when
+    /// [`discovery::vf_devices`] cannot tell the change from those VFs alone: the caller then
+    /// discovers the whole node. Returns what changed, for [`Manager::report_health`].
+    fn patch_vfs(
+        &mut self,
+        inv: &Inventory,
+        changed: &BTreeSet<PciAddress>,
+    ) -> Option<Vec<HealthChange>> {
+        let states: BTreeMap<String, Arc<ResourceState>> = self
+            .resources
+            .iter()
+            .map(|(n, tx)| (n.clone(), tx.borrow().clone()))
+            .collect();
+        let current: BTreeMap<String, &Resource> = states
+            .iter()
+            .map(|(n, st)| (n.clone(), &st.resource))
+            .collect();
+        let patches = discovery::vf_devices(inv, &self.config.discover, &current, changed);
+        drop(current);
+        drop(states);
+        let patches = patches?;
+        let mut changes = Vec::new();
+        for (name, tx) in &self.resources {
+            let mine: Vec<&discovery::DevicePatch> =
+                patches.iter().filter(|p| p.resource == *name).collect();
+            tx.send_if_modified(|cur| {
+                let differs = |st: &ResourceState| {
+                    st.nodes != inv.dev_nodes
+                        || mine
+                            .iter()
+                            .any(|p| st.resource.devices.get(&p.id) != p.info.as_ref())
+                };
+                if mine.is_empty() || !differs(cur) {
+                    return false;
+                }
+                let st = Arc::make_mut(cur);
+                if st.nodes != inv.dev_nodes {
+                    st.nodes = inv.dev_nodes.clone();
+                }
+                for p in &mine {
+                    match &p.info {
+                        Some(d) => {
+                            st.resource.devices.insert(p.id.clone(), d.clone());
+                        }
+                        None => {
+                            st.resource.devices.remove(&p.id);
+                        }
+                    }
+                }
+                let healthy = st.resource.devices.values().filter(|d| d.healthy).count();
+                changes.push(HealthChange {
+                    resource: name.clone(),
+                    devices: st.resource.devices.len(),
+                    healthy,
+                });
+                true
+            });
+        }
+        Some(changes)
+    }
+
+    /// Logs and counts what [`Manager::set_group_health`] or [`Manager::patch_vfs`] changed.
     fn report_health(&self, changed: Vec<HealthChange>) {
         for c in changed {
             tracing::info!(
@@ -556,7 +641,20 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
             continue;
         }
         match view.update_async(&paths, &config.discover, work).await {
-            Ok(snap) => mgr.apply(snap, view.inv.dev_nodes.clone(), &mut tasks),
+            Ok(Rebuilt::Whole(snap)) => mgr.apply(snap, view.inv.dev_nodes.clone(), &mut tasks),
+            Ok(Rebuilt::Vfs(changed)) => match mgr.patch_vfs(&view.inv, &changed) {
+                Some(changes) => {
+                    if !changes.is_empty() {
+                        tokio::task::yield_now().await;
+                        mgr.report_health(changes);
+                    }
+                }
+                None => mgr.apply(
+                    discovery::discover(&view.inv, &config.discover),
+                    view.inv.dev_nodes.clone(),
+                    &mut tasks,
+                ),
+            },
             Err(e) => {
                 tracing::warn!(
                     error = format!("{e:#}"),

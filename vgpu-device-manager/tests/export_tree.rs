@@ -63,25 +63,8 @@ fn export_uses_the_type_id_when_names_share_their_last_word() {
 fn without_a_readable_proc_no_vgpu_is_removed() {
     let dir = mtty_tree();
     fs::remove_dir(dir.root().join("proc")).unwrap();
-    let cfg = dir.root().join("config.yaml");
-    fs::write(
-        &cfg,
-        "version: v1\nvgpu-configs:\n  none:\n    - devices: all\n      vgpu-devices: {}\n",
-    )
-    .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_vgpu-device-manager"))
-        .args(["apply", "--vendor", "any", "-c", "none", "-f"])
-        .arg(&cfg)
-        .arg("--host-root")
-        .arg(dir.root())
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(out.status.code(), Some(1), "{text}");
+    let (code, text) = run_none(&dir, "apply");
+    assert_eq!(code, Some(1), "{text}");
     assert!(text.contains("cannot read the processes"), "{text}");
     assert!(
         dir.root()

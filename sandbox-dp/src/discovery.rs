@@ -578,7 +578,7 @@ pub fn parse_address(id: &str) -> Option<PciAddress> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use common::{MdevDevice, NvidiaVgpu};
 
@@ -725,9 +725,10 @@ mod tests {
         assert_eq!(snap.resources.len(), 1);
     }
 
-    /// A vendor-path GPU with `n` VFs, VF `i` holding type `types[i]` (0: none; 1000 is
-    /// H100XM-4C, 1001 H100XM-8C, 1002 an unnamed type).
-    fn h100(types: &[u32]) -> Inventory {
+    /// A vendor-path GPU with `n` VFs, VF `i` (`0000:13:00.<i+4>`, group `10+i`) holding type
+    /// `types[i]` (0: none; 1000 is H100XM-4C, 1001 H100XM-8C, 1002 an unnamed type); every
+    /// group node present.
+    pub(crate) fn h100(types: &[u32]) -> Inventory {
         let pf = func("0000:13:00.0", 0x10de, 0x2330, 0x030200, "nvidia", 1);
         let mut devs = vec![pf];
         for (i, t) in types.iter().enumerate() {

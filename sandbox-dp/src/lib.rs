@@ -187,6 +187,7 @@ impl NodeView {
             let vfs_only = !pending.pci.is_empty()
                 && pending.mdevs.is_empty()
                 && !pending.node
+                && !pending.dev_nodes
                 && !self.inv.devices.values().any(|d| {
                     d.nvidia_vgpu
                         .as_ref()
@@ -194,7 +195,10 @@ impl NodeView {
                 });
             self.update(paths, &opts, &pending)?;
             if vfs_only {
-                return Ok(Rebuilt::Vfs(pending.pci));
+                return Ok(Rebuilt::Vfs {
+                    vfs: pending.pci,
+                    groups: pending.groups,
+                });
             }
             return Ok(Rebuilt::Whole(discovery::discover(&self.inv, cfg)));
         }
@@ -221,8 +225,12 @@ impl NodeView {
 enum Rebuilt {
     /// The resources, discovered anew.
     Whole(Snapshot),
-    /// Only these VFs were read again: their devices may be patched in place.
-    Vfs(BTreeSet<PciAddress>),
+    /// Only these VFs were read again, and these group nodes checked: the VFs' devices may be
+    /// patched in place, and the groups' health flipped.
+    Vfs {
+        vfs: BTreeSet<PciAddress>,
+        groups: BTreeSet<u32>,
+    },
 }
 
 /// A resource whose devices (or their health) changed: its size and healthy count after the
@@ -642,8 +650,15 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         }
         match view.update_async(&paths, &config.discover, work).await {
             Ok(Rebuilt::Whole(snap)) => mgr.apply(snap, view.inv.dev_nodes.clone(), &mut tasks),
-            Ok(Rebuilt::Vfs(changed)) => match mgr.patch_vfs(&view.inv, &changed) {
-                Some(changes) => {
+            Ok(Rebuilt::Vfs { vfs, groups }) => match mgr.patch_vfs(&view.inv, &vfs) {
+                Some(mut changes) => {
+                    if !groups.is_empty() {
+                        changes.extend(mgr.set_group_health(
+                            &groups,
+                            &view.inv.vfio_nodes,
+                            &view.inv.dev_nodes,
+                        ));
+                    }
                     if !changes.is_empty() {
                         tokio::task::yield_now().await;
                         mgr.report_health(changes);
@@ -817,5 +832,57 @@ mod tests {
             [("0000:01:00.0".into(), true), ("0000:02:00.0".into(), true)]
         );
         assert!(!rb.has_changed().unwrap());
+    }
+
+    #[test]
+    fn a_vf_read_again_is_patched_into_its_resource_and_its_batch_groups_flip() {
+        use crate::discovery::tests::h100;
+        let mut m = manager();
+        let c = m.config.discover.clone();
+        let inv = h100(&[1000, 1000, 1001]);
+        // The resources as a full discovery made them (no servers: only their states).
+        let snap = discovery::discover(&inv, &c);
+        let mut rx: BTreeMap<String, watch::Receiver<Arc<ResourceState>>> = BTreeMap::new();
+        for (name, r) in snap.resources {
+            let (tx, r_rx) = watch::channel(Arc::new(ResourceState {
+                resource: r,
+                nodes: DevNodes::default(),
+            }));
+            m.resources.insert(name.clone(), tx);
+            rx.insert(name, r_rx);
+        }
+        let four_c = "nvidia.com/NVIDIA_H100XM-4C";
+        let eight_c = "nvidia.com/NVIDIA_H100XM-8C";
+
+        // VF .4's vGPU removed, read again, while group 12's node (VF .6, 8C) went.
+        let mut after = h100(&[0, 1000, 1001]);
+        after.vfio_nodes.remove(&12);
+        let vfs = BTreeSet::from(["0000:13:00.4".parse().unwrap()]);
+        let mut changes = m.patch_vfs(&after, &vfs).expect("a VF change");
+        changes.extend(m.set_group_health(
+            &BTreeSet::from([12]),
+            &after.vfio_nodes,
+            &after.dev_nodes,
+        ));
+        let told: Vec<_> = changes
+            .iter()
+            .map(|c| (c.resource.as_str(), c.devices, c.healthy))
+            .collect();
+        assert_eq!(told, [(four_c, 1, 1), (eight_c, 1, 0)]);
+        let mut r4 = rx.remove(four_c).unwrap();
+        let mut r8 = rx.remove(eight_c).unwrap();
+        assert_eq!(health(&mut r4), [("0000:13:00.5".into(), true)]);
+        assert_eq!(health(&mut r8), [("0000:13:00.6".into(), false)]);
+        // What a full discovery of the node now gives, device for device.
+        let full = discovery::discover(&after, &c);
+        assert_eq!(r4.borrow().resource.devices, full.resources[four_c].devices);
+        assert_eq!(
+            r8.borrow().resource.devices,
+            full.resources[eight_c].devices
+        );
+
+        // Nothing changed since: no list is sent.
+        assert!(m.patch_vfs(&after, &vfs).expect("a VF change").is_empty());
+        assert!(!r4.has_changed().unwrap() && !r8.has_changed().unwrap());
     }
 }

@@ -530,19 +530,16 @@ fn read_attr(path: &Path) -> io::Result<String> {
 }
 
 /// Reads an opened attribute: one `read` of a page, on to the end only if it filled the page.
+/// The page is on the stack: zeroing it costs less than allocating a zeroed one per attribute,
+/// and the string made from it is only as long as the value.
 fn read_all(mut f: fs::File) -> io::Result<String> {
     use std::io::Read;
-    let mut buf = vec![0u8; 4096];
-    let mut len = 0;
-    loop {
-        let n = f.read(&mut buf[len..])?;
-        len += n;
-        if n == 0 || len < buf.len() {
-            break;
-        }
-        buf.resize(buf.len() * 2, 0);
+    let mut page = [0u8; 4096];
+    let n = f.read(&mut page)?;
+    let mut buf = page[..n].to_vec();
+    if n == page.len() {
+        f.read_to_end(&mut buf)?;
     }
-    buf.truncate(len);
     String::from_utf8(buf).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
 }
 
@@ -994,4 +991,32 @@ fn read_mdev(link: &Path, name: &str) -> Result<Option<MdevDevice>> {
             .and_then(|v| v.into_iter().next()),
         type_id,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed setup step should panic
+    use super::*;
+
+    #[test]
+    fn an_attribute_is_read_whole_whatever_its_length() {
+        let dir = tempfile::tempdir().unwrap();
+        for len in [0, 1, 4095, 4096, 4097, 3 * 4096 + 5] {
+            let value: String = (0..len)
+                .map(|i| char::from(b'a' + (i % 26) as u8))
+                .collect();
+            let path = dir.path().join(format!("attr{len}"));
+            fs::write(&path, &value).unwrap();
+            assert_eq!(read_attr(&path).unwrap(), value, "{len} bytes");
+        }
+    }
+
+    #[test]
+    fn an_attribute_that_is_not_utf8_is_invalid_data() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("attr");
+        fs::write(&path, [b'o', b'k', 0xff]).unwrap();
+        let e = read_attr(&path).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+    }
 }

@@ -359,21 +359,30 @@ impl Daemon {
         })
     }
 
-    /// Kills it and waits until it (and strace) are gone.
+    /// Stops it as kubelet stops a pod, SIGTERM, and waits until it (and strace) are gone;
+    /// SIGKILL if it has not exited within 5 s. (An exit of its own also lets a profiler
+    /// wrapped around it write its profile: tools/startup-order.sh.)
     pub async fn stop(mut self) {
         if let Some(mut child) = self.child.take() {
-            self.kill();
-            let _ = child.start_kill();
-            let _ = child.wait().await;
+            self.signal(nix::sys::signal::Signal::SIGTERM);
+            if tokio::time::timeout(Duration::from_secs(5), child.wait())
+                .await
+                .is_err()
+            {
+                self.kill();
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+            }
         }
     }
 
     fn kill(&self) {
-        // Killing strace alone would leave the daemon running, detached.
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.pid as i32),
-            nix::sys::signal::Signal::SIGKILL,
-        );
+        self.signal(nix::sys::signal::Signal::SIGKILL);
+    }
+
+    fn signal(&self, signal: nix::sys::signal::Signal) {
+        // Signalling strace alone would leave the daemon running, detached.
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid as i32), signal);
     }
 
     /// The last lines it wrote to stderr.

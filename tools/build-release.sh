@@ -15,11 +15,37 @@
 # `sss`) would be loaded from the host, which glibc supports only for the glibc version linked
 # in. In a cluster the API server is reached by the address in KUBERNETES_SERVICE_HOST; only a
 # kubeconfig naming its server by host name is resolved at all.
+#
+# On x86_64 Linux, where rustc links with lld, two start-up costs are cut further:
+# - the relative relocations (about 19,000 per binary, applied at every start) are packed
+#   (-z pack-relative-relocs, DT_RELR): a table of a few KiB instead of 450 KiB to read, and a
+#   shorter loop; glibc applies them from 2.36 on, so only a build host with glibc 2.36 or later
+#   packs them (the glibc linked in is the build host's);
+# - the functions listed in tools/startup-order.txt (what the daemons run to start and answer a
+#   command; tools/startup-order.sh regenerates it) are placed side by side at the start of the
+#   code, so that a command faults in a few pages of code rather than pages all over it. Names
+#   the build does not have are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 triple=$(rustc -vV | sed -n 's/^host: //p')
-RUSTFLAGS="${RUSTFLAGS:-} -C target-feature=+crt-static" \
-    cargo build --release --locked --target "$triple" "$@"
 target_dir=${CARGO_TARGET_DIR:-target}
+mkdir -p "$target_dir"
+flags="-C target-feature=+crt-static"
+glibc=$(getconf GNU_LIBC_VERSION 2>/dev/null | sed -n 's/^glibc 2\.\([0-9]*\).*/\1/p')
+if [ "$triple" = x86_64-unknown-linux-gnu ] && [ "${glibc:-0}" -ge 36 ]; then
+    flags="$flags -C link-arg=-Wl,-z,pack-relative-relocs"
+fi
+if [ "$triple" = x86_64-unknown-linux-gnu ] && [ -s tools/startup-order.txt ]; then
+    # A copy named by its content: the flags, and so the build, change when the list does.
+    sum=$(sha256sum tools/startup-order.txt | cut -c1-16)
+    order=$(cd "$target_dir" && pwd -P)/startup-order-$sum.txt
+    cp tools/startup-order.txt "$order"
+    case $order in
+    *[[:space:]]*) echo "build-release.sh: $order has a space in its path; built without it" >&2 ;;
+    *) flags="$flags -C link-arg=-Wl,--symbol-ordering-file=$order -C link-arg=-Wl,--no-warn-symbol-ordering" ;;
+    esac
+fi
+RUSTFLAGS="${RUSTFLAGS:-} $flags" \
+    cargo build --release --locked --target "$triple" "$@"
 ln -sfn "$triple/release" "$target_dir/shipped"
 echo "built into $target_dir/shipped/ ($target_dir/$triple/release)"

@@ -950,6 +950,12 @@ def cmd_containerfile() -> None:
     need_prefixes = [m.rstrip("/") + "/" for m in members]
     # The build script the image runs, when it runs it.
     scripts = sorted(set(re.findall(r"\b(tools/[\w.-]+\.sh)\b", text)))
+    # And the files those scripts name (tools/startup-order.txt, the linker's symbol order).
+    for sc in list(scripts):
+        if os.path.exists(os.path.join(REPO, sc)):
+            named = re.findall(r"\b(tools/[\w.-]+\.\w+)\b", open(os.path.join(REPO, sc)).read())
+            scripts += [f for f in named if os.path.exists(os.path.join(REPO, f))]
+    scripts = sorted(set(scripts))
     needed = ["Cargo.toml", "Cargo.lock"] + scripts + [
         f for f in files if any(f.startswith(p) for p in need_prefixes)
     ]

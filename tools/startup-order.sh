@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Regenerates tools/startup-order.txt: the functions the daemons run in gpu-vm-bench's plain-tree
+# figures (start-up, `status`, `list`, `assert`, `plan`, registration, the first ListAndWatch,
+# health reactions), one symbol per line. tools/build-release.sh hands the file to the linker
+# (lld's --symbol-ordering-file), which puts those functions side by side at the start of .text:
+# a command then faults in a few windows of code instead of dozens scattered over 8 MiB.
+#
+# Run it again after a toolchain or dependency update, or when start-up code changes much:
+# a name that no longer exists is skipped by the linker (it costs nothing), a function that is
+# missing from the list only stays where it was.
+#
+# Usage: tools/startup-order.sh
+# Needs: valgrind (callgrind), root and /dev/fuse (node-sim, as the bench does). It builds the
+# release binaries with their symbols into ${CARGO_TARGET_DIR:-target}/startup-order, runs
+# `gpu-vm-bench --only plain --runs 1` with every daemon under callgrind (figures discarded),
+# and keeps the names of the functions that ran, in the order callgrind lists them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$PWD
+out=tools/startup-order.txt
+
+command -v valgrind >/dev/null || {
+    echo "tools/startup-order.sh: valgrind is needed (apt-get install valgrind)" >&2
+    exit 2
+}
+
+target=${CARGO_TARGET_DIR:-target}/startup-order
+# The release profile as shipped (a profile setting changes every symbol's hash), its symbols
+# kept by a later -C strip: RUSTFLAGS do not enter the hashes.
+CARGO_TARGET_DIR=$target RUSTFLAGS="${RUSTFLAGS:-} -C strip=none" \
+    tools/build-release.sh --workspace --bins
+built=$(cd "$target/shipped" && pwd -P)
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+mkdir "$work/bin" "$work/path" "$work/profiles"
+# The bench finds the daemons beside itself (its own path, links resolved): a copy of it, with
+# each daemon behind a callgrind wrapper beside it.
+for b in gpu-vm-bench gpu-vm-noop; do
+    if [ -e "$built/$b" ]; then cp "$built/$b" "$work/bin/$b"; fi
+done
+for b in vfio-manager vgpu-device-manager sandbox-dp sandbox-dra; do
+    cat >"$work/bin/$b" <<EOF
+#!/bin/sh
+exec valgrind -q --tool=callgrind --callgrind-out-file=$work/profiles/$b.%p \\
+    --dump-instr=no --compress-strings=no --compress-pos=no --demangle=no \\
+    "$built/$b" "\$@"
+EOF
+    chmod +x "$work/bin/$b"
+done
+# No limits: strace around valgrind would record valgrind, and the figures are not kept.
+printf '#!/bin/sh\nexit 1\n' >"$work/path/strace"
+chmod +x "$work/path/strace"
+
+echo "running gpu-vm-bench --only plain under callgrind (several minutes)" >&2
+PATH="$work/path:$PATH" "$work/bin/gpu-vm-bench" --only plain --runs 1 >"$work/bench.md" || {
+    echo "tools/startup-order.sh: the bench failed; its report:" >&2
+    cat "$work/bench.md" >&2
+    exit 1
+}
+
+profiles=("$work"/profiles/*)
+[ -e "${profiles[0]}" ] || {
+    echo "tools/startup-order.sh: callgrind wrote no profile" >&2
+    exit 1
+}
+# `fn=<symbol>` lines name each function that ran; bare addresses (code without a symbol) are
+# of no use to the linker. First occurrence wins, across every profile.
+sed -n 's/^fn=//p' "${profiles[@]}" | grep -v '^0x' | awk '!seen[$0]++' >"$work/order"
+cp "$work/order" "$repo/$out"
+echo "wrote $out: $(wc -l <"$out") functions from ${#profiles[@]} profiles" >&2

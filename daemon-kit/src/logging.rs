@@ -1,5 +1,8 @@
 //! Logging on stderr, one set-up for every binary: `--log-format text|json` (or `LOG_FORMAT`),
-//! the level from `RUST_LOG` (default `info`).
+//! the level from `RUST_LOG` (default `info`). Text is coloured only on a terminal: a
+//! container's log, a journal or a file gets plain lines.
+
+use std::io::IsTerminal as _;
 
 /// `--log-format`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -13,7 +16,8 @@ pub enum LogFormat {
 }
 
 /// Installs the global subscriber on stderr: `RUST_LOG`'s filter (default `info`), plus every
-/// debug event when `debug`. Logging set up before (a test calling twice) is kept.
+/// debug event when `debug`; ANSI colours only when stderr is a terminal. Logging set up
+/// before (a test calling twice) is kept.
 pub fn init(format: LogFormat, debug: bool) {
     let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -22,7 +26,8 @@ pub fn init(format: LogFormat, debug: bool) {
     }
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     // Err only when a subscriber is already installed: that one stays.
     let _ = match format {
         LogFormat::Text => builder.try_init(),

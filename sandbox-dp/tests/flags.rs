@@ -53,6 +53,32 @@ fn serve_logs_its_fatal_error_as_json_and_exits_1() {
 }
 
 #[test]
+fn text_logs_on_a_pipe_are_plain_lines() {
+    // What `kubectl logs` and the journal show: no terminal colour codes around the level or
+    // the fields.
+    let o = run(
+        &[
+            "serve",
+            "--host-root",
+            "/nonexistent-root",
+            "--resync-interval",
+            "30",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let log = stderr(&o);
+    assert!(!log.contains('\x1b'), "colour codes in {log:?}");
+    let line = log.lines().find(|l| l.contains(" ERROR ")).unwrap();
+    assert!(line.contains(MISSING), "{line}");
+    let start = log.lines().find(|l| l.contains(" INFO ")).unwrap();
+    assert!(
+        start.contains("sandbox_dp: starting host_root=/nonexistent-root"),
+        "{start}"
+    );
+}
+
+#[test]
 fn durations_take_units_and_bare_seconds() {
     // `list` on a host root that does not exist fails reading it (exit 1, naming the path) once
     // the flags are parsed; a refused value exits 2 naming the value.

@@ -1,13 +1,14 @@
 //! What a figure costs beyond its reads however little the daemon did: the cheapest process
-//! start, and a list of the same size delivered over a ListAndWatch stream by a bare server.
-//! Both are measured in the same run as the figures they belong to, and added to their limits
-//! ([`crate::sections::plain`]).
+//! start; a list of the same size delivered over a ListAndWatch stream by a bare server (a
+//! thread of the bench); and the registration, first list and health reactions of a bare
+//! device plugin, a process of its own (`gpu-vm-bare-plugin`). All are measured in the same
+//! run as the figures they belong to, and added to their limits ([`crate::sections::plain`]).
 
 use std::path::Path;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 use testkit::kubelet::api::device_plugin_server::{DevicePlugin, DevicePluginServer};
 use testkit::kubelet::api::registration_client::RegistrationClient;
 use testkit::kubelet::api::{
@@ -269,6 +270,125 @@ pub async fn register_cost(dir: &Path, resources: usize, runs: usize) -> Result<
     }
     kubelet.stop().await;
     Ok(summarize(&times).map(|s| s.median).unwrap_or_default())
+}
+
+/// What `gpu-vm-bare-plugin` took for each step sandbox-dp's figures end with, medians.
+#[derive(Clone, Copy, Debug)]
+pub struct BarePlugin {
+    /// From its first dial to the kubelet holding every registration.
+    pub register: Duration,
+    /// Connect, open the stream, the first list.
+    pub first: Duration,
+    /// Its watched file removed → the first device Unhealthy in ListAndWatch.
+    pub unhealthy: Duration,
+    /// The file created again → Healthy.
+    pub healthy: Duration,
+}
+
+/// CLOCK_MONOTONIC now, in nanoseconds: the clock `gpu-vm-bare-plugin` prints its dial on.
+fn monotonic_ns() -> Result<i128> {
+    let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)?;
+    Ok(i128::from(t.tv_sec()) * 1_000_000_000 + i128::from(t.tv_nsec()))
+}
+
+/// Runs `gpu-vm-bare-plugin` (`bin`) `runs` times after one warm-up, each a fresh process with
+/// a fresh test kubelet under `dir` (on the plain tree's tmpfs), in the order and with the
+/// same steps between as the daemon's figures ([`crate::sections::plain_dp`]): it registers
+/// `resources` resources; a client connects and takes the first list of `devices` devices;
+/// the process's memory is sampled; its watched file is removed, then created again. Medians.
+pub async fn bare_plugin(
+    bin: &Path,
+    dir: &Path,
+    devices: usize,
+    resources: usize,
+    runs: usize,
+) -> Result<BarePlugin> {
+    use std::os::unix::fs::PermissionsExt as _;
+    use tokio::io::AsyncBufReadExt as _;
+    let (mut reg, mut first, mut down, mut up) = (vec![], vec![], vec![], vec![]);
+    let wait = Duration::from_secs(10);
+    let vfio = dir.join("vfio");
+    std::fs::create_dir_all(&vfio)?;
+    let node = vfio.join("100");
+    let sock = dir.join("bare-plugin.sock");
+    for i in 0..=runs {
+        std::fs::write(&node, "")?;
+        std::fs::set_permissions(&node, std::fs::Permissions::from_mode(0o600))?;
+        let mut kubelet = FakeKubelet::start(&dir.join("kubelet")).await?;
+        let mut child = tokio::process::Command::new(bin)
+            .arg("--socket")
+            .arg(&sock)
+            .arg("--watch")
+            .arg(&node)
+            .args(["--devices", &devices.to_string()])
+            .arg("--kubelet")
+            .arg(kubelet.socket())
+            .args(["--resources", &resources.to_string()])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let out = child
+            .stdout
+            .take()
+            .ok_or_else(|| anyhow!("no stdout from {}", bin.display()))?;
+        let mut line = String::new();
+        tokio::time::timeout(wait, tokio::io::BufReader::new(out).read_line(&mut line))
+            .await
+            .map_err(|_| anyhow!("{} never dialled the kubelet", bin.display()))??;
+        let dialled: i128 = line
+            .strip_prefix("dial ")
+            .and_then(|n| n.trim().parse().ok())
+            .ok_or_else(|| anyhow!("{}: expected `dial <ns>`, got {line:?}", bin.display()))?;
+        for _ in 0..resources {
+            kubelet.next_registration(wait).await?;
+        }
+        let took = monotonic_ns()? - dialled;
+        let t = Instant::now();
+        let mut client = PluginClient::connect(&sock).await?;
+        let mut lw = client.list_and_watch().await?;
+        let got = lw.next(wait).await?;
+        let first_list = t.elapsed();
+        if got.len() != devices {
+            bail!("the bare plugin sent {} devices, not {devices}", got.len());
+        }
+        let id = got.first().map(|d| d.id.clone()).unwrap_or_default();
+        let health = |l: &[Device]| l.iter().find(|d| d.id == id).map(|d| d.health.clone());
+        if let Some(pid) = child.id() {
+            let _ = super::procstat::sample(pid);
+        }
+        let t = Instant::now();
+        std::fs::remove_file(&node)?;
+        lw.wait_until(wait, |l| health(l).as_deref() == Some("Unhealthy"))
+            .await?;
+        let unhealthy = t.elapsed();
+        let t = Instant::now();
+        std::fs::write(&node, "")?;
+        std::fs::set_permissions(&node, std::fs::Permissions::from_mode(0o600))?;
+        lw.wait_until(wait, |l| health(l).as_deref() == Some("Healthy"))
+            .await?;
+        let healthy = t.elapsed();
+        drop((lw, client));
+        let _ = child.kill().await;
+        kubelet.stop().await;
+        // The first run warms the caches, as the daemon's figures come after earlier runs.
+        if i > 0 {
+            reg.push(Duration::from_nanos(
+                u64::try_from(took.max(0)).unwrap_or(0),
+            ));
+            first.push(first_list);
+            down.push(unhealthy);
+            up.push(healthy);
+        }
+    }
+    let med = |v: &[Duration]| summarize(v).map(|s| s.median).unwrap_or_default();
+    Ok(BarePlugin {
+        register: med(&reg),
+        first: med(&first),
+        unhealthy: med(&down),
+        healthy: med(&up),
+    })
 }
 
 /// Starts the bare server on `sock` in a thread with a current-thread runtime.

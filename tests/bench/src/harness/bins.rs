@@ -13,6 +13,9 @@ pub struct Bins {
     /// `gpu-vm-noop`, a Rust executable of the same build that only exits (absent in builds
     /// of the daemons alone).
     pub noop: Option<PathBuf>,
+    /// `gpu-vm-bare-plugin`, the least a device plugin does, built as the daemons are (absent
+    /// in builds of the daemons alone).
+    pub bare: Option<PathBuf>,
 }
 
 /// Finds the daemons beside this binary.
@@ -27,6 +30,7 @@ pub fn bins() -> Result<Bins> {
         dp: dir.join("sandbox-dp"),
         dra: dir.join("sandbox-dra"),
         noop: Some(dir.join("gpu-vm-noop")).filter(|p| p.exists()),
+        bare: Some(dir.join("gpu-vm-bare-plugin")).filter(|p| p.exists()),
     };
     for p in [&b.vfio, &b.vgpu, &b.dp, &b.dra] {
         if !p.exists() {

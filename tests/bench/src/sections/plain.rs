@@ -24,7 +24,7 @@ use crate::harness::strace;
 use crate::harness::topology::{builtin, generated, mount};
 use crate::harness::tree::PlainTree;
 use crate::sections::dp::{Prepare, biggest, dp_list, prep_a10_4q, prep_l40s_1q, prep_passthrough};
-use crate::sections::plain_dp::{self, Removal};
+use crate::sections::plain_dp::{self, LIST_RUNS, Removal};
 use crate::sections::vgpu::{config_file, vgpu};
 
 /// Replays per limit (after one to warm the caches).
@@ -281,9 +281,11 @@ pub struct Row {
 /// A cost added to a limit that is not a read ([`crate::harness::baseline`]).
 #[derive(Clone, Copy, Debug)]
 pub struct Base {
-    /// `start`: the cheapest process start; `list`: a list of the same size delivered by a
-    /// bare ListAndWatch server; `connect + list`: the same on a new connection;
-    /// `start + connect + Register`: the start and a bare registration of as many resources.
+    /// `start`: the cheapest process start; for sandbox-dp, the same step taken by a bare
+    /// device plugin process (`bare plugin: file removed → list`, `… created → list`,
+    /// `bare plugin's connect + list`, `start + bare plugin's dial + Register`), or, without
+    /// that binary, by a bare server or client on a thread of the bench (`list`,
+    /// `connect + list`, `start + connect + Register`).
     pub what: &'static str,
     pub time: Duration,
 }
@@ -413,7 +415,7 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     let pci_ids = cli.pci_ids.canonicalize().ok().filter(|p| p.is_file());
     r.line("## Plain tree");
     r.line("");
-    r.line(format!("Each node prepared on node-sim, then copied onto a tmpfs as plain files, directories and symlinks (device nodes as empty files), and the daemons run with `--host-root` at the copy: reads cost what real sysfs reads cost, not a FUSE round trip. Read-only figures only. **limit**: the reads the daemon made for that figure (recorded once under strace: opens, reads, directory listings, stats, link reads, of the node's files and of the files named on its command line), replayed in order by a bare loop, median of {REPLAYS}, plus a **base** where the figure has a cost no daemon can avoid: **start**, for a figure that starts a process, the median spawn → exit of a static executable that only exits (measured here, {START_RUNS} runs); **list**, for a figure that ends with a ListAndWatch message, the same-sized list delivered to the same client by a bare server that sends prebuilt lists (on its own thread and current-thread runtime, as the daemon's), on an open stream, or with **connect + list** on a new one (the first ListAndWatch); **connect + Register**, for start → registered, a bare client on its own thread and current-thread runtime dialling the same test kubelet and registering as many resources, each on a new connection, all at once, until the kubelet holds them (added to **start**). **× limit** = median / (reads + base); goal ≤ {LIMIT_GOAL}×, judged on every row with a limit. What start-up costs beyond the base is the daemon's (each binary's `--version`, table below, beside a Rust executable of the same build that only exits: what any Rust program costs to start here)."));
+    r.line(format!("Each node prepared on node-sim, then copied onto a tmpfs as plain files, directories and symlinks (device nodes as empty files), and the daemons run with `--host-root` at the copy: reads cost what real sysfs reads cost, not a FUSE round trip. Read-only figures only. **limit**: the reads the daemon made for that figure (recorded once under strace: opens, reads, directory listings, stats, link reads, of the node's files and of the files named on its command line), replayed in order by a bare loop, median of {REPLAYS}, plus a **base** where the figure has a cost no daemon can avoid: **start**, for a figure that starts a process, the median spawn → exit of a static executable that only exits (measured here, {START_RUNS} runs); for sandbox-dp's figures that end with a registration or a ListAndWatch message, the same step taken by a **bare plugin** (`gpu-vm-bare-plugin`, built as the daemons are): a process of its own on a current-thread runtime, as the daemon, that registers as many resources with the same test kubelet (each on a new connection, all at once; timed from its first dial to the kubelet holding them, and added to **start** for start → registered), serves a prebuilt list of the biggest resource's size (**connect + list**: the first ListAndWatch on a new connection), and sends it again with one device's health flipped when inotify tells it a watched file was removed or created (**file removed → list**, **file created → list**: the health reactions, and the vGPU removed / restored reactions), with nothing read, checked or logged; each of its {LIST_RUNS} runs a fresh process taking the steps in the daemon's order, so that each is taken first in a new process or after the same idle, as the daemon's are (without that binary: a bare server and a bare registration client on threads of the bench). **× limit** = median / (reads + base); goal ≤ {LIMIT_GOAL}×, judged on every row with a limit. What start-up costs beyond the base is the daemon's (each binary's `--version`, table below, beside a Rust executable of the same build that only exits: what any Rust program costs to start here)."));
     r.line("");
     if !strace::available() {
         r.line("skipped: limits: no strace on this machine (tests/setup.sh installs it).");

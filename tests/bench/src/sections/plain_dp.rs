@@ -25,8 +25,8 @@ use crate::harness::uevent::UeventSender;
 use crate::sections::dp::{Daemon, DpList, biggest, dp_list_with, first_list, registered};
 use crate::sections::plain::{Base, Inputs, PlainNode, Row, Tracer, at_most, limit_of};
 
-/// Runs of the bare list delivery, per node.
-const LIST_RUNS: usize = 20;
+/// Runs of the bare plugin (or the bare list delivery and registration), per node.
+pub(crate) const LIST_RUNS: usize = 20;
 
 /// How long the bench waits after a vGPU's removal showed before restoring it: longer than
 /// sandbox-dp's debounce (20 ms, the least time between two event-driven reads of devices), so
@@ -416,31 +416,64 @@ pub async fn figures(
             .transpose()
     };
 
-    // The bare delivery of a list of the biggest resource's size, the base of the figures that
-    // end with a ListAndWatch message.
+    // The bases of the figures that end with a registration or a ListAndWatch message: the
+    // same steps taken by a bare device plugin, a process of its own woken by the same events
+    // (gpu-vm-bare-plugin), with a list of the biggest resource's size; without that binary, a
+    // bare server and a bare registration client on threads of the bench.
     let listed = dp_list_with(b, n.tree.root(), &[])?;
     let size = biggest(&listed)?.devices.len();
-    let dir = tempfile::tempdir()?;
-    let cost = baseline::list_cost(dir.path(), size, LIST_RUNS).await?;
-    // The bare registration of as many resources with the test kubelet, the base (with the
-    // process start) of the figures that end with the kubelet holding every registration.
-    let kdir = tempfile::tempdir()?;
-    let reg_cost = baseline::register_cost(kdir.path(), listed.resources.len(), LIST_RUNS).await?;
+    let resources = listed.resources.len();
+    let dir = tempfile::tempdir_in(n.tree.root())?;
+    let (register, connect, removed_base, created_base) = match &b.bare {
+        Some(bare) => {
+            let c = baseline::bare_plugin(bare, dir.path(), size, resources, LIST_RUNS).await?;
+            (
+                (
+                    if start.is_some() {
+                        "start + bare plugin's dial + Register"
+                    } else {
+                        "bare plugin's dial + Register"
+                    },
+                    c.register,
+                ),
+                ("bare plugin's connect + list", c.first),
+                ("bare plugin: file removed → list", c.unhealthy),
+                ("bare plugin: file created → list", c.healthy),
+            )
+        }
+        None => {
+            let cost = baseline::list_cost(dir.path(), size, LIST_RUNS).await?;
+            let reg = baseline::register_cost(dir.path(), resources, LIST_RUNS).await?;
+            (
+                (
+                    if start.is_some() {
+                        "start + connect + Register"
+                    } else {
+                        "connect + Register"
+                    },
+                    reg,
+                ),
+                ("connect + list", cost.first),
+                ("list", cost.update),
+                ("list", cost.update),
+            )
+        }
+    };
     let registers = Some(Base {
-        what: if start.is_some() {
-            "start + connect + Register"
-        } else {
-            "connect + Register"
-        },
-        time: start.map(|b| b.time).unwrap_or_default() + reg_cost,
-    });
-    let list = Some(Base {
-        what: "list",
-        time: cost.update,
+        what: register.0,
+        time: start.map(|b| b.time).unwrap_or_default() + register.1,
     });
     let connect = Some(Base {
-        what: "connect + list",
-        time: cost.first,
+        what: connect.0,
+        time: connect.1,
+    });
+    let removed_base = Some(Base {
+        what: removed_base.0,
+        time: removed_base.1,
+    });
+    let created_base = Some(Base {
+        what: created_base.0,
+        time: created_base.1,
     });
 
     let label = n.label.as_str();
@@ -490,7 +523,7 @@ pub async fn figures(
         let figure = format!("`/dev/vfio/<g>` removed → Unhealthy{suffix}");
         rows.push(
             Row::time(label, figure, s, lim(t, &|w| Some(w.unhealthy))?)
-                .plus(list)
+                .plus(removed_base)
                 .goal(at_most(s.median, Duration::from_micros(500), "0.5 ms")),
         );
     }
@@ -501,7 +534,7 @@ pub async fn figures(
             need(summary(&plain, |r| Some(r.healthy)))?,
             lim(&traced, &|w| Some(w.healthy))?,
         )
-        .plus(list),
+        .plus(created_base),
     );
     if let Some(s) = summary(&plain, |r| r.removed) {
         rows.push(
@@ -511,7 +544,7 @@ pub async fn figures(
                 s,
                 lim(&traced, &|w| w.removed)?,
             )
-            .plus(list)
+            .plus(removed_base)
             .goal(at_most(s.median, Duration::from_millis(10), "10 ms")),
         );
     }
@@ -523,7 +556,7 @@ pub async fn figures(
                 s,
                 lim(&traced, &|w| w.restored)?,
             )
-            .plus(list),
+            .plus(created_base),
         );
     }
     let rss = |runs: &[ServeRun]| runs.iter().map(|r| r.rss_kib).max().unwrap_or(0);

@@ -14,6 +14,11 @@
 //!
 //! With `--root DIR` (a node-sim mount, say), only start → registered on that host root.
 //!
+//! With `--bare BIN` (`gpu-vm-bare-plugin`, built with the bench), only the health reaction
+//! after idle spells of 0, 1, 5, 20 and 100 ms, of sandbox-dp and of that bare plugin (a
+//! process that sends a prebuilt list when inotify reports the same file removed or created):
+//! what waking an idle process costs, whatever it does once awake.
+//!
 //! Each change follows a quiet spell of 100 ms (no debounce of an earlier event running). Each
 //! figure: median (min–max) over the runs. Timings only; nothing is asserted.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a measuring tool: a failed step should stop it
@@ -36,6 +41,8 @@ struct Args {
     runs: usize,
     /// Only the registration figure, on this host root (a node-sim mount).
     root: Option<PathBuf>,
+    /// Only the health reaction after idle spells, beside this bare plugin.
+    bare: Option<PathBuf>,
 }
 
 fn args() -> Args {
@@ -45,18 +52,20 @@ fn args() -> Args {
         pci_ids: None,
         runs: 20,
         root: None,
+        bare: None,
     };
     while let Some(x) = it.next() {
         match x.as_str() {
             "--pci-ids" => a.pci_ids = it.next().map(PathBuf::from),
             "--runs" => a.runs = it.next().and_then(|n| n.parse().ok()).expect("--runs N"),
             "--root" => a.root = it.next().map(PathBuf::from),
+            "--bare" => a.bare = it.next().map(PathBuf::from),
             _ => a.dp = PathBuf::from(x),
         }
     }
     assert!(
         a.dp.is_file(),
-        "usage: measure SANDBOX_DP [--pci-ids FILE] [--runs N] [--root DIR]"
+        "usage: measure SANDBOX_DP [--pci-ids FILE] [--runs N] [--root DIR | --bare BIN]"
     );
     a
 }
@@ -270,6 +279,11 @@ async fn main() {
         return;
     }
 
+    if let Some(bare) = &a.bare {
+        idle(&a, bare).await;
+        return;
+    }
+
     // register + RSS
     let t = a10s(8);
     let mut reg = Vec::new();
@@ -370,4 +384,99 @@ async fn main() {
         gone,
     );
     summary("16xL40S 512 vGPU VFs: set again → back, Healthy", back);
+}
+
+/// `/dev/vfio/<group>` removed → Unhealthy and back → Healthy on `lw` after each idle spell.
+async fn reactions(
+    lw: &mut testkit::kubelet::ListWatch,
+    node: &Path,
+    id: &str,
+    idle: Duration,
+    runs: usize,
+) -> (Vec<Duration>, Vec<Duration>) {
+    let (mut down, mut up) = (Vec::new(), Vec::new());
+    for _ in 0..runs {
+        tokio::time::sleep(idle).await;
+        let s = Instant::now();
+        std::fs::remove_file(node).unwrap();
+        lw.wait_until(WAIT, |l| healthy(l, id) == Some(false))
+            .await
+            .unwrap();
+        down.push(s.elapsed());
+        tokio::time::sleep(idle).await;
+        let s = Instant::now();
+        std::fs::write(node, "").unwrap();
+        lw.wait_until(WAIT, |l| healthy(l, id) == Some(true))
+            .await
+            .unwrap();
+        up.push(s.elapsed());
+    }
+    (down, up)
+}
+
+/// The health reaction of sandbox-dp and of the bare plugin `bare` after idle spells, on 8
+/// A10s (a list of 8 devices for both).
+async fn idle(a: &Args, bare: &Path) {
+    let t = a10s(8);
+    let node = t.root.join("dev/vfio/103");
+    let mut kubelet = FakeKubelet::start(&t.kubelet_dir()).await.unwrap();
+    let _d = start(a, &t);
+    let r = kubelet.next_registration(WAIT).await.unwrap();
+    let mut p = kubelet.plugin(&r.endpoint).await.unwrap();
+    let mut dp = p.list_and_watch().await.unwrap();
+    dp.next(WAIT).await.unwrap();
+    // The bare plugin's own file, in a directory sandbox-dp does not watch: neither process
+    // wakes for the other's changes.
+    let bare_node = t.root.join("bare/103");
+    std::fs::create_dir_all(t.root.join("bare")).unwrap();
+    std::fs::write(&bare_node, "").unwrap();
+    let sock = t.root.join("bare/plugin.sock");
+    let _b = Daemon(
+        Command::new(bare)
+            .arg("--socket")
+            .arg(&sock)
+            .arg("--watch")
+            .arg(&bare_node)
+            .args(["--devices", "8"])
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let until = Instant::now() + WAIT;
+    while !sock.exists() && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut bp = testkit::kubelet::PluginClient::connect(&sock)
+        .await
+        .unwrap();
+    let mut bl = bp.list_and_watch().await.unwrap();
+    let bare_id = bl.next(WAIT).await.unwrap()[0].id.clone();
+    println!(
+        "| idle before the change | sandbox-dp removed → Unhealthy | bare plugin | sandbox-dp back → Healthy | bare plugin |"
+    );
+    println!("|---|---|---|---|---|");
+    let ms = |v: &mut Vec<Duration>| {
+        v.sort();
+        format!("{:.3} ms", v[v.len() / 2].as_secs_f64() * 1e3)
+    };
+    for gap in [0u64, 1, 5, 20, 100] {
+        let gap_d = Duration::from_millis(gap);
+        let (mut dd, mut du) = (Vec::new(), Vec::new());
+        let (mut bd, mut bu) = (Vec::new(), Vec::new());
+        for _ in 0..a.runs {
+            let (d, u) = reactions(&mut dp, &node, "0000:13:00.0", gap_d, 1).await;
+            dd.extend(d);
+            du.extend(u);
+            let (d, u) = reactions(&mut bl, &bare_node, &bare_id, gap_d, 1).await;
+            bd.extend(d);
+            bu.extend(u);
+        }
+        println!(
+            "| {gap} ms | {} | {} | {} | {} |",
+            ms(&mut dd),
+            ms(&mut bd),
+            ms(&mut du),
+            ms(&mut bu)
+        );
+    }
 }

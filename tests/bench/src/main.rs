@@ -106,6 +106,10 @@ fn main() -> Result<()> {
         bail!("gpu-vm-bench needs node-sim, which cannot run here: {why}");
     }
     let b = harness::bins::bins()?;
+    // The binaries as a node runs them: read from disk, not in the pages the build wrote.
+    for p in b.all() {
+        harness::bins::evict(p)?;
+    }
     let mut r = Report::default();
     let want = |s: &str| cli.only.is_empty() || cli.only.iter().any(|o| o == s);
     r.line(format!(

@@ -43,6 +43,30 @@ pub fn bins() -> Result<Bins> {
     Ok(b)
 }
 
+impl Bins {
+    /// Every binary the bench runs.
+    pub fn all(&self) -> Vec<&PathBuf> {
+        let mut v = vec![&self.vfio, &self.vgpu, &self.dp, &self.dra];
+        v.extend(self.noop.iter());
+        v.extend(self.bare.iter());
+        v
+    }
+}
+
+/// Drops `path`'s pages from the page cache (written back first), so that the next `exec`
+/// reads the file from disk as after a boot or an image pull, not in the pages the linker
+/// wrote: how much of a binary one page fault maps (and so the faults a start takes, and the
+/// resident memory of its code) depends on which. Pages that are mapped stay.
+pub fn evict(path: &std::path::Path) -> Result<()> {
+    use nix::fcntl::{PosixFadviseAdvice, posix_fadvise};
+    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    f.sync_all()
+        .with_context(|| format!("writing {} back", path.display()))?;
+    posix_fadvise(&f, 0, 0, PosixFadviseAdvice::POSIX_FADV_DONTNEED)
+        .with_context(|| format!("dropping {} from the page cache", path.display()))?;
+    Ok(())
+}
+
 /// How an ELF executable is linked: "dynamically linked" when it names a program interpreter
 /// (the dynamic loader), "static" otherwise; "unknown" when it cannot be read as 64-bit ELF.
 pub fn linkage(path: &std::path::Path) -> &'static str {
@@ -85,7 +109,17 @@ pub fn linkage(path: &std::path::Path) -> &'static str {
 
 #[cfg(test)]
 mod tests {
-    use super::linkage;
+    use super::{evict, linkage};
+
+    #[test]
+    fn an_evicted_file_reads_back_the_same() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let f = dir.path().join("bin");
+        std::fs::write(&f, vec![7u8; 1 << 16]).unwrap_or_else(|e| panic!("write: {e}"));
+        assert!(evict(&f).is_ok());
+        assert_eq!(std::fs::read(&f).ok(), Some(vec![7u8; 1 << 16]));
+        assert!(evict(&dir.path().join("missing")).is_err());
+    }
 
     #[test]
     fn this_test_binary_is_dynamically_linked_and_garbage_is_unknown() {

@@ -1,26 +1,14 @@
 //! What a figure costs beyond its reads however little the daemon did: the cheapest process
-//! start; a list of the same size delivered over a ListAndWatch stream by a bare server (a
-//! thread of the bench); and the registration, first list and health reactions of a bare
-//! device plugin, a process of its own (`gpu-vm-bare-plugin`). All are measured in the same
-//! run as the figures they belong to, and added to their limits ([`crate::sections::plain`]).
+//! start, and the registration, first list and health reactions of a bare device plugin, a
+//! process of its own (`gpu-vm-bare-plugin`). Both are measured in the same run as the figures
+//! they belong to, and added to their limits ([`crate::sections::plain`]).
 
 use std::path::Path;
-use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use testkit::kubelet::api::device_plugin_server::{DevicePlugin, DevicePluginServer};
-use testkit::kubelet::api::registration_client::RegistrationClient;
-use testkit::kubelet::api::{
-    AllocateRequest, AllocateResponse, Device, DevicePluginOptions, Empty, ListAndWatchResponse,
-    NumaNode, PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationRequest,
-    PreferredAllocationResponse, RegisterRequest, TopologyInfo,
-};
+use testkit::kubelet::api::Device;
 use testkit::kubelet::{FakeKubelet, PluginClient};
-use tokio::sync::{mpsc, oneshot};
-use tokio_stream::Stream;
-use tokio_stream::wrappers::{UnboundedReceiverStream, UnixListenerStream};
-use tonic::{Request, Response, Status};
 
 use super::process::run;
 use super::stats::{Summary, summarize};
@@ -85,191 +73,6 @@ pub fn process_start(runs: usize) -> Result<Option<Summary>> {
         let _ = runs;
         Ok(None)
     }
-}
-
-/// A device plugin that does nothing but send the lists it is handed.
-struct BareServer {
-    lists: std::sync::Mutex<Option<mpsc::UnboundedReceiver<ListAndWatchResponse>>>,
-}
-
-type ListStream = Pin<Box<dyn Stream<Item = Result<ListAndWatchResponse, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl DevicePlugin for BareServer {
-    type ListAndWatchStream = ListStream;
-
-    async fn get_device_plugin_options(
-        &self,
-        _: Request<Empty>,
-    ) -> Result<Response<DevicePluginOptions>, Status> {
-        Ok(Response::new(DevicePluginOptions::default()))
-    }
-
-    async fn list_and_watch(
-        &self,
-        _: Request<Empty>,
-    ) -> Result<Response<Self::ListAndWatchStream>, Status> {
-        let rx = self
-            .lists
-            .lock()
-            .map_err(|_| Status::internal("poisoned"))?
-            .take()
-            .ok_or_else(|| Status::unavailable("one stream only"))?;
-        let s = tokio_stream::StreamExt::map(UnboundedReceiverStream::new(rx), Ok);
-        Ok(Response::new(Box::pin(s)))
-    }
-
-    async fn get_preferred_allocation(
-        &self,
-        _: Request<PreferredAllocationRequest>,
-    ) -> Result<Response<PreferredAllocationResponse>, Status> {
-        Err(Status::unimplemented("bare server"))
-    }
-
-    async fn allocate(
-        &self,
-        _: Request<AllocateRequest>,
-    ) -> Result<Response<AllocateResponse>, Status> {
-        Err(Status::unimplemented("bare server"))
-    }
-
-    async fn pre_start_container(
-        &self,
-        _: Request<PreStartContainerRequest>,
-    ) -> Result<Response<PreStartContainerResponse>, Status> {
-        Err(Status::unimplemented("bare server"))
-    }
-}
-
-/// A list of `n` devices shaped as sandbox-dp's: PCI-address ids, a health, a NUMA node.
-fn list_of(n: usize, healthy_first: bool) -> ListAndWatchResponse {
-    ListAndWatchResponse {
-        devices: (0..n)
-            .map(|i| Device {
-                id: format!("0000:{:02x}:{:02x}.{}", 0x40 + i / 256, (i / 8) % 32, i % 8),
-                health: if i > 0 || healthy_first {
-                    "Healthy"
-                } else {
-                    "Unhealthy"
-                }
-                .to_string(),
-                topology: Some(TopologyInfo {
-                    nodes: vec![NumaNode { id: 0 }],
-                }),
-            })
-            .collect(),
-    }
-}
-
-/// The bare cost of ListAndWatch lists of `n` devices, received by the bench's kubelet client.
-#[derive(Clone, Copy, Debug)]
-pub struct ListCost {
-    /// Connect, open the stream, the first list.
-    pub first: Duration,
-    /// One more list on the open stream, from the moment the server is handed it.
-    pub update: Duration,
-}
-
-/// Serves ListAndWatch on a socket under `dir` from a bare server on a thread and runtime of its
-/// own (as the daemon's current-thread runtime), and times `runs` connections' first lists and
-/// `runs` updates on an open stream, each list of `n` devices built once and cloned per send.
-pub async fn list_cost(dir: &Path, n: usize, runs: usize) -> Result<ListCost> {
-    let sock = dir.join("bare-plugin.sock");
-    let mut firsts = Vec::with_capacity(runs);
-    let mut updates = Vec::with_capacity(runs);
-    let (a, b) = (list_of(n, true), list_of(n, false));
-    for i in 0..=runs {
-        let (lists, rx) = mpsc::unbounded_channel();
-        let (stop, server) = serve_bare(&sock, rx)?;
-        let t = Instant::now();
-        lists
-            .send(a.clone())
-            .map_err(|_| anyhow!("bare server gone"))?;
-        let mut client = PluginClient::connect(&sock).await?;
-        let mut lw = client.list_and_watch().await?;
-        lw.next(Duration::from_secs(10)).await?;
-        let first = t.elapsed();
-        let mut upd = Duration::ZERO;
-        for l in [&b, &a] {
-            let t = Instant::now();
-            lists
-                .send(l.clone())
-                .map_err(|_| anyhow!("bare server gone"))?;
-            let got = lw.next(Duration::from_secs(10)).await?;
-            upd = t.elapsed();
-            if got.len() != n {
-                return Err(anyhow!("bare server sent {} devices, not {n}", got.len()));
-            }
-        }
-        drop((lw, client, lists));
-        let _ = stop.send(());
-        let _ = server.join();
-        // The first connection warms the caches, as the daemon's figures come after its start.
-        if i > 0 {
-            firsts.push(first);
-            updates.push(upd);
-        }
-    }
-    let med = |v: &[Duration]| summarize(v).map(|s| s.median).unwrap_or_default();
-    Ok(ListCost {
-        first: med(&firsts),
-        update: med(&updates),
-    })
-}
-
-/// The bare cost of registering `resources` resources with the test kubelet: a client on a
-/// thread and current-thread runtime of its own (as the daemon's) dials a fresh connection per
-/// resource, all at once, and sends one `Register` on each; timed from the moment it starts to
-/// dial until the kubelet holds every registration. `runs` times after one warm-up; the median.
-pub async fn register_cost(dir: &Path, resources: usize, runs: usize) -> Result<Duration> {
-    let mut kubelet = FakeKubelet::start(dir).await?;
-    let sock = kubelet.socket();
-    let mut times = Vec::with_capacity(runs);
-    for i in 0..=runs {
-        let (go, ready) = oneshot::channel::<()>();
-        let (started_tx, started) = oneshot::channel::<Instant>();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
-        let sock = sock.clone();
-        let client = std::thread::spawn(move || {
-            rt.block_on(async move {
-                let _ = ready.await;
-                let _ = started_tx.send(Instant::now());
-                let calls = (0..resources).map(|r| {
-                    let sock = sock.clone();
-                    async move {
-                        let ch = testkit::kubelet::unix_channel(&sock).await?;
-                        RegistrationClient::new(ch)
-                            .register(RegisterRequest {
-                                version: "v1beta1".into(),
-                                endpoint: format!("bare-{r}.sock"),
-                                resource_name: format!("bench.example/r{r}"),
-                                options: None,
-                            })
-                            .await
-                            .map_err(|s| anyhow!("Register: {s}"))?;
-                        anyhow::Ok(())
-                    }
-                });
-                futures::future::try_join_all(calls).await.map(|_| ())
-            })
-        });
-        let _ = go.send(());
-        for _ in 0..resources {
-            kubelet.next_registration(Duration::from_secs(10)).await?;
-        }
-        let took = started.await.map(|t| t.elapsed());
-        client
-            .join()
-            .map_err(|_| anyhow!("the bare registration client panicked"))??;
-        // The first registration warms the caches, as the daemon's figures come after its start.
-        if i > 0 {
-            times.push(took.map_err(|_| anyhow!("the bare registration client never started"))?);
-        }
-    }
-    kubelet.stop().await;
-    Ok(summarize(&times).map(|s| s.median).unwrap_or_default())
 }
 
 /// What `gpu-vm-bare-plugin` took for each step sandbox-dp's figures end with, medians.
@@ -391,38 +194,6 @@ pub async fn bare_plugin(
     })
 }
 
-/// Starts the bare server on `sock` in a thread with a current-thread runtime.
-fn serve_bare(
-    sock: &Path,
-    lists: mpsc::UnboundedReceiver<ListAndWatchResponse>,
-) -> Result<(oneshot::Sender<()>, std::thread::JoinHandle<()>)> {
-    let _ = std::fs::remove_file(sock);
-    let listener = std::os::unix::net::UnixListener::bind(sock)
-        .with_context(|| format!("binding {}", sock.display()))?;
-    listener.set_nonblocking(true)?;
-    let (stop, stopped) = oneshot::channel::<()>();
-    let svc = DevicePluginServer::new(BareServer {
-        lists: std::sync::Mutex::new(Some(lists)),
-    });
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let handle = std::thread::spawn(move || {
-        rt.block_on(async move {
-            let Ok(listener) = tokio::net::UnixListener::from_std(listener) else {
-                return;
-            };
-            let _ = tonic::transport::Server::builder()
-                .add_service(svc)
-                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
-                    let _ = stopped.await;
-                })
-                .await;
-        });
-    });
-    Ok((stop, handle))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -433,18 +204,5 @@ mod tests {
         if cfg!(target_arch = "x86_64") {
             assert_eq!(s.map(|s| s.n), Some(2));
         }
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn the_bare_server_delivers_lists_of_the_size_asked() {
-        let dir = tempfile::tempdir().unwrap();
-        let c = list_cost(dir.path(), 512, 1).await.unwrap();
-        assert!(!c.first.is_zero() && !c.update.is_zero());
-        let ids: std::collections::BTreeSet<String> = list_of(512, true)
-            .devices
-            .into_iter()
-            .map(|d| d.id)
-            .collect();
-        assert_eq!(ids.len(), 512, "device ids are distinct");
     }
 }

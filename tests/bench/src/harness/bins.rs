@@ -13,9 +13,9 @@ pub struct Bins {
     /// `gpu-vm-noop`, a Rust executable of the same build that only exits (absent in builds
     /// of the daemons alone).
     pub noop: Option<PathBuf>,
-    /// `gpu-vm-bare-plugin`, the least a device plugin does, built as the daemons are (absent
-    /// in builds of the daemons alone).
-    pub bare: Option<PathBuf>,
+    /// `gpu-vm-bare-plugin`, the least a device plugin does, built as the daemons are: the
+    /// base of sandbox-dp's plain-tree figures.
+    pub bare: PathBuf,
 }
 
 /// Finds the daemons beside this binary.
@@ -30,12 +30,12 @@ pub fn bins() -> Result<Bins> {
         dp: dir.join("sandbox-dp"),
         dra: dir.join("sandbox-dra"),
         noop: Some(dir.join("gpu-vm-noop")).filter(|p| p.exists()),
-        bare: Some(dir.join("gpu-vm-bare-plugin")).filter(|p| p.exists()),
+        bare: dir.join("gpu-vm-bare-plugin"),
     };
-    for p in [&b.vfio, &b.vgpu, &b.dp, &b.dra] {
+    for p in [&b.vfio, &b.vgpu, &b.dp, &b.dra, &b.bare] {
         if !p.exists() {
             bail!(
-                "{} not found: build the daemons beside this binary first (tools/build-release.sh --workspace --bins)",
+                "{} not found: build the daemons and the bench's programs beside this binary first (tools/build-release.sh --workspace --bins)",
                 p.display()
             );
         }
@@ -46,9 +46,8 @@ pub fn bins() -> Result<Bins> {
 impl Bins {
     /// Every binary the bench runs.
     pub fn all(&self) -> Vec<&PathBuf> {
-        let mut v = vec![&self.vfio, &self.vgpu, &self.dp, &self.dra];
+        let mut v = vec![&self.vfio, &self.vgpu, &self.dp, &self.dra, &self.bare];
         v.extend(self.noop.iter());
-        v.extend(self.bare.iter());
         v
     }
 }

@@ -25,7 +25,7 @@ use crate::harness::uevent::UeventSender;
 use crate::sections::dp::{Daemon, DpList, biggest, dp_list_with, first_list, registered};
 use crate::sections::plain::{Base, Inputs, PlainNode, Row, Tracer, at_most, limit_of};
 
-/// Runs of the bare plugin (or the bare list delivery and registration), per node.
+/// Runs of the bare plugin, per node.
 pub(crate) const LIST_RUNS: usize = 20;
 
 /// How long the bench waits after a vGPU's removal showed before restoring it: longer than
@@ -418,62 +418,31 @@ pub async fn figures(
 
     // The bases of the figures that end with a registration or a ListAndWatch message: the
     // same steps taken by a bare device plugin, a process of its own woken by the same events
-    // (gpu-vm-bare-plugin), with a list of the biggest resource's size; without that binary, a
-    // bare server and a bare registration client on threads of the bench.
+    // (gpu-vm-bare-plugin), with a list of the biggest resource's size.
     let listed = dp_list_with(b, n.tree.root(), &[])?;
     let size = biggest(&listed)?.devices.len();
-    let resources = listed.resources.len();
     let dir = tempfile::tempdir_in(n.tree.root())?;
-    let (register, connect, removed_base, created_base) = match &b.bare {
-        Some(bare) => {
-            let c = baseline::bare_plugin(bare, dir.path(), size, resources, LIST_RUNS).await?;
-            (
-                (
-                    if start.is_some() {
-                        "start + bare plugin's dial + Register"
-                    } else {
-                        "bare plugin's dial + Register"
-                    },
-                    c.register,
-                ),
-                ("bare plugin's connect + list", c.first),
-                ("bare plugin: file removed → list", c.unhealthy),
-                ("bare plugin: file created → list", c.healthy),
-            )
-        }
-        None => {
-            let cost = baseline::list_cost(dir.path(), size, LIST_RUNS).await?;
-            let reg = baseline::register_cost(dir.path(), resources, LIST_RUNS).await?;
-            (
-                (
-                    if start.is_some() {
-                        "start + connect + Register"
-                    } else {
-                        "connect + Register"
-                    },
-                    reg,
-                ),
-                ("connect + list", cost.first),
-                ("list", cost.update),
-                ("list", cost.update),
-            )
-        }
-    };
+    let bare =
+        baseline::bare_plugin(&b.bare, dir.path(), size, listed.resources.len(), LIST_RUNS).await?;
     let registers = Some(Base {
-        what: register.0,
-        time: start.map(|b| b.time).unwrap_or_default() + register.1,
+        what: if start.is_some() {
+            "start + bare plugin's dial + Register"
+        } else {
+            "bare plugin's dial + Register"
+        },
+        time: start.map(|b| b.time).unwrap_or_default() + bare.register,
     });
     let connect = Some(Base {
-        what: connect.0,
-        time: connect.1,
+        what: "bare plugin's connect + list",
+        time: bare.first,
     });
     let removed_base = Some(Base {
-        what: removed_base.0,
-        time: removed_base.1,
+        what: "bare plugin: file removed → list",
+        time: bare.unhealthy,
     });
     let created_base = Some(Base {
-        what: created_base.0,
-        time: created_base.1,
+        what: "bare plugin: file created → list",
+        time: bare.healthy,
     });
 
     let label = n.label.as_str();

@@ -314,24 +314,8 @@ async fn main() {
     let mut p = kubelet.plugin(&r.endpoint).await.unwrap();
     let mut lw = p.list_and_watch().await.unwrap();
     lw.next(WAIT).await.unwrap();
-    let (id, node) = ("0000:13:00.0", t.root.join("dev/vfio/103"));
-    let (mut down, mut up) = (Vec::new(), Vec::new());
-    for _ in 0..a.runs {
-        tokio::time::sleep(QUIET).await;
-        let s = Instant::now();
-        std::fs::remove_file(&node).unwrap();
-        lw.wait_until(WAIT, |l| healthy(l, id) == Some(false))
-            .await
-            .unwrap();
-        down.push(s.elapsed());
-        tokio::time::sleep(QUIET).await;
-        let s = Instant::now();
-        std::fs::write(&node, "").unwrap();
-        lw.wait_until(WAIT, |l| healthy(l, id) == Some(true))
-            .await
-            .unwrap();
-        up.push(s.elapsed());
-    }
+    let node = t.root.join("dev/vfio/103");
+    let (down, up) = reactions(&mut lw, &node, "0000:13:00.0", QUIET, a.runs).await;
     summary("8xA10 /dev/vfio/<g> removed → Unhealthy", down);
     summary("8xA10 /dev/vfio/<g> back → Healthy", up);
     drop(_d);

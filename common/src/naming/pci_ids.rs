@@ -273,6 +273,12 @@ fn search(src: &dyn IdsSource, from: u64, to: u64, needle: &[u8]) -> io::Result<
 
 /// The line that starts at `offset`, without its newline (at most [`MAX_LINE`] bytes).
 fn line_at(src: &dyn IdsSource, offset: u64) -> io::Result<Vec<u8>> {
+    if let Some(all) = src.in_memory() {
+        let from = usize::try_from(offset).unwrap_or(usize::MAX).min(all.len());
+        let rest = &all[from..all.len().min(from.saturating_add(MAX_LINE))];
+        let end = memchr::memchr(b'\n', rest).unwrap_or(rest.len());
+        return Ok(rest[..end].to_vec());
+    }
     let mut line = vec![0u8; MAX_LINE];
     let n = read_full(src, offset, &mut line)?;
     line.truncate(n);
@@ -297,6 +303,13 @@ fn locate(src: &dyn IdsSource, vendor: u16) -> io::Result<Option<Range<u64>>> {
     };
     let start = eol + 1;
     // The next line that is not the vendor's: a vendor line or the classes.
+    if let Some(all) = src.in_memory() {
+        let from = usize::try_from(start).unwrap_or(usize::MAX).min(all.len());
+        return Ok(Some(match section_end(&all[from..]) {
+            Ok(pos) => start..start + pos as u64,
+            Err(_) => start..size,
+        }));
+    }
     let mut buf = vec![0u8; CHUNK];
     let mut line_start = start;
     loop {
@@ -304,22 +317,31 @@ fn locate(src: &dyn IdsSource, vendor: u16) -> io::Result<Option<Range<u64>>> {
         if n == 0 {
             return Ok(Some(start..size));
         }
-        let text = &buf[..n];
-        let mut pos = 0;
-        while pos < n {
-            let line = &text[pos..];
-            if vendor_line(line).is_some() || line.starts_with(b"C ") {
-                return Ok(Some(start..line_start + pos as u64));
-            }
-            match memchr::memchr(b'\n', line) {
-                Some(e) => pos += e + 1,
-                // A line cut by the read: read again from its start.
-                None if n == buf.len() && pos > 0 => break,
-                None => return Ok(Some(start..size)),
-            }
+        match section_end(&buf[..n]) {
+            Ok(pos) => return Ok(Some(start..line_start + pos as u64)),
+            // A line cut by the read: read again from its start.
+            Err(pos) if n == buf.len() && pos > 0 => line_start += pos as u64,
+            Err(_) => return Ok(Some(start..size)),
         }
-        line_start += pos as u64;
     }
+}
+
+/// Where the first line of `text` (which starts at a line start) that is not a vendor's
+/// device or subsystem line starts: `Ok` at a vendor line or the classes; `Err` with the start
+/// of the last line, unended, when there is none (the text's length if its last line ends).
+fn section_end(text: &[u8]) -> Result<usize, usize> {
+    let mut pos = 0;
+    while pos < text.len() {
+        let line = &text[pos..];
+        if vendor_line(line).is_some() || line.starts_with(b"C ") {
+            return Ok(pos);
+        }
+        match memchr::memchr(b'\n', line) {
+            Some(e) => pos += e + 1,
+            None => return Err(pos),
+        }
+    }
+    Err(pos)
 }
 
 /// `2236  GA102GL [A10]` → (0x2236, "GA102GL [A10]"): four hex digits, then the name.
@@ -433,9 +455,48 @@ C 03  Display controller
         (ids, reads, bytes)
     }
 
+    /// In-memory text, as the embedded block is, that counts the reads made through `read_at`
+    /// (none should be: in-memory text is searched in place).
+    struct InPlace {
+        text: &'static [u8],
+        reads: Arc<AtomicUsize>,
+    }
+
+    impl IdsSource for InPlace {
+        fn size(&self) -> u64 {
+            self.text.len() as u64
+        }
+
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
+            self.reads.fetch_add(1, Ordering::SeqCst);
+            self.text.read_at(offset, buf)
+        }
+
+        fn in_memory(&self) -> Option<&[u8]> {
+            Some(self.text)
+        }
+    }
+
     #[test]
     fn names_from_a_real_format_file() {
         let (ids, _, _) = counting();
+        real_format_names(&ids);
+    }
+
+    #[test]
+    fn in_memory_text_is_searched_in_place_with_the_same_names() {
+        let reads = Arc::new(AtomicUsize::new(0));
+        let src = InPlace {
+            text: REAL_FORMAT.as_bytes(),
+            reads: reads.clone(),
+        };
+        let ids = PciIds::from_source(Box::new(src), "test");
+        real_format_names(&ids);
+        assert_eq!(reads.load(Ordering::SeqCst), 0, "nothing copied out");
+    }
+
+    /// What REAL_FORMAT names, and does not.
+    fn real_format_names(ids: &PciIds) {
         let name = |v, d| ids.device_name(v, d).map(|n| n.to_string());
         assert_eq!(name(0x10de, 0x2236).as_deref(), Some("GA102GL [A10]"));
         assert_eq!(name(0x10de, 0x1eb8).as_deref(), Some("TU104GL [Tesla T4]"));

@@ -34,9 +34,10 @@ built=$(cd "$target/shipped" && pwd -P)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir "$work/bin" "$work/path" "$work/profiles"
-# The bench finds the daemons beside itself (its own path, links resolved): a copy of it, with
-# each daemon behind a callgrind wrapper beside it.
-for b in gpu-vm-bench gpu-vm-noop; do
+# The bench finds the daemons and its own programs (the no-op, the bare plugin) beside itself
+# (its own path, links resolved): a copy of it and of its programs, with each daemon behind a
+# callgrind wrapper beside them.
+for b in gpu-vm-bench gpu-vm-noop gpu-vm-bare-plugin; do
     if [ -e "$built/$b" ]; then cp "$built/$b" "$work/bin/$b"; fi
 done
 for b in vfio-manager vgpu-device-manager sandbox-dp sandbox-dra; do

@@ -46,9 +46,23 @@ pub(crate) fn no_op_elf() -> Vec<u8> {
     e
 }
 
+/// A process started and run to its exit, `runs` times: its wall times, and the median of its
+/// minor page faults.
+#[derive(Clone, Copy, Debug)]
+pub struct Started {
+    pub time: Summary,
+    pub faults: u64,
+}
+
+/// The median of page-fault counts (0 for none).
+pub fn median_faults(mut faults: Vec<u64>) -> u64 {
+    faults.sort_unstable();
+    faults.get(faults.len() / 2).copied().unwrap_or(0)
+}
+
 /// Spawn → `waitpid` of the no-op executable, `runs` times after one warm-up; `None` on
 /// machines it is not written for.
-pub fn process_start(runs: usize) -> Result<Option<Summary>> {
+pub fn process_start(runs: usize) -> Result<Option<Started>> {
     #[cfg(target_arch = "x86_64")]
     {
         use std::os::unix::fs::PermissionsExt as _;
@@ -57,6 +71,7 @@ pub fn process_start(runs: usize) -> Result<Option<Summary>> {
         std::fs::write(&exe, no_op_elf())?;
         std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755))?;
         let mut walls = Vec::with_capacity(runs);
+        let mut faults = Vec::with_capacity(runs);
         for i in 0..=runs {
             let f = run(&mut std::process::Command::new(&exe))?;
             if f.code != 0 {
@@ -64,9 +79,13 @@ pub fn process_start(runs: usize) -> Result<Option<Summary>> {
             }
             if i > 0 {
                 walls.push(f.wall);
+                faults.push(f.minor_faults);
             }
         }
-        Ok(summarize(&walls))
+        Ok(summarize(&walls).map(|time| Started {
+            time,
+            faults: median_faults(faults),
+        }))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -202,7 +221,9 @@ mod tests {
     fn the_no_op_executable_runs_and_exits_zero() {
         let s = process_start(2).unwrap();
         if cfg!(target_arch = "x86_64") {
-            assert_eq!(s.map(|s| s.n), Some(2));
+            assert_eq!(s.map(|s| s.time.n), Some(2));
+            // Its one page of code, and the stack the kernel set up: a handful at most.
+            assert!(s.is_some_and(|s| s.faults < 16), "{s:?}");
         }
     }
 }

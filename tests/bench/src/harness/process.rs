@@ -16,6 +16,9 @@ pub struct Finished {
     pub cpu: Duration,
     pub code: i32,
     pub max_rss_kib: u64,
+    /// Page faults served without I/O (`ru_minflt`) of the process (and any children it
+    /// waited for): mostly, at start, copies of the relocated data and fresh heap pages.
+    pub minor_faults: u64,
     pub stderr: String,
 }
 
@@ -29,6 +32,7 @@ pub struct Finished {
 pub fn run(cmd: &mut Command) -> Result<Finished> {
     use std::io::Read as _;
     let cpu_before = children_cpu();
+    let faults_before = children_minor_faults();
     let start = Instant::now();
     let mut child = cmd
         .stdin(Stdio::null())
@@ -70,12 +74,14 @@ pub fn run(cmd: &mut Command) -> Result<Finished> {
     let status = status.with_context(|| format!("waiting for {cmd:?}"))?;
     let wall = end - start;
     let cpu = children_cpu().saturating_sub(cpu_before);
+    let minor_faults = children_minor_faults().saturating_sub(faults_before);
     let stderr = reader.join().unwrap_or_default();
     Ok(Finished {
         wall,
         cpu,
         code: status.code().unwrap_or(-1),
         max_rss_kib,
+        minor_faults,
         stderr,
     })
 }
@@ -136,6 +142,14 @@ pub fn children_cpu() -> Duration {
             + Duration::from_micros(tv.tv_usec().max(0) as u64)
     };
     t(u.user_time()) + t(u.system_time())
+}
+
+/// Minor page faults of this process's reaped children so far (as [`children_cpu`]).
+pub fn children_minor_faults() -> u64 {
+    use nix::sys::resource::{UsageWho, getrusage};
+    getrusage(UsageWho::RUSAGE_CHILDREN)
+        .map(|u| u64::try_from(u.minor_page_faults()).unwrap_or(0))
+        .unwrap_or(0)
 }
 
 /// The process, if it exited 0; its stderr in the error otherwise.

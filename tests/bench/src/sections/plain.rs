@@ -539,26 +539,32 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
 /// cheapest process start ([`baseline::process_start`]), which is returned as the base of the
 /// limits of figures that start a process.
 fn startup(cli: &Cli, b: &Bins, r: &mut Report) -> Result<Option<Base>> {
-    r.table(&["process start-up", "median (min–max)"]);
+    r.table(&["process start-up", "median (min–max)", "page faults"]);
     let least = baseline::process_start(START_RUNS)?;
     match &least {
         Some(s) => r.row(&[
             "a static executable that only exits (129 bytes): the base".into(),
-            fmt_summary(s),
+            fmt_summary(&s.time),
+            s.faults.to_string(),
         ]),
         None => r.row(&[
             "a static executable that only exits".into(),
             "skipped: built for x86-64 only".into(),
+            String::new(),
         ]),
     }
     let mut timed = |what: String, cmd: &mut dyn FnMut() -> Command| -> Result<()> {
         let mut walls = Vec::new();
+        let mut faults = Vec::new();
         for _ in 0..cli.runs.max(5) {
-            walls.push(ok(run(&mut cmd())?, &what)?.wall);
+            let f = ok(run(&mut cmd())?, &what)?;
+            walls.push(f.wall);
+            faults.push(f.minor_faults);
         }
         r.row(&[
             what,
             fmt_summary(&summarize(&walls).ok_or_else(|| anyhow!("no runs"))?),
+            baseline::median_faults(faults).to_string(),
         ]);
         Ok(())
     };
@@ -588,6 +594,6 @@ fn startup(cli: &Cli, b: &Bins, r: &mut Report) -> Result<Option<Base>> {
     r.line("");
     Ok(least.map(|s| Base {
         what: "start",
-        time: s.median,
+        time: s.time.median,
     }))
 }

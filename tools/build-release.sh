@@ -23,8 +23,10 @@
 #   packs them (the glibc linked in is the build host's);
 # - the functions listed in tools/startup-order.txt (what the daemons run to start and answer a
 #   command; tools/startup-order.sh regenerates it) are placed side by side at the start of the
-#   code, so that a command faults in a few pages of code rather than pages all over it. Names
-#   the build does not have are skipped.
+#   code, so that a command faults in a few pages of code rather than pages all over it.
+#   tools/link-ordered.sh (the linker given to rustc) resolves the list in each binary, also a
+#   function whose symbol hash changed since the list was made (a dependency or feature change
+#   anywhere in the workspace does that). Names the build does not have are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 triple=$(rustc -vV | sed -n 's/^host: //p')
@@ -36,13 +38,15 @@ if [ "$triple" = x86_64-unknown-linux-gnu ] && [ "${glibc:-0}" -ge 36 ]; then
     flags="$flags -C link-arg=-Wl,-z,pack-relative-relocs"
 fi
 if [ "$triple" = x86_64-unknown-linux-gnu ] && [ -s tools/startup-order.txt ]; then
-    # A copy named by its content: the flags, and so the build, change when the list does.
-    sum=$(sha256sum tools/startup-order.txt | cut -c1-16)
+    # A copy named by its content and the linker script's: the flags, and so the build, change
+    # when either does.
+    sum=$(cat tools/startup-order.txt tools/link-ordered.sh | sha256sum | cut -c1-16)
     order=$(cd "$target_dir" && pwd -P)/startup-order-$sum.txt
     cp tools/startup-order.txt "$order"
-    case $order in
-    *[[:space:]]*) echo "build-release.sh: $order has a space in its path; built without it" >&2 ;;
-    *) flags="$flags -C link-arg=-Wl,--symbol-ordering-file=$order -C link-arg=-Wl,--no-warn-symbol-ordering" ;;
+    case $order$PWD in
+    *[[:space:]]*) echo "build-release.sh: $order or $PWD has a space in its path; built without the start-up order" >&2 ;;
+    # tools/link-ordered.sh resolves the list against each binary (two links) for lld.
+    *) flags="$flags -C linker=$PWD/tools/link-ordered.sh -C link-arg=-Wl,--symbol-ordering-file=$order" ;;
     esac
 fi
 RUSTFLAGS="${RUSTFLAGS:-} $flags" \

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Regenerates tools/startup-order.txt: the functions the daemons run in gpu-vm-bench's plain-tree
 # figures (start-up, `status`, `list`, `assert`, `plan`, registration, the first ListAndWatch,
-# health reactions), one symbol per line. tools/build-release.sh hands the file to the linker
-# (lld's --symbol-ordering-file), which puts those functions side by side at the start of .text:
-# a command then faults in a few windows of code instead of dozens scattered over 8 MiB.
+# health reactions), one symbol per line. tools/build-release.sh links through
+# tools/link-ordered.sh, which finds those functions in each binary and hands them to lld
+# (--symbol-ordering-file): they are placed side by side at the start of .text, and a command
+# faults in a few windows of code instead of dozens over 8 MiB.
 #
-# Run it again after a toolchain or dependency update, or when start-up code changes much:
-# a name that no longer exists is skipped by the linker (it costs nothing), a function that is
-# missing from the list only stays where it was.
+# Run it again after a toolchain or dependency update, or when start-up code changes much: a
+# name that no longer exists is skipped (it costs nothing), a function missing from the list
+# only stays where it was. A feature or dependency change elsewhere in the workspace changes
+# every symbol's hash; tools/link-ordered.sh still finds each function whose name without hash
+# is its own, but not the generic functions and closures, so regenerate it then too.
 #
 # Usage: tools/startup-order.sh
 # Needs: valgrind (callgrind), root and /dev/fuse (node-sim, as the bench does). It builds the

@@ -37,7 +37,9 @@ glibc=$(getconf GNU_LIBC_VERSION 2>/dev/null | sed -n 's/^glibc 2\.\([0-9]*\).*/
 if [ "$triple" = x86_64-unknown-linux-gnu ] && [ "${glibc:-0}" -ge 36 ]; then
     flags="$flags -C link-arg=-Wl,-z,pack-relative-relocs"
 fi
-if [ "$triple" = x86_64-unknown-linux-gnu ] && [ -s tools/startup-order.txt ]; then
+if [ "$triple" = x86_64-unknown-linux-gnu ] && [ -s tools/startup-order.txt ] && ! command -v nm >/dev/null; then
+    echo "build-release.sh: no nm (binutils) to resolve tools/startup-order.txt with; built without the start-up order" >&2
+elif [ "$triple" = x86_64-unknown-linux-gnu ] && [ -s tools/startup-order.txt ]; then
     # A copy named by its content and the linker script's: the flags, and so the build, change
     # when either does.
     sum=$(cat tools/startup-order.txt tools/link-ordered.sh | sha256sum | cut -c1-16)

@@ -222,8 +222,8 @@ mod tests {
         let s = process_start(2).unwrap();
         if cfg!(target_arch = "x86_64") {
             assert_eq!(s.map(|s| s.time.n), Some(2));
-            // Its one page of code, and the stack the kernel set up: a handful at most.
-            assert!(s.is_some_and(|s| s.faults < 16), "{s:?}");
+            // Its one page of code faulted in, and little else: counted, and a handful at most.
+            assert!(s.is_some_and(|s| (1..16).contains(&s.faults)), "{s:?}");
         }
     }
 }

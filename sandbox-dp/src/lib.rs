@@ -555,10 +555,13 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         mgr.resources.len()
     ));
 
-    let mut resync = tokio::time::interval(config.resync_interval);
+    // The node was just read: the first resync is one interval away. (An interval's first tick
+    // is not immediate: it waits for the timer's next millisecond, and the loop with it, so an
+    // event in the daemon's first millisecond would wait too.)
+    let now = tokio::time::Instant::now();
+    let mut resync = tokio::time::interval_at(now + config.resync_interval, config.resync_interval);
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    resync.tick().await;
-    let mut last_read = tokio::time::Instant::now();
+    let mut last_read = now;
     let mut pending = Pending::default();
     let result = loop {
         ops.beat();

@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
@@ -14,6 +15,8 @@ use tokio::sync::watch;
 use tokio_stream::wrappers::WatchStream;
 use tokio_stream::{Stream, StreamExt as _};
 use tokio_util::sync::CancellationToken;
+use tonic::codegen::{Body, BoxFuture, Service, StdError, http};
+use tonic::server::{Grpc, NamedService, ServerStreamingService};
 use tonic::transport::{Channel, Endpoint, Server, Uri};
 use tonic::{Request, Response, Status};
 use tower::service_fn;
@@ -30,6 +33,7 @@ use crate::api::{
 use crate::discovery::{DeviceInfo, HEALTHY, Resource, UNHEALTHY};
 use crate::metrics::Metrics;
 use crate::ondemand::Pool;
+use crate::wire::ListCodec;
 
 /// The device-plugin API version we implement.
 pub const API_VERSION: &str = "v1beta1";
@@ -154,6 +158,79 @@ impl Plugin {
 }
 
 type ListStream = Pin<Box<dyn Stream<Item = Result<ListAndWatchResponse, Status>> + Send>>;
+type StateStream = Pin<Box<dyn Stream<Item = Result<Arc<ResourceState>, Status>> + Send>>;
+
+impl Plugin {
+    /// ListAndWatch's states: the current one, then each change, until `stop`.
+    fn states(&self) -> impl Stream<Item = Result<Arc<ResourceState>, Status>> + Send + 'static {
+        tracing::debug!(resource = %self.name, "ListAndWatch opened");
+        let s = WatchStream::new(self.state.clone()).map(Ok);
+        futures::StreamExt::take_until(s, self.stop.clone().cancelled_owned())
+    }
+}
+
+/// The gRPC path of ListAndWatch.
+const LIST_AND_WATCH: &str = "/v1beta1.DevicePlugin/ListAndWatch";
+
+/// A resource's device-plugin service as served: ListAndWatch sends each state encoded
+/// straight from the watch channel ([`ListCodec`]); every other call goes to the generated
+/// server.
+#[derive(Clone, Debug)]
+pub struct Served {
+    plugin: Arc<Plugin>,
+    generated: DevicePluginServer<Plugin>,
+}
+
+impl Served {
+    /// Serves `plugin`.
+    pub fn new(plugin: Plugin) -> Self {
+        let plugin = Arc::new(plugin);
+        Served {
+            generated: DevicePluginServer::from_arc(Arc::clone(&plugin)),
+            plugin,
+        }
+    }
+}
+
+impl NamedService for Served {
+    const NAME: &'static str = <DevicePluginServer<Plugin> as NamedService>::NAME;
+}
+
+/// ListAndWatch as a server-streaming method of [`Served`].
+struct ListAndWatch(Arc<Plugin>);
+
+impl ServerStreamingService<Empty> for ListAndWatch {
+    type Response = Arc<ResourceState>;
+    type ResponseStream = StateStream;
+    type Future = BoxFuture<Response<StateStream>, Status>;
+
+    fn call(&mut self, _: Request<Empty>) -> Self::Future {
+        let s: StateStream = Box::pin(self.0.states());
+        Box::pin(std::future::ready(Ok(Response::new(s))))
+    }
+}
+
+impl<B> Service<http::Request<B>> for Served
+where
+    B: Body + Send + 'static,
+    B::Error: Into<StdError> + Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Service::<http::Request<B>>::poll_ready(&mut self.generated, cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        if req.uri().path() != LIST_AND_WATCH {
+            return self.generated.call(req);
+        }
+        let method = ListAndWatch(Arc::clone(&self.plugin));
+        Box::pin(async move { Ok(Grpc::new(ListCodec).server_streaming(method, req).await) })
+    }
+}
 
 #[tonic::async_trait]
 impl DevicePlugin for Plugin {
@@ -166,13 +243,13 @@ impl DevicePlugin for Plugin {
         Ok(Response::new(Self::options()))
     }
 
+    /// What the generated server would send. [`Served`] answers ListAndWatch with the same
+    /// states encoded by [`ListCodec`] instead, without building these messages.
     async fn list_and_watch(
         &self,
         _: Request<Empty>,
     ) -> Result<Response<Self::ListAndWatchStream>, Status> {
-        tracing::debug!(resource = %self.name, "ListAndWatch opened");
-        let s = WatchStream::new(self.state.clone()).map(|st| Ok(list_response(&st)));
-        let s = futures::StreamExt::take_until(s, self.stop.clone().cancelled_owned());
+        let s = self.states().map(|st| st.map(|st| list_response(&st)));
         Ok(Response::new(Box::pin(s)))
     }
 
@@ -306,7 +383,7 @@ impl ResourceTask {
                 .with_context(|| format!("binding {} for {}", path.display(), self.name))?;
             let own = file_identity(&path);
             let stop = self.shutdown.child_token();
-            let svc = DevicePluginServer::new(Plugin::new(
+            let svc = Served::new(Plugin::new(
                 self.name.clone(),
                 self.state.clone(),
                 self.metrics.clone(),

@@ -163,6 +163,16 @@ fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+/// Whether a vGPU allocated at `since` and still seen in no pod at `now` (both whole seconds,
+/// [`now`]) is past its grace period. Whole seconds cut both instants short by up to a second,
+/// so the elapsed time is only known to within a second: the grace is over when it is surely
+/// over, more whole seconds than the grace rounded up. A vGPU is never released early (one
+/// allocated at 07.99 is not gone at 08.01 with a grace of 1 s); it may go up to a second late.
+fn past_grace(since: u64, now: u64, grace: Duration) -> bool {
+    let grace = grace.as_secs() + u64::from(grace.subsec_nanos() > 0);
+    now.saturating_sub(since) > grace
+}
+
 /// `NVIDIA A10-4Q` → `A10-4Q`.
 fn type_key(name: &str) -> &str {
     name.split_whitespace().last().unwrap_or(name)
@@ -715,9 +725,7 @@ impl Pool {
                 if active.contains_key(&r.device.to_ascii_lowercase()) {
                     changed |= !r.seen;
                     r.seen = true;
-                } else if r.seen
-                    || r.phase == Phase::Removing
-                    || t.saturating_sub(r.since) >= self.grace.as_secs()
+                } else if r.seen || r.phase == Phase::Removing || past_grace(r.since, t, self.grace)
                 {
                     release.push(r.clone());
                 }
@@ -1005,6 +1013,24 @@ fn wait_created(inv: &mut Inventory, paths: &HostPaths, r: &Record) -> Option<Cr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_grace_period_is_never_cut_short_by_whole_seconds() {
+        let s = Duration::from_secs;
+        // Allocated at 100.99, seen at 101.01: 20 ms, not a second.
+        assert!(!past_grace(100, 101, s(1)));
+        // At 102.00 at the earliest: over 1 s.
+        assert!(past_grace(100, 102, s(1)));
+        assert!(!past_grace(100, 160, s(60)));
+        assert!(past_grace(100, 161, s(60)));
+        // A grace under a second lasts until the next second but one.
+        assert!(!past_grace(100, 101, Duration::from_millis(500)));
+        assert!(past_grace(100, 102, Duration::from_millis(500)));
+        assert!(!past_grace(100, 100, Duration::ZERO));
+        assert!(past_grace(100, 101, Duration::ZERO));
+        // A clock set back keeps the vGPU.
+        assert!(!past_grace(100, 50, s(1)));
+    }
 
     #[test]
     fn device_ids() {

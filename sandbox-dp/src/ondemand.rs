@@ -163,14 +163,14 @@ fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Whether a vGPU allocated at `since` and still seen in no pod at `now` (both whole seconds,
-/// [`now`]) is past its grace period. Whole seconds cut both instants short by up to a second,
+/// Whether a vGPU allocated at `since` and still seen in no pod at `at` (both whole seconds, as
+/// [`now`] gives them) is past its grace period. Whole seconds cut both instants short by up to a second,
 /// so the elapsed time is only known to within a second: the grace is over when it is surely
 /// over, more whole seconds than the grace rounded up. A vGPU is never released early (one
 /// allocated at 07.99 is not gone at 08.01 with a grace of 1 s); it may go up to a second late.
-fn past_grace(since: u64, now: u64, grace: Duration) -> bool {
+fn past_grace(since: u64, at: u64, grace: Duration) -> bool {
     let grace = grace.as_secs() + u64::from(grace.subsec_nanos() > 0);
-    now.saturating_sub(since) > grace
+    at.saturating_sub(since) > grace
 }
 
 /// `NVIDIA A10-4Q` → `A10-4Q`.

@@ -11,6 +11,9 @@
 # them: a name the binary has as is; otherwise, without its hash (and without a `.N` suffix
 # LLVM adds to local copies), the one function of the binary with that name. Generic functions
 # and closures share a name without hash with many others, and are then left where they are.
+# Each link appends a line to FILE.log beside the list: the binary, how many of the list's
+# functions it has by their full name, how many were found only without hash, and how many were
+# ambiguous that way (tools/build-release.sh warns when the list looks stale).
 
 # The list arrives as rustc's `-Wl,--symbol-ordering-file=FILE` argument; without one, or with
 # arguments in a response file (`@FILE`), this is plain `cc`. Needs nm (binutils).
@@ -64,14 +67,24 @@ sed "s/'[0-9]*\$//" "$order" | awk -F '\t' '
     END {
         for (i = 0; i < n; i++) {
             e = entries[i]
-            if (e in have) { if (!(e in placed)) print e; placed[e] = 1; continue }
+            if (e in have) {
+                if (!(e in placed)) { print e; exact++ }
+                placed[e] = 1
+                continue
+            }
             b = e
             sub(/(\.llvm)?\.[0-9]+$/, "", b)
             sub(/17h[0-9a-f]+E$/, "", b)
             f = only[b]
-            if (count[b] == 1 && !(f in placed) && !(f in want)) { print f; placed[f] = 1 }
+            if (count[b] == 1 && !(f in placed) && !(f in want)) { print f; placed[f] = 1; byname++ }
+            else if (count[b] > 1) ambiguous++
         }
-    }' - "$out.names" >"$resolved"
+        # How the list matched this binary, for tools/build-release.sh to judge.
+        printf "%d\t%d\t%d\n", exact, byname, ambiguous > stats
+    }' stats="$out.stats" - "$out.names" >"$resolved"
+# One line per binary beside the list: its name, then the counts above.
+printf '%s\t%s\n' "$(basename "$out")" "$(cat "$out.stats")" >>"$order.log"
+rm -f "$out.stats"
 rm -f "$out.names"
 rm -f "$out.unordered"
 cc "${args[@]}" "-Wl,--symbol-ordering-file=$resolved" -Wl,--no-warn-symbol-ordering

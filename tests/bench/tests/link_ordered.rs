@@ -1,7 +1,7 @@
 //! `tools/link-ordered.sh`, the linker `tools/build-release.sh` gives rustc: the functions the
 //! start-up list names are placed first, in the list's order, also one whose hash changed since
-//! the list was made when its name without hash is its own; the output is stripped when the link
-//! asks for it.
+//! the list was made when its name without hash is its own; how the list matched is logged beside
+//! it; the output is stripped when the link asks for it.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
@@ -109,6 +109,9 @@ fn listed_functions_come_first_also_when_their_hash_changed() {
     let ordered = link(dir.path(), "ordered", std::slice::from_ref(&ordering));
     assert_eq!(layout(&ordered), [BAZ, BAR, MID, DUPE_A, DUPE_B]);
     assert!(Command::new(&ordered).status().unwrap().success());
+    // How the list matched, beside it: bar by its full name, baz without hash, dupe ambiguous.
+    let log = dir.path().join("order.txt.log");
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "ordered\t1\t1\t1\n");
 
     // Stripped as asked (the first link kept the symbols to read them), and no file left over.
     let stripped = link(
@@ -123,5 +126,19 @@ fn listed_functions_come_first_also_when_their_hash_changed() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     left.sort();
-    assert_eq!(left, ["f.c", "order.txt", "ordered", "plain", "stripped"]);
+    assert_eq!(
+        left,
+        [
+            "f.c",
+            "order.txt",
+            "order.txt.log",
+            "ordered",
+            "plain",
+            "stripped"
+        ]
+    );
+    assert_eq!(
+        std::fs::read_to_string(&log).unwrap(),
+        "ordered\t1\t1\t1\nstripped\t1\t1\t1\n"
+    );
 }

@@ -980,8 +980,10 @@ def cmd_containerfile() -> None:
             continue
         if d not in [m.rstrip("/") for m in members]:
             fail(f"{d} is not a workspace member")
-        if not re.search(rf"(?:cargo build|tools/build-release\.sh)[^\n]*-p {re.escape(d)}\b", text):
-            fail(f"Containerfile does not build package {d} (tools/build-release.sh -p {d})")
+        if not re.search(
+            rf"(?:cargo build|tools/build-release\.sh)[^\n]*(?:-p {re.escape(d)}\b|--workspace)", text
+        ):
+            fail(f"Containerfile does not build package {d} (tools/build-release.sh --workspace --bins)")
         for b in bin_targets(d):
             if b not in text:
                 fail(f"Containerfile does not install binary {b}")

@@ -136,9 +136,11 @@ template() { # [chart dir or packaged .tgz] helm-args...
 }
 # The chart installs what the kustomizations apply: its defaults (plus the Namespace, which
 # `helm install --create-namespace` makes otherwise) are deploy/base, the DRA driver on is
-# deploy/overlays/dra, the own-node policy on is deploy/overlays/own-node-policy.
+# deploy/overlays/dra, the own-node policy on is deploy/overlays/own-node-policy, on-demand on is
+# deploy/overlays/on-demand.
 for case in "base:" "overlays/dra:--set draDriver.enabled=true" \
-    "overlays/own-node-policy:--set vgpuDeviceManager.ownNodePolicy.enabled=true"; do
+    "overlays/own-node-policy:--set vgpuDeviceManager.ownNodePolicy.enabled=true" \
+    "overlays/on-demand:--set onDemand.enabled=true"; do
     dir="deploy/${case%%:*}" set_args="${case#*:}"
     # shellcheck disable=SC2086 # set_args is word-split on purpose
     template --set namespace.create=true $set_args >"$scratch/chart.yaml"
@@ -170,9 +172,12 @@ printf 'version: v1\nvgpu-configs:\n  default:\n    - devices: all\n      vgpu-d
 template --set vgpuDeviceManager.config.create=false --set vgpuDeviceManager.config.name=my-profiles \
     >"$scratch/opt-existing-cm.yaml"
 template --set-file vgpuDeviceManager.config.content="$scratch/profiles.yaml" >"$scratch/opt-content.yaml"
-template --set kubeletDir=/var/lib/k0s/kubelet --set draDriver.enabled=true >"$scratch/opt-kubelet.yaml"
+template --set kubeletDir=/var/lib/k0s/kubelet --set draDriver.enabled=true --set onDemand.enabled=true \
+    >"$scratch/opt-kubelet.yaml"
 template --set vfioManager.enabled=false --set sandboxDevicePlugin.enabled=false \
     --set draDriver.enabled=true >"$scratch/opt-operands.yaml"
+template --set sandboxDevicePlugin.enabled=false --set onDemand.enabled=true \
+    --set-string 'onDemand.gpus=0000:41:00.0\,0000:61:00.0' --set openshift.scc.enabled=true >"$scratch/opt-on-demand.yaml"
 template --set image.repository=registry.example/gpu-vm-node --set image.tag=1.2.3 \
     --set image.pullPolicy=Always --set vgpuDeviceManager.defaultConfig=A10-4Q \
     --set nodeSelector.pool=gpu --set 'tolerations[0].operator=Exists' \
@@ -227,6 +232,18 @@ expect(not bad, "kubeletDir=/var/lib/k0s/kubelet: every kubelet path, mount and 
 names = sorted(daemonsets(load("operands")))
 expect(names == ["sandbox-dra", "vgpu-device-manager"],
        f"vfioManager and sandboxDevicePlugin off, draDriver on: DaemonSets {names}")
+
+objs = load("on-demand")
+ds = daemonsets(objs)
+args = ds.get("sandbox-dp-on-demand", {}).get("spec", {}).get("template", {}).get("spec", {}).get("containers", [{}])[0].get("args")
+sas = [o["metadata"]["name"] for o in objs if o["kind"] == "ServiceAccount"]
+scc = [o for o in objs if o["kind"] == "SecurityContextConstraints"]
+users = scc[0].get("users", []) if scc else []
+expect(sorted(ds) == ["sandbox-dp-on-demand", "vfio-manager", "vgpu-device-manager"]
+       and args == ["serve", "--on-demand", "0000:41:00.0,0000:61:00.0", "--metrics-addr=0.0.0.0:9483"]
+       and "sandbox-dp" in sas and "system:serviceaccount:gpu-vm-node:sandbox-dp" in users,
+       f"onDemand on, sandboxDevicePlugin off, onDemand.gpus set: DaemonSets {sorted(ds)}, args {args}, "
+       f"service account sandbox-dp made ({sas}) and admitted by the SCC ({users})")
 
 bad = []
 for name, ds in daemonsets(load("pod")).items():

@@ -264,45 +264,52 @@ pub async fn run(
         .ok();
     let mut events_open = monitor.is_some();
     let mut registration_open = true;
-    let mut ticker = tokio::time::interval(cfg.resync_interval.max(Duration::from_millis(100)));
+    // The first pass runs at once; the resync ticks start one interval later. (An interval's
+    // first tick is not immediate: it waits for the timer's next millisecond.)
+    let period = cfg.resync_interval.max(Duration::from_millis(100));
+    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut waits = false;
     const BACKOFF_MIN: Duration = Duration::from_secs(1);
     const BACKOFF_MAX: Duration = Duration::from_secs(30);
     let mut backoff = BACKOFF_MIN;
     let mut retry: Option<tokio::time::Instant> = None;
     loop {
         cfg.telemetry.beat();
-        tokio::select! {
-            _ = shutdown.cancelled() => break,
-            _ = ticker.tick() => {}
-            _ = async { tokio::time::sleep_until(retry.unwrap_or_else(tokio::time::Instant::now)).await },
-                if retry.is_some() => {}
-            ev = rx.recv(), if events_open => match ev {
-                Some(ev) => {
-                    tracing::debug!(action = %ev.action, subject = ?ev.subject, "change seen");
-                    // Let a burst (a driver's unbind, probe and bind) settle into one pass.
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+        if waits {
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = ticker.tick() => {}
+                _ = async { tokio::time::sleep_until(retry.unwrap_or_else(tokio::time::Instant::now)).await },
+                    if retry.is_some() => {}
+                ev = rx.recv(), if events_open => match ev {
+                    Some(ev) => {
+                        tracing::debug!(action = %ev.action, subject = ?ev.subject, "change seen");
+                        // Let a burst (a driver's unbind, probe and bind) settle into one pass.
+                        tokio::select! {
+                            _ = shutdown.cancelled() => break,
+                            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                        }
+                        while rx.try_recv().is_ok() {}
                     }
-                    while rx.try_recv().is_ok() {}
+                    None => {
+                        events_open = false;
+                        continue;
+                    }
+                },
+                changed = registered.changed(), if registration_open => {
+                    if changed.is_err() {
+                        registration_open = false;
+                        continue;
+                    }
+                    if *registered.borrow_and_update() != Registered::Yes {
+                        continue;
+                    }
+                    tracing::debug!("kubelet registered the driver; checking the slice");
                 }
-                None => {
-                    events_open = false;
-                    continue;
-                }
-            },
-            changed = registered.changed(), if registration_open => {
-                if changed.is_err() {
-                    registration_open = false;
-                    continue;
-                }
-                if *registered.borrow_and_update() != Registered::Yes {
-                    continue;
-                }
-                tracing::debug!("kubelet registered the driver; checking the slice");
             }
         }
+        waits = true;
         let outcome =
             match read_devices(&paths, &cfg.pci_ids, &cfg.vgpu_pool, &cfg.mdev_parents).await {
                 Ok(nd) => {

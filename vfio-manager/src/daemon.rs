@@ -277,37 +277,44 @@ pub async fn run(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToke
         Subject::Pci(a) => Some(a),
         _ => None,
     };
-    let mut ticker = tokio::time::interval(cfg.resync_interval.max(Duration::from_millis(100)));
+    // The first pass runs at once; the resync ticks start one interval later. (An interval's
+    // first tick is not immediate: it waits for the timer's next millisecond.)
+    let period = cfg.resync_interval.max(Duration::from_millis(100));
+    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut events_open = cfg.udev;
     let mut first = true;
+    let mut waits = false;
     // After a pass with failures, event-triggered retries wait this long, so a device that
     // keeps failing (and whose failed writes raise events) is not retried in a tight loop.
     const RETRY_GAP: Duration = Duration::from_secs(1);
     let mut retry_not_before = tokio::time::Instant::now();
     loop {
         ops.beat();
-        tokio::select! {
-            _ = shutdown.cancelled() => break,
-            _ = ticker.tick() => {
-                if !first {
-                    tracing::debug!("resync");
-                }
-            }
-            ev = rx.recv(), if events_open => match ev {
-                Some(ev) => {
-                    tracing::debug!(action = %ev.action, device = ?address(&ev), "change seen");
-                    // Let a burst of events (a driver's remove + add) settle.
-                    let settle = tokio::time::Instant::now() + Duration::from_millis(100);
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        _ = tokio::time::sleep_until(settle.max(retry_not_before)) => {}
+        if waits {
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = ticker.tick() => {
+                    if !first {
+                        tracing::debug!("resync");
                     }
-                    while rx.try_recv().is_ok() {}
                 }
-                None => events_open = false,
-            },
+                ev = rx.recv(), if events_open => match ev {
+                    Some(ev) => {
+                        tracing::debug!(action = %ev.action, device = ?address(&ev), "change seen");
+                        // Let a burst of events (a driver's remove + add) settle.
+                        let settle = tokio::time::Instant::now() + Duration::from_millis(100);
+                        tokio::select! {
+                            _ = shutdown.cancelled() => break,
+                            _ = tokio::time::sleep_until(settle.max(retry_not_before)) => {}
+                        }
+                        while rx.try_recv().is_ok() {}
+                    }
+                    None => events_open = false,
+                },
+            }
         }
+        waits = true;
         let mut again = true;
         while again && !shutdown.is_cancelled() {
             again = false;

@@ -61,14 +61,9 @@ RUSTFLAGS="${RUSTFLAGS:-} $flags" \
     cargo build --release --locked --target "$triple" "$@"
 # A list that does not match the build (recorded before a dependency or feature change, or from
 # a build of other packages: features are unified over the packages built, and the hashes follow
-# them) matches by full name less, and its generic functions not at all. Say so when more than
-# one in twenty of a binary's functions were found only by their name without hash.
+# them) matches by full name less, and its generic functions not at all: say so.
 if [ -n "${order:-}" ] && [ -s "$order.log" ]; then
-    while IFS=$'\t' read -r bin exact byname ambiguous; do
-        if [ "$byname" -ge 20 ] && [ $((byname * 20)) -gt "$exact" ]; then
-            echo "build-release.sh: tools/startup-order.txt does not match ${bin%-*} as built: $byname of its functions found only by their name without hash, $exact by their full name, $ambiguous generic ones not found. The list is recorded from a build of --workspace --bins (tools/startup-order.sh); after a dependency or feature change, make it anew" >&2
-        fi
-    done <"$order.log"
+    tools/order-report.sh "$order.log"
 fi
 ln -sfn "$triple/release" "$target_dir/shipped"
 echo "built into $target_dir/shipped/ ($target_dir/$triple/release)"

@@ -13,7 +13,8 @@
 # and closures share a name without hash with many others, and are then left where they are.
 # Each link appends a line to FILE.log beside the list: the binary, how many of the list's
 # functions it has by their full name, how many were found only without hash, and how many were
-# ambiguous that way (tools/build-release.sh warns when the list looks stale).
+# ambiguous that way (tools/build-release.sh has tools/order-report.sh say when the list looks
+# stale).
 
 # The list arrives as rustc's `-Wl,--symbol-ordering-file=FILE` argument; without one, or with
 # arguments in a response file (`@FILE`), this is plain `cc`. Needs nm (binutils).

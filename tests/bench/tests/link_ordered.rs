@@ -142,3 +142,47 @@ fn listed_functions_come_first_also_when_their_hash_changed() {
         "ordered\t1\t1\t1\nstripped\t1\t1\t1\n"
     );
 }
+
+/// `tools/order-report.sh` on a log of `link-ordered.sh`'s form; its stderr.
+fn order_report(log: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("order.txt.log");
+    std::fs::write(&path, log).unwrap();
+    let out = Command::new(script().with_file_name("order-report.sh"))
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", out);
+    String::from_utf8(out.stdout.clone()).unwrap() + &String::from_utf8(out.stderr).unwrap()
+}
+
+#[test]
+fn a_list_found_more_than_one_in_twenty_only_without_hash_is_reported_stale() {
+    // A workspace build with a fresh list (7 of 1,617 without hash), and a few functions
+    // without hash on a tiny binary (under the floor of 20): nothing said.
+    assert_eq!(
+        order_report("sandbox_dp-9c23ffe7a9d4ec03\t1610\t7\t0\nnoop-77d2\t1\t19\t0\n"),
+        ""
+    );
+    // Exactly one in twenty: still matched.
+    assert_eq!(order_report("vfio_manager-bb66\t400\t20\t3\n"), "");
+    // Just over one in twenty, and the four daemons built alone: each named, with its counts.
+    let said = order_report(
+        "vfio_manager-bb66\t399\t20\t3\nsandbox_dp-9c23ffe7a9d4ec03\t603\t539\t623\n\
+         gpu_vm_noop-1\t46\t1\t0\n",
+    );
+    let lines: Vec<&str> = said.lines().collect();
+    assert_eq!(lines.len(), 2, "{said}");
+    assert!(lines[0].contains("does not match vfio_manager as built: 20 of its functions found only by their name without hash, 399 by their full name, 3 generic ones not found"), "{said}");
+    assert!(
+        lines[1].contains("does not match sandbox_dp as built: 539 "),
+        "{said}"
+    );
+    assert!(lines[1].contains("tools/startup-order.sh"), "{said}");
+    // A log that cannot be read is an error, not silence.
+    let status = Command::new(script().with_file_name("order-report.sh"))
+        .arg("/nonexistent/order.txt.log")
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(2));
+}

@@ -27,8 +27,8 @@
 #   tools/link-ordered.sh (the linker given to rustc) resolves the list in each binary, also a
 #   function whose symbol hash changed since the list was made (a dependency or feature change
 #   anywhere in the workspace does that). Names the build does not have are skipped. When many
-#   of a binary's functions were found only that way, the list does not match the build (its
-#   generic functions are lost): this script says so. The list is recorded from a build of
+#   of the functions of a binary's own crate were found only that way, the list does not match
+#   the build (its generic functions are lost): tools/order-report.sh says so. The list is recorded from a build of
 #   --workspace --bins; a build of fewer packages unifies other features, gets other hashes,
 #   and matches it only in part (the four daemons alone: 564-603 functions by full name against
 #   1,610 for sandbox-dp in a workspace build).

@@ -12,9 +12,13 @@
 # LLVM adds to local copies), the one function of the binary with that name. Generic functions
 # and closures share a name without hash with many others, and are then left where they are.
 # Each link appends a line to FILE.log beside the list: the binary, how many of the list's
-# functions it has by their full name, how many were found only without hash, and how many were
-# ambiguous that way (tools/build-release.sh has tools/order-report.sh say when the list looks
-# stale).
+# functions it has by their full name, how many were found only without hash, how many were
+# ambiguous that way, and the first two counts again for the functions of the binary's own crate
+# (`sandbox_dp::...` in sandbox_dp-<hash>). Only those tell a stale list: the list holds every
+# daemon's functions, and another daemon's instance of a generic function is found here by its
+# name without hash whenever this binary has one of that name, fresh list or not; but the
+# binary's own functions are found by their full name unless their crate's hash changed.
+# tools/build-release.sh has tools/order-report.sh say when the list looks stale.
 
 # The list arrives as rustc's `-Wl,--symbol-ordering-file=FILE` argument; without one, or with
 # arguments in a response file (`@FILE`), this is plain `cc`. Needs nm (binutils).
@@ -55,6 +59,10 @@ done
 
 cc "${first[@]}"
 resolved="$out.order"
+# The binary's own crate as rustc mangles its paths: sandbox_dp-<hash> -> _ZN10sandbox_dp.
+crate=$(basename "$out")
+crate=${crate%%-*}
+prefix="_ZN${#crate}${crate}"
 # Each function of the binary (code, weak code, IFUNC) as "without hash<TAB>full name"; the
 # list (callgrind's `'N` recursion marks dropped) resolved against them, in its order.
 nm -P --defined-only "$out.unordered" | awk '$2 ~ /^[tTWi]$/ { print $1 }' |
@@ -68,8 +76,9 @@ sed "s/'[0-9]*\$//" "$order" | awk -F '\t' '
     END {
         for (i = 0; i < n; i++) {
             e = entries[i]
+            own = index(e, prefix) == 1
             if (e in have) {
-                if (!(e in placed)) { print e; exact++ }
+                if (!(e in placed)) { print e; exact++; own_exact += own }
                 placed[e] = 1
                 continue
             }
@@ -77,12 +86,14 @@ sed "s/'[0-9]*\$//" "$order" | awk -F '\t' '
             sub(/(\.llvm)?\.[0-9]+$/, "", b)
             sub(/17h[0-9a-f]+E$/, "", b)
             f = only[b]
-            if (count[b] == 1 && !(f in placed) && !(f in want)) { print f; placed[f] = 1; byname++ }
+            if (count[b] == 1 && !(f in placed) && !(f in want)) {
+                print f; placed[f] = 1; byname++; own_byname += own
+            }
             else if (count[b] > 1) ambiguous++
         }
-        # How the list matched this binary, for tools/build-release.sh to judge.
-        printf "%d\t%d\t%d\n", exact, byname, ambiguous > stats
-    }' stats="$out.stats" - "$out.names" >"$resolved"
+        # How the list matched this binary, for tools/order-report.sh to judge.
+        printf "%d\t%d\t%d\t%d\t%d\n", exact, byname, ambiguous, own_exact, own_byname > stats
+    }' stats="$out.stats" prefix="$prefix" - "$out.names" >"$resolved"
 # One line per binary beside the list: its name, then the counts above.
 printf '%s\t%s\n' "$(basename "$out")" "$(cat "$out.stats")" >>"$order.log"
 rm -f "$out.stats"

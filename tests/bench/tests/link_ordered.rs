@@ -109,15 +109,19 @@ fn listed_functions_come_first_also_when_their_hash_changed() {
     let ordered = link(dir.path(), "ordered", std::slice::from_ref(&ordering));
     assert_eq!(layout(&ordered), [BAZ, BAR, MID, DUPE_A, DUPE_B]);
     assert!(Command::new(&ordered).status().unwrap().success());
-    // How the list matched, beside it: bar by its full name, baz without hash, dupe ambiguous.
+    // How the list matched, beside it: bar by its full name, baz without hash, dupe ambiguous;
+    // none of them is of the binary's own crate (`ordered`).
     let log = dir.path().join("order.txt.log");
-    assert_eq!(std::fs::read_to_string(&log).unwrap(), "ordered\t1\t1\t1\n");
+    assert_eq!(
+        std::fs::read_to_string(&log).unwrap(),
+        "ordered\t1\t1\t1\t0\t0\n"
+    );
 
     // Stripped as asked (the first link kept the symbols to read them), and no file left over.
     let stripped = link(
         dir.path(),
         "stripped",
-        &[ordering, "-Wl,--strip-all".to_string()],
+        &[ordering.clone(), "-Wl,--strip-all".to_string()],
     );
     assert!(layout(&stripped).is_empty());
     assert!(Command::new(&stripped).status().unwrap().success());
@@ -139,7 +143,20 @@ fn listed_functions_come_first_also_when_their_hash_changed() {
     );
     assert_eq!(
         std::fs::read_to_string(&log).unwrap(),
-        "ordered\t1\t1\t1\nstripped\t1\t1\t1\n"
+        "ordered\t1\t1\t1\t0\t0\nstripped\t1\t1\t1\t0\t0\n"
+    );
+
+    // A binary of crate `foo` (named as cargo names it): the same functions are its own, and
+    // counted again as such.
+    link(
+        dir.path(),
+        "foo-0123456789abcdef",
+        std::slice::from_ref(&ordering),
+    );
+    assert!(
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .ends_with("\nfoo-0123456789abcdef\t1\t1\t1\t1\t1\n")
     );
 }
 
@@ -157,25 +174,39 @@ fn order_report(log: &str) -> String {
 }
 
 #[test]
-fn a_list_found_more_than_one_in_twenty_only_without_hash_is_reported_stale() {
-    // A workspace build with a fresh list (7 of 1,617 without hash), and a few functions
-    // without hash on a tiny binary (under the floor of 20): nothing said.
+fn a_list_whose_own_functions_are_found_only_without_hash_is_reported_stale() {
+    // A fresh workspace list: sandbox-dp's own functions all by their full name; vfio-manager
+    // finds 65 of other daemons' generic instances by name (no sign), and a tiny binary with 2
+    // of its own by name (under the floor of 3): nothing said.
     assert_eq!(
-        order_report("sandbox_dp-9c23ffe7a9d4ec03\t1610\t7\t0\nnoop-77d2\t1\t19\t0\n"),
+        order_report(
+            "sandbox_dp-9c23ffe7a9d4ec03\t1610\t7\t134\t402\t0\n\
+             vfio_manager-e5103ced2ff56245\t1180\t65\t302\t231\t0\n\
+             gpu_vm_noop-1\t1\t2\t0\t0\t2\n"
+        ),
         ""
     );
-    // Exactly one in twenty: still matched.
-    assert_eq!(order_report("vfio_manager-bb66\t400\t20\t3\n"), "");
-    // Just over one in twenty, and the four daemons built alone: each named, with its counts.
+    // Exactly one in twenty of its own: still matched.
+    assert_eq!(order_report("vfio_manager-bb66\t400\t20\t3\t57\t3\n"), "");
+    // Just over one in twenty, and a daemon built alone (its crate's hash changed): each
+    // named, with its counts.
     let said = order_report(
-        "vfio_manager-bb66\t399\t20\t3\nsandbox_dp-9c23ffe7a9d4ec03\t603\t539\t623\n\
-         gpu_vm_noop-1\t46\t1\t0\n",
+        "vfio_manager-bb66\t400\t20\t3\t56\t3\n\
+         sandbox_dp-9c23ffe7a9d4ec03\t603\t539\t623\t0\t402\n\
+         gpu_vm_noop-1\t46\t1\t0\t1\t0\n",
     );
     let lines: Vec<&str> = said.lines().collect();
     assert_eq!(lines.len(), 2, "{said}");
-    assert!(lines[0].contains("does not match vfio_manager as built: 20 of its functions found only by their name without hash, 399 by their full name, 3 generic ones not found"), "{said}");
     assert!(
-        lines[1].contains("does not match sandbox_dp as built: 539 "),
+        lines[0].contains(
+            "does not match vfio_manager as built: 3 of its own crate's listed functions found \
+             only by their name without hash, 56 by their full name (all crates: 400 by full \
+             name, 20 by name, 3 generic ones not found)"
+        ),
+        "{said}"
+    );
+    assert!(
+        lines[1].contains("does not match sandbox_dp as built: 402 of its own"),
         "{said}"
     );
     assert!(lines[1].contains("tools/startup-order.sh"), "{said}");

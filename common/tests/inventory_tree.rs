@@ -618,3 +618,53 @@ fn a_refresh_reads_only_what_it_names() {
     assert_eq!(driver(&f, "0000:61:00.0").as_deref(), Some("nvidia"));
     f.pci("0000:61:00.0").matches("both events seen");
 }
+
+/// What sandbox-dp's on-demand pool reads before it places a vGPU: one GPU refreshed into an
+/// empty inventory. It must see that GPU's vGPU capacity as a full read does, and nothing else.
+#[test]
+fn one_gpu_read_alone_has_the_capacity_a_full_read_gives_it() {
+    let opts = ReadOptions {
+        mdev_types: true,
+        vf_identity: false,
+    };
+    let t = sriov_node();
+    t.add_vf(0, "0000:41:00.4", 40);
+    t.add_vf(1, "0000:41:00.5", 41);
+    t.add_vf(2, "0000:41:00.6", 42);
+    t.add_mdev("0000:41:00.5", UUID, 121);
+    let alone = |bdf: &str| {
+        let mut inv = Inventory::default();
+        inv.refresh_pci(&t.paths(), a(bdf), &opts);
+        inv
+    };
+    let full = Inventory::read_with(&t.paths(), &opts).unwrap();
+    for gpu in ["0000:41:00.0", "0000:61:00.0"] {
+        let inv = alone(gpu);
+        let cap = common::vgpu::capacity(&inv, &a(gpu));
+        assert_eq!(cap, common::vgpu::capacity(&full, &a(gpu)), "{gpu}");
+        // The group nodes of its groups too: a placement answers with one.
+        for d in inv.devices.values() {
+            let g = d.iommu_group.unwrap();
+            assert_eq!(
+                inv.vfio_nodes.contains(&g),
+                full.vfio_nodes.contains(&g),
+                "{gpu}: group {g}"
+            );
+        }
+    }
+    let inv = alone("0000:41:00.0");
+    let cap = common::vgpu::capacity(&inv, &a("0000:41:00.0"));
+    assert_eq!(cap.mode, common::vgpu::Mode::MdevVf);
+    assert_eq!(cap.existing.len(), 1, "{cap:?}");
+    assert_eq!(
+        cap.types[0].parents,
+        ["0000:41:00.4", "0000:41:00.6"],
+        "the VFs without an mdev offer it"
+    );
+    assert_eq!(inv.mdevs.keys().collect::<Vec<_>>(), [UUID]);
+    assert!(
+        inv.device(&a("0000:61:00.0")).is_none(),
+        "the other GPU is not read"
+    );
+    assert_eq!(inv.devices.len(), 4);
+}

@@ -285,6 +285,22 @@ impl Pool {
             .collect()
     }
 
+    /// What a vGPU on `m` depends on, read under its lock: for a GPU, the GPU with its VFs,
+    /// their mdev types and mdevs, and the group nodes of their groups (a refresh of that GPU
+    /// into an empty inventory, which then shows it as a full read does: the cost of the GPU,
+    /// not of the node, which on a node of SR-IOV GPUs is every VF's types); for a non-PCI
+    /// parent, the node.
+    fn read_member(&self, m: &Member) -> common::Result<Inventory> {
+        match m {
+            Member::Gpu(a) => {
+                let mut inv = Inventory::default();
+                inv.refresh_pci(&self.paths, *a, &READ_OPTIONS);
+                Ok(inv)
+            }
+            Member::Parent(_) => Inventory::read_with(&self.paths, &READ_OPTIONS),
+        }
+    }
+
     /// Every pooled GPU and mdev parent the inventory has, GPUs first.
     fn members(&self, inv: &Inventory) -> Vec<Member> {
         let gpus = self.gpus(inv).into_iter().map(Member::Gpu);
@@ -570,7 +586,8 @@ impl Pool {
         };
         let gl = self.member_lock(&r.parent);
         let _held = lock(&gl);
-        let mut inv = Inventory::read_with(&self.paths, &READ_OPTIONS)
+        let mut inv = self
+            .read_member(&r.parent)
             .map_err(|e| format!("reading the node: {e}"))?;
         if r.phase != Phase::Removing
             && let Some(c) = created(&mut inv, &self.paths, &r)
@@ -608,7 +625,7 @@ impl Pool {
         let what = gpu.what();
         let gl = self.member_lock(gpu);
         let _held = lock(&gl);
-        let mut inv = match Inventory::read_with(&self.paths, &READ_OPTIONS) {
+        let mut inv = match self.read_member(gpu) {
             Ok(inv) => inv,
             Err(e) => return Placed::Failed(format!("reading the node: {e}")),
         };

@@ -285,11 +285,11 @@ impl Pool {
             .collect()
     }
 
-    /// What a vGPU on `m` depends on, read under its lock: for a GPU, the GPU with its VFs,
-    /// their mdev types and mdevs, and the group nodes of their groups (a refresh of that GPU
-    /// into an empty inventory, which then shows it as a full read does: the cost of the GPU,
-    /// not of the node, which on a node of SR-IOV GPUs is every VF's types); for a non-PCI
-    /// parent, the node.
+    /// What placing or removing a vGPU on `m` depends on, read under its lock: for a GPU, the
+    /// GPU with its VFs, their mdev types and mdevs, and the group nodes of their groups (a
+    /// refresh of that GPU into an empty inventory, which then shows it as a full read does:
+    /// the cost of the GPU, not of the node, which on a node of SR-IOV GPUs is every VF's
+    /// types); for a non-PCI parent, the node.
     fn read_member(&self, m: &Member) -> common::Result<Inventory> {
         match m {
             Member::Gpu(a) => {
@@ -788,7 +788,10 @@ impl Pool {
         if !self.records().contains(r) {
             return Ok(());
         }
-        let inv = Inventory::read_with(&self.paths, &READ_OPTIONS)
+        // Its GPU holds the vGPU (an mdev on it or a VF, or the VF itself): who uses it is
+        // found from that device alone (its group node, its VFIO cdev, its pod).
+        let inv = self
+            .read_member(&r.parent)
             .map_err(|e| format!("reading the node: {e}"))?;
         if exists(&inv, r) {
             let usage = common::Usage::read(&self.paths);

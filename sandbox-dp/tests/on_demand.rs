@@ -1022,7 +1022,8 @@ async fn creations_refusals_and_removals_are_node_events() {
     assert!(note.contains(GPU_A) && note.contains("A10-8Q"), "{ev}");
     assert_eq!(ev["type"], "Warning");
 
-    // The pod runs, then is gone: the vGPU is removed and that is told too.
+    // The pod runs, then is gone while a process (a VM's QEMU outliving its pod) still holds
+    // the vGPU's group node: the vGPU is kept, and that is told.
     pool.pods
         .set_pods(vec![pod("vms", "vm-a", "compute", A10_4Q, &[&slot])]);
     block(|| {
@@ -1030,7 +1031,20 @@ async fn creations_refusals_and_removals_are_node_events() {
             records(root).contains("\"seen\": true")
         })
     });
+    let group =
+        std::fs::read_link(root.join(format!("sys/bus/mdev/devices/{uuid}/iommu_group"))).unwrap();
+    let group = group.file_name().unwrap().to_str().unwrap().to_string();
+    let qemu = std::fs::File::open(root.join(format!("dev/vfio/{group}"))).unwrap();
     pool.pods.set_pods(vec![]);
+    let kept = block(|| api.wait_for_event("VgpuNotRemoved", DEADLINE))
+        .expect("a VgpuNotRemoved event on the Node");
+    let note = kept["note"].as_str().unwrap_or_default();
+    assert!(note.contains(&uuid) && note.contains("in use"), "{kept}");
+    assert_eq!(kept["type"], "Warning");
+    assert!(root.join(format!("sys/bus/mdev/devices/{uuid}")).exists());
+
+    // Let go: the next poll removes it, and that is told too.
+    drop(qemu);
     let removed = block(|| api.wait_for_event("VgpuRemoved", DEADLINE))
         .expect("a VgpuRemoved event on the Node");
     let note = removed["note"].as_str().unwrap_or_default();

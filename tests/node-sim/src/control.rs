@@ -8,7 +8,8 @@ use crate::topology::parse_bdf;
 /// What reading `sys/kernel/node-sim/control` shows.
 pub(crate) const CONTROL_HELP: &str = "\
 # node-sim control: write one command per write.
-#   fault <op> <BDF|uuid|*> <ERRNO|delay=MS> [count=N]
+#   fault <op> <BDF|uuid|*> <ERRNO|delay=MS|after=MS> [count=N]
+#       delay: the write takes effect after MS; after: at once, answered after MS
 #       op: bind unbind probe driver_override create remove sriov_numvfs current_vgpu_type
 #   clear-faults
 #   hold <group> [pid=N] [comm=NAME]      a synthetic VM holding /dev/vfio/<group>
@@ -47,7 +48,7 @@ impl State {
         match words.first().copied() {
             Some("fault") => self
                 .faults
-                .add(&positional, opt("delay"), opt("count"))
+                .add(&positional, opt("delay"), opt("after"), opt("count"))
                 .map_err(|e| bad(&e))?,
             Some("clear-faults") => self.faults.clear(),
             Some("clear-ops") => self.ops.clear(),

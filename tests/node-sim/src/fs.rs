@@ -194,21 +194,25 @@ impl Shared {
             });
         }
         let keys = Faults::keys(target, value);
-        let (delay, errno) = match &keys {
+        let taken = match &keys {
             Some((op, keys)) => self.lock().state.faults.take(op, keys),
-            None => (Duration::ZERO, None),
+            None => Default::default(),
         };
-        if !delay.is_zero() {
-            std::thread::sleep(delay);
+        if !taken.delay.is_zero() {
+            std::thread::sleep(taken.delay);
         }
-        self.change(|st| {
-            let result = match errno {
+        let result = self.change(|st| {
+            let result = match taken.errno {
                 Some(e) => Err(e),
                 None => st.write(target, value),
             };
             st.ops.log(path, value, result);
             result
-        })
+        });
+        if !taken.after.is_zero() {
+            std::thread::sleep(taken.after);
+        }
+        result
     }
 }
 

@@ -63,6 +63,27 @@ fn fault_delay_holds_the_write_then_applies_it() {
 }
 
 #[test]
+fn fault_after_applies_the_write_at_once_and_holds_the_answer() {
+    let Some(m) = mount("2xA10") else { return };
+    m.ctl("fault unbind * after=2000 count=1");
+    std::thread::scope(|s| {
+        let writer = s.spawn(|| m.w("sys/bus/pci/drivers/nvidia/unbind", GPU));
+        // The kernel's side is done while the writer still waits for its answer.
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while m.driver(GPU).is_some() {
+            assert!(
+                std::time::Instant::now() < end,
+                "the unbind never took effect"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(!writer.is_finished(), "answered before its after=2000");
+        assert_eq!(writer.join().unwrap(), Ok(()));
+    });
+    assert_eq!(m.driver(GPU), None);
+}
+
+#[test]
 fn bad_control_commands_fail_with_einval() {
     let Some(m) = mount("2xA10") else { return };
     for bad in [
@@ -70,6 +91,8 @@ fn bad_control_commands_fail_with_einval() {
         "fault teleport * EBUSY",
         "fault unbind * ENOTANERRNO",
         "fault unbind *",
+        "fault unbind * delay=10 after=10",
+        "fault unbind * after=soon",
         "hold abc",
         "hotplug 0000:81:00.0 NOPE",
         "unplug 0000:99:00.0",

@@ -115,8 +115,9 @@ pub fn writes(sim: &Sim) -> Vec<Op> {
 
 /// Kills `child` with SIGKILL as soon as `now()` holds (polled every millisecond) or it exits
 /// by itself, and reaps it. Returns whether it was still running when `now()` held. Crash tests
-/// pair it with slowed writes (`fault <op> * delay=MS`) and `now` counting [`writes`], so that
-/// the kill lands near the k-th write.
+/// pair it with slowed writes (`fault <op> * delay=MS`, and `after=MS` to hold the answer of a
+/// write already done) and `now` counting [`writes`], so that the kill lands near the k-th
+/// write.
 pub fn kill_when(child: &mut Child, patience: Duration, mut now: impl FnMut() -> bool) -> bool {
     let end = Instant::now() + patience;
     let killed = loop {

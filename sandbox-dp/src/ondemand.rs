@@ -604,6 +604,14 @@ impl Pool {
             return Ok(Some(c));
         }
         if exists(&inv, &r) {
+            // Made for this device but not whole (no group node yet, or half removed): made
+            // again, unless something holds it.
+            if let Some(who) = self.held(&inv, &r)? {
+                return Err(format!(
+                    "{resource}: {} {} made earlier for {id} is in use: {who}; not removed",
+                    r.type_name, r.handle
+                ));
+            }
             self.destroy_handle_of(&r)
                 .map_err(|e| format!("{resource}: removing {} {}: {e}", r.type_name, r.handle))?;
         }
@@ -794,21 +802,9 @@ impl Pool {
             .read_member(&r.parent)
             .map_err(|e| format!("reading the node: {e}"))?;
         if exists(&inv, r) {
-            let usage = common::Usage::read(&self.paths);
-            let users: Vec<common::User> = if r.vendor {
-                let vf: PciAddress = r.handle.parse().map_err(|_| "bad VF".to_string())?;
-                usage.of_function(&inv, &vf)
-            } else {
-                inv.mdevs
-                    .get(&r.handle)
-                    .map(|m| usage.of_mdev(m))
-                    .unwrap_or_default()
-            };
-            let users: Vec<_> = users.into_iter().filter(|u| !u.is_pod()).collect();
-            if !users.is_empty() {
+            if let Some(who) = self.held(&inv, r)? {
                 return Err(format!(
-                    "no pod holds it, but it is in use: {}; kept, retried",
-                    common::usage::describe(&users)
+                    "no pod holds it, but it is in use: {who}; kept, retried"
                 ));
             }
             self.update(|rs| {
@@ -838,21 +834,48 @@ impl Pool {
             .map_err(|e| format!("{e:#}"))
     }
 
+    /// Who other than a pod holds the vGPU of `r` (a process: its group node or VFIO cdev
+    /// open), as a description; `None` when nobody does. Unknown counts as held. Pods are left
+    /// to the callers, which judge them from kubelet's PodResources. `inv` holds its GPU.
+    fn held(&self, inv: &Inventory, r: &Record) -> Result<Option<String>, String> {
+        let usage = common::Usage::read(&self.paths);
+        let users: Vec<common::User> = if r.vendor {
+            let vf: PciAddress = r.handle.parse().map_err(|_| "bad VF".to_string())?;
+            usage.of_function(inv, &vf)
+        } else {
+            inv.mdevs
+                .get(&r.handle)
+                .map(|m| usage.of_mdev(m))
+                .unwrap_or_default()
+        };
+        let users: Vec<_> = users.into_iter().filter(|u| !u.is_pod()).collect();
+        Ok((!users.is_empty()).then(|| common::usage::describe(&users)))
+    }
+
+    /// Undoes a vGPU this call made (an Allocate of several devices failed on a later one),
+    /// under its GPU's lock, unless something already holds it.
     fn destroy_handle(&self, handle: &str) -> Result<(), String> {
         let r = lock(&self.records)
             .iter()
             .find(|r| r.handle == handle)
             .cloned();
-        match r {
-            Some(r) => {
-                self.destroy_handle_of(&r)?;
-                self.update(|rs| rs.retain(|x| x.handle != handle))
-                    .map_err(|e| format!("{e:#}"))
+        let Some(r) = r else { return Ok(()) };
+        let gl = self.member_lock(&r.parent);
+        let _held = lock(&gl);
+        let inv = self
+            .read_member(&r.parent)
+            .map_err(|e| format!("reading the node: {e}"))?;
+        if exists(&inv, &r) {
+            if let Some(who) = self.held(&inv, &r)? {
+                return Err(format!("it is in use: {who}; kept"));
             }
-            None => Ok(()),
+            self.destroy_handle_of(&r)?;
         }
+        self.update(|rs| rs.retain(|x| x.handle != handle))
+            .map_err(|e| format!("{e:#}"))
     }
 
+    /// The write that removes the vGPU of `r`. Callers ask [`Pool::held`] first.
     fn destroy_handle_of(&self, r: &Record) -> Result<(), String> {
         let sysfs = Sysfs::new(self.paths.clone());
         let res = if r.vendor {

@@ -70,6 +70,23 @@ async fn race_4q_8q(
     tokio::join!(p.p4.allocate(&q4), p.p8.allocate(&q8))
 }
 
+/// GPU A's VFs enabled, and an A10-4Q mdev made by hand on each `(VF, UUID)`: vGPUs an
+/// earlier sandbox-dp left.
+fn a10_4q_mdevs(root: &Path, mdevs: &[(&str, &str)]) {
+    write(
+        root,
+        &format!("sys/bus/pci/devices/{GPU_A}/sriov_numvfs"),
+        "32",
+    );
+    for (vf, uuid) in mdevs {
+        write(
+            root,
+            &format!("sys/class/mdev_bus/{vf}/mdev_supported_types/nvidia-593/create"),
+            uuid,
+        );
+    }
+}
+
 fn records(root: &Path) -> String {
     std::fs::read_to_string(root.join("run/gpu-vm-node/on-demand-vgpus.json")).unwrap_or_default()
 }
@@ -275,22 +292,11 @@ async fn restart_after_a_crash_removes_the_orphan_and_keeps_the_pods_vgpu() {
         return;
     };
     let root = sim.root();
-    write(
-        root,
-        &format!("sys/bus/pci/devices/{GPU_A}/sriov_numvfs"),
-        "32",
-    );
     let (orphan, held) = (
         "5a3b2c1d-0000-4000-8000-00000000000a",
         "5a3b2c1d-0000-4000-8000-00000000000b",
     );
-    for (vf, u) in [("0000:41:00.4", orphan), ("0000:41:00.5", held)] {
-        write(
-            root,
-            &format!("sys/class/mdev_bus/{vf}/mdev_supported_types/nvidia-593/create"),
-            u,
-        );
-    }
+    a10_4q_mdevs(root, &[("0000:41:00.4", orphan), ("0000:41:00.5", held)]);
     let rec = |device: &str, uuid: &str, phase: &str, seen: bool| {
         format!(
             r#"{{"device":"{device}","resource":"{A10_4Q}","gpu":"{GPU_A}","type_name":"NVIDIA A10-4Q","handle":"{uuid}","vendor":false,"phase":"{phase}","since":0,"seen":{seen}}}"#
@@ -354,33 +360,12 @@ async fn a_half_removed_vgpu_a_process_holds_is_removed_by_no_path() {
         return;
     };
     let root = sim.root();
-    write(
-        root,
-        &format!("sys/bus/pci/devices/{GPU_A}/sriov_numvfs"),
-        "32",
-    );
     let uuid = "5a3b2c1d-0000-4000-8000-00000000000c";
-    write(
-        root,
-        "sys/class/mdev_bus/0000:41:00.4/mdev_supported_types/nvidia-593/create",
-        uuid,
-    );
+    a10_4q_mdevs(root, &[("0000:41:00.4", uuid)]);
     let group =
         std::fs::read_link(root.join(format!("sys/bus/mdev/devices/{uuid}/iommu_group"))).unwrap();
     let node = root.join("dev/vfio").join(group.file_name().unwrap());
-    let mut shell = std::process::Command::new("sh")
-        .args(["-c", "exec 7<>\"$1\"; echo held; exec sleep 600", "sh"])
-        .arg(&node)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(shell.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert_eq!(line.trim(), "held");
+    let shell = testkit::sim::ShellHolder::hold(&node);
     let slot = format!("{GPU_A}-A10-4Q-0");
     std::fs::create_dir_all(root.join("run/gpu-vm-node")).unwrap();
     std::fs::write(
@@ -414,8 +399,7 @@ async fn a_half_removed_vgpu_a_process_holds_is_removed_by_no_path() {
     assert!(records(root).contains(uuid), "{}", records(root));
 
     // Let go: the next pass removes it and its record.
-    shell.kill().unwrap();
-    shell.wait().unwrap();
+    shell.release();
     eventually("the let-go vGPU is removed", || {
         !root.join(format!("sys/bus/mdev/devices/{uuid}")).exists()
     });

@@ -569,34 +569,20 @@ async fn a_whole_gpu_claim_leaves_the_vfs_of_a_gpu_in_use_enabled() {
         .trim()
         .to_string();
     let node = root.join(format!("dev/nvidia{minor}"));
-    let mut shell = std::process::Command::new("bash")
-        .arg("-c")
-        .arg(r#"exec 7<>"$N"; echo held; exec sleep 60"#)
-        .env("N", &node)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(shell.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert_eq!(line.trim(), "held");
+    let shell = testkit::sim::ShellHolder::hold(&node);
 
     let whole = put_claim(&api, "whole", "uid-whole", "gpu-0000-61-00-0");
     let err = prepare(&drv, &whole).await.unwrap_err();
     assert!(
         err.contains("0000:61:00.0")
             && err.contains("in use")
-            && err.contains(&shell.id().to_string()),
+            && err.contains(&shell.pid().to_string()),
         "{err}"
     );
     assert_eq!(numvfs(), before, "the VFs of a GPU in use stay enabled");
     assert_eq!(driver_of(root, "0000:61:00.0").as_deref(), Some("nvidia"));
 
-    shell.kill().unwrap();
-    shell.wait().unwrap();
+    shell.release();
     prepare(&drv, &whole)
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));

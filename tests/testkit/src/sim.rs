@@ -104,6 +104,51 @@ pub fn hold_nvidia_node(root: &Path, bdf: &str) -> std::fs::File {
     std::fs::File::open(&node).unwrap_or_else(|e| panic!("{}: {e}", node.display()))
 }
 
+/// A shell holding a device node open as a shell script would (`exec 7<>NODE`, then `exec
+/// sleep`: the descriptor passes to the sleeping process). Held from [`ShellHolder::hold`]
+/// returning (the shell said so) until [`ShellHolder::release`] or drop.
+#[derive(Debug)]
+pub struct ShellHolder(std::process::Child);
+
+impl ShellHolder {
+    /// Opens `node` read-write from a shell and waits until it is open.
+    pub fn hold(node: &Path) -> ShellHolder {
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "exec 7<>\"$1\"; echo held; exec sleep 600", "sh"])
+            .arg(node)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("sh: {e}"));
+        let mut line = String::new();
+        if let Some(out) = child.stdout.take() {
+            let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line);
+        }
+        assert_eq!(line.trim(), "held", "sh could not open {}", node.display());
+        ShellHolder(child)
+    }
+
+    /// The holding process's pid (a user report names it).
+    pub fn pid(&self) -> u32 {
+        self.0.id()
+    }
+
+    /// Lets go: the process is killed and reaped, the node closed.
+    pub fn release(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for ShellHolder {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
 /// The writes to simulated kernel files node-sim logged since the last `clear_ops` (the
 /// control file's own left out), in order.
 pub fn writes(sim: &Sim) -> Vec<Op> {

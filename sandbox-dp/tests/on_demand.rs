@@ -958,15 +958,17 @@ async fn the_loser_of_a_race_for_one_gpu_is_placed_on_another() {
         (A10_8Q, &s8, &u8)
     };
     // The loser's slot is listed (its vGPU lives), and the GPUs' other slots follow what each
-    // hosts: 4Q 6 on one GPU, 8Q 3 on the other.
+    // hosts: 4Q 6 on one GPU, 8Q 3 on the other. (A list of the loser's size may first show
+    // its new GPU's own slots, until the loser's record moves its slot there.)
     let mut lw4 = p.p4.list_and_watch().await.unwrap();
     let mut lw8 = p.p8.list_and_watch().await.unwrap();
-    let l4 = lw4.wait_until(DEADLINE, |l| l.len() == 6).await.unwrap();
-    let l8 = lw8.wait_until(DEADLINE, |l| l.len() == 3).await.unwrap();
-    assert!(
-        ids(&l4).contains(&s4) && ids(&l8).contains(&s8),
-        "{l4:?} {l8:?}"
-    );
+    let l4 = lw4
+        .wait_until(DEADLINE, |l| l.len() == 6 && ids(l).contains(&s4))
+        .await;
+    let l8 = lw8
+        .wait_until(DEADLINE, |l| l.len() == 3 && ids(l).contains(&s8))
+        .await;
+    assert!(l4.is_ok() && l8.is_ok(), "{l4:?} {l8:?}");
 
     p.pods
         .set_pods(vec![pod("vms", "vm-l", "compute", loser, &[loser_slot])]);

@@ -76,8 +76,11 @@ fn binary_mounts_serves_shell_writes_and_unmounts_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().canonicalize().unwrap();
     let mut sim = NodeSim::start("2xA10", &root);
-    wait_for("the mount", || {
-        root.join("sys/kernel/node-sim/ops").exists() && root.join("dev/vfio/vfio").exists()
+    // The three mounts are made one after the other (sys, dev, proc): wait for the last too.
+    wait_for("the mounts", || {
+        root.join("sys/kernel/node-sim/ops").exists()
+            && root.join("dev/vfio/vfio").exists()
+            && root.join("proc/sys/kernel/osrelease").exists()
     });
     let r = root.display();
     let out = sh(&format!(

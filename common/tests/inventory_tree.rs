@@ -33,6 +33,60 @@ fn a(s: &str) -> PciAddress {
     s.parse().unwrap()
 }
 
+/// Two GPUs whose VFs list a type of the same id under different names: each VF has its own
+/// GPU's name and description (read once per GPU) and its own `available_instances`, in a full
+/// read and in a read of one GPU alone.
+#[test]
+fn each_vf_has_its_own_gpus_type_names_and_its_own_instances() {
+    let t = Tree::new();
+    let mut want = Vec::new();
+    for (g, pf_addr, model) in [(0, "0000:41:00.0", "A10"), (1, "0000:61:00.0", "A40")] {
+        let pf = t.device(
+            "pci0000:00",
+            pf_addr,
+            ("0x10de", "0x2236", "0x030200"),
+            Some("nvidia"),
+            30 + g,
+        );
+        fs::write(pf.join("sriov_numvfs"), "2\n").unwrap();
+        for n in 0..2u32 {
+            let vf_addr = format!("{}.{}", &pf_addr[..10], 4 + n);
+            let vf = t.device(
+                "pci0000:00",
+                &vf_addr,
+                ("0x10de", "0x2236", "0x030200"),
+                Some("nvidia"),
+                40 + 2 * g + n,
+            );
+            symlink(format!("../{pf_addr}"), vf.join("physfn")).unwrap();
+            symlink(format!("../{vf_addr}"), pf.join(format!("virtfn{n}"))).unwrap();
+            let available = 10 * g + n;
+            let td =
+                t.0.mdev_type(&vf, "nvidia-1", &format!("NVIDIA {model}-4Q"), available);
+            fs::write(td.join("description"), format!("model={model}\n")).unwrap();
+            t.0.mdev_parent(&format!("pci0000:00/{vf_addr}"), &vf_addr);
+            want.push((vf_addr, format!("NVIDIA {model}-4Q"), available));
+        }
+    }
+    let check = |inv: &Inventory, gpu: Option<&str>| {
+        for (vf, name, available) in &want {
+            if gpu.is_some_and(|g| vf[..10] != g[..10]) {
+                assert!(!inv.mdev_parents.contains_key(vf), "{vf} was read");
+                continue;
+            }
+            let ty = &inv.mdev_parents[vf].types[0];
+            assert_eq!(ty.name.as_deref(), Some(name.as_str()), "{vf}");
+            let model = &name["NVIDIA ".len()..name.len() - 3];
+            assert_eq!(ty.description, Some(format!("model={model}")), "{vf}");
+            assert_eq!(ty.available_instances, *available, "{vf}");
+        }
+    };
+    check(&Inventory::read(&t.paths()).unwrap(), None);
+    let mut one = Inventory::default();
+    one.refresh_pci(&t.paths(), a("0000:61:00.0"), &ReadOptions::default());
+    check(&one, Some("0000:61:00.0"));
+}
+
 #[test]
 fn reads_functions_groups_and_bridges() {
     let t = Tree::new();
@@ -178,8 +232,7 @@ fn mdev_parents_types_and_instances() {
         ("nvidia-593", "NVIDIA A10-4Q"),
         ("nvidia-594", "NVIDIA A10-6Q"),
     ] {
-        let td = t.0.mdev_type(&vf, id, name, 0);
-        fs::write(td.join("device_api"), "vfio-pci\n").unwrap();
+        t.0.mdev_type(&vf, id, name, 0);
     }
     t.0.mdev_parent("pci0000:00/0000:41:00.4", "0000:41:00.4");
     let uuid = "3b1a9d2e-0a51-4c5e-9f0e-6c7a8d9e0f11";

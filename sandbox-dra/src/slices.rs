@@ -321,6 +321,7 @@ pub fn mdev_parent_devices(
     parent: &str,
 ) -> Option<(Option<CounterSet>, Vec<Device>)> {
     let p = inv.mdev_parents.get(parent)?;
+    let mdevs = inv.mdevs_of(parent);
     let ports_of = |type_id: &str| {
         (parent == "mtty")
             .then(|| {
@@ -338,11 +339,7 @@ pub fn mdev_parent_devices(
             .iter()
             .find(|t| ports_of(&t.id) == Some(1))
             .map_or(0, |t| t.available_instances);
-        let used: u32 = inv
-            .mdevs_of(parent)
-            .iter()
-            .filter_map(|m| ports_of(&m.type_id))
-            .sum();
+        let used: u32 = mdevs.iter().filter_map(|m| ports_of(&m.type_id)).sum();
         free.saturating_add(used)
     });
     let set = total.map(|total| CounterSet {
@@ -374,7 +371,8 @@ pub fn mdev_parent_devices(
                 (total / n, Some(vec![consumes]))
             }
             _ => {
-                let n = u32::try_from(t.devices.len()).unwrap_or(u32::MAX);
+                let n = mdevs.iter().filter(|m| m.type_id == t.id).count();
+                let n = u32::try_from(n).unwrap_or(u32::MAX);
                 (t.available_instances.saturating_add(n), None)
             }
         };
@@ -632,21 +630,26 @@ mod tests {
         }
     }
 
-    fn mdev_type(id: &str, name: &str, available: u32, devices: &[&str]) -> common::MdevType {
-        common::MdevType {
+    /// A type and the UUIDs of its instances.
+    fn mdev_type(
+        id: &str,
+        name: &str,
+        available: u32,
+        devices: &[&str],
+    ) -> (common::MdevType, Vec<String>) {
+        let t = common::MdevType {
             id: id.into(),
             name: Some(name.into()),
             available_instances: available,
-            device_api: Some("vfio-pci".into()),
             description: None,
-            devices: devices.iter().map(|d| d.to_string()).collect(),
-        }
+        };
+        (t, devices.iter().map(|d| d.to_string()).collect())
     }
 
-    fn mdev_node(parent: &str, types: Vec<common::MdevType>) -> Inventory {
+    fn mdev_node(parent: &str, types: Vec<(common::MdevType, Vec<String>)>) -> Inventory {
         let mut inv = Inventory::default();
-        for t in &types {
-            for uuid in &t.devices {
+        for (t, uuids) in &types {
+            for uuid in uuids {
                 inv.mdevs.insert(
                     uuid.clone(),
                     common::MdevDevice {
@@ -667,7 +670,7 @@ mod tests {
             common::MdevParent {
                 name: parent.into(),
                 pci: None,
-                types,
+                types: types.into_iter().map(|(t, _)| t).collect(),
             },
         );
         inv

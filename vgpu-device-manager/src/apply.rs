@@ -192,7 +192,7 @@ fn read_types_of_one_parent_per_gpu(paths: &HostPaths, inv: &mut Inventory) {
         }
     }
     for a in wanted {
-        match common::inventory::read_parent_mdev_type_summaries(paths, &a.to_string()) {
+        match common::inventory::read_parent_mdev_types(paths, &a.to_string()) {
             Ok(types) => {
                 if let Some(p) = inv.mdev_parents.get_mut(&a.to_string()) {
                     p.types = types.clone();
@@ -214,7 +214,7 @@ fn read_types_of_one_parent_per_gpu(paths: &HostPaths, inv: &mut Inventory) {
         .map(|p| p.name.clone())
         .collect();
     for name in virtual_parents {
-        match common::inventory::read_parent_mdev_type_summaries(paths, &name) {
+        match common::inventory::read_parent_mdev_types(paths, &name) {
             Ok(types) => {
                 if let Some(p) = inv.mdev_parents.get_mut(&name) {
                     p.types = types;

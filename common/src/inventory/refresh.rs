@@ -18,7 +18,7 @@
 
 use std::collections::BTreeSet;
 
-use super::{Inventory, MdevParent, ReadOptions};
+use super::{Inventory, MdevParent, ReadOptions, TypeNames};
 use crate::paths::HostPaths;
 use crate::pci::PciAddress;
 
@@ -29,6 +29,7 @@ impl Inventory {
     /// [`Inventory::unreadable`] and keeps its mdevs. `opts` as for [`Inventory::read_with`].
     pub fn refresh_pci(&mut self, paths: &HostPaths, address: PciAddress, opts: &ReadOptions) {
         let mut groups = BTreeSet::new();
+        let mut type_names = TypeNames::default();
         let old = self.devices.get(&address).map(|d| d.physfn);
         let old_vfs: Vec<PciAddress> = self
             .devices
@@ -36,14 +37,14 @@ impl Inventory {
             .filter(|d| d.physfn == Some(address))
             .map(|d| d.address)
             .collect();
-        let mdevs = self.reread_function(paths, address, opts, &mut groups);
+        let mdevs = self.reread_function(paths, address, opts, &mut type_names, &mut groups);
         let mut functions = vec![(address, mdevs)];
         // A VF that came or went changed its PF too (`sriov_numvfs`, `virtfnN`).
         let now = self.devices.get(&address).map(|d| d.physfn);
         if old.is_some() != now.is_some()
             && let Some(pf) = old.flatten().or(now.flatten())
         {
-            let mdevs = self.reread_function(paths, pf, opts, &mut groups);
+            let mdevs = self.reread_function(paths, pf, opts, &mut type_names, &mut groups);
             functions.push((pf, mdevs));
         }
         let new_vfs = self
@@ -57,7 +58,7 @@ impl Inventory {
             .filter(|a| *a != address)
             .collect();
         for vf in vfs {
-            let mdevs = self.reread_function(paths, vf, opts, &mut groups);
+            let mdevs = self.reread_function(paths, vf, opts, &mut type_names, &mut groups);
             functions.push((vf, mdevs));
         }
         for (function, mdevs) in functions {
@@ -99,6 +100,7 @@ impl Inventory {
         paths: &HostPaths,
         address: PciAddress,
         opts: &ReadOptions,
+        type_names: &mut TypeNames,
         groups: &mut BTreeSet<u32>,
     ) -> Option<Vec<String>> {
         let path = paths.pci_device(&address);
@@ -110,7 +112,7 @@ impl Inventory {
             members.retain(|a| *a != address);
         }
         self.unreadable_in_group.retain(|_, m| !m.is_empty());
-        let mdevs = self.read_function(path, address, opts);
+        let mdevs = self.read_function(path, address, opts, type_names);
         if let Some(d) = self.devices.get(&address) {
             groups.extend(d.iommu_group);
         }

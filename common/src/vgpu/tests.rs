@@ -48,11 +48,9 @@ fn mdev_type((id, name, fb, max): (&str, &str, u64, u32), available: u32) -> Mde
         id: id.into(),
         name: Some(name.into()),
         available_instances: available,
-        device_api: Some("vfio-pci".into()),
         description: Some(format!(
             "num_heads=4, frl_config=60, framebuffer={fb}M, max_resolution=7680x4320, max_instance={max}"
         )),
-        devices: Vec::new(),
     }
 }
 

@@ -230,9 +230,7 @@ fn vendor_any_admits_virtual_mdev_parents() {
         id: id.into(),
         name: None,
         available_instances: avail,
-        device_api: Some("vfio-pci".into()),
         description: None,
-        devices: vec![],
     };
     inv.mdev_parents.insert(
         "mtty".into(),

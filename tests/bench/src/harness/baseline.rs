@@ -60,8 +60,17 @@ pub fn median_faults(mut faults: Vec<u64>) -> u64 {
     faults.get(faults.len() / 2).copied().unwrap_or(0)
 }
 
-/// Spawn → `waitpid` of the no-op executable, `runs` times after one warm-up; `None` on
-/// machines it is not written for.
+/// How many batches [`process_start`] splits its runs into, and the pause between two.
+const START_BATCHES: usize = 5;
+const START_BATCH_GAP: Duration = Duration::from_millis(100);
+
+/// Spawn → `waitpid` of the no-op executable: `runs` runs after one warm-up, in
+/// [`START_BATCHES`] batches [`START_BATCH_GAP`] apart, summed up by the batch with the lowest
+/// median. A base measured in one burst takes whatever the machine was doing at that moment: a
+/// spell of noise (another process, the host's neighbours) raised it threefold and more in
+/// runs on a VM, and so lowered every × limit figure beyond it. The quietest batch is the least
+/// a start costs here, which errs on the side of a higher × limit. `None` on machines it is not
+/// written for.
 pub fn process_start(runs: usize) -> Result<Option<Started>> {
     #[cfg(target_arch = "x86_64")]
     {
@@ -70,22 +79,40 @@ pub fn process_start(runs: usize) -> Result<Option<Started>> {
         let exe = dir.path().join("no-op");
         std::fs::write(&exe, no_op_elf())?;
         std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755))?;
-        let mut walls = Vec::with_capacity(runs);
-        let mut faults = Vec::with_capacity(runs);
-        for i in 0..=runs {
+        let once = || -> Result<super::process::Finished> {
             let f = run(&mut std::process::Command::new(&exe))?;
             if f.code != 0 {
                 return Err(anyhow!("{} exited with {}", exe.display(), f.code));
             }
-            if i > 0 {
+            Ok(f)
+        };
+        once()?;
+        let batches = START_BATCHES.min(runs.max(1));
+        let mut best: Option<Started> = None;
+        for b in 0..batches {
+            if b > 0 {
+                std::thread::sleep(START_BATCH_GAP);
+            }
+            // The runs shared out, the first batches taking one more when they do not divide.
+            let n = runs / batches + usize::from(b < runs % batches);
+            let mut walls = Vec::with_capacity(n);
+            let mut faults = Vec::with_capacity(n);
+            for _ in 0..n {
+                let f = once()?;
                 walls.push(f.wall);
                 faults.push(f.minor_faults);
             }
+            let Some(time) = summarize(&walls) else {
+                continue;
+            };
+            if best.is_none_or(|s| time.median < s.time.median) {
+                best = Some(Started {
+                    time,
+                    faults: median_faults(faults),
+                });
+            }
         }
-        Ok(summarize(&walls).map(|time| Started {
-            time,
-            faults: median_faults(faults),
-        }))
+        Ok(best)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -221,7 +248,11 @@ mod tests {
     fn the_no_op_executable_runs_and_exits_zero() {
         let s = process_start(2).unwrap();
         if cfg!(target_arch = "x86_64") {
-            assert_eq!(s.map(|s| s.time.n), Some(2));
+            // Two runs make two batches of one.
+            assert_eq!(s.map(|s| s.time.n), Some(1));
+            let s12 = process_start(12).unwrap();
+            // Twelve make five batches, of three (the first two) and two: one of them.
+            assert!(s12.is_some_and(|s| [2, 3].contains(&s.time.n)), "{s12:?}");
             // Its one page of code faulted in, and little else: counted, and a handful at most.
             assert!(s.is_some_and(|s| (1..16).contains(&s.faults)), "{s:?}");
         }

@@ -31,7 +31,7 @@ use crate::sections::vgpu::{config_file, vgpu};
 pub const REPLAYS: usize = 10;
 
 /// Runs of the cheapest process start.
-const START_RUNS: usize = 50;
+const START_RUNS: usize = 100;
 
 /// The most × limit a read-only figure may be.
 const LIMIT_GOAL: f64 = 3.0;
@@ -413,7 +413,7 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     let pci_ids = cli.pci_ids.canonicalize().ok().filter(|p| p.is_file());
     r.line("## Plain tree");
     r.line("");
-    r.line(format!("Each node prepared on node-sim, then copied onto a tmpfs as plain files, directories and symlinks (device nodes as empty files), and the daemons run with `--host-root` at the copy: reads cost what real sysfs reads cost, not a FUSE round trip. Read-only figures only. **limit**: the reads the daemon made for that figure (recorded once under strace: opens, reads, directory listings, stats, link reads, of the node's files and of the files named on its command line), replayed in order by a bare loop, median of {REPLAYS}, plus a **base** where the figure has a cost no daemon can avoid: **start**, for a figure that starts a process, the median spawn → exit of a static executable that only exits (measured here, {START_RUNS} runs); for sandbox-dp's figures that end with a registration or a ListAndWatch message, the same step taken by a **bare plugin** (`gpu-vm-bare-plugin`, built as the daemons are): a process of its own on a current-thread runtime, as the daemon, that registers as many resources with the same test kubelet (each on a new connection, all at once; timed from its first dial to the kubelet holding them, and added to **start** for start → registered), serves a prebuilt list of the biggest resource's size (**connect + list**: the first ListAndWatch on a new connection), and sends it again with one device's health flipped when inotify tells it a watched file was removed or created (**file removed → list**, **file created → list**: the health reactions, and the vGPU removed / restored reactions), with nothing read, checked or logged; each of its {LIST_RUNS} runs a fresh process taking the steps in the daemon's order, so that each is taken first in a new process or after the same idle, as the daemon's are. **× limit** = median / (reads + base); goal ≤ {LIMIT_GOAL}×, judged on every row with a limit. What start-up costs beyond the base is the daemon's (each binary's `--version`, table below, beside a Rust executable of the same build that only exits: what any Rust program costs to start here)."));
+    r.line(format!("Each node prepared on node-sim, then copied onto a tmpfs as plain files, directories and symlinks (device nodes as empty files), and the daemons run with `--host-root` at the copy: reads cost what real sysfs reads cost, not a FUSE round trip. Read-only figures only. **limit**: the reads the daemon made for that figure (recorded once under strace: opens, reads, directory listings, stats, link reads, of the node's files and of the files named on its command line), replayed in order by a bare loop, median of {REPLAYS}, plus a **base** where the figure has a cost no daemon can avoid: **start**, for a figure that starts a process, the median spawn → exit of a static executable that only exits (measured here: {START_RUNS} runs in 5 batches 0.1 s apart, the quietest batch's median, so that a spell of noise does not raise the base); for sandbox-dp's figures that end with a registration or a ListAndWatch message, the same step taken by a **bare plugin** (`gpu-vm-bare-plugin`, built as the daemons are): a process of its own on a current-thread runtime, as the daemon, that registers as many resources with the same test kubelet (each on a new connection, all at once; timed from its first dial to the kubelet holding them, and added to **start** for start → registered), serves a prebuilt list of the biggest resource's size (**connect + list**: the first ListAndWatch on a new connection), and sends it again with one device's health flipped when inotify tells it a watched file was removed or created (**file removed → list**, **file created → list**: the health reactions, and the vGPU removed / restored reactions), with nothing read, checked or logged; each of its {LIST_RUNS} runs a fresh process taking the steps in the daemon's order, so that each is taken first in a new process or after the same idle, as the daemon's are. **× limit** = median / (reads + base); goal ≤ {LIMIT_GOAL}×, judged on every row with a limit. What start-up costs beyond the base is the daemon's (each binary's `--version`, table below, beside a Rust executable of the same build that only exits: what any Rust program costs to start here)."));
     r.line("");
     if !strace::available() {
         r.line("skipped: limits: no strace on this machine (tests/setup.sh installs it).");
@@ -543,7 +543,7 @@ fn startup(cli: &Cli, b: &Bins, r: &mut Report) -> Result<Option<Base>> {
     let least = baseline::process_start(START_RUNS)?;
     match &least {
         Some(s) => r.row(&[
-            "a static executable that only exits (129 bytes): the base".into(),
+            "a static executable that only exits (129 bytes): the base (its quietest batch)".into(),
             fmt_summary(&s.time),
             s.faults.to_string(),
         ]),

@@ -363,7 +363,6 @@ impl Inventory {
     }
 
     fn read_mdev_parents(&mut self, paths: &HostPaths, opts: &ReadOptions) {
-        let mut type_names = TypeNames::default();
         let dir = paths.mdev_bus();
         let names = match list_dir(&dir) {
             Ok(n) => n,
@@ -381,7 +380,7 @@ impl Inventory {
             let pci = name.parse::<PciAddress>().ok();
             let types = match pci.and_then(|a| self.devices.get(&a)) {
                 Some(dev) => dev.mdev_types.clone(),
-                None if opts.mdev_types => match read_mdev_types(&path, None, &mut type_names) {
+                None if opts.mdev_types => match read_mdev_types(&path, None) {
                     Ok(t) => t,
                     Err(e) => {
                         self.unreadable.push(Unreadable {
@@ -748,7 +747,7 @@ fn read_pci_device(
         None
     };
     let mdev_types = if mdev_parent && opts.mdev_types {
-        read_mdev_types(&dir, Some(physfn.unwrap_or(address)), type_names)?
+        read_mdev_types(&dir, Some((physfn.unwrap_or(address), type_names)))?
     } else {
         Vec::new()
     };
@@ -862,11 +861,7 @@ impl AttrDir {
 /// Reads one mdev parent's supported types (`<mdev_bus>/<parent>/mdev_supported_types/*`), for
 /// readers that skip types in [`Inventory::read_with`] and need them for a few parents only.
 pub fn read_parent_mdev_types(paths: &HostPaths, parent: &str) -> Result<Vec<MdevType>> {
-    read_mdev_types(
-        &paths.mdev_bus().join(parent),
-        None,
-        &mut TypeNames::default(),
-    )
+    read_mdev_types(&paths.mdev_bus().join(parent), None)
 }
 
 /// The `name` and `description` of the mdev types one read has met, by GPU (a VF's PF, or the
@@ -878,11 +873,11 @@ pub fn read_parent_mdev_types(paths: &HostPaths, parent: &str) -> Result<Vec<Mde
 pub(crate) struct TypeNames(HashMap<(PciAddress, String), (Option<String>, Option<String>)>);
 
 /// The types of the mdev parent at `parent_dir`: `available_instances` of each, and its name and
-/// description, unless `known` has them for the parent's `gpu` already.
+/// description. With `known`, the parent's GPU and the names read so far: those of that GPU are
+/// taken from there, and those read are added.
 fn read_mdev_types(
     parent_dir: &Path,
-    gpu: Option<PciAddress>,
-    known: &mut TypeNames,
+    mut known: Option<(PciAddress, &mut TypeNames)>,
 ) -> Result<Vec<MdevType>> {
     let dir = parent_dir.join("mdev_supported_types");
     let ids = list_dir(&dir)?;
@@ -896,15 +891,19 @@ fn read_mdev_types(
             path: d.file(&file),
             reason: format!("not a number: {available:?}"),
         })?;
-        let (name, description) = match gpu.and_then(|g| known.0.get(&(g, id.clone()))) {
-            Some(nd) => nd.clone(),
+        let cached = match &known {
+            Some((gpu, names)) => names.0.get(&(*gpu, id.clone())).cloned(),
+            None => None,
+        };
+        let (name, description) = match cached {
+            Some(nd) => nd,
             None => {
                 let nd = (
                     d.read_opt(&format!("{id}/name"))?,
                     d.read_opt(&format!("{id}/description"))?,
                 );
-                if let Some(g) = gpu {
-                    known.0.insert((g, id.clone()), nd.clone());
+                if let Some((gpu, names)) = known.as_mut() {
+                    names.0.insert((*gpu, id.clone()), nd.clone());
                 }
                 nd
             }

@@ -6,9 +6,12 @@
 # (--symbol-ordering-file): they are placed side by side at the start of .text, and a command
 # faults in a few windows of code instead of dozens over 8 MiB.
 #
-# Run it again after a toolchain or dependency update, or when start-up code changes much: a
-# name that no longer exists is skipped (it costs nothing), a function missing from the list
-# only stays where it was. A feature or dependency change elsewhere in the workspace changes
+# Run it again after a toolchain or dependency update, and after a change to the code a start
+# or a read of the node runs: a name that no longer exists is skipped (it costs nothing), but a
+# function added or renamed there is not in the list and stays among the cold code, where each
+# such function a command runs maps another window of pages (4df6715's per-GPU type reads added
+# 0.5 MiB to a registered sandbox-dp that way). tools/order-report.sh cannot see that: it
+# counts how the listed functions were found, not the ones that ran and were never listed. A feature or dependency change elsewhere in the workspace changes
 # every symbol's hash; tools/link-ordered.sh still finds each function whose name without hash
 # is its own, but not the generic functions and closures, so regenerate it then too.
 #

@@ -11,9 +11,10 @@
 # function added or renamed there is not in the list and stays among the cold code, where each
 # such function a command runs maps another window of pages (4df6715's per-GPU type reads added
 # 0.5 MiB to a registered sandbox-dp that way). tools/order-report.sh cannot see that: it
-# counts how the listed functions were found, not the ones that ran and were never listed. A feature or dependency change elsewhere in the workspace changes
-# every symbol's hash; tools/link-ordered.sh still finds each function whose name without hash
-# is its own, but not the generic functions and closures, so regenerate it then too.
+# counts how the listed functions were found, not the ones that ran and were never listed. A
+# feature or dependency change elsewhere in the workspace changes every symbol's hash;
+# tools/link-ordered.sh still finds each function whose name without hash is its own, but not
+# the generic functions and closures, so regenerate it then too.
 #
 # Usage: tools/startup-order.sh
 # Needs: valgrind (callgrind), root and /dev/fuse (node-sim, as the bench does). It builds the

@@ -36,6 +36,10 @@ const START_RUNS: usize = 100;
 /// The most × limit a read-only figure may be.
 const LIMIT_GOAL: f64 = 3.0;
 
+/// Timed runs of each one-shot command per `--runs`: a run takes milliseconds, and a median of
+/// three is at the mercy of one slow spell.
+const CLI_RUNS_PER: usize = 5;
+
 /// One node on the plain tree and what is measured on it.
 pub struct PlainNode {
     pub label: String,
@@ -257,7 +261,7 @@ fn cli_row(
     let inv = on_node(bin, args, n);
     let (s, l) = cli_figure(
         &inv,
-        cli.runs,
+        cli.runs * CLI_RUNS_PER,
         tracer,
         &Inputs::new(n, files),
         &n.label,
@@ -286,6 +290,8 @@ pub struct Base {
     /// `bare plugin's connect + list`, `start + bare plugin's dial + Register`).
     pub what: &'static str,
     pub time: Duration,
+    /// The part of `time` that is the cheapest process start (zero for a base with no start).
+    pub start: Duration,
 }
 
 /// A row's figure.
@@ -333,6 +339,13 @@ impl Row {
     fn limit_time(&self) -> Option<Duration> {
         let l = self.limit.as_ref()?;
         Some(l.time + self.base.map(|b| b.time).unwrap_or_default())
+    }
+
+    /// The limit with the base's process start replaced by `noop`; `None` when the base has no
+    /// process start.
+    fn floor(&self, noop: Duration) -> Option<Duration> {
+        let base = self.base.filter(|b| !b.start.is_zero())?;
+        Some(self.limit_time()? - base.start + noop)
     }
 
     fn times_limit(&self) -> Option<f64> {
@@ -413,13 +426,13 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     let pci_ids = cli.pci_ids.canonicalize().ok().filter(|p| p.is_file());
     r.line("## Plain tree");
     r.line("");
-    r.line(format!("Each node prepared on node-sim, then copied onto a tmpfs as plain files, directories and symlinks (device nodes as empty files), and the daemons run with `--host-root` at the copy: reads cost what real sysfs reads cost, not a FUSE round trip. Read-only figures only. **limit**: the reads the daemon made for that figure (recorded once under strace: opens, reads, directory listings, stats, link reads, of the node's files and of the files named on its command line), replayed in order by a bare loop, median of {REPLAYS}, plus a **base** where the figure has a cost no daemon can avoid: **start**, for a figure that starts a process, the median spawn → exit of a static executable that only exits (measured here: {START_RUNS} runs in 5 batches 0.1 s apart, the quietest batch's median, so that a spell of noise does not raise the base); for sandbox-dp's figures that end with a registration or a ListAndWatch message, the same step taken by a **bare plugin** (`gpu-vm-bare-plugin`, built as the daemons are): a process of its own on a current-thread runtime, as the daemon, that registers as many resources with the same test kubelet (each on a new connection, all at once; timed from its first dial to the kubelet holding them, and added to **start** for start → registered), serves a prebuilt list of the biggest resource's size (**connect + list**: the first ListAndWatch on a new connection), and sends it again with one device's health flipped when inotify tells it a watched file was removed or created (**file removed → list**, **file created → list**: the health reactions, and the vGPU removed / restored reactions), with nothing read, checked or logged; each of its {LIST_RUNS} runs a fresh process taking the steps in the daemon's order, so that each is taken first in a new process or after the same idle, as the daemon's are. **× limit** = median / (reads + base); goal ≤ {LIMIT_GOAL}×, judged on every row with a limit. What start-up costs beyond the base is the daemon's (each binary's `--version`, table below, beside a Rust executable of the same build that only exits: what any Rust program costs to start here)."));
+    r.line(format!("Each node prepared on node-sim, then copied onto a tmpfs as plain files, directories and symlinks (device nodes as empty files), and the daemons run with `--host-root` at the copy: reads cost what real sysfs reads cost, not a FUSE round trip. Read-only figures only, each the median (min–max) of {} timed runs of a one-shot command or {} runs of the daemon ({CLI_RUNS_PER} and {} × `--runs`). **limit**: the reads the daemon made for that figure (recorded once under strace: opens, reads, directory listings, stats, link reads, of the node's files and of the files named on its command line), replayed in order by a bare loop, median of {REPLAYS}, plus a **base** where the figure has a cost no daemon can avoid: **start**, for a figure that starts a process, the median spawn → exit of a static executable that only exits (measured here: {START_RUNS} runs in 5 batches 0.1 s apart, the quietest batch's median, so that a spell of noise does not raise the base); for sandbox-dp's figures that end with a registration or a ListAndWatch message, the same step taken by a **bare plugin** (`gpu-vm-bare-plugin`, built as the daemons are): a process of its own on a current-thread runtime, as the daemon, that registers as many resources with the same test kubelet (each on a new connection, all at once; timed from its first dial to the kubelet holding them, and added to **start** for start → registered), serves a prebuilt list of the biggest resource's size (**connect + list**: the first ListAndWatch on a new connection), and sends it again with one device's health flipped when inotify tells it a watched file was removed or created (**file removed → list**, **file created → list**: the health reactions, and the vGPU removed / restored reactions), with nothing read, checked or logged; each of its {LIST_RUNS} runs a fresh process taking the steps in the daemon's order, so that each is taken first in a new process or after the same idle, as the daemon's are. **× limit** = median / (reads + base); goal ≤ {LIMIT_GOAL}×, judged on every row with a limit. What start-up costs beyond the base is the daemon's (each binary's `--version`, table below, beside a Rust executable of the same build that only exits: what any Rust program costs to start here).", cli.runs * CLI_RUNS_PER, cli.runs * plain_dp::DAEMON_RUNS_PER, plain_dp::DAEMON_RUNS_PER));
     r.line("");
     if !strace::available() {
         r.line("skipped: limits: no strace on this machine (tests/setup.sh installs it).");
         r.line("");
     }
-    let start = startup(cli, b, r)?;
+    let Startup { base: start, noop } = startup(cli, b, r)?;
     let nodes = nodes(b, &cfg)?;
     let mut rows = Vec::new();
     r.line("### vfio-manager");
@@ -532,13 +545,91 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
         ));
         r.line("");
     }
+    if let Some(noop) = noop {
+        floors(r, &all, noop);
+    }
     Ok(())
 }
 
+/// The rows above the goal, each beside its floor: its limit with the cheapest process start
+/// replaced by `noop`'s (a Rust executable of the same build that only exits), i.e. what the
+/// figure would cost if the daemon's own work cost nothing. A row whose floor is above the goal
+/// cannot meet it here in a program built as the daemons are.
+fn floors(r: &mut Report, rows: &[Row], noop: Duration) {
+    let over: Vec<(f64, &Row)> = rows
+        .iter()
+        .filter_map(|row| row.times_limit().map(|x| (x, row)))
+        .filter(|(x, _)| *x > LIMIT_GOAL)
+        .collect();
+    if over.is_empty() {
+        return;
+    }
+    r.line(format!(
+        "The rows above {LIMIT_GOAL}×, each beside its **floor**: its limit with the base's process start replaced by `gpu-vm-noop`'s ({}), what the figure would cost if the daemon's own start and work cost nothing more than a Rust program of the same build that only exits.",
+        fmt_duration(noop)
+    ));
+    r.line("");
+    r.table(&[
+        "node",
+        "figure",
+        "median",
+        "× limit",
+        "floor: reads + base − start + no-op",
+        "floor × limit",
+    ]);
+    let mut beyond = 0;
+    for (x, row) in &over {
+        let Value::Time(s) = &row.value else {
+            continue;
+        };
+        let floor = row
+            .floor(noop)
+            .zip(row.limit_time())
+            .filter(|(_, l)| !l.is_zero());
+        let (floor_text, floor_x) = match floor {
+            Some((f, l)) => {
+                let fx = f.as_secs_f64() / l.as_secs_f64();
+                if fx > LIMIT_GOAL {
+                    beyond += 1;
+                }
+                (fmt_duration(f), format!("{fx:.1}×"))
+            }
+            None => ("– (no process start in its base)".into(), "–".into()),
+        };
+        r.row(&[
+            row.node.clone(),
+            row.figure.clone(),
+            fmt_duration(s.median),
+            format!("{x:.1}×"),
+            floor_text,
+            floor_x,
+        ]);
+    }
+    r.line("");
+    r.line(match beyond {
+        0 => format!(
+            "Every row above {LIMIT_GOAL}× is within it at its floor: what puts it above is the daemons' own start and work."
+        ),
+        k => format!(
+            "{k} of the {} rows above {LIMIT_GOAL}× are above it at their floor: on this host no program built as the daemons are could bring them within {LIMIT_GOAL}× of their limits; the others are above it by the daemons' own start and work.",
+            over.len()
+        ),
+    });
+    r.line("");
+}
+
+/// What [`startup`] measured that the rows are judged with.
+struct Startup {
+    /// The cheapest process start, the base of the limits of figures that start a process.
+    base: Option<Base>,
+    /// The median start and exit of a Rust executable of the same build that does nothing
+    /// (`gpu-vm-noop`): the least any program built as the daemons are costs to start here.
+    noop: Option<Duration>,
+}
+
 /// Process start-up: each binary's `--version`, which reads nothing of the node, beside the
-/// cheapest process start ([`baseline::process_start`]), which is returned as the base of the
-/// limits of figures that start a process.
-fn startup(cli: &Cli, b: &Bins, r: &mut Report) -> Result<Option<Base>> {
+/// cheapest process start ([`baseline::process_start`]) and a Rust executable that only exits.
+fn startup(cli: &Cli, b: &Bins, r: &mut Report) -> Result<Startup> {
     r.table(&["process start-up", "median (min–max)", "page faults"]);
     let least = baseline::process_start(START_RUNS)?;
     match &least {
@@ -553,7 +644,7 @@ fn startup(cli: &Cli, b: &Bins, r: &mut Report) -> Result<Option<Base>> {
             String::new(),
         ]),
     }
-    let mut timed = |what: String, cmd: &mut dyn FnMut() -> Command| -> Result<()> {
+    let mut timed = |what: String, cmd: &mut dyn FnMut() -> Command| -> Result<Duration> {
         let mut walls = Vec::new();
         let mut faults = Vec::new();
         for _ in 0..cli.runs.max(5) {
@@ -561,21 +652,23 @@ fn startup(cli: &Cli, b: &Bins, r: &mut Report) -> Result<Option<Base>> {
             walls.push(f.wall);
             faults.push(f.minor_faults);
         }
+        let s = summarize(&walls).ok_or_else(|| anyhow!("no runs"))?;
         r.row(&[
             what,
-            fmt_summary(&summarize(&walls).ok_or_else(|| anyhow!("no runs"))?),
+            fmt_summary(&s),
             baseline::median_faults(faults).to_string(),
         ]);
-        Ok(())
+        Ok(s.median)
     };
-    if let Some(noop) = &b.noop {
-        timed(
+    let mut noop = None;
+    if let Some(bin) = &b.noop {
+        noop = Some(timed(
             format!(
                 "a Rust executable built as the daemons are that only exits (`gpu-vm-noop`, {}): the loader's relocations, glibc's and Rust's set-up",
-                linkage(noop)
+                linkage(bin)
             ),
-            &mut || Command::new(noop),
-        )?;
+            &mut || Command::new(bin),
+        )?);
     }
     for (name, bin) in [
         ("vfio-manager", &b.vfio),
@@ -592,8 +685,12 @@ fn startup(cli: &Cli, b: &Bins, r: &mut Report) -> Result<Option<Base>> {
         )?;
     }
     r.line("");
-    Ok(least.map(|s| Base {
-        what: "start",
-        time: s.time.median,
-    }))
+    Ok(Startup {
+        base: least.map(|s| Base {
+            what: "start",
+            time: s.time.median,
+            start: s.time.median,
+        }),
+        noop,
+    })
 }

@@ -28,6 +28,11 @@ use crate::sections::plain::{Base, Inputs, PlainNode, Row, Tracer, at_most, limi
 /// Runs of the bare plugin, per node.
 pub(crate) const LIST_RUNS: usize = 20;
 
+/// sandbox-dp's runs per `--runs`, each a daemon started, registered, listed and the group node
+/// removed and created again, per node and with and without pci.ids: each figure is one sample
+/// of a run, and a median of three is at the mercy of one slow spell.
+pub(crate) const DAEMON_RUNS_PER: usize = 3;
+
 /// How long the bench waits after a vGPU's removal showed before restoring it: longer than
 /// sandbox-dp's debounce (20 ms, the least time between two event-driven reads of devices), so
 /// that "restored → update" is the reaction to the restore, not the rest of that interval.
@@ -392,7 +397,7 @@ pub async fn figures(
         None => None,
     };
     let (mut plain, mut ids) = (Vec::new(), Vec::new());
-    for _ in 0..cli.runs {
+    for _ in 0..cli.runs * DAEMON_RUNS_PER {
         plain.push(serve_once(b, n, None, None, sender.as_mut()).await?);
         if let Some(p) = pci_ids {
             ids.push(serve_once(b, n, Some(p), None, None).await?);
@@ -431,18 +436,22 @@ pub async fn figures(
             "bare plugin's dial + Register"
         },
         time: start.map(|b| b.time).unwrap_or_default() + bare.register,
+        start: start.map(|b| b.start).unwrap_or_default(),
     });
     let connect = Some(Base {
         what: "bare plugin's connect + list",
         time: bare.first,
+        start: Duration::ZERO,
     });
     let removed_base = Some(Base {
         what: "bare plugin: file removed → list",
         time: bare.unhealthy,
+        start: Duration::ZERO,
     });
     let created_base = Some(Base {
         what: "bare plugin: file created → list",
         time: bare.healthy,
+        start: Duration::ZERO,
     });
 
     let label = n.label.as_str();

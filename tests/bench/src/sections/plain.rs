@@ -592,7 +592,8 @@ fn floors(r: &mut Report, rows: &[Row], noop: Duration) {
                 if fx > LIMIT_GOAL {
                     beyond += 1;
                 }
-                (fmt_duration(f), format!("{fx:.1}×"))
+                // Two decimals: a floor just above the goal must not read as the goal.
+                (fmt_duration(f), format!("{fx:.2}×"))
             }
             None => ("– (no process start in its base)".into(), "–".into()),
         };
@@ -609,6 +610,10 @@ fn floors(r: &mut Report, rows: &[Row], noop: Duration) {
     r.line(match beyond {
         0 => format!(
             "Every row above {LIMIT_GOAL}× is within it at its floor: what puts it above is the daemons' own start and work."
+        ),
+        1 => format!(
+            "1 of the {} rows above {LIMIT_GOAL}× is above it at its floor: on this host no program built as the daemons are could bring it within {LIMIT_GOAL}× of its limit; the others are above it by the daemons' own start and work.",
+            over.len()
         ),
         k => format!(
             "{k} of the {} rows above {LIMIT_GOAL}× are above it at their floor: on this host no program built as the daemons are could bring them within {LIMIT_GOAL}× of their limits; the others are above it by the daemons' own start and work.",

@@ -19,8 +19,9 @@
 # Usage: tools/startup-order.sh
 # Needs: valgrind (callgrind), root and /dev/fuse (node-sim, as the bench does). It builds the
 # release binaries with their symbols into ${CARGO_TARGET_DIR:-target}/startup-order, runs
-# `gpu-vm-bench --only plain --runs 1` with every daemon under callgrind (figures discarded),
-# and keeps the names of the functions that ran, in the order callgrind lists them.
+# `gpu-vm-bench --only plain --runs 1 --plain-runs 1` with every daemon under callgrind
+# (figures discarded), and keeps the names of the functions that ran, in the order callgrind
+# lists them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -61,7 +62,7 @@ printf '#!/bin/sh\nexit 1\n' >"$work/path/strace"
 chmod +x "$work/path/strace"
 
 echo "running gpu-vm-bench --only plain under callgrind (several minutes)" >&2
-PATH="$work/path:$PATH" "$work/bin/gpu-vm-bench" --only plain --runs 1 >"$work/bench.md" || {
+PATH="$work/path:$PATH" "$work/bin/gpu-vm-bench" --only plain --runs 1 --plain-runs 1 >"$work/bench.md" || {
     echo "tools/startup-order.sh: the bench failed; its report:" >&2
     cat "$work/bench.md" >&2
     exit 1

@@ -67,6 +67,11 @@ pub struct Cli {
     /// Keep the strace logs the plain tree's limits are replayed from in this directory.
     #[arg(long, value_name = "DIR")]
     pub traces: Option<PathBuf>,
+    /// Samples of each plain-tree figure: timed runs of each one-shot command, and sandbox-dp
+    /// daemons started per node (with and without pci.ids each) [default: 5 × --runs for the
+    /// commands, 3 × --runs for the daemon].
+    #[arg(long, value_name = "N")]
+    pub plain_runs: Option<usize>,
     /// Only these sections: vfio, vgpu, dp, on-demand, dra, curve, plain, sim (repeatable;
     /// default all).
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(SECTIONS))]

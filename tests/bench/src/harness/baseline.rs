@@ -66,11 +66,11 @@ const START_BATCH_GAP: Duration = Duration::from_millis(100);
 
 /// Spawn → `waitpid` of the no-op executable: `runs` runs after one warm-up, in
 /// [`START_BATCHES`] batches [`START_BATCH_GAP`] apart, summed up by the batch with the lowest
-/// median. A base measured in one burst takes whatever the machine was doing at that moment: a
-/// spell of noise (another process, the host's neighbours) raised it threefold and more in
-/// runs on a VM, and so lowered every × limit figure beyond it. The quietest batch is the least
-/// a start costs here, which errs on the side of a higher × limit. `None` on machines it is not
-/// written for.
+/// median ([`quietest`]). A base measured in one burst takes whatever the machine was doing at
+/// that moment: a spell of noise (another process, the host's neighbours) raised it threefold
+/// and more in runs on a VM, and so lowered every × limit figure beyond it. The quietest batch
+/// is the least a start costs here, which errs on the side of a higher × limit. `None` on
+/// machines it is not written for.
 pub fn process_start(runs: usize) -> Result<Option<Started>> {
     #[cfg(target_arch = "x86_64")]
     {
@@ -79,46 +79,52 @@ pub fn process_start(runs: usize) -> Result<Option<Started>> {
         let exe = dir.path().join("no-op");
         std::fs::write(&exe, no_op_elf())?;
         std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755))?;
-        let once = || -> Result<super::process::Finished> {
-            let f = run(&mut std::process::Command::new(&exe))?;
-            if f.code != 0 {
-                return Err(anyhow!("{} exited with {}", exe.display(), f.code));
-            }
-            Ok(f)
-        };
-        once()?;
-        let batches = START_BATCHES.min(runs.max(1));
-        let mut best: Option<Started> = None;
-        for b in 0..batches {
-            if b > 0 {
-                std::thread::sleep(START_BATCH_GAP);
-            }
-            // The runs shared out, the first batches taking one more when they do not divide.
-            let n = runs / batches + usize::from(b < runs % batches);
-            let mut walls = Vec::with_capacity(n);
-            let mut faults = Vec::with_capacity(n);
-            for _ in 0..n {
-                let f = once()?;
-                walls.push(f.wall);
-                faults.push(f.minor_faults);
-            }
-            let Some(time) = summarize(&walls) else {
-                continue;
-            };
-            if best.is_none_or(|s| time.median < s.time.median) {
-                best = Some(Started {
-                    time,
-                    faults: median_faults(faults),
-                });
-            }
-        }
-        Ok(best)
+        quietest(&exe, runs)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = runs;
         Ok(None)
     }
+}
+
+/// Spawn → `waitpid` of `exe` (no arguments; it must exit 0): `runs` runs after one warm-up, in
+/// [`START_BATCHES`] batches [`START_BATCH_GAP`] apart, the batch with the lowest median.
+pub fn quietest(exe: &std::path::Path, runs: usize) -> Result<Option<Started>> {
+    let once = || -> Result<super::process::Finished> {
+        let f = run(&mut std::process::Command::new(exe))?;
+        if f.code != 0 {
+            return Err(anyhow!("{} exited with {}", exe.display(), f.code));
+        }
+        Ok(f)
+    };
+    once()?;
+    let batches = START_BATCHES.min(runs.max(1));
+    let mut best: Option<Started> = None;
+    for b in 0..batches {
+        if b > 0 {
+            std::thread::sleep(START_BATCH_GAP);
+        }
+        // The runs shared out, the first batches taking one more when they do not divide.
+        let n = runs / batches + usize::from(b < runs % batches);
+        let mut walls = Vec::with_capacity(n);
+        let mut faults = Vec::with_capacity(n);
+        for _ in 0..n {
+            let f = once()?;
+            walls.push(f.wall);
+            faults.push(f.minor_faults);
+        }
+        let Some(time) = summarize(&walls) else {
+            continue;
+        };
+        if best.is_none_or(|s| time.median < s.time.median) {
+            best = Some(Started {
+                time,
+                faults: median_faults(faults),
+            });
+        }
+    }
+    Ok(best)
 }
 
 /// What `gpu-vm-bare-plugin` took for each step sandbox-dp's figures end with, medians.

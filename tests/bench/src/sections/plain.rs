@@ -40,6 +40,11 @@ const LIMIT_GOAL: f64 = 3.0;
 /// three is at the mercy of one slow spell.
 const CLI_RUNS_PER: usize = 5;
 
+/// Timed runs of each one-shot command: `--plain-runs`, or [`CLI_RUNS_PER`] × `--runs`.
+fn cli_runs(cli: &Cli) -> usize {
+    cli.plain_runs.unwrap_or(cli.runs * CLI_RUNS_PER)
+}
+
 /// One node on the plain tree and what is measured on it.
 pub struct PlainNode {
     pub label: String,
@@ -261,7 +266,7 @@ fn cli_row(
     let inv = on_node(bin, args, n);
     let (s, l) = cli_figure(
         &inv,
-        cli.runs * CLI_RUNS_PER,
+        cli_runs(cli),
         tracer,
         &Inputs::new(n, files),
         &n.label,
@@ -426,7 +431,10 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     let pci_ids = cli.pci_ids.canonicalize().ok().filter(|p| p.is_file());
     r.line("## Plain tree");
     r.line("");
-    r.line(format!("Each node prepared on node-sim, then copied onto a tmpfs as plain files, directories and symlinks (device nodes as empty files), and the daemons run with `--host-root` at the copy: reads cost what real sysfs reads cost, not a FUSE round trip. Read-only figures only, each the median (min–max) of {} timed runs of a one-shot command or {} runs of the daemon ({CLI_RUNS_PER} and {} × `--runs`). **limit**: the reads the daemon made for that figure (recorded once under strace: opens, reads, directory listings, stats, link reads, of the node's files and of the files named on its command line), replayed in order by a bare loop, median of {REPLAYS}, plus a **base** where the figure has a cost no daemon can avoid: **start**, for a figure that starts a process, the median spawn → exit of a static executable that only exits (measured here: {START_RUNS} runs in 5 batches 0.1 s apart, the quietest batch's median, so that a spell of noise does not raise the base); for sandbox-dp's figures that end with a registration or a ListAndWatch message, the same step taken by a **bare plugin** (`gpu-vm-bare-plugin`, built as the daemons are): a process of its own on a current-thread runtime, as the daemon, that registers as many resources with the same test kubelet (each on a new connection, all at once; timed from its first dial to the kubelet holding them, and added to **start** for start → registered), serves a prebuilt list of the biggest resource's size (**connect + list**: the first ListAndWatch on a new connection), and sends it again with one device's health flipped when inotify tells it a watched file was removed or created (**file removed → list**, **file created → list**: the health reactions, and the vGPU removed / restored reactions), with nothing read, checked or logged; each of its {LIST_RUNS} runs a fresh process taking the steps in the daemon's order, so that each is taken first in a new process or after the same idle, as the daemon's are. **× limit** = median / (reads + base); goal ≤ {LIMIT_GOAL}×, judged on every row with a limit. What start-up costs beyond the base is the daemon's (each binary's `--version`, table below, beside a Rust executable of the same build that only exits: what any Rust program costs to start here).", cli.runs * CLI_RUNS_PER, cli.runs * plain_dp::DAEMON_RUNS_PER, plain_dp::DAEMON_RUNS_PER));
+    r.line(format!("Each node prepared on node-sim, then copied onto a tmpfs as plain files, directories and symlinks (device nodes as empty files), and the daemons run with `--host-root` at the copy: reads cost what real sysfs reads cost, not a FUSE round trip. Read-only figures only, each the median (min–max) of {} timed runs of a one-shot command or {} runs of the daemon ({}). **limit**: the reads the daemon made for that figure (recorded once under strace: opens, reads, directory listings, stats, link reads, of the node's files and of the files named on its command line), replayed in order by a bare loop, median of {REPLAYS}, plus a **base** where the figure has a cost no daemon can avoid: **start**, for a figure that starts a process, the median spawn → exit of a static executable that only exits (measured here: {START_RUNS} runs in 5 batches 0.1 s apart, the quietest batch's median, so that a spell of noise does not raise the base); for sandbox-dp's figures that end with a registration or a ListAndWatch message, the same step taken by a **bare plugin** (`gpu-vm-bare-plugin`, built as the daemons are): a process of its own on a current-thread runtime, as the daemon, that registers as many resources with the same test kubelet (each on a new connection, all at once; timed from its first dial to the kubelet holding them, and added to **start** for start → registered), serves a prebuilt list of the biggest resource's size (**connect + list**: the first ListAndWatch on a new connection), and sends it again with one device's health flipped when inotify tells it a watched file was removed or created (**file removed → list**, **file created → list**: the health reactions, and the vGPU removed / restored reactions), with nothing read, checked or logged; each of its {LIST_RUNS} runs a fresh process taking the steps in the daemon's order, so that each is taken first in a new process or after the same idle, as the daemon's are. **× limit** = median / (reads + base); goal ≤ {LIMIT_GOAL}×, judged on every row with a limit. What start-up costs beyond the base is the daemon's (each binary's `--version`, table below, beside a Rust executable of the same build that only exits: what any Rust program costs to start here).", cli_runs(cli), plain_dp::daemon_runs(cli), match cli.plain_runs {
+        None => format!("{CLI_RUNS_PER} and {} × `--runs`", plain_dp::DAEMON_RUNS_PER),
+        Some(_) => "`--plain-runs`".into(),
+    }));
     r.line("");
     if !strace::available() {
         r.line("skipped: limits: no strace on this machine (tests/setup.sh installs it).");
@@ -633,7 +641,8 @@ struct Startup {
 }
 
 /// Process start-up: each binary's `--version`, which reads nothing of the node, beside the
-/// cheapest process start ([`baseline::process_start`]) and a Rust executable that only exits.
+/// cheapest process start ([`baseline::process_start`]) and a Rust executable that only exits,
+/// each of those two taken from its quietest batch.
 fn startup(cli: &Cli, b: &Bins, r: &mut Report) -> Result<Startup> {
     r.table(&["process start-up", "median (min–max)", "page faults"]);
     let least = baseline::process_start(START_RUNS)?;
@@ -649,32 +658,37 @@ fn startup(cli: &Cli, b: &Bins, r: &mut Report) -> Result<Startup> {
             String::new(),
         ]),
     }
-    let mut timed = |what: String, cmd: &mut dyn FnMut() -> Command| -> Result<Duration> {
+    // Measured as the base is, its quietest batch: the floors it gives err low, never claiming
+    // a row out of reach because of a slow spell.
+    let mut noop = None;
+    if let Some(bin) = &b.noop
+        && let Some(s) = baseline::quietest(bin, START_RUNS)?
+    {
+        r.row(&[
+            format!(
+                "a Rust executable built as the daemons are that only exits (`gpu-vm-noop`, {}): the loader's relocations, glibc's and Rust's set-up (its quietest batch)",
+                linkage(bin)
+            ),
+            fmt_summary(&s.time),
+            s.faults.to_string(),
+        ]);
+        noop = Some(s.time.median);
+    }
+    let mut timed = |what: String, cmd: &mut dyn FnMut() -> Command| -> Result<()> {
         let mut walls = Vec::new();
         let mut faults = Vec::new();
-        for _ in 0..cli.runs.max(5) {
+        for _ in 0..cli_runs(cli).max(5) {
             let f = ok(run(&mut cmd())?, &what)?;
             walls.push(f.wall);
             faults.push(f.minor_faults);
         }
-        let s = summarize(&walls).ok_or_else(|| anyhow!("no runs"))?;
         r.row(&[
             what,
-            fmt_summary(&s),
+            fmt_summary(&summarize(&walls).ok_or_else(|| anyhow!("no runs"))?),
             baseline::median_faults(faults).to_string(),
         ]);
-        Ok(s.median)
+        Ok(())
     };
-    let mut noop = None;
-    if let Some(bin) = &b.noop {
-        noop = Some(timed(
-            format!(
-                "a Rust executable built as the daemons are that only exits (`gpu-vm-noop`, {}): the loader's relocations, glibc's and Rust's set-up",
-                linkage(bin)
-            ),
-            &mut || Command::new(bin),
-        )?);
-    }
     for (name, bin) in [
         ("vfio-manager", &b.vfio),
         ("vgpu-device-manager", &b.vgpu),
@@ -698,4 +712,70 @@ fn startup(cli: &Cli, b: &Bins, r: &mut Report) -> Result<Startup> {
         }),
         noop,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(x: f64) -> Duration {
+        Duration::from_secs_f64(x / 1000.0)
+    }
+
+    /// A row of median `median` whose limit is `reads` plus a base of `base`, `start` of it the
+    /// process start.
+    fn row(median: f64, reads: f64, base: f64, start: f64) -> Row {
+        let s = Summary {
+            median: ms(median),
+            min: ms(median),
+            max: ms(median),
+            p99: ms(median),
+            n: 1,
+        };
+        let limit = Limit {
+            time: ms(reads),
+            calls: 10,
+            differed: 0,
+        };
+        Row::time("node", "figure", s, Some(limit)).plus(Some(Base {
+            what: "start",
+            time: ms(base),
+            start: ms(start),
+        }))
+    }
+
+    #[test]
+    fn a_floor_swaps_the_start_for_the_no_op_and_counts_the_rows_out_of_reach() {
+        // 1.4 / (0.1 + 0.2) = 4.7×; floor 0.1 + 0.8 = 0.9 ms, exactly 3×: within reach.
+        let within = row(1.4, 0.1, 0.2, 0.2);
+        assert_eq!(within.floor(ms(0.8)), Some(ms(0.9)));
+        // 2.0 / (0.05 + 0.2) = 8×; floor 0.05 + 0.8 = 0.85 ms, 3.4×: out of reach.
+        let beyond = row(2.0, 0.05, 0.2, 0.2);
+        // A base with no process start (the bare plugin's steps alone) has no floor.
+        let no_start = row(2.0, 0.05, 0.2, 0.0);
+        assert_eq!(no_start.floor(ms(0.8)), None);
+        // Within the goal: not listed.
+        let fine = row(0.5, 0.1, 0.2, 0.2);
+
+        let mut r = Report::default();
+        floors(&mut r, &[within, beyond, no_start, fine], ms(0.8));
+        let text = r.text();
+        assert!(text.contains("| 0.900 ms | 3.00× |"), "{text}");
+        assert!(text.contains("| 0.850 ms | 3.40× |"), "{text}");
+        assert!(text.contains("– (no process start in its base)"), "{text}");
+        assert!(!text.contains("| 0.500 ms |"), "{text}");
+        assert!(
+            text.contains("1 of the 3 rows above 3× is above it at its floor"),
+            "{text}"
+        );
+
+        let mut r = Report::default();
+        floors(&mut r, &[row(1.4, 0.1, 0.2, 0.2)], ms(0.8));
+        assert!(
+            r.text()
+                .contains("Every row above 3× is within it at its floor"),
+            "{}",
+            r.text()
+        );
+    }
 }

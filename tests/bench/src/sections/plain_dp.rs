@@ -33,6 +33,11 @@ pub(crate) const LIST_RUNS: usize = 20;
 /// of a run, and a median of three is at the mercy of one slow spell.
 pub(crate) const DAEMON_RUNS_PER: usize = 3;
 
+/// sandbox-dp's runs per node: `--plain-runs`, or [`DAEMON_RUNS_PER`] × `--runs`.
+pub(crate) fn daemon_runs(cli: &Cli) -> usize {
+    cli.plain_runs.unwrap_or(cli.runs * DAEMON_RUNS_PER)
+}
+
 /// How long the bench waits after a vGPU's removal showed before restoring it: longer than
 /// sandbox-dp's debounce (20 ms, the least time between two event-driven reads of devices), so
 /// that "restored → update" is the reaction to the restore, not the rest of that interval.
@@ -397,7 +402,7 @@ pub async fn figures(
         None => None,
     };
     let (mut plain, mut ids) = (Vec::new(), Vec::new());
-    for _ in 0..cli.runs * DAEMON_RUNS_PER {
+    for _ in 0..daemon_runs(cli) {
         plain.push(serve_once(b, n, None, None, sender.as_mut()).await?);
         if let Some(p) = pci_ids {
             ids.push(serve_once(b, n, Some(p), None, None).await?);

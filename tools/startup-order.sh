@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Regenerates tools/startup-order.txt: the functions the daemons run in gpu-vm-bench's plain-tree
 # figures (start-up, `status`, `list`, `assert`, `plan`, registration, the first ListAndWatch,
-# health reactions), one symbol per line. tools/build-release.sh links through
+# health reactions) and in its vgpu-device-manager section (`apply`, `assert`, the daemon's
+# label switches through the API server), one symbol per line; a function first seen in a
+# later profile comes after every one seen before. tools/build-release.sh links through
 # tools/link-ordered.sh, which finds those functions in each binary and hands them to lld
 # (--symbol-ordering-file): they are placed side by side at the start of .text, and a command
 # faults in a few windows of code instead of dozens over 8 MiB.
@@ -19,9 +21,9 @@
 # Usage: tools/startup-order.sh
 # Needs: valgrind (callgrind), root and /dev/fuse (node-sim, as the bench does). It builds the
 # release binaries with their symbols into ${CARGO_TARGET_DIR:-target}/startup-order, runs
-# `gpu-vm-bench --only plain --runs 1 --plain-runs 1` with every daemon under callgrind
-# (figures discarded), and keeps the names of the functions that ran, in the order callgrind
-# lists them.
+# `gpu-vm-bench --only plain --only vgpu --runs 1 --plain-runs 1` with every daemon under
+# callgrind (figures discarded), and keeps the names of the functions that ran, in the order
+# callgrind lists them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -61,8 +63,9 @@ done
 printf '#!/bin/sh\nexit 1\n' >"$work/path/strace"
 chmod +x "$work/path/strace"
 
-echo "running gpu-vm-bench --only plain under callgrind (several minutes)" >&2
-PATH="$work/path:$PATH" "$work/bin/gpu-vm-bench" --only plain --runs 1 --plain-runs 1 >"$work/bench.md" || {
+echo "running gpu-vm-bench --only plain --only vgpu under callgrind (several minutes)" >&2
+PATH="$work/path:$PATH" "$work/bin/gpu-vm-bench" --only plain --only vgpu --runs 1 --plain-runs 1 \
+    >"$work/bench.md" || {
     echo "tools/startup-order.sh: the bench failed; its report:" >&2
     cat "$work/bench.md" >&2
     exit 1

@@ -40,7 +40,7 @@ const SECTIONS: [&str; 8] = [
 #[command(name = "gpu-vm-bench")]
 pub struct Cli {
     /// Runs per figure (the median is reported, with min and max).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = at_least_one())]
     pub runs: usize,
     /// Seconds sandbox-dp is left idle to measure its CPU use.
     #[arg(long, default_value_t = 60)]
@@ -70,12 +70,17 @@ pub struct Cli {
     /// Samples of each plain-tree figure: timed runs of each one-shot command, and sandbox-dp
     /// daemons started per node (with and without pci.ids each) [default: 5 × --runs for the
     /// commands, 3 × --runs for the daemon].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = at_least_one())]
     pub plain_runs: Option<usize>,
     /// Only these sections: vfio, vgpu, dp, on-demand, dra, curve, plain, sim (repeatable;
     /// default all).
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(SECTIONS))]
     pub only: Vec<String>,
+}
+
+/// A count of runs: 1 or more (a median of none is no figure).
+fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(1..)
 }
 
 fn machine() -> String {
@@ -158,4 +163,24 @@ fn main() -> Result<()> {
         write_out(out, r.text())?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_of_runs_are_one_or_more() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+        for args in [["--runs", "0"], ["--plain-runs", "0"]] {
+            let e = Cli::try_parse_from(std::iter::once("gpu-vm-bench").chain(args))
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(e.contains("0 is not in 1.."), "{args:?}: {e}");
+        }
+        let cli = Cli::try_parse_from(["gpu-vm-bench", "--plain-runs", "2"]).unwrap();
+        assert_eq!((cli.runs, cli.plain_runs), (5, Some(2)));
+    }
 }

@@ -347,10 +347,11 @@ impl Row {
     }
 
     /// The limit with the base's process start replaced by `noop`; `None` when the base has no
-    /// process start.
+    /// process start. (`start` is part of the base's time, so the difference cannot go below
+    /// zero; it saturates rather than panic if a base were ever built otherwise.)
     fn floor(&self, noop: Duration) -> Option<Duration> {
         let base = self.base.filter(|b| !b.start.is_zero())?;
-        Some(self.limit_time()? - base.start + noop)
+        Some(self.limit_time()?.saturating_sub(base.start) + noop)
     }
 
     fn times_limit(&self) -> Option<f64> {

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Regenerates tools/startup-order.txt: the functions the daemons run in gpu-vm-bench's plain-tree
 # figures (start-up, `status`, `list`, `assert`, `plan`, registration, the first ListAndWatch,
-# health reactions) and in its vgpu-device-manager section (`apply`, `assert`, the daemon's
-# label switches through the API server), one symbol per line; a function first seen in a
-# later profile comes after every one seen before. tools/build-release.sh links through
+# health reactions), then in its vgpu-device-manager section (`apply`, `assert`, the daemon's
+# label switches through the API server), then in its sandbox-dra section (registration,
+# prepare and unprepare, vGPU claims, slice publication), one symbol per line; a function first
+# seen in a later profile comes after every one seen before. tools/build-release.sh links through
 # tools/link-ordered.sh, which finds those functions in each binary and hands them to lld
 # (--symbol-ordering-file): they are placed side by side at the start of .text, and a command
 # faults in a few windows of code instead of dozens over 8 MiB.
@@ -21,9 +22,10 @@
 # Usage: tools/startup-order.sh
 # Needs: valgrind (callgrind), root and /dev/fuse (node-sim, as the bench does). It builds the
 # release binaries with their symbols into ${CARGO_TARGET_DIR:-target}/startup-order, runs
-# `gpu-vm-bench --only plain --only vgpu --runs 1 --plain-runs 1` with every daemon under
-# callgrind (figures discarded), and keeps the names of the functions that ran, in the order
-# callgrind lists them.
+# `gpu-vm-bench --only plain --only vgpu --runs 1 --plain-runs 1`, then `gpu-vm-bench --only
+# dra --runs 1 --claims 2`, with every daemon under callgrind (figures discarded), and keeps the
+# names of the functions that ran, the first run's profiles before the second's, each in the
+# order callgrind lists them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -43,7 +45,7 @@ built=$(cd "$target/shipped" && pwd -P)
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-mkdir "$work/bin" "$work/path" "$work/profiles"
+mkdir "$work/bin" "$work/path" "$work/profiles" "$work/profiles/1" "$work/profiles/2"
 # The bench finds the daemons and its own programs (the no-op, the bare plugin) beside itself
 # (its own path, links resolved): a copy of it and of its programs, with each daemon behind a
 # callgrind wrapper beside them.
@@ -53,7 +55,7 @@ done
 for b in vfio-manager vgpu-device-manager sandbox-dp sandbox-dra; do
     cat >"$work/bin/$b" <<EOF
 #!/bin/sh
-exec valgrind -q --tool=callgrind --callgrind-out-file=$work/profiles/$b.%p \\
+exec valgrind -q --tool=callgrind --callgrind-out-file=$work/profiles/\$(cat $work/phase)/$b.%p \\
     --dump-instr=no --compress-strings=no --compress-pos=no --demangle=no \\
     "$built/$b" "\$@"
 EOF
@@ -63,19 +65,29 @@ done
 printf '#!/bin/sh\nexit 1\n' >"$work/path/strace"
 chmod +x "$work/path/strace"
 
-echo "running gpu-vm-bench --only plain --only vgpu under callgrind (several minutes)" >&2
-PATH="$work/path:$PATH" "$work/bin/gpu-vm-bench" --only plain --only vgpu --runs 1 --plain-runs 1 \
-    >"$work/bench.md" || {
-    echo "tools/startup-order.sh: the bench failed; its report:" >&2
-    cat "$work/bench.md" >&2
-    exit 1
+# Each bench run's profiles in a directory of its own (the wrapper reads which from $work/phase),
+# so that the list keeps the runs' order.
+bench() {
+    local phase=$1
+    shift
+    echo "$phase" >"$work/phase"
+    echo "running gpu-vm-bench $* under callgrind (several minutes)" >&2
+    PATH="$work/path:$PATH" "$work/bin/gpu-vm-bench" "$@" >"$work/bench-$phase.md" || {
+        echo "tools/startup-order.sh: gpu-vm-bench $* failed; its report:" >&2
+        cat "$work/bench-$phase.md" >&2
+        exit 1
+    }
 }
+bench 1 --only plain --only vgpu --runs 1 --plain-runs 1
+bench 2 --only dra --runs 1 --claims 2
 
-profiles=("$work"/profiles/*)
-[ -e "${profiles[0]}" ] || {
-    echo "tools/startup-order.sh: callgrind wrote no profile" >&2
-    exit 1
-}
+profiles=("$work"/profiles/1/* "$work"/profiles/2/*)
+for p in "${profiles[@]}"; do
+    [ -e "$p" ] || {
+        echo "tools/startup-order.sh: callgrind wrote no profile in one of the runs" >&2
+        exit 1
+    }
+done
 # `fn=<symbol>` lines name each function that ran; bare addresses (code without a symbol) are
 # of no use to the linker. First occurrence wins, across every profile.
 sed -n 's/^fn=//p' "${profiles[@]}" | grep -v '^0x' | awk '!seen[$0]++' >"$work/order"

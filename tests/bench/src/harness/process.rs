@@ -27,8 +27,10 @@ pub struct Finished {
 /// The wall time ends when `waitpid` returns (a thread blocks in it), not at the next RSS
 /// sample. Not `wait4`'s `ru_maxrss`: Linux carries the pre-exec high-water mark of the forked
 /// child (this process's own, under vfork) across `execve`, which would report the bench's
-/// memory. A process that lives a few milliseconds may peak between samples: [`peak_rss_kib`]
-/// reads the peak at its exit.
+/// memory. A sample counts only when the process has the program's name
+/// ([`procstat::sample_as`]): two full runs each reported one figure with the bench's own
+/// peak (39.9 MiB and 3043 MiB) before that. A process that lives a few milliseconds may peak
+/// between samples: [`peak_rss_kib`] reads the peak at its exit.
 pub fn run(cmd: &mut Command) -> Result<Finished> {
     use std::io::Read as _;
     let cpu_before = children_cpu();
@@ -41,6 +43,7 @@ pub fn run(cmd: &mut Command) -> Result<Finished> {
         .spawn()
         .with_context(|| format!("starting {cmd:?}"))?;
     let pid = child.id();
+    let program = cmd.get_program().to_owned();
     let mut err = child.stderr.take();
     let reader = std::thread::spawn(move || {
         let mut s = String::new();
@@ -58,7 +61,7 @@ pub fn run(cmd: &mut Command) -> Result<Finished> {
     });
     let mut max_rss_kib = 0;
     loop {
-        if let Some(s) = procstat::sample(pid) {
+        if let Some(s) = procstat::sample_as(pid, &program) {
             max_rss_kib = max_rss_kib.max(s.hwm_kib);
         }
         // Every 2 ms: VmHWM is a high-water mark, so a late sample still sees an earlier peak,

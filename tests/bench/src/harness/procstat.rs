@@ -18,9 +18,38 @@ pub struct ProcSample {
 
 /// Reads `/proc/<pid>/status` and `/proc/<pid>/stat`; `None` when the process is gone.
 pub fn sample(pid: u32) -> Option<ProcSample> {
+    sample_named(pid, None)
+}
+
+/// [`sample`], but `None` unless the process's name (`Name:` in its status, the first 15
+/// bytes of the file name it was executed as) is `name`'s: a reading of a process just spawned
+/// is of that program, not of the bench before `execve` (the name changes last, after the
+/// memory: a reading that still shows the old name may show the old memory) nor of a later
+/// task that was given the same number.
+pub fn sample_as(pid: u32, name: &std::ffi::OsStr) -> Option<ProcSample> {
+    sample_named(pid, Some(comm(name)))
+}
+
+/// What Linux keeps of an executable's file name as its process name (`TASK_COMM_LEN` - 1
+/// bytes).
+fn comm(name: &std::ffi::OsStr) -> &[u8] {
+    use std::os::unix::ffi::OsStrExt as _;
+    let b = std::path::Path::new(name)
+        .file_name()
+        .unwrap_or(name)
+        .as_bytes();
+    &b[..b.len().min(15)]
+}
+
+fn sample_named(pid: u32, want: Option<&[u8]>) -> Option<ProcSample> {
     let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let mut s = ProcSample::default();
     for line in status.lines() {
+        if let (Some(want), Some(name)) = (want, line.strip_prefix("Name:"))
+            && name.trim().as_bytes() != want
+        {
+            return None;
+        }
         let mut it = line.split_whitespace();
         let (Some(key), Some(val)) = (it.next(), it.next()) else {
             continue;
@@ -55,5 +84,24 @@ mod tests {
     fn reads_this_process() {
         let s = sample(std::process::id()).unwrap();
         assert!(s.rss_kib > 0 && s.hwm_kib >= s.rss_kib && s.threads >= 1);
+    }
+
+    #[test]
+    fn reads_a_process_only_by_its_name() {
+        let me = std::env::current_exe().unwrap();
+        let status = fs::read_to_string("/proc/self/status").unwrap();
+        let name = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Name:"))
+            .unwrap()
+            .trim();
+        // The test binary's file name is longer than 15 bytes: compared as Linux keeps it.
+        assert_eq!(comm(me.as_os_str()), name.as_bytes());
+        let s = sample_as(std::process::id(), me.as_os_str()).unwrap();
+        assert!(s.rss_kib > 0);
+        assert_eq!(
+            sample_as(std::process::id(), "/usr/bin/vgpu-device-manager".as_ref()),
+            None
+        );
     }
 }

@@ -23,9 +23,8 @@ pub fn sample(pid: u32) -> Option<ProcSample> {
 
 /// [`sample`], but `None` unless the process's name (`Name:` in its status, the first 15
 /// bytes of the file name it was executed as) is `name`'s: a reading of a process just spawned
-/// is of that program, not of the bench before `execve` (the name changes last, after the
-/// memory: a reading that still shows the old name may show the old memory) nor of a later
-/// task that was given the same number.
+/// is then of that program, not of the bench before `execve` has replaced it (Linux changes the
+/// name last), nor of a later task that was given the same number.
 pub fn sample_as(pid: u32, name: &std::ffi::OsStr) -> Option<ProcSample> {
     sample_named(pid, Some(comm(name)))
 }

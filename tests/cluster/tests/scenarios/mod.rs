@@ -1,0 +1,162 @@
+//! The scenarios, in the order they run.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use cluster_tier::{Cluster, NAMESPACE, RELEASE};
+use serde_json::Value;
+
+mod passthrough;
+
+/// A scenario: a name and what it does.
+pub struct Scenario {
+    pub name: &'static str,
+    pub run: fn(&Cluster) -> Result<()>,
+}
+
+/// Every scenario, in order.
+pub const ALL: &[Scenario] = &[Scenario {
+    name: "passthrough",
+    run: passthrough::run,
+}];
+
+/// The namespace the scenarios' own pods and claims live in.
+pub const TEST_NS: &str = "vms";
+
+/// The workload label the chart's DaemonSets are scheduled by.
+pub const WORKLOAD: &str = "nvidia.com/gpu.workload.config";
+
+/// Returns the cluster to its state before a scenario: test pods and the chart gone, the node's
+/// labels cleared.
+pub fn reset(c: &Cluster) -> Result<()> {
+    let _ = c.kubectl(&[
+        "delete",
+        "namespace",
+        TEST_NS,
+        "--ignore-not-found",
+        "--wait=false",
+    ]);
+    let _ = c.helm(&[
+        "uninstall",
+        RELEASE,
+        "--namespace",
+        NAMESPACE,
+        "--ignore-not-found",
+        "--wait",
+    ]);
+    for l in [
+        WORKLOAD,
+        "nvidia.com/vgpu.config",
+        "nvidia.com/vgpu.config.state",
+    ] {
+        c.label_node(l, None)?;
+    }
+    c.wait("every pod gone", Duration::from_secs(120), || {
+        let pods = c.get_json(&["pods", "-A"])?;
+        let n = pods["items"].as_array().map(Vec::len).unwrap_or(0);
+        Ok((n == 0).then_some(()))
+    })?;
+    c.wait("the test namespace gone", Duration::from_secs(60), || {
+        let out = c.kubectl(&[
+            "get",
+            "namespace",
+            TEST_NS,
+            "--ignore-not-found",
+            "-o",
+            "name",
+        ])?;
+        Ok(out.trim().is_empty().then_some(()))
+    })
+}
+
+/// Creates the test namespace.
+pub fn test_namespace(c: &Cluster) -> Result<()> {
+    c.apply(&format!(
+        "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {TEST_NS}\n"
+    ))
+    .map(|_| ())
+}
+
+/// A pod in the test namespace running `script` in the project's image (it has busybox), with
+/// `resources` (a YAML block under `resources:`, or empty) and `extra` lines appended to the
+/// container (indented six spaces) — a stand-in for a VM's virt-launcher.
+pub fn pod_yaml(c: &Cluster, name: &str, script: &str, resources: &str, extra: &str) -> String {
+    let image = &c.assets().image_ref;
+    let script = script.replace('\n', "\n        ");
+    let mut y = format!(
+        r#"apiVersion: v1
+kind: Pod
+metadata:
+  name: {name}
+  namespace: {TEST_NS}
+spec:
+  automountServiceAccountToken: false
+  terminationGracePeriodSeconds: 1
+  restartPolicy: Never
+  containers:
+  - name: vm
+    image: {image}
+    imagePullPolicy: Never
+    command:
+      - /bin/sh
+      - -c
+      - |
+        {script}
+"#
+    );
+    if !resources.is_empty() {
+        y.push_str("    resources:\n");
+        for l in resources.lines() {
+            y.push_str(&format!("      {l}\n"));
+        }
+    }
+    for l in extra.lines() {
+        y.push_str(&format!("    {l}\n"));
+    }
+    y
+}
+
+/// Waits for a pod's phase to be one of `phases`; the pod.
+pub fn wait_phase(c: &Cluster, pod: &str, phases: &[&str], timeout: Duration) -> Result<Value> {
+    c.wait(&format!("pod {pod} in {phases:?}"), timeout, || {
+        let p = c.get_json(&["pod", "-n", TEST_NS, pod])?;
+        let phase = p["status"]["phase"].as_str().unwrap_or_default();
+        if phases.contains(&phase) {
+            return Ok(Some(p));
+        }
+        if phase == "Failed" {
+            bail!("pod {pod} failed: {}", p["status"]);
+        }
+        Ok(None)
+    })
+}
+
+/// Waits until a pod's log holds `needle`; the log.
+pub fn wait_log(c: &Cluster, pod: &str, needle: &str, timeout: Duration) -> Result<String> {
+    c.wait(&format!("{needle:?} in pod {pod}'s log"), timeout, || {
+        let log = c.container_log(TEST_NS, pod, "vm").unwrap_or_default();
+        Ok(log.contains(needle).then_some(log))
+    })
+}
+
+/// Waits until the node's allocatable `resource` is `n`.
+pub fn wait_allocatable(c: &Cluster, resource: &str, n: i64, timeout: Duration) -> Result<()> {
+    c.wait(&format!("allocatable {resource} = {n}"), timeout, || {
+        let got = c.allocatable(resource)?;
+        Ok((got == n).then_some(()))
+    })
+    .with_context(|| format!("allocatable {resource}: {:?}", c.allocatable(resource)))
+}
+
+/// The `Ready` condition of every pod of a DaemonSet of the chart.
+#[allow(dead_code)]
+pub fn wait_daemonset_ready(c: &Cluster, name: &str, timeout: Duration) -> Result<()> {
+    c.wait(&format!("DaemonSet {name} ready"), timeout, || {
+        let ds = c.get_json(&["daemonset", "-n", NAMESPACE, name])?;
+        let want = ds["status"]["desiredNumberScheduled"]
+            .as_i64()
+            .unwrap_or(-1);
+        let ready = ds["status"]["numberReady"].as_i64().unwrap_or(0);
+        Ok((want > 0 && ready == want).then_some(()))
+    })
+}

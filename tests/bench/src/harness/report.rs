@@ -11,6 +11,8 @@ use super::stats::Summary;
 #[derive(Default)]
 pub struct Report {
     text: String,
+    /// Each daemon's memory as the sections read it: daemon, when, KiB.
+    memory: Vec<(&'static str, String, u64)>,
 }
 
 impl Report {
@@ -38,6 +40,29 @@ impl Report {
     /// A table row.
     pub fn row(&mut self, cells: &[String]) {
         self.line(format!("| {} |", cells.join(" | ")));
+    }
+
+    /// Notes a daemon's memory for the closing table: `daemon`, `when` it was read (the node
+    /// and the moment: "bind, 16xA10-gen"), resident KiB.
+    pub fn memory(&mut self, daemon: &'static str, when: impl Into<String>, kib: u64) {
+        self.memory.push((daemon, when.into(), kib));
+    }
+
+    /// The memory every section noted, one row per daemon and moment, in the order noted.
+    pub fn memory_table(&mut self) {
+        if self.memory.is_empty() {
+            return;
+        }
+        let rows = std::mem::take(&mut self.memory);
+        self.line("## Memory");
+        self.line("");
+        self.line("Each daemon's resident memory as the sections above read it: a one-shot command's peak (`VmHWM`, sampled every 2 ms until it exits), a long-running daemon's `VmRSS` (and peak where the row says so) at the moment named; the largest over the runs.");
+        self.line("");
+        self.table(&["daemon", "when", "RSS"]);
+        for (daemon, when, kib) in rows {
+            self.row(&[daemon.to_string(), when, mib(kib)]);
+        }
+        self.line("");
     }
 }
 

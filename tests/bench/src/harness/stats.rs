@@ -60,43 +60,6 @@ pub fn fmt_duration(d: Duration) -> String {
     }
 }
 
-/// The growth exponent between two sizes, `ln(b/a) / ln(n_b/n_a)`: 1 is linear, above 1 grows
-/// faster than the node. `None` when a figure is zero or the sizes are equal.
-pub fn growth_exponent(a: Duration, b: Duration, na: usize, nb: usize) -> Option<f64> {
-    if a.is_zero() || b.is_zero() || na == nb || na == 0 || nb == 0 {
-        return None;
-    }
-    Some((b.as_secs_f64() / a.as_secs_f64()).ln() / (nb as f64 / na as f64).ln())
-}
-
-/// The growth exponent fitted over every size: the least-squares slope of ln t against ln n.
-/// `None` with fewer than two usable points (zero figures are left out).
-pub fn fitted_exponent(points: &[(usize, Duration)]) -> Option<f64> {
-    let xy: Vec<(f64, f64)> = points
-        .iter()
-        .filter(|(n, t)| *n > 0 && !t.is_zero())
-        .map(|(n, t)| ((*n as f64).ln(), t.as_secs_f64().ln()))
-        .collect();
-    let k = xy.len() as f64;
-    let (mx, my) = (
-        xy.iter().map(|p| p.0).sum::<f64>() / k,
-        xy.iter().map(|p| p.1).sum::<f64>() / k,
-    );
-    let sxx: f64 = xy.iter().map(|p| (p.0 - mx).powi(2)).sum();
-    let sxy: f64 = xy.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-    (xy.len() >= 2 && sxx > 0.0).then(|| sxy / sxx)
-}
-
-/// An exponent for a table: `1.25`, or `–`.
-pub fn fmt_exponent(e: Option<f64>) -> String {
-    e.map(|e| format!("{e:.2}")).unwrap_or_else(|| "–".into())
-}
-
-/// A short duration in microseconds: `4.6 µs`, `330.1 µs`.
-pub fn fmt_micros(d: Duration) -> String {
-    format!("{:.1} µs", d.as_secs_f64() * 1e6)
-}
-
 /// `median (min–max)`.
 pub fn fmt_summary(s: &Summary) -> String {
     format!(
@@ -127,29 +90,10 @@ mod tests {
     }
 
     #[test]
-    fn exponents() {
-        // t = n²: 2 between any two sizes and over the fit.
-        let sq = |n: u64| ms(n * n);
-        assert_eq!(growth_exponent(sq(4), sq(8), 4, 8), Some(2.0));
-        let pts: Vec<(usize, Duration)> = [1, 2, 4, 8, 16]
-            .iter()
-            .map(|&n| (n, sq(n as u64)))
-            .collect();
-        assert!((fitted_exponent(&pts).unwrap() - 2.0).abs() < 1e-9);
-        // Constant: 0.
-        assert_eq!(growth_exponent(ms(5), ms(5), 1, 16), Some(0.0));
-        assert_eq!(growth_exponent(ms(0), ms(5), 1, 16), None);
-        assert_eq!(fitted_exponent(&[(1, ms(3))]), None);
-        assert_eq!(fmt_exponent(Some(0.6049)), "0.60");
-        assert_eq!(fmt_exponent(None), "–");
-    }
-
-    #[test]
     fn formats() {
         assert_eq!(fmt_duration(Duration::from_micros(142)), "0.142 ms");
         assert_eq!(fmt_duration(ms(12)), "12.0 ms");
         assert_eq!(fmt_duration(ms(1520)), "1520 ms");
         assert_eq!(fmt_duration(ms(15200)), "15.20 s");
-        assert_eq!(fmt_micros(Duration::from_nanos(4_630)), "4.6 µs");
     }
 }

@@ -87,8 +87,6 @@ pub fn dp_list_with(b: &Bins, root: &Path, args: &[std::ffi::OsString]) -> Resul
 
 pub struct DpRun {
     pub register: Duration,
-    /// CPU time sandbox-dp used until every resource was registered.
-    pub register_cpu: Duration,
     pub first_list: Duration,
     pub alloc: Vec<Duration>,
     pub change_remove: Option<Duration>,
@@ -118,13 +116,10 @@ pub async fn dp_once(
     let mut kubelet = FakeKubelet::start(&kdir).await?;
     let start = Instant::now();
     let inv = Invocation::new(&b.dp, &[&"--host-root", &sim.root()]);
-    let daemon = Daemon::start(&inv, None).await?;
+    let daemon = Daemon::start(&inv).await?;
     let pid = daemon.pid;
     registered(&mut kubelet, &expected).await?;
     let register = start.elapsed();
-    let register_cpu = procstat::sample(pid)
-        .map(|s| Duration::from_secs_f64(s.cpu_seconds))
-        .unwrap_or_default();
 
     // The biggest resource: first list, allocations, change.
     let res = biggest(&list)?;
@@ -193,7 +188,6 @@ pub async fn dp_once(
             kubelet.stop().await;
             return Ok(DpRun {
                 register,
-                register_cpu,
                 first_list,
                 alloc,
                 change_remove: Some(removed),
@@ -233,7 +227,6 @@ pub async fn dp_once(
     kubelet.stop().await;
     Ok(DpRun {
         register,
-        register_cpu,
         first_list,
         alloc,
         change_remove,
@@ -285,73 +278,31 @@ pub async fn first_list(
     Ok((client, lw, first, took))
 }
 
-/// The child of `parent` running `exe`: the daemon strace started (strace also forks short-lived
-/// children of its own, to probe the kernel's ptrace features).
-fn child_running(parent: u32, exe: &Path) -> Option<u32> {
-    for e in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
-            continue;
-        };
-        let ppid = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
-            .and_then(|p| p.parse::<u32>().ok());
-        if ppid == Some(parent) && std::fs::read_link(e.path().join("exe")).is_ok_and(|x| x == exe)
-        {
-            return Some(pid);
-        }
-    }
-    None
-}
-
-/// A daemon (sandbox-dp, sandbox-dra) started for one run, as is or under strace; dropping it
-/// kills it (and strace).
+/// A daemon (sandbox-dp, sandbox-dra) started for one run; dropping it kills it.
 #[derive(Debug)]
 pub struct Daemon {
     child: Option<tokio::process::Child>,
-    /// The daemon's pid (not strace's).
+    /// Its pid.
     pub pid: u32,
     /// Its stderr, for the error when a run fails.
     stderr: tempfile::NamedTempFile,
 }
 
 impl Daemon {
-    /// Starts `inv`, under strace writing to `log` when given.
-    pub async fn start(inv: &Invocation, log: Option<&Path>) -> Result<Daemon> {
-        let mut cmd = match log {
-            Some(l) => inv.traced(l),
-            None => inv.command(),
-        };
+    /// Starts `inv`.
+    pub async fn start(inv: &Invocation) -> Result<Daemon> {
+        let mut cmd = inv.command();
         let stderr = tempfile::NamedTempFile::new()?;
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr.reopen()?);
-        let mut child = tokio::process::Command::from(cmd)
+        let child = tokio::process::Command::from(cmd)
             .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("starting {}", inv.bin.display()))?;
-        let id = child
+        let pid = child
             .id()
-            .ok_or_else(|| anyhow!("sandbox-dp exited at once"))?;
-        let pid = if log.is_none() {
-            id
-        } else {
-            let exe = inv.bin.canonicalize()?;
-            let deadline = Instant::now() + Duration::from_secs(5);
-            loop {
-                if let Some(p) = child_running(id, &exe) {
-                    break p;
-                }
-                if Instant::now() > deadline {
-                    let _ = child.start_kill();
-                    bail!("strace started no sandbox-dp");
-                }
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        };
+            .ok_or_else(|| anyhow!("{} exited at once", inv.bin.display()))?;
         Ok(Daemon {
             child: Some(child),
             pid,
@@ -359,9 +310,8 @@ impl Daemon {
         })
     }
 
-    /// Stops it as kubelet stops a pod, SIGTERM, and waits until it (and strace) are gone;
-    /// SIGKILL if it has not exited within 5 s. (An exit of its own also lets a profiler
-    /// wrapped around it write its profile: tools/startup-order.sh.)
+    /// Stops it as kubelet stops a pod, SIGTERM, and waits until it is gone; SIGKILL if it has
+    /// not exited within 5 s.
     pub async fn stop(mut self) {
         if let Some(mut child) = self.child.take() {
             self.signal(nix::sys::signal::Signal::SIGTERM);
@@ -381,7 +331,6 @@ impl Daemon {
     }
 
     fn signal(&self, signal: nix::sys::signal::Signal) {
-        // Signalling strace alone would leave the daemon running, detached.
         let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid as i32), signal);
     }
 
@@ -450,7 +399,7 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     ];
     r.line("## sandbox-dp");
     r.line("");
-    r.line(format!("From process start to the fake kubelet holding every resource's registration; the first ListAndWatch answer; Allocate of one device ({} calls per run: p50 and p99 over all runs); a device removed (driver unbound or mdev removed) → ListAndWatch update, and restored → update; kubelet restarted (plugin directory cleared, new `kubelet.sock`) → every resource registered again; RSS and threads at idle. Goals: register ≤ 5 ms for 8 GPUs, Allocate p99 ≤ 0.2 ms, change → update ≤ 10 ms, RSS ≤ 5 MB, idle CPU ≈ 0.", cli.allocations));
+    r.line(format!("From process start to the fake kubelet holding every resource's registration; the first ListAndWatch answer; Allocate of one device ({} calls per run: p50 and p99 over all runs); a device removed (driver unbound or mdev removed) → ListAndWatch update, and restored → update; kubelet restarted (plugin directory cleared, new `kubelet.sock`) → every resource registered again; RSS and threads at idle. Goals: Allocate p99 ≤ 0.2 ms, change → update ≤ 10 ms, RSS ≤ 5 MB, idle CPU ≈ 0.", cli.allocations));
     r.line("");
     r.table(&[
         "node",
@@ -522,6 +471,11 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
             mib(rss),
             threads.to_string(),
         ]);
+        r.memory(
+            "sandbox-dp",
+            format!("registered, idle: {}", case.label),
+            rss,
+        );
     }
     r.line("");
     if let Some(l) = idle_line {

@@ -1,6 +1,6 @@
 //! sandbox-dra: start → registration socket, then `NodePrepareResources` and
 //! `NodeUnprepareResources` of a one-GPU claim through the fake kubelet's DRA client (dialled
-//! as kubelet dials), repeated; RSS after the cycles, beside sandbox-dp's on the same node.
+//! as kubelet dials), repeated; RSS after the cycles.
 //! With `--vgpu`: prepare → vGPU ready and unprepare of an A10-4Q claim, and the time from a
 //! change of the node (a GPU hot-plugged, then unplugged) to the pool's slices showing it.
 
@@ -19,7 +19,7 @@ use crate::harness::procstat;
 use crate::harness::report::{Report, mib};
 use crate::harness::stats::{fmt_duration, fmt_p50_p99, fmt_summary, summarize};
 use crate::harness::topology::{builtin, mount};
-use crate::sections::dp::{Daemon, DpCase, dp_once, prep_passthrough};
+use crate::sections::dp::Daemon;
 
 const DRIVER: &str = "gpu.gpu-vm-node.io";
 const NODE: &str = "bench";
@@ -71,7 +71,7 @@ async fn dra_once(b: &Bins, topology: &str, cycles: usize) -> Result<DraRun> {
         ],
     );
     let start = Instant::now();
-    let daemon = Daemon::start(&inv, None).await?;
+    let daemon = Daemon::start(&inv).await?;
     let kubelet_root = Path::new("/var/lib/kubelet");
     let socket = loop {
         if let Some(s) = dra::registration_sockets(root, kubelet_root).pop() {
@@ -180,7 +180,7 @@ async fn vgpu_once(b: &Bins, cycles: usize) -> Result<VgpuRun> {
             &"serve",
         ],
     );
-    let daemon = Daemon::start(&inv, None).await?;
+    let daemon = Daemon::start(&inv).await?;
     let kubelet_root = Path::new("/var/lib/kubelet");
     let start = Instant::now();
     let socket = loop {
@@ -294,9 +294,9 @@ async fn bench_vgpu(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
 
 pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     let cycles = cli.claims;
-    r.line("### sandbox-dra");
+    r.line("## sandbox-dra");
     r.line("");
-    r.line(format!("From process start to registered (the fake kubelet's GetInfo and NotifyRegistrationStatus through the percent-encoded socket path); then {cycles} cycles per run of a one-GPU claim (0000:41:00.0): NodePrepareResources that binds the GPU's group (nvidia → vfio-pci, record, metadata, CDI spec), the same call again (kubelet's retry: nothing written), and NodeUnprepareResources with `--unprepare restore` (spec and metadata removed, the GPU back on nvidia); p50 and p99 over all calls of all runs. RSS and peak RSS after the cycles, beside sandbox-dp's RSS after registration on the same node (its GPUs on vfio-pci)."));
+    r.line(format!("From process start to registered (the fake kubelet's GetInfo and NotifyRegistrationStatus through the percent-encoded socket path); then {cycles} cycles per run of a one-GPU claim (0000:41:00.0): NodePrepareResources that binds the GPU's group (nvidia → vfio-pci, record, metadata, CDI spec), the same call again (kubelet's retry: nothing written), and NodeUnprepareResources with `--unprepare restore` (spec and metadata removed, the GPU back on nvidia); p50 and p99 over all calls of all runs. RSS and peak RSS after the cycles."));
     r.line("");
     r.table(&[
         "node",
@@ -309,7 +309,6 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
         "unprepare p99",
         "RSS",
         "peak RSS",
-        "sandbox-dp RSS",
     ]);
     for topology in ["2xA10"] {
         let mut runs = Vec::new();
@@ -327,13 +326,6 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
             .ok_or_else(|| anyhow!("no runs"))?;
         let rss = runs.iter().map(|x| x.rss_kib).max().unwrap_or(0);
         let hwm = runs.iter().map(|x| x.hwm_kib).max().unwrap_or(0);
-        let case = DpCase {
-            topo: builtin(topology)?,
-            label: topology.to_string(),
-            prepare: Box::new(prep_passthrough),
-        };
-        let cfg = tempfile::NamedTempFile::new()?;
-        let dp = dp_once(b, &case, cfg.path(), 100, None).await?;
         r.row(&[
             topology.to_string(),
             fmt_summary(&reg),
@@ -345,8 +337,15 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
             u99,
             mib(rss),
             mib(hwm),
-            mib(dp.rss_kib),
         ]);
+        r.memory(
+            "sandbox-dra",
+            format!(
+                "after {cycles} claims prepared and unprepared, {topology} (peak {})",
+                mib(hwm)
+            ),
+            rss,
+        );
     }
     r.line("");
     bench_vgpu(cli, b, r).await

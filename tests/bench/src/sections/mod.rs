@@ -1,11 +1,8 @@
-//! One module per section of the report.
+//! One module per section of the report, each `bench(cli, bins, report)` (see `section` in
+//! main.rs for adding one).
 
-pub mod curve;
 pub mod dp;
 pub mod dra;
 pub mod ondemand;
-pub mod plain;
-pub mod plain_dp;
-pub mod sim;
 pub mod vfio;
 pub mod vgpu;

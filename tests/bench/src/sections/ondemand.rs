@@ -114,7 +114,7 @@ async fn once(b: &Bins, case: &Case, poll: &str, cycles: usize, s: &mut Samples)
             &poll,
         ],
     );
-    let daemon = Daemon::start(&inv, None).await?;
+    let daemon = Daemon::start(&inv).await?;
     let regs = kubelet
         .wait_for(&[case.resource, case.other], PATIENCE)
         .await

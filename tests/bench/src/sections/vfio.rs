@@ -1,5 +1,5 @@
-//! vfio-manager: `bind` of every GPU against the floor, the no-op bind, and binds in parallel
-//! under a slow unbind.
+//! vfio-manager: `bind` of every GPU, the same bind on a bound node (nothing to do), `unbind`
+//! giving them back, and binds in parallel under a slow unbind.
 
 use std::process::Command;
 
@@ -7,68 +7,55 @@ use anyhow::{Result, anyhow};
 
 use crate::Cli;
 use crate::harness::bins::Bins;
-use crate::harness::floor::{replay, writes};
 use crate::harness::process::{ok, run};
 use crate::harness::report::{Report, mib, need, ratio};
 use crate::harness::stats::{fmt_duration, fmt_summary, summarize};
 use crate::harness::topology::{builtin, generated, gpu_count, mount};
 
+/// `vfio-manager SUB --host-root ROOT [ARGS]`.
+fn vfio(b: &Bins, sub: &str, root: &std::path::Path, args: &[&str]) -> Command {
+    let mut c = Command::new(&b.vfio);
+    c.arg(sub).arg("--host-root").arg(root).args(args);
+    c
+}
+
 pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     r.line("## vfio-manager");
     r.line("");
-    r.line("`bind` of every GPU (and its group companions) from nvidia to vfio-pci, on a fresh node each run. Floor: the same writes replayed sequentially by a bare loop on a fresh node.");
+    r.line("`bind` of every GPU (and its group companions) from nvidia to vfio-pci on a fresh node, as the unit does at boot; `bind` again on the bound node (nothing to do: a restart); `unbind`, every GPU back on nvidia. Wall time of the command, process start included.");
     r.line("");
     r.table(&[
         "topology",
         "GPUs",
-        "writes",
         "bind",
-        "no-op bind",
-        "floor",
-        "bind / floor",
+        "bind again",
+        "unbind",
         "peak RSS",
     ]);
     let topos = [builtin("2xA10")?, builtin("8xA100")?, generated("A10", 16)?];
     for t in &topos {
-        let (mut walls, mut noops, mut floors, mut rss, mut nwrites) =
-            (vec![], vec![], vec![], 0, 0);
+        let (mut binds, mut again, mut unbinds, mut rss) = (vec![], vec![], vec![], 0);
         for _ in 0..cli.runs {
             let sim = mount(t);
-            let f = ok(
-                run(Command::new(&b.vfio)
-                    .args(["bind", "--host-root"])
-                    .arg(sim.root()))?,
-                "vfio-manager bind",
-            )?;
-            walls.push(f.wall);
-            rss = rss.max(f.max_rss_kib);
-            let ops = writes(&sim.ops());
-            nwrites = ops.len();
-            let f = ok(
-                run(Command::new(&b.vfio)
-                    .args(["bind", "--host-root"])
-                    .arg(sim.root()))?,
-                "vfio-manager bind (no-op)",
-            )?;
-            noops.push(f.wall);
-            let fresh = mount(t);
-            floors.push(replay(fresh.root(), &ops)?);
+            for (what, sub, samples) in [
+                ("bind", "bind", &mut binds),
+                ("bind again", "bind", &mut again),
+                ("unbind", "unbind", &mut unbinds),
+            ] {
+                let f = ok(run(&mut vfio(b, sub, sim.root(), &[]))?, what)?;
+                samples.push(f.wall);
+                rss = rss.max(f.max_rss_kib);
+            }
         }
-        let (w, n, fl) = (
-            need(summarize(&walls))?,
-            need(summarize(&noops))?,
-            need(summarize(&floors))?,
-        );
         r.row(&[
             t.name.clone(),
             gpu_count(t).to_string(),
-            nwrites.to_string(),
-            fmt_summary(&w),
-            fmt_summary(&n),
-            fmt_summary(&fl),
-            ratio(w.median, fl.median),
+            fmt_summary(&need(summarize(&binds))?),
+            fmt_summary(&need(summarize(&again))?),
+            fmt_summary(&need(summarize(&unbinds))?),
             mib(rss),
         ]);
+        r.memory("vfio-manager", format!("bind, {}", t.name), rss);
     }
     r.line("");
 
@@ -97,20 +84,13 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
             let sim = mount(&t);
             sim.control(&format!("fault unbind * delay={delay}"))?;
             let f = ok(
-                run(Command::new(&b.vfio)
-                    .args(["bind", "--address", &first, "--host-root"])
-                    .arg(sim.root()))?,
+                run(&mut vfio(b, "bind", sim.root(), &["--address", &first]))?,
                 "bind one",
             )?;
             ones.push(f.wall);
             let sim = mount(&t);
             sim.control(&format!("fault unbind * delay={delay}"))?;
-            let f = ok(
-                run(Command::new(&b.vfio)
-                    .args(["bind", "--host-root"])
-                    .arg(sim.root()))?,
-                "bind all",
-            )?;
+            let f = ok(run(&mut vfio(b, "bind", sim.root(), &[]))?, "bind all")?;
             alls.push(f.wall);
         }
         let (o, a) = (need(summarize(&ones))?, need(summarize(&alls))?);

@@ -146,6 +146,11 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
             format!("{} → {p2}", fmt_summary(&need(summarize(&switches))?)),
             mib(rss),
         ]);
+        r.memory(
+            "vgpu-device-manager",
+            format!("apply, assert, switch: {} → {p1}", t.name),
+            rss,
+        );
     }
     r.line("");
     bench_daemon(cli, b, &cfg, r)?;
@@ -196,8 +201,6 @@ fn bench_daemon(cli: &Cli, b: &Bins, cfg: &Path, r: &mut Report) -> Result<()> {
         let hwm = procstat::sample(d.id()).map(|s| s.hwm_kib).unwrap_or(0);
         Ok((times, hwm))
     })();
-    // Stopped as kubelet stops a pod: a profiler around it (tools/startup-order.sh's
-    // callgrind) writes its profile only at a clean exit.
     testkit::sigterm_and_wait(&mut d);
     let (times, hwm) = result?;
     let s = need(summarize(&times))?;
@@ -205,6 +208,11 @@ fn bench_daemon(cli: &Cli, b: &Bins, cfg: &Path, r: &mut Report) -> Result<()> {
     r.line("");
     r.table(&["label change → success", "daemon peak RSS"]);
     r.row(&[fmt_summary(&s), mib(hwm)]);
+    r.memory(
+        "vgpu-device-manager daemon",
+        "peak, after the label switches (2xA10)",
+        hwm,
+    );
     r.line("");
     Ok(())
 }

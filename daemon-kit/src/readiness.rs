@@ -6,7 +6,9 @@
 //! vouches for what it says puts it back as soon as it is gone (inotify on the directory and on
 //! its parent, which sees the directory removed and made again), so that an init container or a
 //! probe waiting on the file never reads "not ready" while the node is. When the daemon
-//! withdraws, the file stays away.
+//! withdraws, the file stays away; when it stops (its pod deleted on a relabel or a rollout,
+//! SIGTERM), the file goes with it: nobody vouches any more, and an init container waiting on it
+//! must not pass on a file left behind by a daemon that no longer runs.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -53,6 +55,22 @@ impl Inner {
             Err(e) => {
                 tracing::warn!(error = %error_chain(&e), "cannot write the readiness file again");
                 false
+            }
+        }
+    }
+}
+
+impl Drop for Inner {
+    /// The daemon stops (the last holder of the keeper is gone): it vouches no more.
+    fn drop(&mut self) {
+        if self.body().take().is_some() {
+            match readiness::withdraw(&self.paths, &self.name) {
+                Ok(true) => tracing::info!(
+                    path = %readiness::path(&self.paths, &self.name).display(),
+                    "stopping: readiness file removed"
+                ),
+                Ok(false) => {}
+                Err(e) => tracing::warn!(error = %error_chain(&e), "stopping: cannot remove the readiness file"),
             }
         }
     }

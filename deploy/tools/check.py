@@ -93,7 +93,7 @@ CLUSTER_SCOPED = {
     "ValidatingAdmissionPolicyBinding",
     "SecurityContextConstraints",
 }
-KUSTOMIZATION_KEYS = {"apiVersion", "kind", "namespace", "resources", "components", "images"}
+KUSTOMIZATION_KEYS = {"apiVersion", "kind", "namespace", "resources", "components", "images", "patches"}
 
 failures: list[str] = []
 
@@ -131,8 +131,55 @@ def kustomization_file(d: str) -> str | None:
     return None
 
 
-def render(d: str, seen: set[str] | None = None, used: set[str] | None = None) -> list[dict]:
-    """Renders the kustomization in directory d. `used` collects every file it reads."""
+def json_pointer_apply(obj: dict, op: dict, where: str) -> None:
+    """One JSON6902 operation (add, replace, remove) on obj, in place."""
+    parts = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].lstrip("/").split("/")]
+    cur = obj
+    for p in parts[:-1]:
+        cur = cur[int(p)] if isinstance(cur, list) else cur[p]
+    last = parts[-1]
+    kind = op["op"]
+    if isinstance(cur, list):
+        if kind == "add":
+            cur.insert(len(cur) if last == "-" else int(last), copy.deepcopy(op["value"]))
+        elif kind == "replace":
+            cur[int(last)] = copy.deepcopy(op["value"])
+        elif kind == "remove":
+            del cur[int(last)]
+        else:
+            raise ValueError(f"{where}: patch op {kind!r} is not supported by this renderer")
+    else:
+        if kind in ("add", "replace"):
+            cur[last] = copy.deepcopy(op["value"])
+        elif kind == "remove":
+            del cur[last]
+        else:
+            raise ValueError(f"{where}: patch op {kind!r} is not supported by this renderer")
+
+
+def apply_patches(k: dict, kf: str, objs: list[dict], strict: bool = True) -> None:
+    """A kustomization's `patches` entries with an inline JSON6902 patch and a kind/name target.
+    Not `strict` (a Component rendered alone, to check its own objects): a patch whose target is
+    not there is skipped."""
+    for entry in k.get("patches") or []:
+        target = entry.get("target") or {}
+        ops = yaml.safe_load(entry.get("patch", ""))
+        if not isinstance(ops, list) or set(target) - {"kind", "name"}:
+            raise ValueError(f"{rel(kf)}: only inline JSON6902 patches with a kind/name target are supported")
+        hits = [o for o in objs if o.get("kind") == target.get("kind")
+                and (o.get("metadata") or {}).get("name") == target.get("name")]
+        if not hits and strict:
+            raise ValueError(f"{rel(kf)}: patch target {target} matches no object")
+        for o in hits:
+            for op in ops:
+                json_pointer_apply(o, op, rel(kf))
+
+
+def render(d: str, seen: set[str] | None = None, used: set[str] | None = None,
+           acc: list[dict] | None = None) -> list[dict]:
+    """Renders the kustomization in directory d. `used` collects every file it reads. A
+    Component adds its resources to `acc` (what the kustomization using it has so far) and
+    patches all of them, as kustomize does."""
     seen = set() if seen is None else seen
     used = set() if used is None else used
     d = os.path.abspath(d)
@@ -150,17 +197,22 @@ def render(d: str, seen: set[str] | None = None, used: set[str] | None = None) -
             f"{rel(kf)}: fields {sorted(unknown)} are not supported by this renderer "
             f"(supported: {sorted(KUSTOMIZATION_KEYS)}); extend deploy/tools/check.py"
         )
-    objs: list[dict] = []
-    for key in ("resources", "components"):
-        for entry in k.get(key) or []:
-            p = os.path.normpath(os.path.join(d, entry))
-            if os.path.isdir(p):
-                objs.extend(render(p, seen, used))
-            elif os.path.isfile(p):
-                used.add(p)
-                objs.extend(load_yaml_docs(p))
-            else:
-                raise ValueError(f"{rel(kf)}: {key} entry {entry!r} does not exist")
+    objs: list[dict] = acc if acc is not None else []
+    for entry in k.get("resources") or []:
+        p = os.path.normpath(os.path.join(d, entry))
+        if os.path.isdir(p):
+            objs.extend(render(p, seen, used))
+        elif os.path.isfile(p):
+            used.add(p)
+            objs.extend(load_yaml_docs(p))
+        else:
+            raise ValueError(f"{rel(kf)}: resources entry {entry!r} does not exist")
+    for entry in k.get("components") or []:
+        p = os.path.normpath(os.path.join(d, entry))
+        if not os.path.isdir(p):
+            raise ValueError(f"{rel(kf)}: components entry {entry!r} does not exist")
+        render(p, seen, used, objs)
+    apply_patches(k, kf, objs, strict=acc is not None or k.get("kind") != "Component")
     ns = k.get("namespace")
     if ns:
         for o in objs:
@@ -322,6 +374,8 @@ ALLOWED_HOST_MOUNTS = {
         "/var/run/cdi": True,
         "/var/lib/kubelet/device-plugins": False,
         "/var/lib/kubelet/pod-resources": False,
+        "/run/gpu-vm-node": True,
+        "/run/vfio-manager": True,
     },
     "sandbox-dp-on-demand": {
         "/sys": True,
@@ -733,11 +787,11 @@ def object_key(o: dict) -> tuple[str, str, str, str]:
     return (o.get("apiVersion", ""), o.get("kind", ""), m.get("namespace") or "", m.get("name", ""))
 
 
-def cmd_same(a: str, b: str, what: str) -> None:
+def cmd_same(a: str, b: str, what: str, ignore_kinds: tuple[str, ...] = ()) -> None:
     """Compares two renders as sets of parsed objects: any object only in one, or any field
-    that differs, fails with the first differences."""
-    ours = {object_key(o): o for o in load_objects(a)}
-    theirs = {object_key(o): o for o in load_objects(b)}
+    that differs, fails with the first differences. Objects of `ignore_kinds` are left out."""
+    ours = {object_key(o): o for o in load_objects(a) if o.get("kind") not in ignore_kinds}
+    theirs = {object_key(o): o for o in load_objects(b) if o.get("kind") not in ignore_kinds}
     diffs = [f"only in the first: {k}" for k in sorted(set(ours) - set(theirs))]
     diffs += [f"only in the second: {k}" for k in sorted(set(theirs) - set(ours))]
 
@@ -1338,6 +1392,8 @@ def main() -> int:
         cmd_render(sys.argv[2])
     elif cmd == "same" and len(sys.argv) == 5:
         cmd_same(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif cmd == "same" and len(sys.argv) == 6 and sys.argv[5].startswith("--ignore-kind="):
+        cmd_same(sys.argv[2], sys.argv[3], sys.argv[4], tuple(sys.argv[5].split("=", 1)[1].split(",")))
     elif cmd == "validate" and len(sys.argv) == 4:
         cmd_validate(sys.argv[2], sys.argv[3])
     elif cmd == "containerfile":

@@ -380,12 +380,13 @@ fn selected_config_runs_without_kubernetes() {
     let d = daemon(root, &["-c", "A10-8Q", "-f", cfg.path.to_str().unwrap()]);
     wait_until("the readiness file", || ready_file(root).exists());
     assert_eq!(counts(root), each("NVIDIA A10-8Q", 3));
-    // vGPUs lost (a reboot, someone removing them): a restart re-applies.
+    // vGPUs lost (a reboot, someone removing them): a restart re-applies. A stopped daemon
+    // vouches no more: its readiness file goes with it.
     assert_eq!(d.stop(), Some(0));
+    assert!(!ready_file(root).exists(), "the readiness file outlived the daemon");
     for pf in ["0000:41:00.0", "0000:61:00.0"] {
         write(root, &format!("sys/bus/pci/devices/{pf}/sriov_numvfs"), "0");
     }
-    std::fs::remove_file(ready_file(root)).unwrap();
     let d = daemon(root, &["-c", "A10-8Q", "-f", cfg.path.to_str().unwrap()]);
     wait_until("the readiness file again", || ready_file(root).exists());
     assert_eq!(counts(root), each("NVIDIA A10-8Q", 3));

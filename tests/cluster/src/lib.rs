@@ -52,6 +52,9 @@ const SCRATCH_PREFIX: &str = "gpu-vm-cluster-";
 /// A running cluster of one node.
 #[derive(Debug)]
 pub struct Cluster {
+    // Held for the cluster's life: one run at a time on a machine (there is one
+    // /var/lib/kubelet). Dropped last.
+    _lock: nix::fcntl::Flock<std::fs::File>,
     dir: PathBuf,
     assets: Assets,
     // Dropped in this order: the node (its pods hold the sim's mounts), the sim, the control plane.
@@ -75,6 +78,7 @@ impl Cluster {
     /// Starts the cluster.
     pub fn start() -> Result<Cluster> {
         let assets = Assets::load().map_err(anyhow::Error::msg)?;
+        let lock = lock()?;
         leftovers();
         let dir = std::env::temp_dir().join(format!("{SCRATCH_PREFIX}{}", std::process::id()));
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -104,6 +108,7 @@ impl Cluster {
         );
         host.make_vfio_nodes()?;
         Ok(Cluster {
+            _lock: lock,
             dir,
             assets,
             node: Mutex::new(node),
@@ -589,6 +594,25 @@ fn undo_host_changes(file: &Path) {
     let _ = std::fs::remove_file(file);
 }
 
+/// Takes the machine's cluster-tier lock, waiting for another run to end.
+fn lock() -> Result<nix::fcntl::Flock<std::fs::File>> {
+    let path = Path::new("/run/gpu-vm-cluster-tier.lock");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+        Ok(l) => Ok(l),
+        Err((f, _)) => {
+            eprintln!("cluster: another cluster-tier run holds {}; waiting for it", path.display());
+            nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive)
+                .map_err(|(_, e)| anyhow::anyhow!("locking {}: {e}", path.display()))
+        }
+    }
+}
+
 /// Stops and removes what earlier runs killed before their clean-up left: their processes
 /// (recorded in `pids`, and every container shim naming their containerd), mounts, host
 /// changes and scratch directories.
@@ -604,12 +628,9 @@ pub fn leftovers() {
         else {
             continue;
         };
-        if Path::new(&format!("/proc/{pid}")).exists() && pid != std::process::id() as i32 {
-            // Another run, still going.
-            let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            if cmd.contains("cluster") {
-                continue;
-            }
+        // The lock is held: no other run is going.
+        if pid == std::process::id() as i32 {
+            continue;
         }
         let dir = e.path();
         eprintln!(

@@ -6,7 +6,9 @@ use anyhow::{Context, Result, bail};
 use cluster_tier::{Cluster, NAMESPACE, RELEASE};
 use serde_json::Value;
 
+mod on_demand;
 mod passthrough;
+mod vgpu;
 
 /// A scenario: a name and what it does.
 pub struct Scenario {
@@ -15,10 +17,24 @@ pub struct Scenario {
 }
 
 /// Every scenario, in order.
-pub const ALL: &[Scenario] = &[Scenario {
-    name: "passthrough",
-    run: passthrough::run,
-}];
+pub const ALL: &[Scenario] = &[
+    Scenario {
+        name: "passthrough",
+        run: passthrough::run,
+    },
+    Scenario {
+        name: "vgpu-by-label",
+        run: vgpu::run,
+    },
+    Scenario {
+        name: "relabel-passthrough-to-vgpu",
+        run: vgpu::relabel_passthrough_to_vgpu,
+    },
+    Scenario {
+        name: "on-demand",
+        run: on_demand::run,
+    },
+];
 
 /// The namespace the scenarios' own pods and claims live in.
 pub const TEST_NS: &str = "vms";

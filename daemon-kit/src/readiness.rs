@@ -70,7 +70,9 @@ impl Drop for Inner {
                     "stopping: readiness file removed"
                 ),
                 Ok(false) => {}
-                Err(e) => tracing::warn!(error = %error_chain(&e), "stopping: cannot remove the readiness file"),
+                Err(e) => {
+                    tracing::warn!(error = %error_chain(&e), "stopping: cannot remove the readiness file")
+                }
             }
         }
     }

@@ -383,7 +383,10 @@ fn selected_config_runs_without_kubernetes() {
     // vGPUs lost (a reboot, someone removing them): a restart re-applies. A stopped daemon
     // vouches no more: its readiness file goes with it.
     assert_eq!(d.stop(), Some(0));
-    assert!(!ready_file(root).exists(), "the readiness file outlived the daemon");
+    assert!(
+        !ready_file(root).exists(),
+        "the readiness file outlived the daemon"
+    );
     for pf in ["0000:41:00.0", "0000:61:00.0"] {
         write(root, &format!("sys/bus/pci/devices/{pf}/sriov_numvfs"), "0");
     }

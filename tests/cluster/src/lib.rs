@@ -606,7 +606,10 @@ fn lock() -> Result<nix::fcntl::Flock<std::fs::File>> {
     match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock) {
         Ok(l) => Ok(l),
         Err((f, _)) => {
-            eprintln!("cluster: another cluster-tier run holds {}; waiting for it", path.display());
+            eprintln!(
+                "cluster: another cluster-tier run holds {}; waiting for it",
+                path.display()
+            );
             nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive)
                 .map_err(|(_, e)| anyhow::anyhow!("locking {}: {e}", path.display()))
         }

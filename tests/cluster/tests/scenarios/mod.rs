@@ -93,6 +93,10 @@ pub fn test_namespace(c: &Cluster) -> Result<()> {
     .map(|_| ())
 }
 
+/// What virt-launcher reads: the container's environment as it was started (`/proc/1/environ`;
+/// a shell drops the variables whose names hold `-`, like `MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q`).
+pub const ENV_OF_PID1: &str = "busybox tr '\\0' '\\n' < /proc/1/environ";
+
 /// A pod in the test namespace running `script` in the project's image (it has busybox), with
 /// `resources` (a YAML block under `resources:`, or empty) and `extra` lines appended to the
 /// container (indented six spaces) — a stand-in for a VM's virt-launcher.

@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, ensure};
 use cluster_tier::Cluster;
 
-use super::{TEST_NS, WORKLOAD, pod_yaml, test_namespace, wait_allocatable, wait_log, wait_phase};
+use super::{
+    ENV_OF_PID1, TEST_NS, WORKLOAD, pod_yaml, test_namespace, wait_allocatable, wait_log,
+    wait_phase,
+};
 
 const A10_4Q: &str = "nvidia.com/NVIDIA_A10-4Q";
 const A10_8Q: &str = "nvidia.com/NVIDIA_A10-8Q";
@@ -16,7 +19,11 @@ const A10_8Q: &str = "nvidia.com/NVIDIA_A10-8Q";
 fn mdevs(c: &Cluster) -> Result<Vec<String>> {
     c.with_sim(|s| {
         std::fs::read_dir(s.root().join("sys/bus/mdev/devices"))
-            .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
             .unwrap_or_default()
     })
 }
@@ -27,19 +34,35 @@ pub fn run(c: &Cluster) -> Result<()> {
     c.helm_install(&["onDemand.enabled=true"], &["--wait", "--timeout", "3m"])?;
     wait_allocatable(c, A10_4Q, 12, Duration::from_secs(60))?;
     wait_allocatable(c, A10_8Q, 6, Duration::from_secs(30))?;
-    ensure!(mdevs(c)?.is_empty(), "vGPUs exist before any pod asked for one");
+    ensure!(
+        mdevs(c)?.is_empty(),
+        "vGPUs exist before any pod asked for one"
+    );
 
     test_namespace(c)?;
-    let script = "env | grep '^MDEV_PCI_RESOURCE' ; echo done ; sleep 3600";
-    c.apply(&pod_yaml(c, "vm-a", script, &format!("limits:\n  {A10_4Q}: 1"), ""))?;
+    let script =
+        format!("{ENV_OF_PID1} | busybox grep '^MDEV_PCI_RESOURCE' ; echo done ; sleep 3600");
+    c.apply(&pod_yaml(
+        c,
+        "vm-a",
+        &script,
+        &format!("limits:\n  {A10_4Q}: 1"),
+        "",
+    ))?;
     wait_phase(c, "vm-a", &["Running"], Duration::from_secs(60))?;
     let log = wait_log(c, "vm-a", "done", Duration::from_secs(30))?;
     let uuid = log
         .lines()
         .find_map(|l| l.strip_prefix("MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q="))
-        .with_context(|| format!("no MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q in the container's env:\n{log}"))?
+        .with_context(|| {
+            format!("no MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q in the container's env:\n{log}")
+        })?
         .to_string();
-    ensure!(mdevs(c)? == [uuid.clone()], "the node's vGPUs are {:?}, not the pod's {uuid}", mdevs(c)?);
+    ensure!(
+        mdevs(c)? == [uuid.clone()],
+        "the node's vGPUs are {:?}, not the pod's {uuid}",
+        mdevs(c)?
+    );
     // The GPU now hosts 4Q: its 8Q slots are withdrawn.
     wait_allocatable(c, A10_8Q, 3, Duration::from_secs(30))?;
 
@@ -49,23 +72,41 @@ pub fn run(c: &Cluster) -> Result<()> {
         node.stop_kubelet();
         node.start_kubelet()?;
     }
-    c.wait("kubelet back with the resources", Duration::from_secs(90), || {
-        let n = c.node_json()?;
-        let ready = n["status"]["conditions"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .any(|cond| cond["type"] == "Ready" && cond["status"] == "True");
-        Ok((ready && cluster_tier::quantity(&n["status"]["allocatable"][A10_8Q]) == 3).then_some(()))
-    })?;
-    ensure!(mdevs(c)? == [uuid.clone()], "the vGPU did not survive kubelet's restart: {:?}", mdevs(c)?);
+    c.wait(
+        "kubelet back with the resources",
+        Duration::from_secs(90),
+        || {
+            let n = c.node_json()?;
+            let ready = n["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|cond| cond["type"] == "Ready" && cond["status"] == "True");
+            Ok(
+                (ready && cluster_tier::quantity(&n["status"]["allocatable"][A10_8Q]) == 3)
+                    .then_some(()),
+            )
+        },
+    )?;
+    ensure!(
+        mdevs(c)? == [uuid.clone()],
+        "the vGPU did not survive kubelet's restart: {:?}",
+        mdevs(c)?
+    );
     wait_phase(c, "vm-a", &["Running"], Duration::from_secs(10))?;
 
     // The pod goes: its vGPU goes, and the sizes come back.
-    c.kubectl(&["delete", "pod", "-n", TEST_NS, "vm-a", "--wait=true"])?;
     let t0 = Instant::now();
-    c.wait("the vGPU removed after its pod", Duration::from_secs(30), || Ok(mdevs(c)?.is_empty().then_some(())))?;
-    eprintln!("  on-demand: vGPU removed {:.1} s after its pod was deleted", t0.elapsed().as_secs_f64());
+    c.kubectl(&["delete", "pod", "-n", TEST_NS, "vm-a", "--wait=true"])?;
+    c.wait(
+        "the vGPU removed after its pod",
+        Duration::from_secs(30),
+        || Ok(mdevs(c)?.is_empty().then_some(())),
+    )?;
+    eprintln!(
+        "  on-demand: vGPU removed {:.1} s after `kubectl delete pod` (1 s grace period)",
+        t0.elapsed().as_secs_f64()
+    );
     wait_allocatable(c, A10_8Q, 6, Duration::from_secs(30))?;
     Ok(())
 }

@@ -8,7 +8,10 @@ use std::time::Duration;
 use anyhow::{Result, ensure};
 use cluster_tier::Cluster;
 
-use super::{TEST_NS, WORKLOAD, pod_yaml, test_namespace, wait_allocatable, wait_log, wait_phase};
+use super::{
+    ENV_OF_PID1, TEST_NS, WORKLOAD, pod_yaml, test_namespace, wait_allocatable, wait_log,
+    wait_phase,
+};
 
 const RESOURCE: &str = "nvidia.com/GA102GL_A10";
 
@@ -20,11 +23,13 @@ pub fn run(c: &Cluster) -> Result<()> {
     ensure!(c.capacity(RESOURCE)? == 2, "capacity {RESOURCE} is not 2");
 
     test_namespace(c)?;
-    let script = "env | grep '^PCI_RESOURCE' ; ls /dev/vfio ; echo done ; sleep 3600";
+    let script = format!(
+        "{ENV_OF_PID1} | busybox grep '^PCI_RESOURCE' ; ls /dev/vfio ; echo done ; sleep 3600"
+    );
     c.apply(&pod_yaml(
         c,
         "vm-a",
-        script,
+        &script,
         &format!("limits:\n  {RESOURCE}: 1"),
         "",
     ))?;

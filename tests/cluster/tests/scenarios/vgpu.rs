@@ -8,7 +8,10 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail, ensure};
 use cluster_tier::Cluster;
 
-use super::{TEST_NS, WORKLOAD, pod_yaml, test_namespace, wait_allocatable, wait_log, wait_phase};
+use super::{
+    ENV_OF_PID1, TEST_NS, WORKLOAD, pod_yaml, test_namespace, wait_allocatable, wait_log,
+    wait_phase,
+};
 
 const A10_4Q: &str = "nvidia.com/NVIDIA_A10-4Q";
 const A10_8Q: &str = "nvidia.com/NVIDIA_A10-8Q";
@@ -19,7 +22,10 @@ pub const STATE: &str = "nvidia.com/vgpu.config.state";
 pub fn wait_state(c: &Cluster, want: &str, timeout: Duration) -> Result<()> {
     c.wait(&format!("{STATE}={want}"), timeout, || {
         let n = c.node_json()?;
-        let got = n["metadata"]["labels"][STATE].as_str().unwrap_or_default().to_string();
+        let got = n["metadata"]["labels"][STATE]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
         Ok((got == want).then_some(()))
     })
 }
@@ -33,40 +39,75 @@ pub fn run(c: &Cluster) -> Result<()> {
     wait_allocatable(c, A10_4Q, 12, Duration::from_secs(60))?;
 
     test_namespace(c)?;
-    let script = "env | grep '^MDEV_PCI_RESOURCE' ; ls /dev/vfio ; echo done ; sleep 3600";
-    c.apply(&pod_yaml(c, "vm-a", script, &format!("limits:\n  {A10_4Q}: 1"), ""))?;
+    let script = format!(
+        "{ENV_OF_PID1} | busybox grep '^MDEV_PCI_RESOURCE' ; ls /dev/vfio ; echo done ; sleep 3600"
+    );
+    c.apply(&pod_yaml(
+        c,
+        "vm-a",
+        &script,
+        &format!("limits:\n  {A10_4Q}: 1"),
+        "",
+    ))?;
     wait_phase(c, "vm-a", &["Running"], Duration::from_secs(60))?;
     let log = wait_log(c, "vm-a", "done", Duration::from_secs(30))?;
     let uuid = log
         .lines()
         .find_map(|l| l.strip_prefix("MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q="))
-        .with_context(|| format!("no MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q in the container's env:\n{log}"))?
+        .with_context(|| {
+            format!("no MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q in the container's env:\n{log}")
+        })?
         .to_string();
     // The vGPU exists on the node, and its group's node is in the container.
-    let group = c.with_sim(|s| std::fs::read_link(s.root().join(format!("sys/bus/mdev/devices/{uuid}/iommu_group"))))?
+    let group = c
+        .with_sim(|s| {
+            std::fs::read_link(
+                s.root()
+                    .join(format!("sys/bus/mdev/devices/{uuid}/iommu_group")),
+            )
+        })?
         .with_context(|| format!("vGPU {uuid} of the env var does not exist on the node"))?;
-    let group = group.file_name().and_then(|g| g.to_str()).unwrap_or_default().to_string();
-    ensure!(log.lines().any(|l| l == group), "/dev/vfio/{group} of vGPU {uuid} is not in the container:\n{log}");
+    let group = group
+        .file_name()
+        .and_then(|g| g.to_str())
+        .unwrap_or_default()
+        .to_string();
+    ensure!(
+        log.lines().any(|l| l == group),
+        "/dev/vfio/{group} of vGPU {uuid} is not in the container:\n{log}"
+    );
 
     // Relabel while the vGPU is in use: the other GPU switches, this one is left, and the
     // operator is told where they look.
     c.label_node(CONFIG, Some("A10-8Q"))?;
     wait_state(c, "failed", Duration::from_secs(90))?;
-    let event = c.wait("the Event saying why the switch is blocked", Duration::from_secs(30), || {
-        let events = c.events(None)?;
-        Ok(events.into_iter().find(|e| {
-            e["reason"] == "ProfileBlocked" && e["message"].as_str().is_some_and(|m| m.contains("A10-8Q"))
-        }))
-    })?;
+    let event = c.wait(
+        "the Event saying why the switch is blocked",
+        Duration::from_secs(30),
+        || {
+            let events = c.events(None)?;
+            Ok(events.into_iter().find(|e| {
+                e["reason"] == "ProfileBlocked"
+                    && e["message"].as_str().is_some_and(|m| m.contains("A10-8Q"))
+            }))
+        },
+    )?;
     let msg = event["message"].as_str().unwrap_or_default();
-    ensure!(msg.contains("vm-a") || msg.contains(&uuid), "the Event does not name the vGPU or its pod: {msg}");
+    ensure!(
+        msg.contains("vm-a") || msg.contains(&uuid),
+        "the Event does not name the vGPU or its pod: {msg}"
+    );
     wait_allocatable(c, A10_8Q, 3, Duration::from_secs(60))?;
 
     c.kubectl(&["delete", "pod", "-n", TEST_NS, "vm-a", "--wait=true"])?;
     wait_state(c, "success", Duration::from_secs(120))?;
     wait_allocatable(c, A10_8Q, 6, Duration::from_secs(60))?;
     wait_allocatable(c, A10_4Q, 0, Duration::from_secs(60))?;
-    let gone = c.with_sim(|s| !s.root().join(format!("sys/bus/mdev/devices/{uuid}")).exists())?;
+    let gone = c.with_sim(|s| {
+        !s.root()
+            .join(format!("sys/bus/mdev/devices/{uuid}"))
+            .exists()
+    })?;
     if !gone {
         bail!("vGPU {uuid} is still there after the switch to A10-8Q");
     }
@@ -82,35 +123,78 @@ pub fn relabel_passthrough_to_vgpu(c: &Cluster) -> Result<()> {
     c.helm_install(&[], &["--wait", "--timeout", "3m"])?;
     wait_allocatable(c, "nvidia.com/GA102GL_A10", 2, Duration::from_secs(60))?;
     let ready = c.sim_root().join("run/nvidia/validations/vfio-pci-ready");
-    ensure!(ready.exists(), "vfio-manager did not write {}", ready.display());
+    ensure!(
+        ready.exists(),
+        "vfio-manager did not write {}",
+        ready.display()
+    );
 
     c.label_node(CONFIG, Some("A10-4Q"))?;
     c.label_node(WORKLOAD, Some("vm-vgpu"))?;
-    c.wait("vfio-manager's pod gone, and its readiness file", Duration::from_secs(60), || {
-        let pods = c.get_json(&["pods", "-n", cluster_tier::NAMESPACE, "-l", "app.kubernetes.io/name=vfio-manager"])?;
-        let none = pods["items"].as_array().is_none_or(Vec::is_empty);
-        Ok((none && !ready.exists()).then_some(()))
-    })?;
+    c.wait(
+        "vfio-manager's pod gone, and its readiness file",
+        Duration::from_secs(60),
+        || {
+            let pods = c.get_json(&[
+                "pods",
+                "-n",
+                cluster_tier::NAMESPACE,
+                "-l",
+                "app.kubernetes.io/name=vfio-manager",
+            ])?;
+            let none = pods["items"].as_array().is_none_or(Vec::is_empty);
+            Ok((none && !ready.exists()).then_some(()))
+        },
+    )?;
     // A pass of vgpu-device-manager ran and failed: the GPUs are not on nvidia.
     wait_state(c, "failed", Duration::from_secs(90))?;
     // sandbox-dp starts again (a rollout, a crash): its init container must wait.
-    c.kubectl(&["delete", "pods", "-n", cluster_tier::NAMESPACE, "-l", "app.kubernetes.io/name=sandbox-dp", "--wait=true"])?;
+    c.kubectl(&[
+        "delete",
+        "pods",
+        "-n",
+        cluster_tier::NAMESPACE,
+        "-l",
+        "app.kubernetes.io/name=sandbox-dp",
+        "--wait=true",
+    ])?;
     let pod = c.wait("a new sandbox-dp pod", Duration::from_secs(60), || {
-        let pods = c.get_json(&["pods", "-n", cluster_tier::NAMESPACE, "-l", "app.kubernetes.io/name=sandbox-dp"])?;
+        let pods = c.get_json(&[
+            "pods",
+            "-n",
+            cluster_tier::NAMESPACE,
+            "-l",
+            "app.kubernetes.io/name=sandbox-dp",
+        ])?;
         Ok(pods["items"].as_array().and_then(|p| p.first()).cloned())
     })?;
-    let name = pod["metadata"]["name"].as_str().unwrap_or_default().to_string();
-    let log = c.wait("sandbox-dp's init container waiting", Duration::from_secs(60), || {
-        let log = c.container_log(cluster_tier::NAMESPACE, &name, "wait-for-node-ready").unwrap_or_default();
-        Ok(log.contains("waiting for").then_some(log))
-    })?;
+    let name = pod["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let log = c.wait(
+        "sandbox-dp's init container waiting",
+        Duration::from_secs(60),
+        || {
+            let log = c
+                .container_log(cluster_tier::NAMESPACE, &name, "wait-for-node-ready")
+                .unwrap_or_default();
+            Ok(log.contains("waiting for").then_some(log))
+        },
+    )?;
     let p = c.get_json(&["pod", "-n", cluster_tier::NAMESPACE, &name])?;
     let init_done = p["status"]["initContainerStatuses"]
         .as_array()
         .into_iter()
         .flatten()
         .any(|s| s["state"]["terminated"].is_object());
-    ensure!(!init_done, "sandbox-dp's init container passed while vgpu-device-manager is not ready:\n{log}");
-    ensure!(c.allocatable("nvidia.com/GA102GL_A10")? == 0 || c.allocatable(A10_4Q)? == 0, "sandbox-dp serves a node that is not ready");
+    ensure!(
+        !init_done,
+        "sandbox-dp's init container passed while vgpu-device-manager is not ready:\n{log}"
+    );
+    ensure!(
+        c.allocatable("nvidia.com/GA102GL_A10")? == 0 || c.allocatable(A10_4Q)? == 0,
+        "sandbox-dp serves a node that is not ready"
+    );
     Ok(())
 }

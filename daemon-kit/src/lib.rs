@@ -14,6 +14,8 @@
 //! - [`readiness`]: a readiness file kept in place while the daemon vouches, whoever removes it.
 //! - [`ops`]: metrics (`/metrics`), probes (`/healthz`, `/readyz`) and systemd notification;
 //! - [`events`]: Kubernetes Events on the Node for every change and refusal;
+//! - [`reconcile`]: when a daemon's loop makes a pass: changes, a resync, backoff after a
+//!   failure;
 //! - [`manual`]: shell completions and a man page, generated from the clap definition.
 #![warn(missing_docs)]
 
@@ -29,5 +31,6 @@ pub mod logging;
 pub mod manual;
 pub mod ops;
 pub mod readiness;
+pub mod reconcile;
 
 pub use exit::{Failure, OrExit, Result};

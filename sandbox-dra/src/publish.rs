@@ -11,8 +11,9 @@
 //! change what is published (a GPU hot-plugged or removed, a driver bound or unbound, a VFIO
 //! group node appearing or going), when kubelet (re)registers the driver (kubelet deletes the
 //! node's slices when it starts and when a driver unregisters), and every
-//! `--resync-interval`. A pass that fails (the API server unreachable, a refusal) is retried
-//! after a backoff, 1 s doubling to 30 s.
+//! `--resync-interval` ([`daemon_kit::reconcile`]: a burst of events is one pass). A pass that
+//! fails (the API server unreachable, a refusal) is retried after a backoff with jitter, 1 s
+//! doubling to 30 s.
 //!
 //! Cleaning up:
 //! - slices of this driver on this node other than those this process publishes (a renamed
@@ -30,12 +31,13 @@ use std::time::Duration;
 use anyhow::Context as _;
 use common::uevent::{Monitor, Uevent};
 use common::{HostPaths, Inventory, PciAddress, PciIds, ReadOptions};
+use daemon_kit::reconcile::{Settings, Trigger};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{CounterSet, Device, ResourceSlice, ResourceSliceSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use vfio_manager::select::{Selector, select};
 
@@ -47,6 +49,19 @@ pub const FIELD_MANAGER: &str = "sandbox-dra";
 
 /// Uevent subsystems whose events can change the slice (events without one count too).
 const SUBSYSTEMS: &[&str] = &["pci", "vfio", "iommu", "drivers"];
+
+/// The first and the longest delay before a failed pass is tried again.
+const RETRY_MIN: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// What asks the publisher to compare the slices with the node again.
+#[derive(Debug)]
+enum Change {
+    /// A uevent that can change what is published.
+    Uevent(Uevent),
+    /// kubelet registered the driver: it deletes the node's slices when it starts.
+    Registered,
+}
 
 /// What the publisher needs besides the client and the host paths.
 #[derive(Clone, Debug)]
@@ -255,61 +270,44 @@ pub async fn run(
         generation: 0,
         left_out: Vec::new(),
     };
-    let (tx, mut rx) = mpsc::unbounded_channel::<Uevent>();
+    let settings = Settings::new("sandbox-dra")
+        .with_resync(cfg.resync_interval)
+        .with_retry(RETRY_MIN, RETRY_MAX);
+    let (mut trigger, changes) = Trigger::<Change>::new(settings);
     // Listens until dropped, at the end of this function.
-    let monitor = Monitor::start(SUBSYSTEMS, move |ev| tx.send(ev).is_ok())
+    let uevents = changes.clone();
+    let _monitor = Monitor::start(SUBSYSTEMS, move |ev| uevents.send(Change::Uevent(ev)))
         .inspect_err(|e| {
             tracing::warn!(error = %e, "no uevents: the slice follows the node at the resync interval only")
         })
         .ok();
-    let mut events_open = monitor.is_some();
     let mut registration_open = true;
-    // The first pass runs at once; the resync ticks start one interval later. (An interval's
-    // first tick is not immediate: it waits for the timer's next millisecond.)
-    let period = cfg.resync_interval.max(Duration::from_millis(100));
-    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut waits = false;
-    const BACKOFF_MIN: Duration = Duration::from_secs(1);
-    const BACKOFF_MAX: Duration = Duration::from_secs(30);
-    let mut backoff = BACKOFF_MIN;
-    let mut retry: Option<tokio::time::Instant> = None;
     loop {
         cfg.telemetry.beat();
-        if waits {
-            tokio::select! {
-                _ = shutdown.cancelled() => break,
-                _ = ticker.tick() => {}
-                _ = async { tokio::time::sleep_until(retry.unwrap_or_else(tokio::time::Instant::now)).await },
-                    if retry.is_some() => {}
-                ev = rx.recv(), if events_open => match ev {
-                    Some(ev) => {
-                        tracing::debug!(action = %ev.action, subject = ?ev.subject, "change seen");
-                        // Let a burst (a driver's unbind, probe and bind) settle into one pass.
-                        tokio::select! {
-                            _ = shutdown.cancelled() => break,
-                            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
-                        }
-                        while rx.try_recv().is_ok() {}
-                    }
-                    None => {
-                        events_open = false;
-                        continue;
-                    }
-                },
-                changed = registered.changed(), if registration_open => {
-                    if changed.is_err() {
-                        registration_open = false;
-                        continue;
-                    }
-                    if *registered.borrow_and_update() != Registered::Yes {
-                        continue;
-                    }
-                    tracing::debug!("kubelet registered the driver; checking the slice");
+        let wake = tokio::select! {
+            w = trigger.wait(&shutdown) => match w {
+                Some(w) => w,
+                None => break,
+            },
+            changed = registered.changed(), if registration_open => {
+                if changed.is_err() {
+                    registration_open = false;
+                } else if *registered.borrow_and_update() == Registered::Yes {
+                    changes.send(Change::Registered);
+                }
+                continue;
+            }
+        };
+        for c in &wake.changes {
+            match c {
+                Change::Uevent(ev) => {
+                    tracing::debug!(action = %ev.action, subject = ?ev.subject, "change seen")
+                }
+                Change::Registered => {
+                    tracing::debug!("kubelet registered the driver; checking the slice")
                 }
             }
         }
-        waits = true;
         let outcome =
             match read_devices(&paths, &cfg.pci_ids, &cfg.vgpu_pool, &cfg.mdev_parents).await {
                 Ok(nd) => {
@@ -322,14 +320,12 @@ pub async fn run(
         match outcome {
             Ok(published) => {
                 cfg.telemetry.published(published);
-                retry = None;
-                backoff = BACKOFF_MIN;
+                trigger.done();
             }
             Err(e) => {
                 cfg.telemetry.publish_failed();
-                tracing::error!(error = %format!("{e:#}"), retry_in = ?backoff, "cannot publish the node's ResourceSlice");
-                retry = Some(tokio::time::Instant::now() + backoff);
-                backoff = (backoff * 2).min(BACKOFF_MAX);
+                let retry_in = trigger.retry();
+                tracing::error!(error = %format!("{e:#}"), ?retry_in, "cannot publish the node's ResourceSlice");
             }
         }
     }

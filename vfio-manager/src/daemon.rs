@@ -3,12 +3,12 @@
 //! The daemon binds the selection, writes `<host-root>/run/nvidia/validations/vfio-pci-ready`
 //! once every selected function is on its VFIO driver, then reconciles again whenever udev
 //! reports a PCI device added, removed, bound or unbound (a hot-plugged GPU), and on a slow
-//! resync timer as a safety net. While any selected function is not bound the readiness file
+//! resync timer as a safety net; a pass that did not bind everything is retried with backoff
+//! ([`daemon_kit::reconcile`]). While any selected function is not bound the readiness file
 //! is absent; while all are, it is written again whenever someone else removes it (the GPU
 //! Operator's validator). SIGTERM/SIGINT end it with the devices left bound (a rollout must not break
 //! running VMs); with `--unbind-on-exit` it gives them back first.
 
-use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -16,14 +16,14 @@ use std::time::Duration;
 
 use common::state::readiness;
 use common::uevent::{Monitor, Subject, Uevent};
-use common::{HostPaths, PciAddress, error_chain};
+use common::{HostPaths, error_chain};
 use daemon_kit::events::NodeEvents;
 use daemon_kit::exit;
 use daemon_kit::ops::{Ops, liveness_window};
 use daemon_kit::readiness::Keeper;
+use daemon_kit::reconcile::{Settings, Trigger};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::report::{Outcome, Report};
@@ -31,6 +31,9 @@ use crate::{Config, run_bind, run_unbind};
 
 /// The readiness file's name under the validations directory.
 pub const READY_FILE: &str = "vfio-pci-ready";
+
+/// The first delay before a failed pass is tried again; it doubles up to the resync interval.
+const RETRY_MIN: Duration = Duration::from_secs(1);
 
 /// `daemon` settings.
 #[derive(Clone, Debug)]
@@ -261,91 +264,52 @@ pub async fn run(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToke
     )
     .await;
     let mut telemetry = Telemetry::new(ops.clone(), events);
-    let (tx, mut rx) = mpsc::unbounded_channel::<Uevent>();
+    // A failed pass is retried with backoff, at least as often as the resync would.
+    let settings = Settings::new("vfio-manager")
+        .with_resync(cfg.resync_interval)
+        .with_retry(RETRY_MIN, cfg.resync_interval);
+    let (mut trigger, changes) = Trigger::<Uevent>::new(settings);
     // pci uevents (kernel and udev groups: common::uevent), until the monitor is dropped.
     let monitor = if cfg.udev {
-        Monitor::start(&["pci"], move |ev| tx.send(ev).is_ok())
+        Monitor::start(&["pci"], move |ev| changes.send(ev))
             .inspect_err(|e| {
                 tracing::warn!(error = %e, "udev events unavailable; relying on the resync interval")
             })
             .ok()
     } else {
-        drop(tx);
         None
     };
-    let address = |ev: &Uevent| match ev.subject {
-        Subject::Pci(a) => Some(a),
-        _ => None,
-    };
-    // The first pass runs at once; the resync ticks start one interval later. (An interval's
-    // first tick is not immediate: it waits for the timer's next millisecond.)
-    let period = cfg.resync_interval.max(Duration::from_millis(100));
-    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut events_open = cfg.udev;
     let mut first = true;
-    let mut waits = false;
-    // After a pass with failures, event-triggered retries wait this long, so a device that
-    // keeps failing (and whose failed writes raise events) is not retried in a tight loop.
-    const RETRY_GAP: Duration = Duration::from_secs(1);
-    let mut retry_not_before = tokio::time::Instant::now();
     loop {
         ops.beat();
-        if waits {
-            tokio::select! {
-                _ = shutdown.cancelled() => break,
-                _ = ticker.tick() => {
-                    if !first {
-                        tracing::debug!("resync");
-                    }
-                }
-                ev = rx.recv(), if events_open => match ev {
-                    Some(ev) => {
-                        tracing::debug!(action = %ev.action, device = ?address(&ev), "change seen");
-                        // Let a burst of events (a driver's remove + add) settle.
-                        let settle = tokio::time::Instant::now() + Duration::from_millis(100);
-                        tokio::select! {
-                            _ = shutdown.cancelled() => break,
-                            _ = tokio::time::sleep_until(settle.max(retry_not_before)) => {}
-                        }
-                        while rx.try_recv().is_ok() {}
-                    }
-                    None => events_open = false,
-                },
-            }
-        }
-        waits = true;
-        let mut again = true;
-        while again && !shutdown.is_cancelled() {
-            again = false;
-            let Some(report) = reconcile(&cfg.config, &paths).await else {
-                set_ready(&ready, &paths, None);
-                retry_not_before = tokio::time::Instant::now() + RETRY_GAP;
-                break;
+        let Some(wake) = trigger.wait(&shutdown).await else {
+            break;
+        };
+        for ev in &wake.changes {
+            let device = match ev.subject {
+                Subject::Pci(a) => Some(a),
+                _ => None,
             };
-            print_report(&report, !first);
-            telemetry.pass(&report);
-            first = false;
-            set_ready(&ready, &paths, Some(&report));
-            let failed = report.exit_code() != 0;
-            if failed {
-                retry_not_before = tokio::time::Instant::now() + RETRY_GAP;
-            }
-            // Our own writes raise events. After a clean pass any event is worth another
-            // (cheap, write-free when nothing changed) pass; after a failed one only events
-            // about devices this pass did not touch are, the rest waits for the retry gap.
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            let touched: BTreeSet<PciAddress> = report
-                .results
-                .iter()
-                .filter(|r| !matches!(r.outcome, Outcome::Unchanged { .. }))
-                .map(|r| r.address)
-                .collect();
-            while let Ok(ev) = rx.try_recv() {
-                if !failed || address(&ev).is_none_or(|a| !touched.contains(&a)) {
-                    again = true;
-                }
-            }
+            tracing::debug!(action = %ev.action, ?device, "change seen");
+        }
+        if wake.resync && !wake.first {
+            tracing::debug!("resync");
+        }
+        let Some(report) = reconcile(&cfg.config, &paths).await else {
+            set_ready(&ready, &paths, None);
+            trigger.retry();
+            continue;
+        };
+        print_report(&report, !first);
+        telemetry.pass(&report);
+        first = false;
+        set_ready(&ready, &paths, Some(&report));
+        // Our own writes raise events: after a clean pass they make another one, which writes
+        // nothing; after a failed pass they wait for the backoff, as the retry does.
+        if report.exit_code() == 0 {
+            trigger.done();
+        } else {
+            trigger.retry();
         }
     }
     drop(monitor);

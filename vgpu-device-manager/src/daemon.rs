@@ -4,7 +4,8 @@
 //! Node; `--default-config` when the label is absent) or, without Kubernetes, from
 //! `--selected-config`. It applies at start (vGPUs do not survive a reboot), whenever the label
 //! or the config file changes (the file's directory is watched: a ConfigMap update swaps a
-//! symlink), and retries a failed or blocked apply with backoff. In Kubernetes it reports
+//! symlink), and retries a failed or blocked apply with backoff (`--retry-min` doubling up to
+//! `--retry-max`, with jitter: [`daemon_kit::reconcile`]). In Kubernetes it reports
 //! through `nvidia.com/vgpu.config.state` (`pending`, `success`, `failed`) and the annotation
 //! `nvidia.com/vgpu.config.state.reason`. After a successful apply it writes
 //! `<host-root>/run/nvidia/validations/vgpu-devices-ready`, and writes it again whenever someone
@@ -21,6 +22,7 @@ use daemon_kit::events::NodeEvents;
 use daemon_kit::exit;
 use daemon_kit::ops::Ops;
 use daemon_kit::readiness::Keeper;
+use daemon_kit::reconcile::{Changes, Settings, Trigger};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::Api;
@@ -31,7 +33,6 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::apply::{ApplyError, Options, Outcome, Report, apply};
@@ -301,11 +302,13 @@ async fn keep_applied(
     mut telemetry: Telemetry,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    let (profile_tx, mut profile_rx) = watch::channel::<Option<String>>(None);
+    let settings = Settings::new("vgpu-device-manager").with_retry(cfg.retry_min, cfg.retry_max);
+    let (mut trigger, changes) = Trigger::<Change>::new(settings);
+    let mut profile: Option<String> = None;
     let mut tasks = tokio::task::JoinSet::new();
     let mut reporter = match &cfg.source {
         Source::Fixed(name) => {
-            profile_tx.send_replace(Some(name.clone()));
+            profile = Some(name.clone());
             Reporter {
                 node: None,
                 shown: None,
@@ -321,7 +324,9 @@ async fn keep_applied(
             let meta: Api<PartialObjectMeta<Node>> = Api::all(client.clone());
             let (node, default) = (node_name.clone(), default_config.clone());
             let stop = shutdown.clone();
+            let changes = changes.clone();
             tasks.spawn(async move {
+                let mut selected: Option<String> = None;
                 let wc = watcher::Config::default().fields(&format!("metadata.name={node}"));
                 let mut stream = watcher(meta, wc).default_backoff().boxed();
                 loop {
@@ -348,15 +353,11 @@ async fn keep_applied(
                         .filter(|v| !v.is_empty())
                         .cloned()
                         .unwrap_or_else(|| default.clone());
-                    profile_tx.send_if_modified(|cur| {
-                        if cur.as_deref() == Some(want.as_str()) {
-                            false
-                        } else {
-                            tracing::info!(node, profile = want, "selected profile");
-                            *cur = Some(want.clone());
-                            true
-                        }
-                    });
+                    if selected.as_deref() != Some(want.as_str()) {
+                        tracing::info!(node, profile = want, "selected profile");
+                        selected = Some(want.clone());
+                        changes.send(Change::Profile(want));
+                    }
                 }
             });
             Reporter {
@@ -367,75 +368,63 @@ async fn keep_applied(
     };
 
     // The config file: watch its directory (a ConfigMap swaps the `..data` symlink).
-    let (file_tx, mut file_rx) = mpsc::channel::<()>(8);
-    let _watcher = watch_file(&cfg.config_file, file_tx)?;
+    let _watcher = watch_file(&cfg.config_file, changes)?;
 
     let mut last_text: Option<String> = None;
-    let mut retry: Option<tokio::time::Instant> = None;
-    let mut delay = cfg.retry_min;
-    let mut run_now = true;
-    // A retry after a failure keeps reporting `failed` until it passes: the label does not
-    // flap through `pending` on every attempt.
-    let mut retrying;
     let mut heartbeat = tokio::time::interval(BEAT);
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         telemetry.ops.beat();
-        retrying = false;
-        if !run_now || profile_rx.borrow().is_none() {
-            let retry_sleep = async {
-                match retry {
-                    Some(t) => tokio::time::sleep_until(t).await,
-                    None => std::future::pending().await,
+        // Shutdown first: on SIGTERM the watch task ends, which must not read as the profile
+        // source failing.
+        let wake = tokio::select! {
+            biased;
+            w = trigger.wait(&shutdown) => match w {
+                Some(w) => w,
+                None => break,
+            },
+            r = tasks.join_next(), if !tasks.is_empty() => {
+                if shutdown.is_cancelled() { break; }
+                match r {
+                    Some(Ok(Err(e))) => return Err(e),
+                    Some(Err(e)) => anyhow::bail!("a daemon task failed: {e}"),
+                    _ => {}
                 }
-            };
-            // Shutdown first: on SIGTERM the watch task ends and drops the profile sender, which
-            // must not read as the profile source failing.
-            tokio::select! {
-                biased;
-                _ = shutdown.cancelled() => break,
-                r = tasks.join_next(), if !tasks.is_empty() => {
-                    if shutdown.is_cancelled() { break; }
-                    match r {
-                        Some(Ok(Err(e))) => return Err(e),
-                        Some(Err(e)) => anyhow::bail!("a daemon task failed: {e}"),
-                        _ => {}
-                    }
-                    continue;
+                continue;
+            }
+            _ = heartbeat.tick() => continue,
+        };
+        // A new profile or config file is applied at once, with the backoff started over.
+        let mut asked = wake.first || wake.resync;
+        let mut file_event = false;
+        for c in wake.changes {
+            match c {
+                Change::Profile(p) => {
+                    profile = Some(p);
+                    asked = true;
                 }
-                c = profile_rx.changed() => {
-                    if c.is_err() {
-                        if shutdown.is_cancelled() { break; }
-                        anyhow::bail!("the profile source ended");
-                    }
-                    delay = cfg.retry_min;
-                }
-                Some(()) = file_rx.recv() => {
-                    // Coalesce a burst of events (a symlink swap is several).
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    while file_rx.try_recv().is_ok() {}
-                    let now = std::fs::read_to_string(&cfg.config_file).ok();
-                    if now == last_text {
-                        continue;
-                    }
-                    tracing::info!(file = %cfg.config_file.display(), "config file changed");
-                    delay = cfg.retry_min;
-                }
-                _ = retry_sleep => {
-                    retrying = true;
-                }
-                _ = heartbeat.tick() => continue,
+                Change::File => file_event = true,
             }
         }
-        run_now = false;
-        if shutdown.is_cancelled() {
-            break;
+        if file_event && !asked {
+            let now = std::fs::read_to_string(&cfg.config_file).ok();
+            if now != last_text {
+                tracing::info!(file = %cfg.config_file.display(), "config file changed");
+                asked = true;
+            }
         }
-        let Some(profile) = profile_rx.borrow_and_update().clone() else {
+        if !asked && !wake.retry {
+            continue;
+        }
+        if asked {
+            trigger.done();
+        }
+        let Some(profile) = profile.clone() else {
             continue;
         };
-        retry = None;
-        if !retrying {
+        // A retry after a failure keeps reporting `failed` until it passes: the label does not
+        // flap through `pending` on every attempt.
+        if asked {
             reporter.set(&State::Pending).await;
         }
         let started = Instant::now();
@@ -483,7 +472,7 @@ async fn keep_applied(
                     tracing::warn!("cannot write the readiness file: {}", error_chain(&e));
                 }
                 reporter.set(&State::Success).await;
-                delay = cfg.retry_min;
+                trigger.done();
             }
             Err((reason, retryable)) => {
                 if let Err(e) = ready.withdraw() {
@@ -511,9 +500,10 @@ async fn keep_applied(
                 );
                 reporter.set(&State::Failed(reason)).await;
                 if retryable {
+                    let delay = trigger.retry();
                     tracing::info!("retrying in {delay:?}");
-                    retry = Some(tokio::time::Instant::now() + delay);
-                    delay = (delay * 2).min(cfg.retry_max);
+                } else {
+                    trigger.done();
                 }
             }
         }
@@ -522,15 +512,31 @@ async fn keep_applied(
     Ok(())
 }
 
-fn watch_file(file: &Path, tx: mpsc::Sender<()>) -> anyhow::Result<notify::RecommendedWatcher> {
+/// What asks the daemon to apply again.
+#[derive(Debug)]
+enum Change {
+    /// The node label names this profile (or, without it, the default does).
+    Profile(String),
+    /// Something changed in the config file's directory.
+    File,
+}
+
+fn watch_file(file: &Path, changes: Changes<Change>) -> anyhow::Result<notify::RecommendedWatcher> {
     use notify::{RecursiveMode, Watcher};
     let dir = match file.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
     };
     let mut w = notify::recommended_watcher(move |ev: notify::Result<notify::Event>| {
-        if ev.is_ok_and(|e| !e.kind.is_access()) {
-            let _ = tx.try_send(());
+        match ev {
+            Ok(e) if !e.kind.is_access() => {
+                changes.send(Change::File);
+            }
+            Ok(_) => {}
+            // The watch lost events (its queue overflowed): read everything again.
+            Err(_) => {
+                changes.lost();
+            }
         }
     })
     .context("cannot start watching files")?;

@@ -156,7 +156,8 @@ struct RetryArgs {
     /// Deprecated: --retry-min in milliseconds.
     #[arg(long, value_name = "MS", hide = true, value_parser = duration::parse_millis, conflicts_with = "retry_min")]
     retry_min_ms: Option<Duration>,
-    /// Longest retry delay. The deprecated --retry-max-ms N (milliseconds) is still accepted.
+    /// Longest retry delay before jitter (each delay is lengthened by a random part of itself).
+    /// The deprecated --retry-max-ms N (milliseconds) is still accepted.
     #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = duration::parse)]
     retry_max: Duration,
     /// Deprecated: --retry-max in milliseconds.

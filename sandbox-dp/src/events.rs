@@ -19,7 +19,8 @@ use common::PciAddress;
 use common::uevent::{Monitor, Subject};
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, InotifyEvent, WatchDescriptor};
 use tokio::io::unix::AsyncFd;
-use tokio::sync::mpsc;
+use daemon_kit::reconcile::{Changes, Wake};
+use tokio::sync::watch;
 
 use crate::plugin::KUBELET_SOCKET;
 
@@ -102,15 +103,28 @@ impl Pending {
     pub fn reads_devices(&self) -> bool {
         self.node || !self.pci.is_empty() || !self.mdevs.is_empty()
     }
+
+    /// Adds what woke the loop. A resync (the interval passed, or changes were lost) reads the
+    /// whole node, and also wakes the resource tasks, which check their sockets and kubelet's.
+    pub fn absorb(&mut self, wake: Wake<Change>, resource_tasks: &watch::Sender<u64>) {
+        for c in wake.changes {
+            self.add(c);
+        }
+        if wake.resync {
+            self.node = true;
+            resource_tasks.send_modify(|c| *c += 1);
+        }
+    }
 }
 
 /// Listens to uevents (both netlink groups, [`common::uevent::Monitor`]) from its return on,
-/// sending what each names to `changes`; it stops when dropped. Without uevents (no
+/// sending what each names to `changes` (a bounded queue: a storm becomes a read of the whole
+/// node); it stops when dropped. Without uevents (no
 /// `CAP_NET_ADMIN` in the host's network namespace) this logs why: inotify and the resync
 /// still run.
-pub fn listen_uevents(changes: mpsc::UnboundedSender<Change>) -> Option<Monitor> {
+pub fn listen_uevents(changes: Changes<Change>) -> Option<Monitor> {
     let started = Monitor::start(RELEVANT_SUBSYSTEMS, move |ev| {
-        changes.send(Change::from(ev.subject)).is_ok()
+        changes.send(Change::from(ev.subject))
     });
     match started {
         Ok(m) => Some(m),

@@ -6,9 +6,10 @@
 //! ([`plugin`]) and registers it with kubelet. It keeps the inventory and follows the node event
 //! by event ([`events`]): a uevent re-reads only the device it names (with its VFs and mdevs),
 //! a `/dev/vfio/<group>` change flips that group's health without reading any device; what no
-//! device explains, and a slow resync, read the whole node again. Each change (a short debounce
-//! gathers bursts) rebuilds the resources from the inventory in memory and pushes changed device
-//! lists to ListAndWatch through each resource's `watch` channel.
+//! device explains, and a slow resync, read the whole node again ([`daemon_kit::reconcile`]: a
+//! bounded queue of changes, a read that fails retried with backoff). Each change (a short
+//! debounce gathers bursts) rebuilds the resources from the inventory in memory and pushes
+//! changed device lists to ListAndWatch through each resource's `watch` channel.
 
 pub mod alloc;
 pub mod discovery;
@@ -32,7 +33,8 @@ use anyhow::Context as _;
 use common::{HostPaths, Inventory, PciAddress, ReadOptions};
 use daemon_kit::exit;
 use daemon_kit::ops::{Ops, liveness_window};
-use tokio::sync::{mpsc, watch};
+use daemon_kit::reconcile::{Changes, Settings, Trigger};
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -74,6 +76,10 @@ const READ_OPTIONS: ReadOptions = ReadOptions {
     mdev_types: false,
     vf_identity: false,
 };
+
+/// The first delay before a failed read of the node is tried again; it doubles up to the
+/// resync interval.
+const RETRY_MIN: Duration = Duration::from_secs(1);
 
 /// The most devices read again on the daemon's own thread, rather than on the blocking pool.
 const INLINE_READS: usize = 4;
@@ -484,10 +490,17 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         );
     }
     common::state::ensure_dir(&config.kubelet_dir).map_err(anyhow::Error::new)?;
-    let (changes_tx, mut changes) = mpsc::unbounded_channel();
+    // The node is read before the loop: no first pass. A read that fails is tried again with
+    // backoff, at least as often as the resync.
+    let settings = Settings::new("sandbox-dp")
+        .with_resync(config.resync_interval)
+        .with_settle(Duration::ZERO)
+        .with_retry(RETRY_MIN, config.resync_interval)
+        .without_first_pass();
+    let (mut trigger, changes) = Trigger::<events::Change>::new(settings);
     // The uevent monitor and the file watches listen before the node is read, so no change
     // after the read goes unseen.
-    let _uevents = events::listen_uevents(changes_tx.clone());
+    let _uevents = events::listen_uevents(changes.clone());
     let (wake_tx, _) = watch::channel(0u64);
     let wake = Arc::new(wake_tx);
     let kubelet_generation = Arc::new(AtomicU64::new(0));
@@ -532,7 +545,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         tasks.spawn(release_loop(
             pool,
             config.on_demand_poll,
-            changes_tx,
+            changes.clone(),
             task_stop.clone(),
         ));
     }
@@ -555,24 +568,15 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         mgr.resources.len()
     ));
 
-    // The node was just read: the first resync is one interval away. (An interval's first tick
-    // is not immediate: it waits for the timer's next millisecond, and the loop with it, so an
-    // event in the daemon's first millisecond would wait too.)
-    let now = tokio::time::Instant::now();
-    let mut resync = tokio::time::interval_at(now + config.resync_interval, config.resync_interval);
-    resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last_read = now;
+    let mut last_read = tokio::time::Instant::now();
     let mut pending = Pending::default();
     let result = loop {
         ops.beat();
-        tokio::select! {
-            _ = shutdown.cancelled() => break Ok(()),
-            Some(c) = changes.recv() => {
-                pending.add(c);
-                while let Ok(c) = changes.try_recv() {
-                    pending.add(c);
-                }
-            }
+        let woken = tokio::select! {
+            w = trigger.wait(&shutdown) => match w {
+                Some(w) => w,
+                None => break Ok(()),
+            },
             evs = files.next(), if files_live => {
                 match evs {
                     Ok(evs) => {
@@ -584,10 +588,11 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
                                     }
                                     wake.send_modify(|c| *c += 1);
                                 }
-                                events::FileEvent::Dev(c) => pending.add(c),
+                                events::FileEvent::Dev(c) => {
+                                    changes.send(c);
+                                }
                                 events::FileEvent::Lost => {
-                                    pending.node = true;
-                                    wake.send_modify(|c| *c += 1);
+                                    changes.lost();
                                 }
                             }
                         }
@@ -597,10 +602,8 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
                         files_live = false;
                     }
                 }
-            }
-            _ = resync.tick() => {
-                pending.node = true;
-                wake.send_modify(|c| *c += 1);
+                files.refresh();
+                continue;
             }
             Some(done) = tasks.join_next() => {
                 let err = match done {
@@ -611,17 +614,15 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
                 };
                 break Err(err);
             }
-        }
-        files.refresh();
+        };
+        pending.absorb(woken, &wake);
         if pending.is_empty() {
             continue;
         }
         // Checking group nodes is never delayed; reading devices is debounced.
         if pending.reads_devices() {
             tokio::time::sleep_until(last_read + config.debounce).await;
-            while let Ok(c) = changes.try_recv() {
-                pending.add(c);
-            }
+            pending.absorb(trigger.take_queued(), &wake);
         }
         let work = std::mem::take(&mut pending);
         // Only reads of devices count for the debounce: a group node's check costs a `stat`,
@@ -639,8 +640,10 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
                     "cannot check the group nodes; reading the node"
                 );
                 pending.node = true;
+                trigger.retry();
                 continue;
             }
+            trigger.done();
             let changed =
                 mgr.set_group_health(&work.groups, &view.inv.vfio_nodes, &view.inv.dev_nodes);
             if !changed.is_empty() {
@@ -674,13 +677,17 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
                 ),
             },
             Err(e) => {
+                let retry_in = trigger.retry();
                 tracing::warn!(
                     error = format!("{e:#}"),
+                    ?retry_in,
                     "cannot re-read the node; keeping the last state and reading it all next time"
                 );
                 pending.node = true;
+                continue;
             }
         }
+        trigger.done();
     };
     task_stop.cancel();
     while let Some(done) = tasks.join_next().await {
@@ -699,7 +706,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
 async fn release_loop(
     pool: Arc<ondemand::Pool>,
     poll: Duration,
-    changes: mpsc::UnboundedSender<events::Change>,
+    changes: Changes<events::Change>,
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
     let mut tick = tokio::time::interval(poll);
@@ -715,7 +722,7 @@ async fn release_loop(
             .context("on-demand release task")?;
         for member in changed {
             // A non-PCI parent has no function to read again: the node is.
-            let _ = changes.send(match member {
+            changes.send(match member {
                 ondemand::Member::Gpu(gpu) => events::Change::Pci(gpu),
                 ondemand::Member::Parent(_) => events::Change::Node,
             });

@@ -2,24 +2,27 @@
 //!
 //! - A uevent ([`common::uevent`]) naming a PCI function or an mdev: that device (with its VFs
 //!   and mdevs) is read again; one naming a VFIO group node (`vfio`): that node is checked.
-//! - inotify on `<host-root>/dev/vfio`: `/dev/vfio/<group>` created or removed flips the health
-//!   of the group's devices, without reading any device; `/dev/vfio/devices/` and `/dev/iommu`
-//!   re-list the iommufd nodes.
-//! - What no device explains (a uevent of another subsystem, `/dev/vfio` itself appearing, a
-//!   lost inotify queue), and the periodic resync: the whole node is read again.
+//! - File events ([`FileWatch`], `notify`) on `<host-root>/dev/vfio`: `/dev/vfio/<group>` created
+//!   or removed flips the health of the group's devices, without reading any device;
+//!   `/dev/vfio/devices/` and `/dev/iommu` re-list the iommufd nodes.
+//! - What no device explains (a uevent of another subsystem, such as the `misc` device of a VFIO
+//!   or iommufd module that made `/dev/vfio` or `/dev/iommu` appear; `/dev/vfio` removed; a
+//!   watch that lost events), and the periodic resync: the whole node is read again.
 //!
-//! inotify on the plugin directory wakes the resource tasks (kubelet restarts, our sockets
-//! removed); it does not touch the inventory.
+//! All of these go to the daemon's [`daemon_kit::reconcile::Trigger`]: a bounded queue, where a
+//! storm becomes one read of the whole node. File events in the plugin directory wake the
+//! resource tasks (kubelet restarts, our sockets removed); they do not touch the inventory.
 
-use std::collections::{BTreeSet, HashMap};
-use std::os::fd::{AsFd as _, AsRawFd, RawFd};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
+use anyhow::Context as _;
 use common::PciAddress;
 use common::uevent::{Monitor, Subject};
-use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, InotifyEvent, WatchDescriptor};
-use tokio::io::unix::AsyncFd;
 use daemon_kit::reconcile::{Changes, Wake};
+use notify::event::{ModifyKind, RenameMode};
+use notify::{EventKind, RecursiveMode, Watcher as _};
 use tokio::sync::watch;
 
 use crate::plugin::KUBELET_SOCKET;
@@ -27,7 +30,7 @@ use crate::plugin::KUBELET_SOCKET;
 /// Uevent subsystems that can change what sandbox-dp advertises (events without a subsystem
 /// count too).
 const RELEVANT_SUBSYSTEMS: &[&str] = &[
-    "pci", "mdev", "vfio", "vfio-dev", "iommu", "mdev_bus", "drivers",
+    "pci", "mdev", "vfio", "vfio-dev", "iommu", "mdev_bus", "drivers", "misc",
 ];
 
 /// What one event asks to be read again.
@@ -154,7 +157,7 @@ fn dev_change(dev: &Path, dev_vfio: &Path, path: &Path) -> Option<Change> {
     None // another device node of the host
 }
 
-/// What one inotify event asks of the daemon.
+/// What one file event asks of the daemon.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FileEvent {
     /// Something changed in the plugin directory: the resource tasks check their sockets;
@@ -162,165 +165,139 @@ pub enum FileEvent {
     PluginDir { kubelet: bool },
     /// A device node changed.
     Dev(Change),
-    /// The kernel's queue overflowed: events were lost.
+    /// The watch lost events (its queue overflowed, or it failed): read everything again.
     Lost,
 }
 
-/// Which watched directory a watch descriptor is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Watched {
-    PluginDir,
-    Dev,
-    DevVfio,
-    DevVfioDevices,
-}
-
-/// What is watched in the plugin directory: anything but opens and reads (our own reads
-/// open it, which would loop).
-const PLUGIN_DIR_EVENTS: AddWatchFlags = AddWatchFlags::IN_CREATE
-    .union(AddWatchFlags::IN_DELETE)
-    .union(AddWatchFlags::IN_MOVED_FROM)
-    .union(AddWatchFlags::IN_MOVED_TO)
-    .union(AddWatchFlags::IN_MODIFY)
-    .union(AddWatchFlags::IN_ATTRIB)
-    .union(AddWatchFlags::IN_DELETE_SELF)
-    .union(AddWatchFlags::IN_MOVE_SELF);
-
-/// What is watched under `/dev`: entries coming and going.
-const DEV_EVENTS: AddWatchFlags = AddWatchFlags::IN_CREATE
-    .union(AddWatchFlags::IN_DELETE)
-    .union(AddWatchFlags::IN_MOVED_FROM)
-    .union(AddWatchFlags::IN_MOVED_TO)
-    .union(AddWatchFlags::IN_DELETE_SELF)
-    .union(AddWatchFlags::IN_MOVE_SELF);
-
-/// The inotify instance, readable from the runtime.
+/// Which path an event is about, and what that asks.
 #[derive(Debug)]
-struct Fd(Inotify);
-
-impl AsRawFd for Fd {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0.as_fd().as_raw_fd()
-    }
-}
-
-/// File watches on one inotify instance, read on the daemon's own runtime (no thread): the
-/// plugin directory, `/dev` (so that `/dev/vfio` and `/dev/iommu` appearing later are seen),
-/// `/dev/vfio` and `/dev/vfio/devices` once they exist.
-#[derive(Debug)]
-pub struct FileWatch {
-    fd: AsyncFd<Fd>,
-    watched: HashMap<WatchDescriptor, Watched>,
+struct Classify {
     kubelet_dir: PathBuf,
     dev: PathBuf,
     dev_vfio: PathBuf,
+    /// The paths watched now: one removed is watched again by [`FileWatch::refresh`].
+    live: Arc<Mutex<BTreeSet<PathBuf>>>,
+}
+
+impl Classify {
+    fn events(&self, ev: notify::Result<notify::Event>, out: &mut Vec<FileEvent>) {
+        let ev = match ev {
+            Ok(ev) => ev,
+            Err(e) => {
+                tracing::warn!(error = %e, "file watch failed; reading the node again");
+                out.push(FileEvent::Lost);
+                return;
+            }
+        };
+        if ev.need_rescan() {
+            tracing::debug!("file watch lost events; reading the node again");
+            out.push(FileEvent::Lost);
+            return;
+        }
+        // Opens and closes: our own reads of the plugin directory among them, which would loop.
+        if ev.kind.is_access() {
+            return;
+        }
+        let gone = matches!(
+            ev.kind,
+            EventKind::Remove(_) | EventKind::Modify(ModifyKind::Name(RenameMode::From))
+        );
+        for path in &ev.paths {
+            if gone && let Ok(mut live) = self.live.lock() {
+                live.remove(path);
+            }
+            if *path == self.kubelet_dir || path.parent() == Some(&self.kubelet_dir) {
+                let kubelet = matches!(ev.kind, EventKind::Create(_))
+                    && path.file_name().is_some_and(|n| n == KUBELET_SOCKET);
+                tracing::debug!(kind = ?ev.kind, path = %path.display(), "plugin directory event");
+                out.push(FileEvent::PluginDir { kubelet });
+            } else if let Some(c) = dev_change(&self.dev, &self.dev_vfio, path) {
+                tracing::debug!(kind = ?ev.kind, path = %path.display(), change = ?c, "device node event");
+                out.push(FileEvent::Dev(c));
+            }
+        }
+    }
+}
+
+/// File watches through `notify` (inotify underneath, on a thread of its own): the plugin
+/// directory, and `/dev/vfio`, `/dev/vfio/devices` and `/dev/iommu` while they exist.
+///
+/// `/dev` itself is not watched: `notify` watches a directory for opens and writes of its
+/// entries too, and every open of `/dev/null` on the host would wake the daemon. `/dev/vfio` and
+/// `/dev/iommu` come with their modules, whose devices announce themselves by a `misc` uevent,
+/// which reads the node; [`FileWatch::refresh`] then watches them.
+#[derive(Debug)]
+pub struct FileWatch {
+    watcher: notify::RecommendedWatcher,
+    /// What is watched when it exists.
+    targets: Vec<PathBuf>,
+    live: Arc<Mutex<BTreeSet<PathBuf>>>,
 }
 
 impl FileWatch {
-    /// Watches `kubelet_dir` (an error when it cannot be watched), `dev`, and `dev_vfio` with
-    /// its `devices` directory when they exist. Call it inside the runtime.
-    pub fn start(kubelet_dir: &Path, dev: &Path, dev_vfio: &Path) -> anyhow::Result<FileWatch> {
-        let ino = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)
-            .map_err(|e| anyhow::anyhow!("inotify: {e}"))?;
-        // SAFETY: `Fd` owns the inotify descriptor and the `AsyncFd` owns `Fd`: the descriptor
-        // stays open, and is not closed or reused by anything else, while it is registered.
-        #[allow(unsafe_code)]
-        let fd = unsafe { AsyncFd::register(Fd(ino)) }
-            .map_err(|e| anyhow::anyhow!("inotify: {}", std::io::Error::from(e)))?;
-        let mut fw = FileWatch {
-            fd,
-            watched: HashMap::new(),
+    /// Watches `kubelet_dir` (an error when it cannot be watched), and `dev_vfio`, its
+    /// `devices` directory and `dev/iommu` when they exist; `handler` hears what each event
+    /// asks, on the watcher's thread.
+    pub fn start<F>(
+        kubelet_dir: &Path,
+        dev: &Path,
+        dev_vfio: &Path,
+        mut handler: F,
+    ) -> anyhow::Result<FileWatch>
+    where
+        F: FnMut(FileEvent) + Send + 'static,
+    {
+        let live = Arc::new(Mutex::new(BTreeSet::new()));
+        let classify = Classify {
             kubelet_dir: kubelet_dir.to_path_buf(),
             dev: dev.to_path_buf(),
             dev_vfio: dev_vfio.to_path_buf(),
+            live: live.clone(),
         };
-        fw.add(Watched::PluginDir)
-            .map_err(|e| anyhow::anyhow!("watching {}: {e}", kubelet_dir.display()))?;
+        let watcher = notify::recommended_watcher(move |ev| {
+            let mut out = Vec::new();
+            classify.events(ev, &mut out);
+            for e in out {
+                handler(e);
+            }
+        })
+        .context("cannot start watching files")?;
+        let mut fw = FileWatch {
+            watcher,
+            targets: vec![
+                kubelet_dir.to_path_buf(),
+                dev_vfio.to_path_buf(),
+                dev_vfio.join("devices"),
+                dev.join("iommu"),
+            ],
+            live,
+        };
+        fw.watcher
+            .watch(kubelet_dir, RecursiveMode::NonRecursive)
+            .with_context(|| format!("cannot watch {}", kubelet_dir.display()))?;
+        fw.mark_live(kubelet_dir);
         fw.refresh();
         Ok(fw)
     }
 
-    fn path(&self, w: Watched) -> PathBuf {
-        match w {
-            Watched::PluginDir => self.kubelet_dir.clone(),
-            Watched::Dev => self.dev.clone(),
-            Watched::DevVfio => self.dev_vfio.clone(),
-            Watched::DevVfioDevices => self.dev_vfio.join("devices"),
+    fn mark_live(&self, path: &Path) {
+        if let Ok(mut live) = self.live.lock() {
+            live.insert(path.to_path_buf());
         }
     }
 
-    fn add(&mut self, w: Watched) -> nix::Result<()> {
-        let mask = if w == Watched::PluginDir {
-            PLUGIN_DIR_EVENTS
-        } else {
-            DEV_EVENTS
-        };
-        let wd = self.fd.get_ref().0.add_watch(&self.path(w), mask)?;
-        // Watching a directory again returns its descriptor: one entry per directory.
-        self.watched.retain(|_, v| *v != w);
-        self.watched.insert(wd, w);
-        Ok(())
-    }
-
-    /// Adds the watches of `/dev`, `/dev/vfio` and `/dev/vfio/devices` that are missing and
-    /// whose directory exists (again after one was removed).
+    /// Watches what exists and is not watched (again, after it was removed).
     pub fn refresh(&mut self) {
-        for w in [Watched::Dev, Watched::DevVfio, Watched::DevVfioDevices] {
-            if self.watched.values().any(|v| *v == w) || !self.path(w).is_dir() {
+        for path in &self.targets {
+            let watched = self.live.lock().is_ok_and(|l| l.contains(path));
+            if watched || !path.exists() {
                 continue;
             }
-            if let Err(e) = self.add(w) {
-                tracing::debug!(path = %self.path(w).display(), error = %e, "not watching");
+            match self.watcher.watch(path, RecursiveMode::NonRecursive) {
+                Ok(()) => self.mark_live(path),
+                Err(e) => tracing::debug!(path = %path.display(), error = %e, "not watching"),
             }
         }
-    }
-
-    /// Waits for the next events and says what they ask. An error means the instance
-    /// cannot be read any more.
-    pub async fn next(&mut self) -> std::io::Result<Vec<FileEvent>> {
-        loop {
-            let mut guard = self.fd.readable().await?;
-            match guard.get_inner().0.read_events() {
-                Ok(evs) => return Ok(self.interpret(evs)),
-                Err(nix::errno::Errno::EAGAIN) => guard.clear_ready(),
-                Err(nix::errno::Errno::EINTR) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-    }
-
-    fn interpret(&mut self, evs: Vec<InotifyEvent>) -> Vec<FileEvent> {
-        let mut out = Vec::new();
-        for ev in evs {
-            if ev.mask.contains(AddWatchFlags::IN_Q_OVERFLOW) {
-                tracing::debug!("file watch lost events; reading the node again");
-                out.push(FileEvent::Lost);
-                continue;
-            }
-            let Some(&w) = self.watched.get(&ev.wd) else {
-                continue;
-            };
-            if ev.mask.contains(AddWatchFlags::IN_IGNORED) {
-                // The directory went (or was unmounted): watched again once it is back.
-                self.watched.remove(&ev.wd);
-            }
-            let path = match &ev.name {
-                Some(n) => self.path(w).join(n),
-                None => self.path(w),
-            };
-            if w == Watched::PluginDir {
-                let kubelet = ev.mask.contains(AddWatchFlags::IN_CREATE)
-                    && ev.name.as_deref().is_some_and(|n| n == KUBELET_SOCKET);
-                tracing::debug!(mask = ?ev.mask, path = %path.display(), "plugin directory event");
-                out.push(FileEvent::PluginDir { kubelet });
-                continue;
-            }
-            if let Some(c) = dev_change(&self.dev, &self.dev_vfio, &path) {
-                tracing::debug!(mask = ?ev.mask, path = %path.display(), change = ?c, "device node event");
-                out.push(FileEvent::Dev(c));
-            }
-        }
-        out
     }
 }
 
@@ -328,59 +305,64 @@ impl FileWatch {
 mod tests {
     use super::*;
 
-    /// The next events of `fw` until one matches `want`, or a panic after 5 s.
-    async fn until(fw: &mut FileWatch, want: &FileEvent) {
+    /// Events until one matches `want`, or a panic after 5 s without it.
+    fn until(rx: &std::sync::mpsc::Receiver<FileEvent>, want: &FileEvent) {
         let wait = std::time::Duration::from_secs(5);
         loop {
-            let evs = tokio::time::timeout(wait, fw.next())
-                .await
-                .unwrap_or_else(|_| panic!("no {want:?} within {wait:?}"))
-                .unwrap();
-            if evs.contains(want) {
+            let ev = rx
+                .recv_timeout(wait)
+                .unwrap_or_else(|_| panic!("no {want:?} within {wait:?}"));
+            if ev == *want {
                 return;
             }
         }
     }
 
-    #[tokio::test(flavor = "current_thread")]
-    async fn file_watches_follow_dev_vfio_as_it_comes_and_goes() {
+    #[test]
+    fn file_watches_follow_dev_vfio_and_dev_iommu_as_they_come_and_go() {
         let dir = tempfile::tempdir().unwrap();
         let (kdir, dev) = (dir.path().join("kubelet"), dir.path().join("dev"));
         let vfio = dev.join("vfio");
         std::fs::create_dir_all(&kdir).unwrap();
         std::fs::create_dir_all(&dev).unwrap();
-        let mut fw = FileWatch::start(&kdir, &dev, &vfio).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut fw = FileWatch::start(&kdir, &dev, &vfio, move |e| {
+            let _ = tx.send(e);
+        })
+        .unwrap();
 
         // kubelet (re)starts: its socket is created in the plugin directory.
         std::fs::write(kdir.join(KUBELET_SOCKET), "").unwrap();
-        until(&mut fw, &FileEvent::PluginDir { kubelet: true }).await;
+        until(&rx, &FileEvent::PluginDir { kubelet: true });
         std::fs::remove_file(kdir.join(KUBELET_SOCKET)).unwrap();
-        until(&mut fw, &FileEvent::PluginDir { kubelet: false }).await;
+        until(&rx, &FileEvent::PluginDir { kubelet: false });
 
-        // /dev/vfio appears after the start: the whole node, then its group nodes are watched.
+        // /dev/vfio appears after the start (its module's uevent reads the node): once
+        // refreshed, its group nodes are watched.
         std::fs::create_dir(&vfio).unwrap();
-        until(&mut fw, &FileEvent::Dev(Change::Node)).await;
         fw.refresh();
         std::fs::write(vfio.join("42"), "").unwrap();
-        until(&mut fw, &FileEvent::Dev(Change::GroupNode(42))).await;
+        until(&rx, &FileEvent::Dev(Change::GroupNode(42)));
         std::fs::remove_file(vfio.join("42")).unwrap();
-        until(&mut fw, &FileEvent::Dev(Change::GroupNode(42))).await;
+        until(&rx, &FileEvent::Dev(Change::GroupNode(42)));
 
-        // The iommufd directory and its nodes.
+        // The iommufd directory and its nodes, and /dev/iommu.
         std::fs::create_dir(vfio.join("devices")).unwrap();
-        until(&mut fw, &FileEvent::Dev(Change::DevNodes)).await;
+        until(&rx, &FileEvent::Dev(Change::DevNodes));
+        std::fs::write(dev.join("iommu"), "").unwrap();
         fw.refresh();
         std::fs::write(vfio.join("devices/vfio0"), "").unwrap();
-        until(&mut fw, &FileEvent::Dev(Change::DevNodes)).await;
+        until(&rx, &FileEvent::Dev(Change::DevNodes));
+        std::fs::remove_file(dev.join("iommu")).unwrap();
+        until(&rx, &FileEvent::Dev(Change::DevNodes));
 
-        // /dev/vfio removed, and created again: watched again after a refresh.
+        // /dev/vfio removed: the whole node; created again: watched again after a refresh.
         std::fs::remove_dir_all(&vfio).unwrap();
-        until(&mut fw, &FileEvent::Dev(Change::Node)).await;
+        until(&rx, &FileEvent::Dev(Change::Node));
         std::fs::create_dir(&vfio).unwrap();
-        until(&mut fw, &FileEvent::Dev(Change::Node)).await;
         fw.refresh();
         std::fs::write(vfio.join("7"), "").unwrap();
-        until(&mut fw, &FileEvent::Dev(Change::GroupNode(7))).await;
+        until(&rx, &FileEvent::Dev(Change::GroupNode(7)));
     }
 
     #[test]

@@ -504,8 +504,30 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     let (wake_tx, _) = watch::channel(0u64);
     let wake = Arc::new(wake_tx);
     let kubelet_generation = Arc::new(AtomicU64::new(0));
-    let mut files = events::FileWatch::start(&config.kubelet_dir, &paths.dev(), &paths.dev_vfio())?;
-    let mut files_live = true;
+    let on_file = {
+        let (changes, wake, kubelet_generation) =
+            (changes.clone(), wake.clone(), kubelet_generation.clone());
+        move |ev| match ev {
+            events::FileEvent::PluginDir { kubelet } => {
+                if kubelet {
+                    kubelet_generation.fetch_add(1, Ordering::SeqCst);
+                }
+                wake.send_modify(|c| *c += 1);
+            }
+            events::FileEvent::Dev(c) => {
+                changes.send(c);
+            }
+            events::FileEvent::Lost => {
+                changes.lost();
+            }
+        }
+    };
+    let mut files = events::FileWatch::start(
+        &config.kubelet_dir,
+        &paths.dev(),
+        &paths.dev_vfio(),
+        on_file,
+    )?;
 
     if let Some(pool) = config.discover.pool.clone() {
         tokio::task::spawn_blocking(move || pool.start())
@@ -577,34 +599,6 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
                 Some(w) => w,
                 None => break Ok(()),
             },
-            evs = files.next(), if files_live => {
-                match evs {
-                    Ok(evs) => {
-                        for ev in evs {
-                            match ev {
-                                events::FileEvent::PluginDir { kubelet } => {
-                                    if kubelet {
-                                        kubelet_generation.fetch_add(1, Ordering::SeqCst);
-                                    }
-                                    wake.send_modify(|c| *c += 1);
-                                }
-                                events::FileEvent::Dev(c) => {
-                                    changes.send(c);
-                                }
-                                events::FileEvent::Lost => {
-                                    changes.lost();
-                                }
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "file watches failed; relying on uevents and the resync interval");
-                        files_live = false;
-                    }
-                }
-                files.refresh();
-                continue;
-            }
             Some(done) = tasks.join_next() => {
                 let err = match done {
                     Ok(Ok(())) if shutdown.is_cancelled() => break Ok(()),
@@ -616,6 +610,8 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
             }
         };
         pending.absorb(woken, &wake);
+        // A directory that came or went is watched again.
+        files.refresh();
         if pending.is_empty() {
             continue;
         }

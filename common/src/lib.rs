@@ -69,6 +69,7 @@ pub mod process;
 pub mod state;
 pub mod uevent;
 pub mod usage;
+pub mod vfio;
 pub mod vgpu;
 
 pub use error::{Error, Result};

@@ -11,7 +11,7 @@
 //!    or vGPUs, or a source that cannot be read) — the first refusal fails the claim with
 //!    nothing changed;
 //! 3. the record (claim, devices, each function's current driver) — before the first bind;
-//! 4. the binds (vfio-manager's [`ops::bind_all`]; a function already bound is not written);
+//! 4. the binds ([`vfio::bind_all`], as vfio-manager's; a function already bound is not written);
 //! 5. the metadata files, the CDI spec, and the record marked prepared — each written only
 //!    when it differs, so a repeated prepare writes nothing.
 //!
@@ -31,10 +31,10 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use common::state::originals::{self, Originals};
+use common::vfio::{self, DeviceResult, OpOptions, Outcome, Selection, Selector, Target};
 use common::{HostPaths, Inventory, PciAddress, Usage, error_chain, is_vfio_driver, state};
 use k8s_openapi::api::resource::v1::ResourceClaim;
-use vfio_manager::report::Outcome;
-use vfio_manager::{OpOptions, Selection, Selector, Target, ops, select};
 
 use crate::cdi::{self, ClaimDevice, ClaimId, Layout};
 use crate::names;
@@ -440,8 +440,8 @@ impl Node {
             addresses: wanted.iter().filter_map(|w| w.address).collect(),
             ..Selector::default()
         };
-        let aliases = vfio_manager::load_aliases(&self.paths);
-        let sel = select::select(inv, &selector, None, &aliases);
+        let aliases = vfio::load_aliases(&self.paths);
+        let sel = vfio::select(inv, &selector, None, &aliases);
         if !sel.refused.is_empty() {
             let reasons: Vec<&str> = sel.refused.iter().map(|r| r.reason.as_str()).collect();
             return Err(refused(
@@ -545,7 +545,7 @@ impl Node {
         let usage: OnceLock<Usage> = OnceLock::new();
         let in_use = |t: &Target| -> Vec<String> {
             let usage = usage.get_or_init(|| Usage::read(&self.paths));
-            vfio_manager::bind_blockers(usage, &inv, t)
+            vfio::bind_blockers(usage, &inv, t)
                 .iter()
                 .map(|u| u.describe(&inv))
                 .collect()
@@ -579,7 +579,7 @@ impl Node {
         // A function on VFIO already (a claim before this one left it there) goes back, on
         // restore, to the driver it had before anything moved it: vfio-manager's record of
         // original drivers, shared with it, says which.
-        let remembered = vfio_manager::memory::load(&self.paths);
+        let remembered = originals::load(&self.paths);
         for t in sel.targets() {
             let on_vfio = t.driver.as_deref().is_some_and(is_vfio_driver) || t.is_bound();
             let original = match remembered.get(&t.address) {
@@ -614,17 +614,10 @@ impl Node {
             record::write_if_changed(&rec_path, &rec.to_bytes())
                 .map_err(Self::state_err(claim, "cannot save its record".into()))?;
         }
-        vfio_manager::memory::update(&self.paths, &moving, &[]);
+        originals::update(&self.paths, &moving, &[]);
 
-        let results = ops::bind_all(&self.paths, &sel, &self.op_options(), &in_use);
-        let failures: Vec<String> = results
-            .iter()
-            .filter_map(|r| match &r.outcome {
-                Outcome::Failed { error } => Some(format!("{}: {error}", r.address)),
-                Outcome::Refused { reason } => Some(reason.clone()),
-                _ => None,
-            })
-            .collect();
+        let results = vfio::bind_all(&self.paths, &sel, &self.op_options(), &in_use);
+        let failures: Vec<String> = results.iter().filter_map(DeviceResult::failure).collect();
         if !failures.is_empty() {
             return Err(refused(claim, failures.join("; ")));
         }
@@ -920,10 +913,10 @@ impl Node {
             allow_foreign_in_group: true,
             ..Selector::default()
         };
-        let aliases = vfio_manager::load_aliases(&self.paths);
-        let mut sel = select::select(inv, &selector, None, &aliases);
+        let aliases = vfio::load_aliases(&self.paths);
+        let mut sel = vfio::select(inv, &selector, None, &aliases);
         sel.refused.clear();
-        let mut originals = vfio_manager::memory::load(&self.paths);
+        let mut originals = originals::load(&self.paths);
         originals
             .entry(gpu)
             .or_insert_with(|| Some("nvidia".to_string()));
@@ -945,7 +938,7 @@ impl Node {
         &self,
         inv: &Inventory,
         sel: &Selection,
-        originals: &vfio_manager::memory::Originals,
+        originals: &Originals,
     ) -> BTreeSet<String> {
         let usage = Usage::read(&self.paths);
         let in_use = |group: u32| -> Vec<String> {
@@ -955,21 +948,14 @@ impl Node {
                 .map(|u| u.describe(inv))
                 .collect()
         };
-        let results = ops::unbind_all(&self.paths, sel, &self.op_options(), &in_use, originals);
+        let results = vfio::unbind_all(&self.paths, sel, &self.op_options(), &in_use, originals);
         let released: Vec<PciAddress> = results
             .iter()
             .filter(|r| matches!(r.outcome, Outcome::Changed { .. }))
             .map(|r| r.address)
             .collect();
-        vfio_manager::memory::update(&self.paths, &[], &released);
-        results
-            .iter()
-            .filter_map(|r| match &r.outcome {
-                Outcome::Failed { error } => Some(format!("{}: {error}", r.address)),
-                Outcome::Refused { reason } => Some(reason.clone()),
-                _ => None,
-            })
-            .collect()
+        originals::update(&self.paths, &[], &released);
+        results.iter().filter_map(DeviceResult::failure).collect()
     }
 
     /// Destroys the claim's vGPUs that exist; one a process holds is kept and named (the
@@ -1124,8 +1110,8 @@ impl Node {
             allow_foreign_in_group: true,
             ..Selector::default()
         };
-        let aliases = vfio_manager::load_aliases(&self.paths);
-        let mut sel = select::select(&inv, &selector, None, &aliases);
+        let aliases = vfio::load_aliases(&self.paths);
+        let mut sel = vfio::select(&inv, &selector, None, &aliases);
         // Only what this driver moved goes back: a function that was on VFIO already stays.
         let ours = |t: &Target| {
             rec.originals

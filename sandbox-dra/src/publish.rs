@@ -30,6 +30,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use common::uevent::{Monitor, Uevent};
+use common::vfio::{self, Selector, select};
 use common::{HostPaths, Inventory, PciAddress, PciIds, ReadOptions};
 use daemon_kit::reconcile::{Settings, Trigger};
 use k8s_openapi::api::core::v1::Node;
@@ -39,7 +40,6 @@ use kube::Api;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use vfio_manager::select::{Selector, select};
 
 use crate::registration::Registered;
 use crate::slices::{self, LeftOut, NodeDevices, Pool};
@@ -108,7 +108,7 @@ pub async fn read_devices(
         for u in &inv.unreadable {
             tracing::debug!(path = %u.path.display(), reason = %u.reason, "unreadable device skipped");
         }
-        let aliases = vfio_manager::load_aliases(&paths);
+        let aliases = vfio::load_aliases(&paths);
         let sel = select(&inv, &Selector::default(), None, &aliases);
         let mut out = slices::devices_with_vgpus(&inv, &sel, &ids, &pool);
         for p in &parents {

@@ -1,7 +1,7 @@
 //! The node's devices as ResourceSlices: one pool per node, one device per GPU that can be
 //! passed through.
 //!
-//! Which GPUs: exactly those vfio-manager would bind ([`vfio_manager::select`] with its default
+//! Which GPUs: exactly those vfio-manager would bind ([`common::vfio::select`] with its default
 //! selector: NVIDIA display functions that are not VFs, each with the other endpoint functions
 //! of its IOMMU group), so that a device published here is one prepare can put on VFIO whole.
 //! A device is one IOMMU group: the group travels to the VM whole, so two GPUs sharing a group
@@ -33,6 +33,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use common::vfio::{Selection, Target};
 use common::{Inventory, PciAddress, PciDevice, PciIds, is_vfio_driver};
 use k8s_openapi::api::resource::v1::{
     Counter, CounterSet, Device, DeviceAttribute, DeviceCapacity, DeviceCounterConsumption,
@@ -40,7 +41,6 @@ use k8s_openapi::api::resource::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
-use vfio_manager::select::{Selection, Target};
 
 use crate::names;
 
@@ -550,8 +550,7 @@ impl Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vfio_manager::alias::AliasTable;
-    use vfio_manager::select::{Selector, select};
+    use common::vfio::{AliasTable, Selector, select};
 
     const NVIDIA: u16 = 0x10de;
 

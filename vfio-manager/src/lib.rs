@@ -2,31 +2,26 @@
 //! `vfio-pci` (or the variant VFIO driver the kernel names for them) for PCI passthrough, and
 //! gives them back.
 //!
-//! Flow: read an [`Inventory`] → [`select::select`] decides which functions (and to which
-//! driver) → [`ops`] writes through `common::Sysfs`, one worker per IOMMU group → a
-//! [`report::Report`] says what changed. [`daemon`] repeats that on udev events and a slow
+//! Flow: read an [`Inventory`] → [`common::vfio::select`] decides which functions (and to
+//! which driver) → [`common::vfio::bind`] writes through `common::Sysfs`, one worker per IOMMU
+//! group → a [`report::Report`] says what changed. [`daemon`] repeats that on udev events and a slow
 //! resync, and keeps the readiness file honest.
 
-pub mod alias;
 pub mod daemon;
-pub mod memory;
-pub mod ops;
 pub mod report;
-pub mod select;
 pub mod status;
 
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use common::{HostPaths, Inventory, Usage, Use, error_chain};
+use common::state::originals;
+use common::vfio::{self, OpOptions};
+use common::{HostPaths, Inventory, Usage};
 
+pub use common::vfio::{DeviceId, DeviceResult, Outcome, Selection, Selector, Target};
 pub use daemon::{DaemonConfig, READY_FILE};
-pub use ops::OpOptions;
-pub use report::{Action, DeviceResult, Outcome, Report};
-pub use select::{DeviceId, Selection, Selector, Target};
+pub use report::{Action, Report};
 pub use status::Status;
-
-use alias::AliasTable;
 
 /// Everything `bind`, `unbind` and `status` need besides the host paths.
 #[derive(Clone, Debug)]
@@ -72,18 +67,6 @@ pub struct NodeError {
     pub source: common::Error,
 }
 
-/// The `modules.alias` of the running kernel; empty (everything on `vfio-pci`) when there is
-/// none to read.
-pub fn load_aliases(paths: &HostPaths) -> AliasTable {
-    match paths.read_modules_alias() {
-        Ok(text) => AliasTable::parse(&text),
-        Err(e) => {
-            tracing::debug!(error = %error_chain(&e), "no modules.alias; using vfio-pci for every device");
-            AliasTable::default()
-        }
-    }
-}
-
 /// Reads the node and selects.
 pub fn read_and_select(
     cfg: &Config,
@@ -96,17 +79,9 @@ pub fn read_and_select(
     for u in &inv.unreadable {
         tracing::warn!(path = %u.path.display(), reason = %u.reason, "unreadable device skipped");
     }
-    let aliases = load_aliases(paths);
-    let sel = select::select(&inv, &cfg.selector, cfg.driver.as_deref(), &aliases);
+    let aliases = vfio::load_aliases(paths);
+    let sel = vfio::select(&inv, &cfg.selector, cfg.driver.as_deref(), &aliases);
     Ok((inv, sel))
-}
-
-/// Who would lose something if `t` left its driver for its VFIO driver: processes holding its
-/// `/dev/nvidia<N>` or group (on nvidia an unbind then hangs until they exit), and whoever uses
-/// its VFs and vGPUs (an unbind from nvidia destroys them), or unknown where a source cannot be
-/// read. A pod kubelet gave the function itself to needs it on VFIO and does not count.
-pub fn bind_blockers(usage: &Usage, inv: &Inventory, t: &Target) -> Vec<Use> {
-    usage.of_gpu_for_passthrough(inv, &t.address)
 }
 
 /// `vfio-manager bind`: every selected function onto its VFIO driver.
@@ -121,12 +96,12 @@ pub fn run_bind(cfg: &Config, paths: &HostPaths) -> Result<Report, NodeError> {
     let usage: OnceLock<Usage> = OnceLock::new();
     let in_use = |t: &Target| -> Vec<String> {
         let usage = usage.get_or_init(|| Usage::read(paths));
-        bind_blockers(usage, &inv, t)
+        vfio::bind_blockers(usage, &inv, t)
             .iter()
             .map(|u| u.describe(&inv))
             .collect()
     };
-    let results = ops::bind_all(paths, &sel, &cfg.op_options(), &in_use);
+    let results = vfio::bind_all(paths, &sel, &cfg.op_options(), &in_use);
     let moved: Vec<_> = results
         .iter()
         .filter_map(|r| match &r.outcome {
@@ -138,7 +113,7 @@ pub fn run_bind(cfg: &Config, paths: &HostPaths) -> Result<Report, NodeError> {
             _ => None,
         })
         .collect();
-    memory::update(paths, &moved, &[]);
+    originals::update(paths, &moved, &[]);
     Ok(Report {
         action: Action::Bind,
         results,
@@ -163,7 +138,7 @@ pub fn run_unbind(cfg: &Config, paths: &HostPaths) -> Result<Report, NodeError> 
     } else {
         Usage::default()
     };
-    let originals = memory::load(paths);
+    let remembered = originals::load(paths);
     let in_use = |group: u32| -> Vec<String> {
         usage
             .of_group(&inv, group)
@@ -171,13 +146,13 @@ pub fn run_unbind(cfg: &Config, paths: &HostPaths) -> Result<Report, NodeError> 
             .map(|u| u.describe(&inv))
             .collect()
     };
-    let results = ops::unbind_all(paths, &sel, &cfg.op_options(), &in_use, &originals);
+    let results = vfio::unbind_all(paths, &sel, &cfg.op_options(), &in_use, &remembered);
     let released: Vec<_> = results
         .iter()
         .filter(|r| matches!(r.outcome, Outcome::Changed { .. }))
         .map(|r| r.address)
         .collect();
-    memory::update(paths, &[], &released);
+    originals::update(paths, &[], &released);
     Ok(Report {
         action: Action::Unbind,
         results,

@@ -3,8 +3,9 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use common::PciAddress;
 use serde::Serialize;
+
+pub use common::vfio::{DeviceResult, Outcome};
 
 /// Which way devices were moved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -14,56 +15,6 @@ pub enum Action {
     Bind,
     /// Back to the default driver.
     Unbind,
-}
-
-/// What happened to one function.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-#[serde(tag = "result", rename_all = "lowercase")]
-pub enum Outcome {
-    /// Moved from one driver to another (`None`: no driver).
-    Changed {
-        /// The driver before.
-        from: Option<String>,
-        /// The driver after.
-        to: Option<String>,
-    },
-    /// Already where it should be; nothing was written.
-    Unchanged {
-        /// Its driver.
-        driver: Option<String>,
-    },
-    /// The operation failed; the sentence names the device and the file.
-    Failed {
-        /// Why.
-        error: String,
-    },
-    /// Not attempted.
-    Refused {
-        /// Why.
-        reason: String,
-    },
-}
-
-/// One function's result.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct DeviceResult {
-    /// The function.
-    pub address: PciAddress,
-    /// Its IOMMU group.
-    pub group: Option<u32>,
-    /// What happened.
-    #[serde(flatten)]
-    pub outcome: Outcome,
-}
-
-impl DeviceResult {
-    /// Failed or refused.
-    pub fn is_failure(&self) -> bool {
-        matches!(
-            self.outcome,
-            Outcome::Failed { .. } | Outcome::Refused { .. }
-        )
-    }
 }
 
 /// The result of one bind or unbind run.

@@ -6,9 +6,10 @@ use std::fmt::Write as _;
 use common::{Inventory, PciAddress, Usage, Use, User};
 use serde::Serialize;
 
-use crate::report::driver_label;
-use crate::select::Selection;
 use common::is_vfio_driver;
+use common::vfio::Selection;
+
+use crate::report::driver_label;
 
 /// One row of `status`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -70,7 +71,7 @@ impl Status {
                 let in_use = if t.is_bound() {
                     group_users.clone()
                 } else {
-                    crate::bind_blockers(usage, inv, t)
+                    common::vfio::bind_blockers(usage, inv, t)
                 };
                 devices.push(StatusRow {
                     address: t.address,
@@ -189,9 +190,24 @@ impl Status {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::alias::AliasTable;
-    use crate::select::tests::{dev, inv};
-    use crate::select::{NVIDIA, Selector, select};
+    use common::PciDevice;
+    use common::vfio::select::NVIDIA;
+    use common::vfio::{AliasTable, Selector, select};
+
+    fn dev(addr: &str, vendor: u16, device: u16, class: u32, group: u32) -> PciDevice {
+        PciDevice {
+            driver: Some("nvidia".into()),
+            iommu_group: Some(group),
+            ..PciDevice::new(addr.parse().unwrap(), vendor, device, class)
+        }
+    }
+
+    fn inv(devs: Vec<PciDevice>) -> Inventory {
+        Inventory {
+            devices: devs.into_iter().map(|d| (d.address, d)).collect(),
+            ..Default::default()
+        }
+    }
 
     #[test]
     fn status_shows_driver_group_members_viability_and_use() {

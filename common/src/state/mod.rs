@@ -9,7 +9,7 @@
 //! | `run/gpu-vm-node/on-demand-pool` | sandbox-dp `--on-demand` ([`pool::write`]) | vgpu-device-manager ([`pool::load_owned`]) |
 //! | `run/gpu-vm-node/dra-pool` | sandbox-dra `--vgpu` ([`pool::write_dra`]) | vgpu-device-manager ([`pool::load_owned`]) |
 //! | `run/gpu-vm-node/on-demand-vgpus.json` | sandbox-dp `--on-demand` ([`write_atomic`]), before and after each vGPU it creates or removes | sandbox-dp, at start and after a crash |
-//! | `run/vfio-manager/original-drivers` | vfio-manager `bind`/`unbind`, sandbox-dra's prepare and unprepare ([`write_atomic`]) | vfio-manager `unbind`, sandbox-dra's unprepare |
+//! | `run/vfio-manager/original-drivers` | vfio-manager `bind`/`unbind`, sandbox-dra's prepare and unprepare ([`originals::update`]) | vfio-manager `unbind`, sandbox-dra's unprepare |
 //! | `<kubelet-root>/plugins/<driver>/claims/<uid>.json`, `…/metadata/`, `<cdi-root>/<driver>_<uid>.json` | sandbox-dra's prepare ([`write_atomic`]); removed by its unprepare | sandbox-dra; the container runtime (CDI spec, metadata) |
 //! | sandbox-dp's sockets in kubelet's device-plugin directory | sandbox-dp (bound by its servers; [`remove_if_present`]; [`file_identity`] tells one replaced, as for `kubelet.sock`) | kubelet |
 //!
@@ -18,6 +18,7 @@
 //! Every file is replaced whole by [`write_atomic`]: a reader, or the next run after a crash,
 //! sees the old content or the new, never part of either.
 
+pub mod originals;
 pub mod pool;
 pub mod readiness;
 pub mod vgpu_names;

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use common::{HostPaths, PciAddress, error_chain, state};
+use crate::{HostPaths, PciAddress, error_chain, state};
 
 /// The file's path.
 pub fn path(paths: &HostPaths) -> PathBuf {

@@ -10,10 +10,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::str::FromStr;
 
-use common::{Inventory, PciAddress, PciDevice, parse_hex16};
 use serde::Serialize;
 
-use crate::alias::{AliasTable, VFIO_PCI};
+use super::alias::{AliasTable, VFIO_PCI};
+use crate::{Inventory, PciAddress, PciDevice, parse_hex16};
 
 /// NVIDIA's PCI vendor id.
 pub const NVIDIA: u16 = 0x10de;
@@ -27,11 +27,16 @@ pub struct DeviceId {
     pub device: u16,
 }
 
+/// A string that is not a `VVVV:DDDD` device id.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("not a VVVV:DDDD device id: {0:?}")]
+pub struct BadDeviceId(pub String);
+
 impl FromStr for DeviceId {
-    type Err = String;
+    type Err = BadDeviceId;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let err = || format!("not a VVVV:DDDD device id: {s:?}");
+        let err = || BadDeviceId(s.to_string());
         let (v, d) = s.split_once(':').ok_or_else(err)?;
         Ok(DeviceId {
             vendor: parse_hex16(v).ok_or_else(err)?,
@@ -283,10 +288,10 @@ pub fn select(
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
 
-    pub(crate) fn dev(addr: &str, vendor: u16, device: u16, class: u32, group: u32) -> PciDevice {
+    fn dev(addr: &str, vendor: u16, device: u16, class: u32, group: u32) -> PciDevice {
         PciDevice {
             driver: Some("nvidia".into()),
             iommu_group: Some(group),
@@ -299,7 +304,7 @@ pub(crate) mod tests {
         }
     }
 
-    pub(crate) fn inv(devs: Vec<PciDevice>) -> Inventory {
+    fn inv(devs: Vec<PciDevice>) -> Inventory {
         Inventory {
             devices: devs.into_iter().map(|d| (d.address, d)).collect(),
             ..Default::default()

@@ -6,12 +6,10 @@
 
 use std::time::{Duration, Instant};
 
-use common::{HostPaths, Sysfs, error_chain};
-
-use crate::memory::Originals;
-use crate::report::{DeviceResult, Outcome};
-use crate::select::{Selection, Target};
-use common::is_vfio_driver;
+use super::select::{Selection, Target};
+use super::{DeviceResult, Outcome};
+use crate::state::originals::Originals;
+use crate::{HostPaths, Sysfs, error_chain, is_vfio_driver};
 
 /// How the writes are made.
 #[derive(Clone, Debug)]
@@ -81,7 +79,7 @@ where
     results
 }
 
-/// Who uses a target that is to leave its driver (see [`crate::bind_blockers`]), one sentence
+/// Who uses a target that is to leave its driver (see [`super::bind_blockers`]), one sentence
 /// each; empty when nobody does.
 pub type InUse<'a> = &'a (dyn Fn(&Target) -> Vec<String> + Sync);
 

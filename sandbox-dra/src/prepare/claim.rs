@@ -1,0 +1,284 @@
+//! The claim as the API server has it: the GPUs, vGPUs and mdevs its allocation gives this
+//! driver on this node.
+
+use common::PciAddress;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+
+use super::{ClaimRef, PrepareConfig, PrepareError, refused};
+use crate::cdi::{self, ClaimDevice, ClaimId};
+use crate::names;
+
+/// A GPU the claim's allocation names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Wanted {
+    /// The requests it was allocated for.
+    pub requests: Vec<String>,
+    /// Its name in the pool.
+    pub device: String,
+    /// Its PCI address; none for an mdev of a parent that is not a PCI function.
+    pub address: Option<PciAddress>,
+}
+
+impl From<&ClaimDevice> for Wanted {
+    fn from(d: &ClaimDevice) -> Self {
+        Wanted {
+            requests: d.requests.clone(),
+            device: d.device.clone(),
+            address: d.address,
+        }
+    }
+}
+
+/// The claim's identity and the GPUs its allocation gives this driver on this node. Refused
+/// when the UID is not kubelet's, the claim is not allocated, or a device name is not one of
+/// this driver's.
+pub fn allocated(
+    config: &PrepareConfig,
+    claim: &ClaimRef,
+    rc: &ResourceClaim,
+) -> Result<(ClaimId, Vec<Wanted>), PrepareError> {
+    let uid = rc.metadata.uid.as_deref().unwrap_or_default();
+    if uid != claim.uid {
+        return Err(refused(
+            claim,
+            format!(
+                "the API server's claim of that name has UID {uid:?}: it was deleted and made \
+                 again; not preparing it"
+            ),
+        ));
+    }
+    let results = rc
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.as_ref());
+    let Some(results) = results else {
+        return Err(refused(claim, "it is not allocated".into()));
+    };
+    let mut wanted: Vec<Wanted> = Vec::new();
+    for r in results
+        .iter()
+        .filter(|r| r.driver == config.driver && r.pool == config.node_name)
+    {
+        let address = names::parse_gpu_device(&r.device)
+            .or_else(|| names::parse_vgpu_device(&r.device).map(|(gpu, _, _)| gpu));
+        let mdev = names::parse_mdev_device(&r.device, &config.mdev_parents).is_some();
+        if address.is_none() && !mdev {
+            return Err(refused(
+                claim,
+                format!(
+                    "device {:?} of pool {} is not a GPU of driver {} (names look like \
+                     gpu-0000-41-00-0, vgpu-0000-41-00-0-a10-4q-0, mdev-mtty-mtty-1-0)",
+                    r.device, r.pool, config.driver
+                ),
+            ));
+        }
+        match wanted.iter_mut().find(|w| w.device == r.device) {
+            Some(w) if !w.requests.contains(&r.request) => w.requests.push(r.request.clone()),
+            Some(_) => {}
+            None => wanted.push(Wanted {
+                requests: vec![r.request.clone()],
+                device: r.device.clone(),
+                address,
+            }),
+        }
+    }
+    if wanted.is_empty() {
+        return Err(refused(
+            claim,
+            format!(
+                "its allocation has no device of driver {} in pool {}",
+                config.driver, config.node_name
+            ),
+        ));
+    }
+    let annotations = rc.metadata.annotations.as_ref();
+    let id = ClaimId {
+        namespace: claim.namespace.clone(),
+        name: claim.name.clone(),
+        uid: claim.uid.clone(),
+        pod_claim_name: annotations
+            .and_then(|a| a.get(cdi::POD_CLAIM_NAME_ANNOTATION))
+            .cloned(),
+    };
+    Ok((id, wanted))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+    use std::time::Duration;
+
+    use common::HostPaths;
+
+    use super::super::{Node, OnUnprepare};
+    use super::*;
+    use crate::cdi::Layout;
+    use k8s_openapi::api::resource::v1::{
+        AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult,
+        ResourceClaimStatus,
+    };
+
+    fn config() -> PrepareConfig {
+        PrepareConfig {
+            driver: "gpu.example.io".into(),
+            node_name: "node-a".into(),
+            layout: Layout {
+                driver: "gpu.example.io".into(),
+                cdi_root: "/var/run/cdi".into(),
+                driver_dir: "/var/lib/kubelet/plugins/gpu.example.io".into(),
+            },
+            on_unprepare: OnUnprepare::Keep,
+            timeout: Duration::from_secs(1),
+            vgpu_pool: BTreeSet::new(),
+            mdev_parents: BTreeSet::new(),
+        }
+    }
+
+    fn claim_ref() -> ClaimRef {
+        ClaimRef {
+            namespace: "vms".into(),
+            name: "c1".into(),
+            uid: "u-1".into(),
+        }
+    }
+
+    fn rc(uid: &str, results: &[(&str, &str, &str, &str)]) -> ResourceClaim {
+        let mut rc = ResourceClaim::default();
+        rc.metadata.uid = Some(uid.into());
+        rc.status = Some(ResourceClaimStatus {
+            allocation: Some(AllocationResult {
+                devices: Some(DeviceAllocationResult {
+                    results: Some(
+                        results
+                            .iter()
+                            .map(|(req, driver, pool, dev)| DeviceRequestAllocationResult {
+                                request: (*req).into(),
+                                driver: (*driver).into(),
+                                pool: (*pool).into(),
+                                device: (*dev).into(),
+                                ..Default::default()
+                            })
+                            .collect(),
+                    ),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        rc
+    }
+
+    fn reason(r: Result<(ClaimId, Vec<Wanted>), PrepareError>) -> String {
+        match r {
+            Err(PrepareError::Refused { reason, .. }) => reason,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn only_this_drivers_devices_in_this_nodes_pool_are_taken() {
+        let c = rc(
+            "u-1",
+            &[
+                ("gpu", "gpu.example.io", "node-a", "gpu-0000-41-00-0"),
+                ("gpu", "gpu.example.io", "node-b", "gpu-0000-61-00-0"),
+                ("nic", "nic.example.io", "node-a", "nic-0"),
+            ],
+        );
+        let (id, wanted) = allocated(&config(), &claim_ref(), &c).unwrap();
+        assert_eq!(id.uid, "u-1");
+        assert_eq!(id.pod_claim_name, None);
+        assert_eq!(
+            wanted,
+            vec![Wanted {
+                requests: vec!["gpu".into()],
+                device: "gpu-0000-41-00-0".into(),
+                address: Some("0000:41:00.0".parse().unwrap()),
+            }]
+        );
+    }
+
+    #[test]
+    fn an_mdev_of_a_pooled_parent_is_taken_and_of_another_refused() {
+        let c = rc(
+            "u-1",
+            &[("tty", "gpu.example.io", "node-a", "mdev-mtty-mtty-2-0")],
+        );
+        let r = reason(allocated(&config(), &claim_ref(), &c));
+        assert!(r.contains("\"mdev-mtty-mtty-2-0\""), "{r}");
+        let cfg = PrepareConfig {
+            mdev_parents: ["mtty".to_string()].into(),
+            ..config()
+        };
+        let (_, wanted) = allocated(&cfg, &claim_ref(), &c).unwrap();
+        assert_eq!(
+            wanted,
+            vec![Wanted {
+                requests: vec!["tty".into()],
+                device: "mdev-mtty-mtty-2-0".into(),
+                address: None,
+            }]
+        );
+    }
+
+    #[test]
+    fn a_claim_of_a_vgpu_and_an_mdev_of_another_parent_is_refused_before_any_read() {
+        let cfg = PrepareConfig {
+            mdev_parents: ["mtty".to_string()].into(),
+            ..config()
+        };
+        let c = rc(
+            "u-1",
+            &[
+                (
+                    "a",
+                    "gpu.example.io",
+                    "node-a",
+                    "vgpu-0000-41-00-0-a10-4q-0",
+                ),
+                ("b", "gpu.example.io", "node-a", "mdev-mtty-mtty-1-0"),
+            ],
+        );
+        let (id, wanted) = allocated(&cfg, &claim_ref(), &c).unwrap();
+        // A root with nothing in it: the refusal comes before any read or write.
+        let node = Node {
+            config: cfg,
+            paths: HostPaths::new("/nonexistent-root"),
+        };
+        match node.prepare(&claim_ref(), id, wanted, None) {
+            Err(PrepareError::Refused { reason, .. }) => {
+                assert!(reason.contains("more than one kind"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_claim_made_again_unallocated_or_naming_a_foreign_device_is_refused() {
+        let cfg = config();
+        let r = reason(allocated(&cfg, &claim_ref(), &rc("u-2", &[])));
+        assert!(r.contains("UID \"u-2\""), "{r}");
+        let mut unallocated = rc("u-1", &[]);
+        unallocated.status = None;
+        let r = reason(allocated(&cfg, &claim_ref(), &unallocated));
+        assert_eq!(r, "it is not allocated");
+        let r = reason(allocated(
+            &cfg,
+            &claim_ref(),
+            &rc("u-1", &[("gpu", "gpu.example.io", "node-a", "vgpu-7")]),
+        ));
+        assert!(r.contains("\"vgpu-7\""), "{r}");
+        let r = reason(allocated(
+            &cfg,
+            &claim_ref(),
+            &rc("u-1", &[("gpu", "other.io", "node-a", "gpu-0000-41-00-0")]),
+        ));
+        assert!(
+            r.contains("no device of driver gpu.example.io in pool node-a"),
+            "{r}"
+        );
+    }
+}

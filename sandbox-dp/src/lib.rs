@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod ondemand;
 pub mod plugin;
 pub mod report;
+pub mod resource;
 
 /// The kubelet device-plugin API `v1beta1`.
 pub use kubelet_api::deviceplugin::v1beta1 as api;

@@ -135,6 +135,7 @@ impl Plugin {
                 }
                 Err(e) => {
                     self.metrics.allocation(&self.name, false);
+                    let e = common::error_chain(&e);
                     tracing::warn!(resource = %self.name, error = %e, "on-demand allocation failed");
                     return Err(Status::failed_precondition(e));
                 }

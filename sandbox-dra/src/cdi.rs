@@ -90,7 +90,9 @@ impl ClaimDevice {
     /// the PCI address of the function (a GPU, or an SR-IOV VF vGPU).
     fn attributes(&self) -> Value {
         match (&self.vgpu, &self.mdev, self.address) {
-            (Some(v), _, _) if !v.vendor => json!({MDEV_UUID: {"string": v.handle}}),
+            (Some(v), _, _) if !v.handle.is_vendor() => {
+                json!({MDEV_UUID: {"string": v.handle.to_string()}})
+            }
             (_, Some(m), _) => json!({MDEV_UUID: {"string": m.uuid}}),
             (_, _, Some(a)) => json!({PCI_BUS_ID: {"string": a.to_string()}}),
             (_, None, None) => json!({}),

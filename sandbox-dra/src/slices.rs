@@ -303,91 +303,69 @@ fn vgpu_devices(
     Some((set, out))
 }
 
-/// The counter of the ports of the kernel's sample mdev driver `mtty` in its counter set.
-pub const COUNTER_PORTS: &str = "ports";
-
-/// How many serial ports one mdev of each `mtty` type takes (the sample driver's
-/// `mtty-1`, one port, and `mtty-2`, two), out of the driver's total.
-const MTTY_PORTS: &[(&str, u32)] = &[("mtty-1", 1), ("mtty-2", 2)];
-
 /// The counter set and devices of an mdev parent that is not a PCI function (`--vgpu mtty`),
-/// from its types in sysfs: per type as many devices as could exist (attributes `vgpuType`,
-/// the type's `name` or its id, `typeID`, `mdevParent`, `maxInstances`). `mtty` gets one
-/// counter, its ports (the free ones, `mtty-1`'s `available_instances`, plus those its mdevs
-/// take), each device consuming its type's ports; any other parent no counters, and per type
-/// its `available_instances` plus its mdevs. `None` for a parent `inv` does not have.
+/// from the one model of such parents ([`common::vgpu::parents`]): per type as many devices as
+/// could exist (attributes `vgpuType`, the type's `name` or its id, `typeID`, `mdevParent`,
+/// `maxInstances`). A parent whose types share one resource (`mtty`'s serial ports) gets one
+/// counter of it, named as the model names it, each device consuming what its type takes; any
+/// other parent no counters, and per type its `available_instances` plus its mdevs. `None` for
+/// a parent `inv` does not have.
 pub fn mdev_parent_devices(
     inv: &Inventory,
     parent: &str,
 ) -> Option<(Option<CounterSet>, Vec<Device>)> {
-    let p = inv.mdev_parents.get(parent)?;
-    let mdevs = inv.mdevs_of(parent);
-    let ports_of = |type_id: &str| {
-        (parent == "mtty")
-            .then(|| {
-                MTTY_PORTS
-                    .iter()
-                    .find(|(t, _)| *t == type_id)
-                    .map(|(_, n)| *n)
-            })
-            .flatten()
-    };
-    let counted = parent == "mtty" && p.types.iter().all(|t| ports_of(&t.id).is_some());
-    let total = counted.then(|| {
-        let free = p
-            .types
-            .iter()
-            .find(|t| ports_of(&t.id) == Some(1))
-            .map_or(0, |t| t.available_instances);
-        let used: u32 = mdevs.iter().filter_map(|m| ports_of(&m.type_id)).sum();
-        free.saturating_add(used)
-    });
-    let set = total.map(|total| CounterSet {
+    let cap = common::vgpu::parents::capacity(inv, parent)?;
+    let set = cap.shared.as_ref().map(|shared| CounterSet {
         name: format!("mdev-{parent}"),
         counters: BTreeMap::from([(
-            COUNTER_PORTS.to_string(),
+            shared.counter.to_string(),
             Counter {
-                value: Quantity(total.to_string()),
+                value: Quantity(shared.total.to_string()),
             },
         )]),
     });
     let mut out = Vec::new();
-    for t in &p.types {
-        if !names::is_name_part(&t.id) {
-            tracing::warn!(parent, type_id = %t.id, "mdev type id cannot stand in a device name; not published");
+    for t in &cap.types {
+        let Some(type_id) = t.type_id.as_deref() else {
+            continue;
+        };
+        if !names::is_name_part(type_id) {
+            tracing::warn!(
+                parent,
+                type_id,
+                "mdev type id cannot stand in a device name; not published"
+            );
             continue;
         }
-        let (max, consumes) = match (&set, total, ports_of(&t.id)) {
-            (Some(set), Some(total), Some(n)) => {
+        let cost = cap
+            .shared
+            .as_ref()
+            .and_then(|s| Some((s, *s.cost.get(type_id)?)))
+            .filter(|(_, n)| *n > 0);
+        let (max, consumes) = match (&set, cost) {
+            (Some(set), Some((shared, n))) => {
                 let consumes = DeviceCounterConsumption {
                     counter_set: set.name.clone(),
                     counters: BTreeMap::from([(
-                        COUNTER_PORTS.to_string(),
+                        shared.counter.to_string(),
                         Counter {
                             value: Quantity(n.to_string()),
                         },
                     )]),
                 };
-                (total / n, Some(vec![consumes]))
+                (shared.total / n, Some(vec![consumes]))
             }
-            _ => {
-                let n = mdevs.iter().filter(|m| m.type_id == t.id).count();
-                let n = u32::try_from(n).unwrap_or(u32::MAX);
-                (t.available_instances.saturating_add(n), None)
-            }
+            _ => (t.max.unwrap_or(t.available), None),
         };
         let mut attrs = BTreeMap::new();
         attrs.insert("mode".to_string(), string(MODE_VGPU));
-        attrs.insert(
-            "vgpuType".to_string(),
-            string(truncate(t.name.as_deref().unwrap_or(&t.id))),
-        );
-        attrs.insert("typeID".to_string(), string(truncate(&t.id)));
+        attrs.insert("vgpuType".to_string(), string(truncate(&t.name)));
+        attrs.insert("typeID".to_string(), string(truncate(type_id)));
         attrs.insert("mdevParent".to_string(), string(truncate(parent)));
         attrs.insert("maxInstances".to_string(), int(max));
         for slot in 0..max {
             out.push(Device {
-                name: names::mdev_device(parent, &t.id, slot),
+                name: names::mdev_device(parent, type_id, slot),
                 attributes: Some(attrs.clone()),
                 consumes_counters: consumes.clone(),
                 ..Default::default()
@@ -688,7 +666,7 @@ mod tests {
         let (set, devices) = mdev_parent_devices(&inv, "mtty").unwrap();
         let set = set.unwrap();
         assert_eq!(set.name, "mdev-mtty");
-        assert_eq!(set.counters[COUNTER_PORTS].value, Quantity("24".into()));
+        assert_eq!(set.counters["ports"].value, Quantity("24".into()));
         let of = |t: &str| devices.iter().filter(|d| s(d, "typeID") == Some(t)).count();
         assert_eq!((of("mtty-1"), of("mtty-2"), devices.len()), (24, 12, 36));
         let d = devices
@@ -701,7 +679,7 @@ mod tests {
         assert_eq!(i(d, "maxInstances"), Some(12));
         let c = &d.consumes_counters.as_ref().unwrap()[0];
         assert_eq!(c.counter_set, "mdev-mtty");
-        assert_eq!(c.counters[COUNTER_PORTS].value, Quantity("2".into()));
+        assert_eq!(c.counters["ports"].value, Quantity("2".into()));
         assert_eq!(mdev_parent_devices(&inv, "mbochs"), None);
     }
 

@@ -14,8 +14,14 @@
 //!
 //! [`mix_conflict`] states the mixing rule for a set of wanted types, so that a planner refuses
 //! what [`capacity`] would never offer.
+//!
+//! Non-PCI mdev parents (the kernel's sample drivers) are modelled by [`parents`]; the life of
+//! one vGPU made at run time (placed, recorded, created, waited for, destroyed) by
+//! [`lifecycle`], which sandbox-dp's on-demand pool and sandbox-dra share.
 
+pub mod lifecycle;
 pub mod models;
+pub mod parents;
 pub mod selector;
 
 use crate::{Inventory, MdevType, PciAddress, PciDevice};

@@ -301,3 +301,80 @@ fn framebuffer_from_sysfs_text() {
     assert_eq!(framebuffer_from_name("NVIDIA L40S-48Q"), Some(49152));
     assert_eq!(framebuffer_from_name("mtty-2"), None);
 }
+
+mod lifecycle_tests {
+    use super::*;
+    use crate::vgpu::lifecycle::{Handle, Member, NoRoom, offers};
+
+    #[test]
+    fn a_vgpu_is_placed_on_a_free_vf_and_another_size_is_refused_naming_both() {
+        let inv = two_a10s_with_vfs(2);
+        let gpu = Member::Gpu(a("0000:41:00.0"));
+        let o = offers(&inv, &gpu).unwrap();
+        assert!(!o.vendor && o.needs_vfs.is_none());
+        let four = o.find(|t| t.name == "NVIDIA A10-4Q").unwrap();
+        let p = o.place(four).unwrap();
+        assert_eq!(p.type_id, "nvidia-593");
+        assert_eq!(p.parent, "0000:41:00.6", "the first VF without an mdev");
+        assert!(
+            matches!(p.handle, Handle::Mdev(ref u) if u.len() == 36),
+            "{p:?}"
+        );
+        let eight = o.find(|t| t.name == "NVIDIA A10-8Q").unwrap();
+        let e = o.place(eight).unwrap_err();
+        assert!(matches!(e, NoRoom::Mixed { .. }), "{e:?}");
+        let e = e.to_string();
+        assert!(
+            e.contains("0000:41:00.0") && e.contains("NVIDIA A10-4Q") && e.contains("A10-8Q"),
+            "{e}"
+        );
+        assert_eq!(
+            o.not_offered("A10-2B").to_string(),
+            "GPU 0000:41:00.0 offers no vGPU type A10-2B (it offers NVIDIA A10-4Q, NVIDIA A10-8Q)"
+        );
+    }
+
+    #[test]
+    fn the_vendor_path_places_on_the_vf_and_a_full_gpu_says_what_it_has() {
+        let inv = h100(&[]);
+        let gpu = Member::Gpu(a("0000:18:00.0"));
+        let o = offers(&inv, &gpu).unwrap();
+        assert!(o.vendor);
+        let t = o.types[0].clone();
+        let p = o.place(&t).unwrap();
+        assert_eq!(p.handle, Handle::Vf(p.parent.parse().unwrap()));
+        let full = crate::vgpu::Creatable {
+            parents: Vec::new(),
+            available: 0,
+            ..t
+        };
+        let e = o.place(&full).unwrap_err();
+        assert!(
+            matches!(e, NoRoom::Full(ref m) if m.contains("cannot host another")),
+            "{e:?}"
+        );
+        // A GPU whose VFs are off asks for them first and offers nothing yet.
+        let (g, _) = pf("0000:41:00.0", 0x2236, 0);
+        let o = offers(&inventory([g]), &Member::Gpu(a("0000:41:00.0"))).unwrap();
+        assert_eq!((o.needs_vfs, o.types.len()), (Some(32), 0));
+    }
+
+    #[test]
+    fn a_handle_is_recorded_as_handle_and_vendor_and_a_bad_vf_is_refused() {
+        #[derive(serde::Serialize, serde::Deserialize, PartialEq, Debug)]
+        struct R {
+            #[serde(flatten)]
+            h: Handle,
+        }
+        let vf = R {
+            h: Handle::Vf(a("0000:41:00.4")),
+        };
+        let text = serde_json::to_string(&vf).unwrap();
+        assert_eq!(text, r#"{"handle":"0000:41:00.4","vendor":true}"#);
+        assert_eq!(serde_json::from_str::<R>(&text).unwrap(), vf);
+        let m: R = serde_json::from_str(r#"{"handle":"u-1","vendor":false}"#).unwrap();
+        assert_eq!(m.h, Handle::Mdev("u-1".into()));
+        let e = serde_json::from_str::<R>(r#"{"handle":"u-1","vendor":true}"#).unwrap_err();
+        assert!(e.to_string().contains("not a VF"), "{e}");
+    }
+}

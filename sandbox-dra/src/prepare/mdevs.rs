@@ -3,13 +3,14 @@
 
 use std::sync::OnceLock;
 
-use common::{Usage, error_chain};
+use common::vgpu::lifecycle::{self, Member};
+use common::{ReadOptions, Sysfs, Usage, error_chain};
 
 use super::{ClaimRef, Node, PrepareError, PreparedDevice, Wanted, refused, vfio_nodes};
 use crate::cdi::ClaimId;
 use crate::names;
 use crate::record::{self, ClaimState, Record};
-use crate::vgpu;
+use crate::vgpu::Mdev;
 
 impl Node {
     /// Prepares a claim of mdevs of parents that are not PCI functions (`--vgpu mtty`): each
@@ -31,9 +32,14 @@ impl Node {
                 .map(|_| ())
                 .map_err(Self::state_err(claim, "cannot save its record".into()))
         };
-        let inv = self.inventory(claim)?;
+        let sysfs = Sysfs::new(self.paths.clone());
+        let mut inv = self.inventory(claim)?;
         for i in 0..rec.devices.len() {
-            if rec.devices[i].mdev.as_ref().is_some_and(|m| m.exists(&inv)) {
+            if rec.devices[i]
+                .mdev
+                .as_ref()
+                .is_some_and(|m| m.handle().exists(&inv))
+            {
                 continue;
             }
             let device = rec.devices[i].device.clone();
@@ -42,23 +48,34 @@ impl Node {
             else {
                 return Err(refused(claim, format!("{device:?} is not an mdev device")));
             };
-            let m = vgpu::Mdev::new(&parent, &type_id);
+            let fail = |reason: String| refused(claim, format!("device {device}: {reason}"));
+            let offers = lifecycle::offers(&inv, &Member::Parent(parent.clone()))
+                .ok_or_else(|| fail(format!("mdev parent {parent} is not on this node")))?;
+            let t = offers
+                .find(|t| t.type_id.as_deref() == Some(type_id.as_str()))
+                .ok_or_else(|| fail(offers.not_offered(&type_id).to_string()))?;
+            let planned = offers.place(t).map_err(|e| fail(e.to_string()))?;
+            let m = Mdev {
+                parent: planned.parent.clone(),
+                type_id: planned.type_id.clone(),
+                uuid: planned.handle.to_string(),
+            };
             rec.devices[i].mdev = Some(m.clone());
             save(&rec)?;
-            m.create(&self.paths).map_err(|e| {
-                refused(
-                    claim,
-                    format!(
-                        "device {device}: cannot create an mdev of type {type_id} on {parent}: {}",
-                        error_chain(&e)
-                    ),
-                )
+            planned.create(&sysfs).map_err(|e| {
+                fail(format!(
+                    "cannot create an mdev of type {type_id} on {parent}: {}",
+                    error_chain(&e)
+                ))
             })?;
             tracing::info!(%claim, parent = %parent, mdev = %m.uuid, type_id = %type_id, "created an mdev");
         }
         for d in &mut rec.devices {
             let Some(m) = d.mdev.clone() else { continue };
-            let Some((after, group)) = vgpu::wait_group(&self.paths, |inv| m.group(inv)) else {
+            let ready = m
+                .handle()
+                .wait_ready(&mut inv, &self.paths, &ReadOptions::default());
+            let Some(ready) = ready else {
                 return Err(refused(
                     claim,
                     format!(
@@ -67,8 +84,8 @@ impl Node {
                     ),
                 ));
             };
-            d.group = group;
-            d.nodes = vfio_nodes(&after, group, m.cdev(&after));
+            d.group = ready.group;
+            d.nodes = vfio_nodes(&inv, ready.group, ready.cdev);
         }
         self.finish(claim, rec, &rec_path)
     }
@@ -80,13 +97,20 @@ impl Node {
             return Ok(());
         }
         let inv = self.inventory(claim)?;
+        let sysfs = Sysfs::new(self.paths.clone());
         let usage: OnceLock<Usage> = OnceLock::new();
         let mut held = Vec::new();
         for m in rec.devices.iter().filter_map(|d| d.mdev.as_ref()) {
-            if !m.exists(&inv) {
+            if !m.handle().exists(&inv) {
                 continue;
             }
-            let users = m.users(usage.get_or_init(|| Usage::read(&self.paths)), &inv);
+            let usage = usage.get_or_init(|| Usage::read(&self.paths));
+            let users: Vec<String> = m
+                .handle()
+                .users(usage, &inv)
+                .iter()
+                .map(ToString::to_string)
+                .collect();
             if !users.is_empty() {
                 held.push(format!(
                     "mdev {} on {} is in use ({}): kept",
@@ -96,7 +120,7 @@ impl Node {
                 ));
                 continue;
             }
-            m.destroy(&self.paths).map_err(|e| {
+            m.handle().destroy(&sysfs).map_err(|e| {
                 refused(
                     claim,
                     format!(

@@ -3,15 +3,16 @@
 
 use std::collections::BTreeSet;
 use std::sync::OnceLock;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use common::{Inventory, PciAddress, Usage, is_vfio_driver};
+use common::vgpu::lifecycle::{self, Member, READY_TIMEOUT};
+use common::{Inventory, PciAddress, ReadOptions, Sysfs, Usage, is_vfio_driver};
 
 use super::{ClaimRef, Node, PrepareError, PreparedDevice, Wanted, refused, vfio_nodes};
 use crate::cdi::ClaimId;
 use crate::names;
 use crate::record::{self, ClaimState, Record};
-use crate::vgpu;
+use crate::vgpu::Vgpu;
 
 impl Node {
     /// Prepares a claim of vGPU devices: each allocated vGPU created (its GPU given back to
@@ -48,10 +49,14 @@ impl Node {
                 .map(|_| ())
                 .map_err(Self::state_err(claim, "cannot save its record".into()))
         };
-        let sysfs = common::Sysfs::new(self.paths.clone());
+        let sysfs = Sysfs::new(self.paths.clone());
         let mut inv = self.inventory(claim)?;
         for i in 0..rec.devices.len() {
-            if rec.devices[i].vgpu.as_ref().is_some_and(|v| v.exists(&inv)) {
+            if rec.devices[i]
+                .vgpu
+                .as_ref()
+                .is_some_and(|v| v.handle.exists(&inv))
+            {
                 continue;
             }
             let device = rec.devices[i].device.clone();
@@ -70,40 +75,50 @@ impl Node {
             }
             let mut enabled = false;
             loop {
-                match vgpu::next_step(&inv, &gpu, &key) {
-                    Ok(vgpu::Step::EnableVfs(n)) if !enabled => {
-                        save(&rec)?;
-                        sysfs.set_sriov_numvfs(&gpu, n).map_err(|e| {
-                            fail(format!("cannot enable the VFs of GPU {gpu}: {e}"))
-                        })?;
-                        enabled = true;
-                        inv = self.wait_vfs(claim, &gpu)?;
-                    }
-                    Ok(vgpu::Step::EnableVfs(_)) => {
+                let offers = lifecycle::offers(&inv, &Member::Gpu(gpu))
+                    .ok_or_else(|| fail(format!("GPU {gpu} is not on this node")))?;
+                if let Some(n) = offers.needs_vfs {
+                    if enabled {
                         return Err(fail(format!(
                             "GPU {gpu} shows no vGPU types after its VFs were enabled"
                         )));
                     }
-                    Ok(vgpu::Step::Create(v, target)) => {
-                        let d = &mut rec.devices[i];
-                        if let Some(vf) = v.vf() {
-                            d.address = Some(vf);
-                        }
-                        d.vgpu = Some(v.clone());
-                        save(&rec)?;
-                        vgpu::create(&self.paths, &v, &target).map_err(|e| {
-                            fail(format!("cannot create {} on GPU {gpu}: {e}", v.type_name))
-                        })?;
-                        tracing::info!(%claim, gpu = %gpu, vgpu = %v.handle, type_name = %v.type_name, "created a vGPU");
-                        break;
-                    }
-                    Err(reason) => return Err(fail(reason)),
+                    save(&rec)?;
+                    sysfs
+                        .set_sriov_numvfs(&gpu, n)
+                        .map_err(|e| fail(format!("cannot enable the VFs of GPU {gpu}: {e}")))?;
+                    enabled = true;
+                    self.wait_vfs(&mut inv, &gpu);
+                    continue;
                 }
+                let t = offers
+                    .find(|t| names::type_key(&t.name) == key)
+                    .ok_or_else(|| fail(offers.not_offered(&key).to_string()))?;
+                let planned = offers.place(t).map_err(|e| fail(e.to_string()))?;
+                let v = Vgpu {
+                    gpu,
+                    type_name: planned.type_name.clone(),
+                    handle: planned.handle.clone(),
+                };
+                let d = &mut rec.devices[i];
+                if let Some(vf) = v.handle.vf() {
+                    d.address = Some(vf);
+                }
+                d.vgpu = Some(v.clone());
+                save(&rec)?;
+                planned.create(&sysfs).map_err(|e| {
+                    fail(format!("cannot create {} on GPU {gpu}: {e}", v.type_name))
+                })?;
+                tracing::info!(%claim, gpu = %gpu, vgpu = %v.handle, type_name = %v.type_name, "created a vGPU");
+                break;
             }
         }
         for d in &mut rec.devices {
             let Some(v) = d.vgpu.clone() else { continue };
-            let Some((after, group)) = vgpu::wait_ready(&self.paths, &v) else {
+            let Some(ready) = v
+                .handle
+                .wait_ready(&mut inv, &self.paths, &ReadOptions::default())
+            else {
                 return Err(refused(
                     claim,
                     format!(
@@ -112,22 +127,23 @@ impl Node {
                     ),
                 ));
             };
-            d.group = group;
-            d.nodes = vfio_nodes(&after, group, v.cdev(&after));
+            d.group = ready.group;
+            d.nodes = vfio_nodes(&inv, ready.group, ready.cdev);
         }
         self.finish(claim, rec, &rec_path)
     }
 
-    /// Reads the node until `gpu`'s VFs show vGPU types (up to two seconds).
-    fn wait_vfs(&self, claim: &ClaimRef, gpu: &PciAddress) -> Result<Inventory, PrepareError> {
-        let end = std::time::Instant::now() + Duration::from_secs(2);
+    /// Re-reads `gpu` (with its VFs) into `inv` until its VFs show vGPU types, at most
+    /// [`READY_TIMEOUT`].
+    fn wait_vfs(&self, inv: &mut Inventory, gpu: &PciAddress) {
+        let end = Instant::now() + READY_TIMEOUT;
         loop {
-            let inv = self.inventory(claim)?;
-            let cap = common::vgpu::capacity(&inv, gpu);
+            inv.refresh_pci(&self.paths, *gpu, &ReadOptions::default());
+            let cap = common::vgpu::capacity(inv, gpu);
             let ready = !matches!(cap.mode, common::vgpu::Mode::NeedsVfs { .. })
                 && cap.types.iter().any(|t| t.type_id.is_some());
-            if ready || std::time::Instant::now() >= end {
-                return Ok(inv);
+            if ready || Instant::now() >= end {
+                return;
             }
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -153,13 +169,20 @@ impl Node {
                 self.give_back(&inv, *gpu).map_err(|e| refused(claim, e))?;
             }
         }
+        let sysfs = Sysfs::new(self.paths.clone());
         let usage: OnceLock<Usage> = OnceLock::new();
         let mut held = Vec::new();
         for v in rec.devices.iter().filter_map(|d| d.vgpu.as_ref()) {
-            if !v.exists(&inv) {
+            if !v.handle.exists(&inv) {
                 continue;
             }
-            let users = v.users(usage.get_or_init(|| Usage::read(&self.paths)), &inv);
+            let usage = usage.get_or_init(|| Usage::read(&self.paths));
+            let users: Vec<String> = v
+                .handle
+                .users(usage, &inv)
+                .iter()
+                .map(ToString::to_string)
+                .collect();
             if !users.is_empty() {
                 held.push(format!(
                     "{} {} on GPU {} is in use ({}): kept",
@@ -170,7 +193,7 @@ impl Node {
                 ));
                 continue;
             }
-            vgpu::destroy(&self.paths, v).map_err(|e| {
+            v.handle.destroy(&sysfs).map_err(|e| {
                 refused(
                     claim,
                     format!(

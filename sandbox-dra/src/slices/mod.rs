@@ -1,0 +1,378 @@
+//! The node's devices as ResourceSlices: one pool per node, one device per GPU that can be
+//! passed through.
+//!
+//! Which GPUs: exactly those vfio-manager would bind ([`common::vfio::select`] with its default
+//! selector: NVIDIA display functions that are not VFs, each with the other endpoint functions
+//! of its IOMMU group), so that a device published here is one prepare can put on VFIO whole.
+//! A device is one IOMMU group: the group travels to the VM whole, so two GPUs sharing a group
+//! (behind a switch without ACS) are one device, named after the first, the other listed
+//! among its companions.
+//!
+//! A GPU that cannot be given to a VM is left out of the slice rather than published with a
+//! taint (device taints are alpha in Kubernetes 1.34, off by default), with the reason logged:
+//! a group vfio-manager refuses (a foreign or unreadable member, no IOMMU group), and a GPU
+//! on its VFIO driver whose `/dev/vfio/<group>` node is missing (the kernel did not make the
+//! group viable).
+//!
+//! What a device says, for claims to select on (attributes in the driver's domain unless
+//! named otherwise):
+//!
+//! | attribute | example |
+//! |---|---|
+//! | `mode` | `passthrough` |
+//! | `vendorID`, `deviceID` | `10de`, `2236` |
+//! | `productName` (pci.ids; left out when unknown) | `GA102GL [A10]` |
+//! | `resource.kubernetes.io/pciBusID` (the standard attribute KubeVirt reads) | `0000:41:00.0` |
+//! | `numaNode` (left out when the kernel does not say) | `0` |
+//! | `iommuGroup` | `21` |
+//! | `functions` (how many PCI functions go to the VM) | `2` |
+//! | `companions` (the other functions, comma-separated; left out when none) | `0000:41:00.1` |
+//! | `vfioDriver` (`vfio-pci`, or the variant driver `modules.alias` names) | `vfio-pci` |
+//!
+//! and its capacity `memory` (the GPU's framebuffer, `24Gi`) where the model is known.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use common::vfio::{Selection, Target};
+use common::{Inventory, PciAddress, PciDevice, PciIds, is_vfio_driver};
+use k8s_openapi::api::resource::v1::{
+    CounterSet, Device, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSlice,
+    ResourceSliceSpec,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+
+use crate::names;
+
+mod vgpus;
+
+pub use vgpus::mdev_parent_devices;
+use vgpus::vgpu_devices;
+
+/// The standard attribute naming a device's PCI address (KEP-5304), which KubeVirt reads.
+pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
+
+/// The `mode` attribute of a whole GPU given to a VM.
+pub const MODE_PASSTHROUGH: &str = "passthrough";
+
+/// The `mode` attribute of a vGPU.
+pub const MODE_VGPU: &str = "vgpu";
+
+/// The counter of a GPU's framebuffer in its counter set.
+pub const COUNTER_MEMORY: &str = "memory";
+
+/// The counter of an SR-IOV GPU's VFs (one per vGPU) in its counter set.
+pub const COUNTER_VFS: &str = "vfs";
+
+/// The most devices one slice holds when they consume counters (the API's limit).
+pub const MAX_DEVICES_WITH_COUNTERS: usize = 64;
+
+/// The most counters, in all its sets, one slice holds (the API's limit).
+pub const MAX_COUNTERS: usize = 32;
+
+/// The longest string attribute value the API accepts.
+const MAX_STRING_ATTRIBUTE: usize = 64;
+
+/// A GPU left out of the slice, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeftOut {
+    /// The GPU.
+    pub address: PciAddress,
+    /// A sentence naming the reason.
+    pub reason: String,
+}
+
+/// The devices of the node, in name order, and the GPUs left out.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct NodeDevices {
+    /// One per IOMMU group holding a selected GPU.
+    pub devices: Vec<Device>,
+    /// Selected GPUs that are not published.
+    pub left_out: Vec<LeftOut>,
+    /// One counter set per GPU of the vGPU pool, named after its passthrough device.
+    pub counters: Vec<CounterSet>,
+}
+
+/// The devices `inv` has for the slice, from vfio-manager's selection `sel` of it; product
+/// names from `ids`.
+pub fn devices(inv: &Inventory, sel: &Selection, ids: &PciIds) -> NodeDevices {
+    devices_with_vgpus(inv, sel, ids, &BTreeSet::new())
+}
+
+/// [`devices`], and for each GPU of `vgpu_pool` whose model the vGPU model table knows
+/// ([`common::vgpu::models`]): a counter set (its framebuffer; its VFs on an SR-IOV GPU), as
+/// many devices per vGPU type as the GPU could hold of it, each consuming its framebuffer and
+/// one VF, and its passthrough device consuming the whole set.
+pub fn devices_with_vgpus(
+    inv: &Inventory,
+    sel: &Selection,
+    ids: &PciIds,
+    vgpu_pool: &BTreeSet<PciAddress>,
+) -> NodeDevices {
+    let mut out = NodeDevices::default();
+    for r in &sel.refused {
+        out.left_out.push(LeftOut {
+            address: r.address,
+            reason: r.reason.clone(),
+        });
+    }
+    for (&group, targets) in &sel.groups {
+        let Some(first) = targets.iter().find(|t| t.primary) else {
+            continue; // a group holds targets only for its GPUs' sake
+        };
+        let Some(gpu) = inv.device(&first.address) else {
+            continue; // selected from this inventory: always there
+        };
+        if gpu.driver.as_deref().is_some_and(is_vfio_driver) && !inv.vfio_nodes.contains(&group) {
+            out.left_out.push(LeftOut {
+                address: gpu.address,
+                reason: format!(
+                    "{} is on {} but /dev/vfio/{group} is missing: the kernel did not make \
+                     IOMMU group {group} viable",
+                    gpu.address,
+                    gpu.driver.as_deref().unwrap_or_default()
+                ),
+            });
+            continue;
+        }
+        let mut whole = device(gpu, first, group, targets, ids);
+        if vgpu_pool.contains(&gpu.address)
+            && let Some((set, vgpus)) = vgpu_devices(inv, gpu, &mut whole, ids)
+        {
+            out.counters.push(set);
+            out.devices.extend(vgpus);
+        }
+        out.devices.push(whole);
+    }
+    out.devices.sort_by(|a, b| a.name.cmp(&b.name));
+    out.left_out.sort_by_key(|l| l.address);
+    out
+}
+
+fn string(s: impl Into<String>) -> DeviceAttribute {
+    DeviceAttribute {
+        string: Some(s.into()),
+        ..Default::default()
+    }
+}
+
+fn int(i: impl Into<i64>) -> DeviceAttribute {
+    DeviceAttribute {
+        int: Some(i.into()),
+        ..Default::default()
+    }
+}
+
+/// What a GPU is, for a device of it: `vendorID`, `deviceID`, `productName` (when pci.ids
+/// knows it), `numaNode` (when the kernel says).
+fn identity(gpu: &PciDevice, ids: &PciIds, attrs: &mut BTreeMap<String, DeviceAttribute>) {
+    attrs.insert(
+        "vendorID".to_string(),
+        string(format!("{:04x}", gpu.vendor)),
+    );
+    attrs.insert(
+        "deviceID".to_string(),
+        string(format!("{:04x}", gpu.device)),
+    );
+    if let Some(name) = ids.device_name(gpu.vendor, gpu.device) {
+        attrs.insert("productName".to_string(), string(truncate(&name)));
+    }
+    if let Some(n) = gpu.numa_node {
+        attrs.insert("numaNode".to_string(), int(n));
+    }
+}
+
+/// The device of IOMMU group `group`, named after `gpu` (its first GPU, `first` its target).
+fn device(gpu: &PciDevice, first: &Target, group: u32, targets: &[Target], ids: &PciIds) -> Device {
+    let mut attrs = BTreeMap::new();
+    attrs.insert("mode".to_string(), string(MODE_PASSTHROUGH));
+    identity(gpu, ids, &mut attrs);
+    attrs.insert(PCI_BUS_ID.to_string(), string(gpu.address.to_string()));
+    attrs.insert("iommuGroup".to_string(), int(group));
+    attrs.insert(
+        "functions".to_string(),
+        int(i64::try_from(targets.len()).unwrap_or(i64::MAX)),
+    );
+    let companions: Vec<String> = targets
+        .iter()
+        .filter(|t| t.address != gpu.address)
+        .map(|t| t.address.to_string())
+        .collect();
+    if !companions.is_empty() {
+        let joined = companions.join(",");
+        if joined.len() <= MAX_STRING_ATTRIBUTE {
+            attrs.insert("companions".to_string(), string(joined));
+        } else {
+            // Only a group of six or more functions gets here; `functions` still counts them.
+            tracing::debug!(group, companions = %joined, "companion list too long for an attribute");
+        }
+    }
+    attrs.insert("vfioDriver".to_string(), string(first.target.clone()));
+    Device {
+        name: names::gpu_device(&gpu.address),
+        attributes: Some(attrs),
+        capacity: framebuffer(gpu).map(|q| {
+            BTreeMap::from([(
+                "memory".to_string(),
+                DeviceCapacity {
+                    value: q,
+                    ..Default::default()
+                },
+            )])
+        }),
+        ..Default::default()
+    }
+}
+
+fn gib(n: u32) -> Quantity {
+    Quantity(format!("{n}Gi"))
+}
+
+/// The GPU's framebuffer, from the vGPU model table every daemon plans with. `None` for a
+/// model it does not know (workstation and older datacenter GPUs): sysfs does not show a
+/// GPU's memory while it is not on nvidia, so there is nothing else to read it from.
+fn framebuffer(gpu: &PciDevice) -> Option<Quantity> {
+    common::vgpu::models::model(gpu.vendor, gpu.device)
+        .map(|m| Quantity(format!("{}Gi", m.memory_gib)))
+}
+
+/// `s` cut to the longest prefix the API takes as a string attribute.
+fn truncate(s: &str) -> String {
+    let mut end = s.len().min(MAX_STRING_ATTRIBUTE);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
+}
+
+/// What identifies the node's pool and slice.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pool {
+    /// The driver name.
+    pub driver: String,
+    /// The node's name: the pool's name and the slice's `nodeName`.
+    pub node_name: String,
+    /// The Node's UID, for the owner reference that has Kubernetes' garbage collector delete
+    /// the slice with the Node; `None` until it is known.
+    pub node_uid: Option<String>,
+}
+
+impl Pool {
+    /// The slice's name: `<node>-<driver>`, one per node and driver. A name over 253
+    /// characters (the API's limit) keeps its end, the driver's part.
+    pub fn slice_name(&self) -> String {
+        let name = format!("{}-{}", self.node_name, self.driver);
+        match name.len().checked_sub(253) {
+            Some(extra) if extra > 0 => name[extra..].trim_start_matches(['-', '.']).to_string(),
+            _ => name,
+        }
+    }
+
+    /// The owner reference to the Node, when its UID is known.
+    pub fn owner(&self) -> Option<OwnerReference> {
+        Some(OwnerReference {
+            api_version: "v1".to_string(),
+            kind: "Node".to_string(),
+            name: self.node_name.clone(),
+            uid: self.node_uid.clone()?,
+            controller: Some(true),
+            block_owner_deletion: None,
+        })
+    }
+
+    /// The node's slice holding `devices`, at pool `generation`.
+    pub fn slice(&self, devices: Vec<Device>, generation: i64) -> ResourceSlice {
+        self.slice_named(self.slice_name(), Some(devices), None, generation, 1)
+    }
+
+    /// The node's slices: without counters the one [`Pool::slice`]; with counters (a vGPU
+    /// pool) the counter sets in slices of their own, `<slice>-counters`, `<slice>-counters-1`,
+    /// … of at most [`MAX_COUNTERS`] counters (Kubernetes 1.35 and later take counters and
+    /// devices only in separate slices of one pool), and the devices in slices of at most
+    /// [`MAX_DEVICES_WITH_COUNTERS`], `<slice>`, `<slice>-1`, ….
+    pub fn slices(
+        &self,
+        devices: Vec<Device>,
+        counters: Vec<CounterSet>,
+        generation: i64,
+    ) -> Vec<ResourceSlice> {
+        if counters.is_empty() {
+            return vec![self.slice(devices, generation)];
+        }
+        let chunks: Vec<Vec<Device>> = if devices.is_empty() {
+            vec![Vec::new()]
+        } else {
+            devices
+                .chunks(MAX_DEVICES_WITH_COUNTERS)
+                .map(<[Device]>::to_vec)
+                .collect()
+        };
+        let mut counter_chunks: Vec<Vec<CounterSet>> = vec![Vec::new()];
+        for set in counters {
+            let in_last: usize = counter_chunks
+                .last()
+                .map_or(0, |c| c.iter().map(|s| s.counters.len()).sum());
+            if in_last + set.counters.len() > MAX_COUNTERS {
+                counter_chunks.push(Vec::new());
+            }
+            if let Some(last) = counter_chunks.last_mut() {
+                last.push(set);
+            }
+        }
+        let count = i64::try_from(chunks.len() + counter_chunks.len()).unwrap_or(i64::MAX);
+        let base = self.slice_name();
+        let mut out: Vec<ResourceSlice> = chunks
+            .into_iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let name = if i == 0 {
+                    base.clone()
+                } else {
+                    format!("{base}-{i}")
+                };
+                self.slice_named(name, Some(d), None, generation, count)
+            })
+            .collect();
+        for (i, sets) in counter_chunks.into_iter().enumerate() {
+            let name = if i == 0 {
+                format!("{base}-counters")
+            } else {
+                format!("{base}-counters-{i}")
+            };
+            out.push(self.slice_named(name, None, Some(sets), generation, count));
+        }
+        out
+    }
+
+    fn slice_named(
+        &self,
+        name: String,
+        devices: Option<Vec<Device>>,
+        counters: Option<Vec<CounterSet>>,
+        generation: i64,
+        count: i64,
+    ) -> ResourceSlice {
+        ResourceSlice {
+            metadata: ObjectMeta {
+                name: Some(name),
+                owner_references: self.owner().map(|o| vec![o]),
+                ..Default::default()
+            },
+            spec: ResourceSliceSpec {
+                driver: self.driver.clone(),
+                node_name: Some(self.node_name.clone()),
+                pool: ResourcePool {
+                    name: self.node_name.clone(),
+                    generation,
+                    resource_slice_count: count,
+                },
+                devices,
+                shared_counters: counters,
+                ..Default::default()
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

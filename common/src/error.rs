@@ -100,5 +100,17 @@ impl Error {
     }
 }
 
+/// The full message of an error and its sources, for reports.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
+
 /// Result of the sysfs layer.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -23,6 +23,8 @@ mod sysfs;
 
 pub use dev_nodes::DevNodes;
 pub(crate) use sysfs::{TypeNames, link_name, list_dir};
+
+pub use crate::error::error_chain;
 use sysfs::{is_not_found, link_number, read_mdev, read_mdev_types, read_pci_device};
 pub use sysfs::{parse_creatable_vgpu_types, read_parent_mdev_types};
 
@@ -471,18 +473,6 @@ impl Inventory {
             }
         }
     }
-}
-
-/// The full message of an error and its sources, for reports.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
 }
 
 /// Whether a PCI driver is VFIO: `vfio-pci` or a variant driver (`nvgrace_gpu_vfio_pci`,

@@ -72,10 +72,10 @@ pub mod usage;
 pub mod vfio;
 pub mod vgpu;
 
-pub use error::{Error, Result};
+pub use error::{Error, Result, error_chain};
 pub use inventory::{
     DevNodes, Inventory, MdevDevice, MdevParent, MdevType, NvidiaVgpu, PciDevice, ReadOptions,
-    Unreadable, VgpuType, error_chain, is_vfio_driver,
+    Unreadable, VgpuType, is_vfio_driver,
 };
 pub use naming::{IdsSource, PciIds, env_var_name, passthrough_resource_name, vgpu_resource_name};
 pub use ops::Sysfs;

@@ -15,6 +15,17 @@ pub fn host_vfio_group_path(group: u32) -> String {
     format!("/dev/vfio/{group}")
 }
 
+/// Whether `s` can be a non-PCI mdev parent's name under `class/mdev_bus/`: a kernel device
+/// name of letters, digits, `-`, `_` and `.` (not `.` or `..`). A `:` is refused: a PCI
+/// function is named by its full address (`0000:41:00.0`), and `0000:41:00` is a typo of one.
+pub fn is_parent_name(s: &str) -> bool {
+    !s.is_empty()
+        && s != "."
+        && s != ".."
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
 /// The host path of a VFIO device cdev (`/dev/vfio/devices/vfio0`).
 pub fn host_vfio_cdev_path(name: &str) -> String {
     format!("/dev/vfio/devices/{name}")

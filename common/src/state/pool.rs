@@ -13,9 +13,8 @@ use std::collections::BTreeSet;
 use std::path::PathBuf;
 
 use crate::error::{Error, Result};
-use crate::paths::HostPaths;
+use crate::paths::{HostPaths, is_parent_name};
 use crate::pci::PciAddress;
-use crate::vgpu::selector::is_parent_name;
 
 /// What a pool holds.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

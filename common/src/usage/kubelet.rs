@@ -16,7 +16,7 @@ use kubelet_api::podresources::v1::ListPodResourcesRequest;
 use kubelet_api::podresources::v1::pod_resources_lister_client::PodResourcesListerClient;
 use serde::Deserialize;
 
-use crate::inventory::error_chain;
+use crate::error::error_chain;
 use crate::paths::HostPaths;
 use crate::usage::{Pod, PodSource};
 

@@ -29,7 +29,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::inventory::{Inventory, MdevDevice, error_chain};
+use crate::error::error_chain;
+use crate::inventory::{Inventory, MdevDevice};
 use crate::paths::{HostPaths, host_vfio_cdev_path, host_vfio_group_path};
 use crate::pci::PciAddress;
 

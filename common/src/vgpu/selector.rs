@@ -5,6 +5,7 @@
 use std::collections::BTreeSet;
 
 use crate::PciAddress;
+pub use crate::paths::is_parent_name;
 
 /// `all`, or the GPUs and mdev parents listed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -29,17 +30,6 @@ impl Selector {
             parents: BTreeSet::new(),
         }
     }
-}
-
-/// Whether `s` can be a non-PCI mdev parent's name under `class/mdev_bus/`: a kernel device
-/// name of letters, digits, `-`, `_` and `.` (not `.` or `..`). A `:` is refused: a PCI
-/// function is named by its full address (`0000:41:00.0`), and `0000:41:00` is a typo of one.
-pub fn is_parent_name(s: &str) -> bool {
-    !s.is_empty()
-        && s != "."
-        && s != ".."
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
 /// Parses `all`, or a comma list of GPU PCI addresses (`0000:41:00.0`) and non-PCI mdev

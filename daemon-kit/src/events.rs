@@ -2,11 +2,17 @@
 //! makes and every refusal, for `kubectl describe node` and `kubectl events`.
 //!
 //! Best effort: events are sent in order by a task of their own, and one the API server
-//! refuses (RBAC, a network error) is logged and dropped; the daemon never waits for one.
+//! refuses (a network error) is logged and dropped; the daemon never waits for one. When RBAC
+//! forbids Events (403: a service account whose roles do not grant them, as the GPU Operator's
+//! do not), that is said once, with what to grant, and Events are dropped unsent, one tried
+//! again every [`FORBIDDEN_RETRY`] in case the grant came since.
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use tokio::sync::mpsc;
+
+/// How long Events are dropped unsent after the API server forbade one.
+pub const FORBIDDEN_RETRY: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Where a daemon sends its Node events; [`NodeEvents::disabled`] without Kubernetes.
 #[derive(Clone, Debug)]
@@ -40,9 +46,37 @@ impl NodeEvents {
         let (tx, mut rx) = mpsc::unbounded_channel::<Event>();
         let node = node.to_string();
         tokio::spawn(async move {
+            // After a 403, Events are dropped until this instant, then one is tried again (RBAC
+            // may have been granted since); the refusal is logged the first time only.
+            let mut forbidden_until: Option<tokio::time::Instant> = None;
+            let mut told = false;
             while let Some(ev) = rx.recv().await {
-                if let Err(e) = recorder.publish(&ev, &regarding).await {
-                    tracing::warn!(node, reason = ev.reason, error = %e, "cannot record an event on the node");
+                if forbidden_until.is_some_and(|t| tokio::time::Instant::now() < t) {
+                    continue;
+                }
+                match recorder.publish(&ev, &regarding).await {
+                    Ok(()) => {
+                        if forbidden_until.take().is_some() {
+                            tracing::info!(node, "Events are allowed again: recording them");
+                        }
+                    }
+                    Err(kube::Error::Api(ae)) if ae.code == 403 => {
+                        if !told {
+                            tracing::warn!(
+                                node,
+                                reason = ev.reason,
+                                error = %ae.message,
+                                "Events are forbidden to this daemon's service account: none are recorded \
+                                 (grant create and patch on events, in events.k8s.io and the core group; under \
+                                 the GPU Operator: deploy/operator/events-rbac.yaml); trying again every 10 minutes"
+                            );
+                            told = true;
+                        }
+                        forbidden_until = Some(tokio::time::Instant::now() + FORBIDDEN_RETRY);
+                    }
+                    Err(e) => {
+                        tracing::warn!(node, reason = ev.reason, error = %e, "cannot record an event on the node")
+                    }
                 }
             }
         });

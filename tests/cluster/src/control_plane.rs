@@ -198,6 +198,8 @@ impl ControlPlane {
             .args(["--service-account-issuer", "https://kubernetes.default.svc"])
             .args(["--service-cluster-ip-range", &self.opts.service_cidr])
             .args(["--authorization-mode", "Node,RBAC"])
+            // `kubectl logs` and `exec` reach kubelet at the node's address: no DNS here.
+            .args(["--kubelet-preferred-address-types", "InternalIP,Hostname"])
             .args(["--enable-admission-plugins", "NodeRestriction"])
             .args(["--allow-privileged=true", "--profiling=false"])
             .arg(format!(

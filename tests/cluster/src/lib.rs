@@ -59,6 +59,7 @@ pub struct Cluster {
     assets: Assets,
     // Dropped in this order: the node (its pods hold the sim's mounts), the sim, the control plane.
     node: Mutex<Node>,
+    binds: Mutex<Vec<PathBuf>>,
     sim: Mutex<Option<node_sim::Sim>>,
     cp: Mutex<ControlPlane>,
     host: HostChanges,
@@ -82,6 +83,25 @@ impl Cluster {
         leftovers();
         let dir = std::env::temp_dir().join(format!("{SCRATCH_PREFIX}{}", std::process::id()));
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        // A mount of its own, shared: the DaemonSets that mount a host path with
+        // mountPropagation HostToContainer (the GPU Operator's mount /) need it on a shared or
+        // slave mount, as / is on a systemd host (and is not in every sandbox).
+        nix::mount::mount(
+            Some(&dir),
+            &dir,
+            None::<&str>,
+            nix::mount::MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .with_context(|| format!("bind-mounting {} on itself", dir.display()))?;
+        nix::mount::mount(
+            None::<&str>,
+            &dir,
+            None::<&str>,
+            nix::mount::MsFlags::MS_SHARED | nix::mount::MsFlags::MS_REC,
+            None::<&str>,
+        )
+        .with_context(|| format!("making {} a shared mount", dir.display()))?;
         let mut host = HostChanges::new(dir.join("host-changes"));
         host.add_address()?;
         host.bind_kubelet_root(&dir.join("node/kubelet"))?;
@@ -112,6 +132,7 @@ impl Cluster {
             dir,
             assets,
             node: Mutex::new(node),
+            binds: Mutex::new(Vec::new()),
             sim: Mutex::new(None),
             cp: Mutex::new(cp),
             host,
@@ -148,9 +169,42 @@ impl Cluster {
         self.node().kubelet_root()
     }
 
+    /// Bind-mounts `src` at `dst` (under node-sim's root, say) until [`Cluster::unmount_binds`]
+    /// or the next [`Cluster::mount_sim`].
+    pub fn bind_mount(&self, src: &Path, dst: &Path) -> Result<()> {
+        std::fs::create_dir_all(dst).with_context(|| format!("creating {}", dst.display()))?;
+        nix::mount::mount(
+            Some(src),
+            dst,
+            None::<&str>,
+            nix::mount::MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .with_context(|| format!("bind-mounting {} at {}", src.display(), dst.display()))?;
+        self.binds
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(dst.to_path_buf());
+        Ok(())
+    }
+
+    /// Undoes every [`Cluster::bind_mount`].
+    pub fn unmount_binds(&self) {
+        for b in self
+            .binds
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+            .rev()
+        {
+            let _ = nix::mount::umount2(&b, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+
     /// Mounts `topology` as the node's hardware, replacing the previous one (whose pods must be
     /// gone: their host paths point into it).
     pub fn mount_sim(&self, topology: &str) -> Result<PathBuf> {
+        self.unmount_binds();
         let mut sim = self.sim.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(old) = sim.take() {
             old.unmount().context("unmounting the previous node-sim")?;
@@ -158,6 +212,14 @@ impl Cluster {
         let topo = node_sim::topology(topology)
             .with_context(|| format!("node-sim topology {topology}"))?;
         let root = self.dir.join("sim");
+        // New hardware is a new boot: nothing of the previous node's /run survives (nor its
+        // other plain directories; sys, dev and proc are node-sim's mounts).
+        for sub in ["run", "var", "lib"] {
+            let p = root.join(sub);
+            if p.exists() {
+                std::fs::remove_dir_all(&p).with_context(|| format!("removing {}", p.display()))?;
+            }
+        }
         let s = node_sim::mount(&topo, &root)
             .with_context(|| format!("mounting node-sim {topology}"))?;
         let path = s.root().to_path_buf();
@@ -393,6 +455,7 @@ impl Cluster {
 impl Drop for Cluster {
     fn drop(&mut self) {
         let t0 = Instant::now();
+        self.unmount_binds();
         let sandboxes = self.node().sandbox_ids();
         self.node().shutdown();
         host_logs_and_cni_cache(&self.dir, &sandboxes);

@@ -142,6 +142,11 @@ state = "{d}/state"
     default_runtime_name = "runc"
     [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
+      # Privileged containers get no copy of the host's device nodes: the /dev/vfio nodes the
+      # tier makes on the host would be made again inside, onto node-sim's /dev/vfio (FUSE, which
+      # cannot hold device nodes) where a DaemonSet mounts it there. Our daemons read the host's
+      # /dev through their host mounts.
+      privileged_without_host_devices = true
       [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
         BinaryName = "runc"
         Root = "{d}/runc"

@@ -7,6 +7,7 @@ use cluster_tier::{Cluster, NAMESPACE, RELEASE};
 use serde_json::Value;
 
 mod on_demand;
+mod operator;
 mod passthrough;
 mod vgpu;
 
@@ -34,6 +35,10 @@ pub const ALL: &[Scenario] = &[
         name: "on-demand",
         run: on_demand::run,
     },
+    Scenario {
+        name: "gpu-operator-daemonsets",
+        run: operator::run,
+    },
 ];
 
 /// The namespace the scenarios' own pods and claims live in.
@@ -45,6 +50,7 @@ pub const WORKLOAD: &str = "nvidia.com/gpu.workload.config";
 /// Returns the cluster to its state before a scenario: test pods and the chart gone, the node's
 /// labels cleared.
 pub fn reset(c: &Cluster) -> Result<()> {
+    operator::reset(c)?;
     let _ = c.kubectl(&[
         "delete",
         "namespace",

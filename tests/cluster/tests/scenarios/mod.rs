@@ -186,3 +186,68 @@ pub fn wait_daemonset_ready(c: &Cluster, name: &str, timeout: Duration) -> Resul
         Ok((want > 0 && ready == want).then_some(()))
     })
 }
+
+/// kill -9 of the main container of the chart's pod labelled `app.kubernetes.io/name=<name>` (its
+/// process, as a crash would end it); returns once kubelet restarted it and it is Ready again.
+pub fn kill_daemon(c: &Cluster, name: &str) -> Result<()> {
+    let sel = format!("app.kubernetes.io/name={name}");
+    let pod = c.get_json(&["pods", "-n", NAMESPACE, "-l", &sel])?["items"][0].clone();
+    let pod_name = pod["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let status = &pod["status"]["containerStatuses"][0];
+    let restarts = status["restartCount"].as_i64().unwrap_or(0);
+    let id = status["containerID"]
+        .as_str()
+        .and_then(|s| s.strip_prefix("containerd://"))
+        .with_context(|| format!("pod {pod_name} has no running container"))?
+        .to_string();
+    c.node()
+        .ctr(&["tasks", "kill", "--signal", "SIGKILL", &id])?;
+    c.wait(
+        &format!("{name} restarted by kubelet and Ready"),
+        Duration::from_secs(120),
+        || {
+            let p = c.get_json(&["pod", "-n", NAMESPACE, &pod_name])?;
+            let s = &p["status"]["containerStatuses"][0];
+            let again = s["restartCount"].as_i64().unwrap_or(0) > restarts && s["ready"] == true;
+            Ok(again.then_some(()))
+        },
+    )
+}
+
+/// Restarts kubelet and waits for the Node to be Ready again.
+pub fn restart_kubelet(c: &Cluster) -> Result<()> {
+    {
+        let mut node = c.node();
+        node.stop_kubelet();
+        node.start_kubelet()?;
+    }
+    // The Node's Ready condition is stale right after the restart: wait for a heartbeat newer
+    // than the restart.
+    let since = c.node_json()?["status"]["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|x| x["type"] == "Ready"))
+        .and_then(|x| x["lastHeartbeatTime"].as_str().map(str::to_string))
+        .unwrap_or_default();
+    c.wait(
+        "kubelet back, the Node Ready",
+        Duration::from_secs(90),
+        || {
+            let n = c.node_json()?;
+            let ready = n["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|x| {
+                    x["type"] == "Ready"
+                        && x["status"] == "True"
+                        && x["lastHeartbeatTime"]
+                            .as_str()
+                            .is_some_and(|t| t > since.as_str())
+                });
+            Ok(ready.then_some(()))
+        },
+    )
+}

@@ -1,7 +1,7 @@
 //! On-demand vGPUs (`onDemand.enabled`, nodes labelled `vm-vgpu-on-demand`): sandbox-dp
 //! advertises what each GPU could host, creates a vGPU in Allocate, the other sizes' counts
-//! drop, and the vGPU is removed once its pod is gone; kubelet restarting meanwhile loses
-//! nothing.
+//! drop, and the vGPU is removed once its pod is gone; kubelet restarting, sandbox-dp killed
+//! (-9), and sandbox-dp away while the pod is deleted lose nothing.
 
 use std::time::{Duration, Instant};
 
@@ -9,8 +9,8 @@ use anyhow::{Context, Result, ensure};
 use cluster_tier::Cluster;
 
 use super::{
-    ENV_OF_PID1, TEST_NS, WORKLOAD, pod_yaml, test_namespace, wait_allocatable, wait_log,
-    wait_phase,
+    ENV_OF_PID1, TEST_NS, WORKLOAD, kill_daemon, pod_yaml, test_namespace, wait_allocatable,
+    wait_log, wait_phase,
 };
 
 const A10_4Q: &str = "nvidia.com/NVIDIA_A10-4Q";
@@ -95,9 +95,55 @@ pub fn run(c: &Cluster) -> Result<()> {
     );
     wait_phase(c, "vm-a", &["Running"], Duration::from_secs(10))?;
 
-    // The pod goes: its vGPU goes, and the sizes come back.
-    let t0 = Instant::now();
+    // sandbox-dp killed (-9): its records keep the pod's vGPU.
+    kill_daemon(c, "sandbox-dp-on-demand")?;
+    wait_allocatable(c, A10_8Q, 3, Duration::from_secs(60))?;
+    ensure!(
+        mdevs(c)? == [uuid.clone()],
+        "the vGPU did not survive sandbox-dp's restart: {:?}",
+        mdevs(c)?
+    );
+
+    // sandbox-dp away while the pod is deleted: the vGPU waits for it, and goes when it is back.
+    c.label_node(WORKLOAD, Some("none"))?;
+    c.wait("sandbox-dp gone", Duration::from_secs(60), || {
+        let pods = c.get_json(&["pods", "-n", cluster_tier::NAMESPACE])?;
+        Ok(pods["items"]
+            .as_array()
+            .is_none_or(Vec::is_empty)
+            .then_some(()))
+    })?;
     c.kubectl(&["delete", "pod", "-n", TEST_NS, "vm-a", "--wait=true"])?;
+    ensure!(
+        mdevs(c)? == [uuid.clone()],
+        "the vGPU went while no sandbox-dp ran: {:?}",
+        mdevs(c)?
+    );
+    let t0 = Instant::now();
+    c.label_node(WORKLOAD, Some("vm-vgpu-on-demand"))?;
+    c.wait(
+        "the vGPU removed once sandbox-dp is back",
+        Duration::from_secs(90),
+        || Ok(mdevs(c)?.is_empty().then_some(())),
+    )?;
+    eprintln!(
+        "  on-demand: the vGPU of a pod deleted while sandbox-dp was away removed {:.1} s after the label brought it back",
+        t0.elapsed().as_secs_f64()
+    );
+    wait_allocatable(c, A10_8Q, 6, Duration::from_secs(60))?;
+
+    // Another pod: its vGPU goes once the pod is gone, and the sizes come back.
+    c.apply(&pod_yaml(
+        c,
+        "vm-b",
+        "echo started; sleep 3600",
+        &format!("limits:\n  {A10_8Q}: 1"),
+        "",
+    ))?;
+    wait_phase(c, "vm-b", &["Running"], Duration::from_secs(60))?;
+    ensure!(mdevs(c)?.len() == 1, "vm-b's vGPU: {:?}", mdevs(c)?);
+    let t0 = Instant::now();
+    c.kubectl(&["delete", "pod", "-n", TEST_NS, "vm-b", "--wait=true"])?;
     c.wait(
         "the vGPU removed after its pod",
         Duration::from_secs(30),

@@ -1,7 +1,8 @@
 //! A passthrough node, as a user makes one: label it `vm-passthrough`, install the chart.
 //! vfio-manager binds both A10s, sandbox-dp advertises them; a pod asking for one gets the
 //! env var virt-launcher reads and its `/dev/vfio` nodes; deleting it gives the GPU back to the
-//! scheduler.
+//! scheduler. Then faults while a VM holds both GPUs: each daemon killed (-9), kubelet
+//! restarted; nothing is taken from the VM and the node serves again.
 
 use std::time::Duration;
 
@@ -9,8 +10,8 @@ use anyhow::{Result, ensure};
 use cluster_tier::Cluster;
 
 use super::{
-    ENV_OF_PID1, TEST_NS, WORKLOAD, pod_yaml, test_namespace, wait_allocatable, wait_log,
-    wait_phase,
+    ENV_OF_PID1, TEST_NS, WORKLOAD, kill_daemon, pod_yaml, restart_kubelet, test_namespace,
+    wait_allocatable, wait_log, wait_phase,
 };
 
 const RESOURCE: &str = "nvidia.com/GA102GL_A10";
@@ -81,5 +82,42 @@ pub fn run(c: &Cluster) -> Result<()> {
     c.kubectl(&["delete", "pod", "-n", TEST_NS, "vm-a", "--wait=true"])?;
     wait_phase(c, "vm-b", &["Running"], Duration::from_secs(90))?;
     wait_log(c, "vm-b", "started", Duration::from_secs(30))?;
+
+    // Faults while vm-b holds both GPUs: each daemon killed (-9), then kubelet restarted.
+    // Nothing a running VM has is taken, and the node serves again afterwards.
+    let bound = |c: &Cluster| -> Result<bool> {
+        c.with_sim(|s| {
+            ["0000:41:00.0", "0000:61:00.0"].iter().all(|g| {
+                std::fs::read_link(s.root().join(format!("sys/bus/pci/devices/{g}/driver")))
+                    .is_ok_and(|d| d.ends_with("vfio-pci"))
+            })
+        })
+    };
+    kill_daemon(c, "vfio-manager")?;
+    ensure!(
+        bound(c)?,
+        "a GPU left vfio-pci after vfio-manager was killed and restarted"
+    );
+    kill_daemon(c, "sandbox-dp")?;
+    wait_allocatable(c, RESOURCE, 2, Duration::from_secs(60))?;
+    restart_kubelet(c)?;
+    wait_allocatable(c, RESOURCE, 2, Duration::from_secs(60))?;
+    let p = wait_phase(c, "vm-b", &["Running"], Duration::from_secs(10))?;
+    ensure!(
+        p["status"]["containerStatuses"][0]["restartCount"] == 0,
+        "vm-b's container was restarted by the faults: {}",
+        p["status"]["containerStatuses"][0]
+    );
+    ensure!(bound(c)?, "a GPU left vfio-pci during the faults");
+    // And a new VM gets a GPU once vm-b is gone.
+    c.kubectl(&["delete", "pod", "-n", TEST_NS, "vm-b", "--wait=true"])?;
+    c.apply(&pod_yaml(
+        c,
+        "vm-c",
+        "echo started; sleep 3600",
+        &format!("limits:\n  {RESOURCE}: 1"),
+        "",
+    ))?;
+    wait_phase(c, "vm-c", &["Running"], Duration::from_secs(60))?;
     Ok(())
 }

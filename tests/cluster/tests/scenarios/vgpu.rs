@@ -1,16 +1,17 @@
 //! A vGPU node by label, as a user runs one: `vm-vgpu` and `nvidia.com/vgpu.config=A10-4Q`.
 //! vgpu-device-manager makes 12 A10-4Q, sandbox-dp advertises them, a pod gets one; a relabel to
-//! A10-8Q while that pod runs is blocked on its GPU, said on the Node's state label and in an
-//! Event; once the pod is gone the switch completes.
+//! A10-8Q while that pod runs (after the API server was away for 30 s) is blocked on its GPU,
+//! said on the Node's state label and in an Event; once the pod is gone the switch completes;
+//! vgpu-device-manager killed (-9) keeps every vGPU.
 
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use cluster_tier::Cluster;
 
 use super::{
-    ENV_OF_PID1, TEST_NS, WORKLOAD, pod_yaml, test_namespace, wait_allocatable, wait_log,
-    wait_phase,
+    ENV_OF_PID1, TEST_NS, WORKLOAD, kill_daemon, pod_yaml, test_namespace, wait_allocatable,
+    wait_log, wait_phase,
 };
 
 const A10_4Q: &str = "nvidia.com/NVIDIA_A10-4Q";
@@ -77,6 +78,12 @@ pub fn run(c: &Cluster) -> Result<()> {
         "/dev/vfio/{group} of vGPU {uuid} is not in the container:\n{log}"
     );
 
+    // The API server goes away for 30 s: the daemons keep what they have, and follow the label
+    // again once it is back.
+    c.control_plane().stop_apiserver();
+    std::thread::sleep(Duration::from_secs(30));
+    c.control_plane().start_apiserver()?;
+
     // Relabel while the vGPU is in use: the other GPU switches, this one is left, and the
     // operator is told where they look.
     c.label_node(CONFIG, Some("A10-8Q"))?;
@@ -103,15 +110,35 @@ pub fn run(c: &Cluster) -> Result<()> {
     wait_state(c, "success", Duration::from_secs(120))?;
     wait_allocatable(c, A10_8Q, 6, Duration::from_secs(60))?;
     wait_allocatable(c, A10_4Q, 0, Duration::from_secs(60))?;
-    let gone = c.with_sim(|s| {
-        !s.root()
-            .join(format!("sys/bus/mdev/devices/{uuid}"))
-            .exists()
-    })?;
-    if !gone {
-        bail!("vGPU {uuid} is still there after the switch to A10-8Q");
-    }
+    ensure!(
+        !mdevs(c)?.contains(&uuid),
+        "vGPU {uuid} is still there after the switch to A10-8Q"
+    );
+    // vgpu-device-manager killed (-9): its restart keeps every vGPU and says success again.
+    let before = mdevs(c)?;
+    kill_daemon(c, "vgpu-device-manager")?;
+    wait_state(c, "success", Duration::from_secs(60))?;
+    ensure!(
+        mdevs(c)? == before,
+        "vGPUs changed across vgpu-device-manager's restart: {before:?} -> {:?}",
+        mdevs(c)?
+    );
     Ok(())
+}
+
+/// The node's vGPUs (mdev UUIDs), sorted.
+pub fn mdevs(c: &Cluster) -> Result<Vec<String>> {
+    c.with_sim(|s| {
+        let mut v: Vec<String> = std::fs::read_dir(s.root().join("sys/bus/mdev/devices"))
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    })
 }
 
 /// vm-passthrough, then vm-vgpu with a profile that cannot apply (the GPUs are still on

@@ -1,10 +1,23 @@
-//! The flags every binary shares, as clap argument groups to `#[command(flatten)]`.
+//! The flags every binary shares, as clap argument groups to `#[command(flatten)]`, and the
+//! name of the long-running command.
+//!
+//! Every binary's long-running mode is the subcommand [`DAEMON`], which also answers to
+//! [`SERVE_ALIAS`] (the name sandbox-dp and sandbox-dra first gave it, which manifests and
+//! units use). Its flags come from [`EventsArgs`] (`--node-name`, `--kubeconfig`) and
+//! [`MetricsArgs`] (`--metrics-addr`); a daemon that cannot run without a node name reports its
+//! absence with [`need_node_name`], a usage error (exit 2).
 
 use std::path::PathBuf;
 
-use common::HostPaths;
+use common::{HostPaths, VendorSelector};
 
+use crate::exit;
 use crate::logging::{self, LogFormat};
+
+/// The long-running command of every binary.
+pub const DAEMON: &str = "daemon";
+/// Another name of [`DAEMON`], for the manifests and units that say `serve`.
+pub const SERVE_ALIAS: &str = "serve";
 
 /// `--host-root` and `--kubelet-dir`: where the host's files are.
 #[derive(Clone, Debug, clap::Args)]
@@ -66,16 +79,48 @@ impl LogArgs {
     }
 }
 
-/// `--node-name` and `--kubeconfig`: where a daemon records its Node events.
+/// `--node-name` and `--kubeconfig`: this node, and how to reach its API server. Every daemon
+/// records the changes it makes and refuses as Events on the Node; vgpu-device-manager and
+/// sandbox-dra need the node for more, and say so in their help (`mut_arg`).
 #[derive(Clone, Debug, clap::Args)]
 pub struct EventsArgs {
     /// This node's name: the changes made and refused are recorded as Events on its Node
     /// object (none without it).
     #[arg(long, env = "NODE_NAME", global = true)]
     pub node_name: Option<String>,
-    /// A kubeconfig file for those events; in-cluster config (or $KUBECONFIG) when absent.
+    /// A kubeconfig file for the API server; in-cluster config (or $KUBECONFIG) when absent.
     #[arg(long, value_name = "FILE", global = true)]
     pub kubeconfig: Option<std::path::PathBuf>,
+}
+
+impl EventsArgs {
+    /// The node name, or a usage error (exit 2) saying that `command` needs one.
+    pub fn need_node_name(&self, command: &str) -> exit::Result<String> {
+        need_node_name(self.node_name.as_deref(), command)
+    }
+}
+
+/// `node_name`, or a usage error (exit 2) saying that `command` needs `--node-name`.
+pub fn need_node_name(node_name: Option<&str>, command: &str) -> exit::Result<String> {
+    match node_name {
+        Some(n) if !n.is_empty() => Ok(n.to_string()),
+        _ => Err(exit::Failure::new(
+            exit::USAGE,
+            anyhow::anyhow!("{command} needs --node-name (or NODE_NAME)"),
+        )),
+    }
+}
+
+/// `--vendor` for the binaries that bind a whole GPU to VFIO: the shared syntax (a hex PCI
+/// vendor id, `10de` or `0x10DE`), but not `any`, which would take every vendor's display
+/// functions, the host's own console GPU among them.
+pub fn pci_vendor(s: &str) -> Result<u16, String> {
+    match s.parse::<VendorSelector>().map_err(|e| e.to_string())? {
+        VendorSelector::Pci(v) => Ok(v),
+        VendorSelector::Any => Err(
+            "\"any\" is refused here: every vendor's display functions would include the host's own console GPU; name a vendor id (e.g. 10de)".into(),
+        ),
+    }
 }
 
 /// `--metrics-addr`, for the daemons' long-running mode.

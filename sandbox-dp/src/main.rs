@@ -1,7 +1,6 @@
 //! `sandbox-dp`: the kubelet device plugin for passthrough GPUs and vGPUs.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -9,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use common::{PciIds, VendorSelector};
-use daemon_kit::cli::{HostArgs, LogArgs, PodResourcesArgs};
+use daemon_kit::cli::{EventsArgs, HostArgs, LogArgs, MetricsArgs, PodResourcesArgs, SERVE_ALIAS};
 use daemon_kit::daemon::Threads;
 use daemon_kit::duration;
 use daemon_kit::exit::{self, Report};
@@ -20,7 +19,12 @@ use sandbox_dp::{Config, ondemand, report};
 /// vGPUs and SR-IOV vGPU VFs. Resource names and env vars match NVIDIA's
 /// kubevirt-gpu-device-plugin, so existing VM specs keep working.
 #[derive(Debug, Parser)]
-#[command(name = "sandbox-dp", version, after_help = EXIT_STATUS)]
+#[command(
+    name = "sandbox-dp",
+    version,
+    after_help = EXIT_STATUS,
+    mut_arg("metrics_addr", |a| a.help(METRICS_ADDR_HELP))
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -42,10 +46,8 @@ struct Cli {
     #[arg(long, value_name = "OLD=NEW", value_parser = parse_alias, global = true)]
     resource_alias: Vec<(String, String)>,
 
-    /// Serve /metrics (Prometheus), /healthz and /readyz on this address (for example
-    /// 0.0.0.0:9483). Ready once every resource found at start has registered with kubelet.
-    #[arg(long, env = "METRICS_ADDR", value_name = "ADDR:PORT", global = true)]
-    metrics_addr: Option<SocketAddr>,
+    #[command(flatten)]
+    metrics: MetricsArgs,
 
     /// Re-read the node this often even without events, a safety net; events drive updates
     /// (30s, 5m; a bare number is seconds).
@@ -80,24 +82,30 @@ struct Cli {
     pod_resources: PodResourcesArgs,
 
     #[command(flatten)]
-    events: daemon_kit::cli::EventsArgs,
+    events: EventsArgs,
 
     #[command(flatten)]
     log: LogArgs,
 }
 
+/// `--metrics-addr`: when sandbox-dp is ready.
+const METRICS_ADDR_HELP: &str = "Serve /metrics (Prometheus), /healthz and /readyz on this \
+    address (for example 0.0.0.0:9483). Ready once every resource found at start has registered \
+    with kubelet";
+
 /// The exit-status table, shown after `--help`.
 const EXIT_STATUS: &str = "\
 Exit status:
-  0  done (serve: stopped by SIGTERM/SIGINT)
+  0  done (daemon: stopped by SIGTERM/SIGINT)
   1  failed: the node or --pci-ids cannot be read, a socket cannot be served, a task of the
      plugin failed (the error is logged)
   2  usage error (a bad flag or value)";
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Serve the device plugin (the default).
-    Serve,
+    /// Serve the device plugin and register it with kubelet (the default).
+    #[command(visible_alias = SERVE_ALIAS)]
+    Daemon,
     /// Print the resources and devices that would be advertised: health, NUMA node, IOMMU group.
     /// Writes nothing.
     List {
@@ -116,7 +124,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     cli.log.init(false);
     let report = match cli.command {
-        None | Some(Command::Serve) => Report::Log,
+        None | Some(Command::Daemon) => Report::Log,
         Some(_) => Report::Stderr,
     };
     exit::finish(run(cli), report)
@@ -150,7 +158,7 @@ fn run(cli: Cli) -> exit::Result {
             .collect::<BTreeMap<_, _>>(),
         pool,
     };
-    match cli.command.unwrap_or(Command::Serve) {
+    match cli.command.unwrap_or(Command::Daemon) {
         Command::List { json } => {
             let (snap, _) = sandbox_dp::read_node(&paths, &discover)?;
             if json {
@@ -168,11 +176,11 @@ fn run(cli: Cli) -> exit::Result {
             }
             Ok(())
         }
-        Command::Serve => {
+        Command::Daemon => {
             let config = Config {
                 kubelet_dir: paths.kubelet_dir().to_path_buf(),
                 discover,
-                metrics_addr: cli.metrics_addr,
+                metrics_addr: cli.metrics.metrics_addr,
                 resync_interval: cli.resync_interval,
                 debounce: Duration::from_millis(20),
                 on_demand_poll: cli.on_demand_poll,
@@ -185,16 +193,5 @@ fn run(cli: Cli) -> exit::Result {
                 sandbox_dp::run(config, paths, shutdown)
             })
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cli_is_consistent() {
-        use clap::CommandFactory;
-        Cli::command().debug_assert();
     }
 }

@@ -27,14 +27,14 @@ fn stderr(o: &Output) -> String {
 const MISSING: &str = "/nonexistent-root/sys/bus/pci/devices";
 
 #[test]
-fn serve_logs_its_fatal_error_as_json_and_exits_1() {
+fn the_daemon_logs_its_fatal_error_as_json_and_exits_1() {
     for (args, env) in [
         (vec!["--log-format", "json"], vec![]),
         (vec![], vec![("LOG_FORMAT", "json")]),
     ] {
         let mut args = args;
         args.extend([
-            "serve",
+            "daemon",
             "--host-root",
             "/nonexistent-root",
             "--resync-interval",
@@ -58,7 +58,7 @@ fn text_logs_on_a_pipe_are_plain_lines() {
     // the fields.
     let o = run(
         &[
-            "serve",
+            "daemon",
             "--host-root",
             "/nonexistent-root",
             "--resync-interval",
@@ -106,22 +106,4 @@ fn durations_take_units_and_bare_seconds() {
             stderr(&o)
         );
     }
-}
-
-#[test]
-fn vendor_errors_name_the_value_and_help_ends_with_the_exit_table() {
-    let o = run(&["list", "--vendor", "nvidia"], &[]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(
-        stderr(&o).contains("\"nvidia\" is not a PCI vendor id"),
-        "{}",
-        stderr(&o)
-    );
-    let o = run(&["--help"], &[]);
-    let h = String::from_utf8_lossy(&o.stdout);
-    let table = &h[h.find("Exit status:").unwrap_or_else(|| panic!("{h}"))..];
-    assert!(
-        table.contains("  1  failed") && table.contains("  2  usage error"),
-        "{table}"
-    );
 }

@@ -322,15 +322,12 @@ fn help_explains_flags() {
         .output()
         .unwrap();
     let help = String::from_utf8_lossy(&out.stdout);
+    // What every binary takes is checked by tests/cli-shape; these are sandbox-dp's own.
     for flag in [
-        "--host-root",
-        "--kubelet-dir",
-        "--vendor",
         "--pci-ids",
         "--resource-alias",
-        "--metrics-addr",
         "--resync-interval",
-        "--log-format",
+        "--on-demand",
         "permitted-devices",
         "list",
     ] {

@@ -102,7 +102,7 @@ impl KubeletDirs {
     }
 }
 
-/// What `serve` needs besides the host paths.
+/// What `daemon` needs besides the host paths.
 #[derive(Clone, Debug)]
 pub struct Config {
     /// The DRA driver name (a DNS subdomain): ResourceSlices, DeviceClasses and claims name it.
@@ -119,6 +119,8 @@ pub struct Config {
     pub on_unprepare: OnUnprepare,
     /// The most one function's bind or unbind may take (`--timeout`).
     pub timeout: std::time::Duration,
+    /// The PCI vendor whose display functions are published (`--vendor`, NVIDIA's `10de`).
+    pub vendor: u16,
     /// Product names for the slice's devices (`--pci-ids`, or the embedded NVIDIA block).
     pub pci_ids: PciIds,
     /// How often the slice is compared with the API server without an event.
@@ -198,6 +200,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         publish::PublishConfig {
             driver: config.driver.clone(),
             node_name: config.node_name.clone(),
+            vendor: config.vendor,
             pci_ids: config.pci_ids.clone(),
             resync_interval: config.resync_interval,
             telemetry,

@@ -8,7 +8,7 @@ use anyhow::Context as _;
 
 use clap::{Parser, Subcommand};
 use common::PciIds;
-use daemon_kit::cli::{HostArgs, LogArgs, MetricsArgs};
+use daemon_kit::cli::{self, EventsArgs, HostArgs, LogArgs, MetricsArgs, SERVE_ALIAS};
 use daemon_kit::daemon::Threads;
 use daemon_kit::duration;
 use daemon_kit::exit::{self, Report};
@@ -19,7 +19,12 @@ use sandbox_dra::{Config, DEFAULT_CDI_ROOT, DEFAULT_DRIVER_NAME, DEFAULT_KUBELET
 /// ResourceSlices and, when kubelet prepares a claim, puts the allocated GPU and its whole IOMMU
 /// group on a VFIO driver and hands the VM's pod its /dev/vfio nodes through CDI.
 #[derive(Debug, Parser)]
-#[command(name = "sandbox-dra", version, after_help = EXIT_STATUS)]
+#[command(
+    name = "sandbox-dra",
+    version,
+    after_help = EXIT_STATUS,
+    mut_arg("node_name", |a| a.help(NODE_NAME_HELP))
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -45,13 +50,10 @@ struct Cli {
     )]
     kubelet_root: PathBuf,
 
-    /// This node's name (the pool the node's devices are published in).
-    #[arg(long, env = "NODE_NAME", global = true)]
-    node_name: Option<String>,
-
-    /// A kubeconfig for the API server; in a pod, the service account's (or $KUBECONFIG's).
-    #[arg(long, env = "KUBECONFIG", value_name = "FILE", global = true)]
-    kubeconfig: Option<PathBuf>,
+    /// PCI vendor id (hex) whose display functions are published for passthrough. `any` is
+    /// refused: every vendor's display functions would include the host's own console GPU.
+    #[arg(long, value_name = "HEX", default_value = "10de", value_parser = cli::pci_vendor, global = true)]
+    vendor: u16,
 
     /// The container runtime's CDI spec directory as the host sees it (reached under
     /// --host-root): each prepared claim gets one spec file there naming its /dev/vfio nodes
@@ -120,23 +122,31 @@ struct Cli {
     vgpu: Option<sandbox_dra::vgpu::Selector>,
 
     #[command(flatten)]
+    events: EventsArgs,
+
+    #[command(flatten)]
     metrics: MetricsArgs,
 
     #[command(flatten)]
     log: LogArgs,
 }
 
+/// `--node-name`: what the node is for here.
+const NODE_NAME_HELP: &str = "This node's name: the pool its devices are published in, and the \
+    Node its changes are recorded on as Events. Needed by daemon";
+
 /// The exit-status table, shown after `--help`.
 const EXIT_STATUS: &str = "\
 Exit status:
-  0  done (serve: stopped by SIGTERM/SIGINT)
+  0  done (daemon: stopped by SIGTERM/SIGINT)
   1  failed: a socket cannot be served, --pci-ids cannot be read (the error is logged)
   2  usage error (a bad flag or value)";
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Serve the driver (the default).
-    Serve,
+    /// Publish the node's GPUs, serve the driver and register it with kubelet (the default).
+    #[command(visible_alias = SERVE_ALIAS)]
+    Daemon,
 }
 
 fn main() -> ExitCode {
@@ -172,14 +182,9 @@ fn run(cli: Cli) -> exit::Result {
         let device_plugins = paths.root().join(root).join("device-plugins");
         paths = paths.with_kubelet_dir(Some(device_plugins));
     }
-    match cli.command.unwrap_or(Command::Serve) {
-        Command::Serve => {
-            let Some(node_name) = cli.node_name else {
-                return Err(exit::Failure::new(
-                    exit::USAGE,
-                    anyhow::anyhow!("serve needs --node-name (or NODE_NAME)"),
-                ));
-            };
+    match cli.command.unwrap_or(Command::Daemon) {
+        Command::Daemon => {
+            let node_name = cli.events.need_node_name("daemon")?;
             let pci_ids = match &cli.pci_ids {
                 Some(p) => PciIds::from_file(p)
                     .with_context(|| format!("reading --pci-ids {}", p.display()))?,
@@ -189,7 +194,8 @@ fn run(cli: Cli) -> exit::Result {
                 driver: cli.driver_name,
                 kubelet_root: cli.kubelet_root,
                 node_name,
-                kubeconfig: cli.kubeconfig,
+                kubeconfig: cli.events.kubeconfig,
+                vendor: cli.vendor,
                 cdi_root: cli.cdi_root,
                 on_unprepare: cli.on_unprepare,
                 timeout: cli.timeout,
@@ -202,16 +208,5 @@ fn run(cli: Cli) -> exit::Result {
                 sandbox_dra::run(config, paths, shutdown)
             })
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cli_is_consistent() {
-        use clap::CommandFactory;
-        Cli::command().debug_assert();
     }
 }

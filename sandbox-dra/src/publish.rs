@@ -70,6 +70,8 @@ pub struct PublishConfig {
     pub driver: String,
     /// This node's name.
     pub node_name: String,
+    /// The PCI vendor whose display functions are published (`--vendor`).
+    pub vendor: u16,
     /// Product names.
     pub pci_ids: PciIds,
     /// How often to compare with the API server without an event.
@@ -82,11 +84,12 @@ pub struct PublishConfig {
     pub mdev_parents: BTreeSet<String>,
 }
 
-/// Reads the node's devices (on a blocking thread: sysfs reads); the GPUs of `vgpu_pool` get
-/// their counter sets and vGPU devices, the `mdev_parents` theirs
-/// ([`slices::mdev_parent_devices`]).
+/// Reads the node's devices (on a blocking thread: sysfs reads): the display functions of
+/// `vendor`; the GPUs of `vgpu_pool` get their counter sets and vGPU devices, the
+/// `mdev_parents` theirs ([`slices::mdev_parent_devices`]).
 pub async fn read_devices(
     paths: &HostPaths,
+    vendor: u16,
     ids: &PciIds,
     vgpu_pool: &BTreeSet<PciAddress>,
     mdev_parents: &BTreeSet<String>,
@@ -109,7 +112,11 @@ pub async fn read_devices(
             tracing::debug!(path = %u.path.display(), reason = %u.reason, "unreadable device skipped");
         }
         let aliases = vfio::load_aliases(&paths);
-        let sel = select(&inv, &Selector::default(), None, &aliases);
+        let selector = Selector {
+            vendors: vec![vendor],
+            ..Selector::default()
+        };
+        let sel = select(&inv, &selector, None, &aliases);
         let mut out = slices::devices_with_vgpus(&inv, &sel, &ids, &pool);
         for p in &parents {
             if let Some((set, devices)) = slices::mdev_parent_devices(&inv, p) {
@@ -308,15 +315,22 @@ pub async fn run(
                 }
             }
         }
-        let outcome =
-            match read_devices(&paths, &cfg.pci_ids, &cfg.vgpu_pool, &cfg.mdev_parents).await {
-                Ok(nd) => {
-                    p.note_left_out(nd.left_out);
-                    let published = nd.devices.len();
-                    p.publish(nd.devices, nd.counters).await.map(|_| published)
-                }
-                Err(e) => Err(e),
-            };
+        let outcome = match read_devices(
+            &paths,
+            cfg.vendor,
+            &cfg.pci_ids,
+            &cfg.vgpu_pool,
+            &cfg.mdev_parents,
+        )
+        .await
+        {
+            Ok(nd) => {
+                p.note_left_out(nd.left_out);
+                let published = nd.devices.len();
+                p.publish(nd.devices, nd.counters).await.map(|_| published)
+            }
+            Err(e) => Err(e),
+        };
         match outcome {
             Ok(published) => {
                 cfg.telemetry.published(published);

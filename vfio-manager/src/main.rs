@@ -4,8 +4,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use common::{PciAddress, VendorSelector};
-use daemon_kit::cli::{HostArgs, LogArgs, MetricsArgs, PodResourcesArgs};
+use common::PciAddress;
+use daemon_kit::cli::{
+    self, EventsArgs, HostArgs, LogArgs, MetricsArgs, PodResourcesArgs, SERVE_ALIAS,
+};
 use daemon_kit::daemon::Threads;
 use daemon_kit::duration;
 use daemon_kit::exit::{self, Failure, OrExit, Report};
@@ -70,13 +72,15 @@ enum Command {
     /// function is bound, then keep binding GPUs that appear later (udev events, plus a slow
     /// resync). The readiness file is removed whenever a selected function is not bound.
     /// SIGTERM/SIGINT exit 0 leaving the devices bound, unless --unbind-on-exit.
+    #[command(visible_alias = SERVE_ALIAS)]
     Daemon(DaemonArgs),
 }
 
 #[derive(Debug, Args)]
 struct SelectArgs {
-    /// Select display functions of this PCI vendor (hex, e.g. 10de). Repeatable.
-    #[arg(long = "vendor", value_name = "HEX", value_parser = parse_vendor, default_value = "10de")]
+    /// Select display functions of this PCI vendor (hex, e.g. 10de). Repeatable. `any` is
+    /// refused: every vendor's display functions would include the host's own console GPU.
+    #[arg(long = "vendor", value_name = "HEX", value_parser = cli::pci_vendor, default_value = "10de")]
     vendors: Vec<u16>,
     /// Select functions with this vendor:device id instead (e.g. 10de:2236). Repeatable.
     #[arg(long = "device", value_name = "VVVV:DDDD")]
@@ -149,23 +153,8 @@ struct DaemonArgs {
     unbind_on_exit: bool,
     #[command(flatten)]
     metrics: MetricsArgs,
-    /// This node's name: bindings and refusals are recorded as Events on its Node object.
-    #[arg(long, env = "NODE_NAME")]
-    node_name: Option<String>,
-    /// A kubeconfig file for those events; in-cluster config (or $KUBECONFIG) when absent.
-    #[arg(long, value_name = "FILE")]
-    kubeconfig: Option<std::path::PathBuf>,
-}
-
-/// `--vendor`: the shared selector syntax; `any` is refused, since binding every vendor's
-/// display functions to VFIO would take the host's own console GPU too.
-fn parse_vendor(s: &str) -> Result<u16, String> {
-    match s.parse::<VendorSelector>().map_err(|e| e.to_string())? {
-        VendorSelector::Pci(v) => Ok(v),
-        VendorSelector::Any => {
-            Err("vfio-manager needs a vendor id (e.g. 10de), not \"any\"".into())
-        }
-    }
+    #[command(flatten)]
+    events: EventsArgs,
 }
 
 impl SelectArgs {
@@ -242,23 +231,12 @@ fn run(cli: Cli) -> exit::Result {
                 unbind_on_exit: a.unbind_on_exit,
                 udev: true,
                 metrics_addr: a.metrics.metrics_addr,
-                node_name: a.node_name,
-                kubeconfig: a.kubeconfig,
+                node_name: a.events.node_name,
+                kubeconfig: a.events.kubeconfig,
             };
             daemon_kit::daemon::run(Threads::Workers(2), |shutdown| {
                 vfio_manager::daemon::run(cfg, paths, shutdown)
             })
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cli_is_consistent() {
-        use clap::CommandFactory;
-        Cli::command().debug_assert();
     }
 }

@@ -106,32 +106,3 @@ fn a_refusal_then_the_binds_are_told_counted_and_make_it_ready() {
     }
     assert_eq!(testkit::sigterm_and_wait(&mut child), Some(0));
 }
-
-#[test]
-fn completions_and_man_page_are_generated() {
-    for (args, want) in [
-        (&["completions", "bash"][..], "complete -F _vfio__manager"),
-        (&["completions", "zsh"][..], "#compdef vfio-manager"),
-        (&["completions", "fish"][..], "complete -c vfio-manager"),
-        (&["man"][..], ".TH vfio-manager 8"),
-    ] {
-        let o = Command::new(BIN)
-            .arg("--generate")
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{args:?}: {o:?}");
-        let out = String::from_utf8_lossy(&o.stdout);
-        assert!(out.contains(want), "{args:?}: no {want:?} in\n{out}");
-        // Every subcommand is in it.
-        for sub in ["bind", "unbind", "status", "daemon"] {
-            assert!(out.contains(sub), "{args:?}: no {sub}");
-        }
-    }
-    let o = Command::new(BIN)
-        .args(["--generate", "completions", "tcsh"])
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("tcsh"));
-}

@@ -7,10 +7,10 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use common::VendorSelector;
-use daemon_kit::cli::{HostArgs, LogArgs, MetricsArgs, PodResourcesArgs};
+use daemon_kit::cli::{EventsArgs, HostArgs, LogArgs, MetricsArgs, PodResourcesArgs, SERVE_ALIAS};
 use daemon_kit::daemon::Threads;
 use daemon_kit::duration;
-use daemon_kit::exit::{self, Report};
+use daemon_kit::exit::{self, Failure, Report};
 use vgpu_device_manager::apply::Options;
 use vgpu_device_manager::daemon::{DaemonConfig, Source};
 
@@ -122,13 +122,13 @@ enum Command {
     Export,
     /// Keep the node on the profile named by the node label `nvidia.com/vgpu.config` (or by
     /// -c, without Kubernetes); re-apply when the label or the config file changes.
+    #[command(
+        visible_alias = SERVE_ALIAS,
+        mut_arg("node_name", |a| a.help(NODE_NAME_HELP))
+    )]
     Daemon {
-        /// This node's name.
-        #[arg(long, env = "NODE_NAME")]
-        node_name: Option<String>,
-        /// A kubeconfig file; in-cluster config (or $KUBECONFIG) when absent.
-        #[arg(long, env = "KUBECONFIG")]
-        kubeconfig: Option<PathBuf>,
+        #[command(flatten)]
+        events: EventsArgs,
         /// The profile when the node has no `nvidia.com/vgpu.config` label, or an empty one
         /// (DEFAULT_VGPU_CONFIG and --default-vgpu-config are the GPU Operator's names).
         #[arg(
@@ -145,6 +145,11 @@ enum Command {
         metrics: MetricsArgs,
     },
 }
+
+/// `daemon --node-name`: what the node is for here.
+const NODE_NAME_HELP: &str = "This node's name: its label nvidia.com/vgpu.config names the \
+    profile, its label nvidia.com/vgpu.config.state tells how applying it went, and the changes \
+    made and refused are recorded as Events on it. Needed unless -c names a fixed profile";
 
 /// The daemon's retry delays after a failed or blocked apply.
 #[derive(Args, Debug)]
@@ -195,8 +200,10 @@ fn main() -> ExitCode {
     exit::finish(run(cli), report)
 }
 
-fn need<T: Clone>(v: &Option<T>, what: &str) -> anyhow::Result<T> {
-    v.clone().with_context(|| format!("{what} is required"))
+/// A flag the command cannot do without: its absence is a usage error (exit 2).
+fn need<T: Clone>(v: &Option<T>, what: &str) -> exit::Result<T> {
+    v.clone()
+        .ok_or_else(|| Failure::new(exit::USAGE, anyhow::anyhow!("{what} is required")))
 }
 
 fn run(mut cli: Cli) -> exit::Result {
@@ -257,23 +264,26 @@ fn run(mut cli: Cli) -> exit::Result {
             Ok(())
         }
         Command::Daemon {
-            node_name,
-            kubeconfig,
+            events,
             default_config,
             retry,
             metrics,
         } => {
             let config_file = need(&cli.config_file, "-f/--config-file")?;
-            let source = match (cli.selected_config, node_name) {
-                (Some(p), _) => Source::Fixed(p),
-                (None, Some(node_name)) => Source::Kube {
-                    node_name,
-                    kubeconfig,
+            let source = match cli.selected_config {
+                Some(p) => Source::Fixed(p),
+                None => Source::Kube {
+                    node_name: events.node_name.filter(|n| !n.is_empty()).ok_or_else(|| {
+                        Failure::new(
+                            exit::USAGE,
+                            anyhow::anyhow!(
+                                "daemon needs --node-name (or NODE_NAME), or -c for a fixed profile"
+                            ),
+                        )
+                    })?,
+                    kubeconfig: events.kubeconfig,
                     default_config,
                 },
-                (None, None) => Err(anyhow::anyhow!(
-                    "daemon needs --node-name (or NODE_NAME), or -c for a fixed profile"
-                ))?,
             };
             let (retry_min, retry_max) = retry.delays();
             let cfg = DaemonConfig {
@@ -289,16 +299,5 @@ fn run(mut cli: Cli) -> exit::Result {
                 vgpu_device_manager::daemon::run(cfg, paths, shutdown)
             })
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cli_is_consistent() {
-        use clap::CommandFactory;
-        Cli::command().debug_assert();
     }
 }

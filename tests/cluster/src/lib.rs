@@ -402,10 +402,17 @@ impl Cluster {
         timeout: Duration,
         mut f: impl FnMut() -> Result<Option<T>>,
     ) -> Result<T> {
-        let end = Instant::now() + timeout;
+        let t0 = Instant::now();
+        let end = t0 + timeout;
         loop {
             let last = match f() {
-                Ok(Some(t)) => return Ok(t),
+                Ok(Some(t)) => {
+                    // Where a run spends its time, for whoever shortens it.
+                    if t0.elapsed() > Duration::from_secs(10) {
+                        eprintln!("  waited {:.1} s for {what}", t0.elapsed().as_secs_f64());
+                    }
+                    return Ok(t);
+                }
                 Ok(None) => "not yet".to_string(),
                 Err(e) => format!("{e:#}"),
             };

@@ -9,6 +9,7 @@ use serde_json::Value;
 mod on_demand;
 mod operator;
 mod passthrough;
+mod values;
 mod vgpu;
 
 /// A scenario: a name and what it does.
@@ -38,6 +39,14 @@ pub const ALL: &[Scenario] = &[
     Scenario {
         name: "gpu-operator-daemonsets",
         run: operator::run,
+    },
+    Scenario {
+        name: "chart-values",
+        run: values::run,
+    },
+    Scenario {
+        name: "chart-kubelet-dir-and-on-demand-gpus",
+        run: values::kubelet_dir_and_on_demand_gpus,
     },
 ];
 
@@ -70,9 +79,18 @@ pub fn reset(c: &Cluster) -> Result<()> {
         WORKLOAD,
         "nvidia.com/vgpu.config",
         "nvidia.com/vgpu.config.state",
+        "example.test/pool",
+        "example.test/zone",
     ] {
         c.label_node(l, None)?;
     }
+    let _ = c.kubectl(&[
+        "taint",
+        "node",
+        cluster_tier::NODE_NAME,
+        "example.test/dedicated-",
+    ]);
+    let _ = c.kubectl(&["delete", "node", "other-node", "--ignore-not-found"]);
     c.wait("every pod gone", Duration::from_secs(120), || {
         let pods = c.get_json(&["pods", "-A"])?;
         let n = pods["items"].as_array().map(Vec::len).unwrap_or(0);
@@ -175,7 +193,6 @@ pub fn wait_allocatable(c: &Cluster, resource: &str, n: i64, timeout: Duration) 
 }
 
 /// The `Ready` condition of every pod of a DaemonSet of the chart.
-#[allow(dead_code)]
 pub fn wait_daemonset_ready(c: &Cluster, name: &str, timeout: Duration) -> Result<()> {
     c.wait(&format!("DaemonSet {name} ready"), timeout, || {
         let ds = c.get_json(&["daemonset", "-n", NAMESPACE, name])?;

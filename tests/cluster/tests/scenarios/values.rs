@@ -118,7 +118,17 @@ pub fn run(c: &Cluster) -> Result<()> {
     c.label_node(WORKLOAD, Some("vm-vgpu"))?;
 
     // The pull secret the values name.
-    c.kubectl(&["create", "namespace", NAMESPACE])?;
+    c.apply(&format!(
+        "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {NAMESPACE}\n"
+    ))?;
+    let _ = c.kubectl(&[
+        "delete",
+        "secret",
+        "-n",
+        NAMESPACE,
+        "registry-cred",
+        "--ignore-not-found",
+    ]);
     c.kubectl(&[
         "create",
         "secret",

@@ -65,6 +65,9 @@ OPTIONAL_CRD_KINDS = {
 EXAMPLES = os.path.join(DEPLOY, "examples")
 # The Helm chart: not a kustomization (tests/check-manifests.sh renders it with helm).
 HELM = os.path.join(DEPLOY, "helm")
+# Add-ons to the GPU Operator's own DaemonSets: validated, not a deployment of their own.
+OPERATOR = os.path.join(DEPLOY, "operator")
+GPU_OPERATOR_ACCOUNTS = {"nvidia-vfio-manager", "nvidia-vgpu-device-manager", "nvidia-sandbox-device-plugin"}
 
 # The kinds this project ships; a kind outside this list is an error (a typo would otherwise
 # only be a "schema not found" warning).
@@ -716,6 +719,8 @@ def cmd_manifests() -> None:
         validate_schemas(objs, where)
         if os.path.abspath(d).startswith(EXAMPLES + os.sep):
             check_examples(objs, where)
+        elif os.path.abspath(d) == OPERATOR:
+            check_operator_addons(objs, where)
         elif not is_component(d):
             check_rules(objs, where)
     # Every manifest file is part of some kustomization (a file nobody renders is never checked
@@ -725,6 +730,19 @@ def cmd_manifests() -> None:
             continue
         if os.path.abspath(p) not in used:
             fail(f"{rel(p)} is not listed in any kustomization")
+
+
+def check_operator_addons(objs: list[dict], where: str) -> None:
+    """The add-ons grant to the GPU Operator's operand service accounts, and nothing else runs."""
+    kinds = sorted({o["kind"] for o in objs} - {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"})
+    if kinds:
+        fail(f"{where}: only RBAC belongs here, found {kinds}")
+    for o in objs:
+        for s in o.get("subjects") or []:
+            if s.get("kind") == "ServiceAccount" and s.get("name") not in GPU_OPERATOR_ACCOUNTS:
+                fail(f"{where}: {o['kind']}/{o['metadata']['name']} grants to {s.get('name')!r}, "
+                     f"not one of the GPU Operator's {sorted(GPU_OPERATOR_ACCOUNTS)}")
+    ok(f"{where}: RBAC for the GPU Operator's operands only")
 
 
 def check_examples(objs: list[dict], where: str) -> None:

@@ -178,6 +178,12 @@ impl HostPaths {
         }
     }
 
+    /// The directories container runtimes read CDI specs from, as CDI defines them and
+    /// containerd and CRI-O default to: `<root>/etc/cdi` and `<root>/var/run/cdi`.
+    pub fn cdi_spec_dirs(&self) -> [PathBuf; 2] {
+        [self.root.join("etc/cdi"), self.root.join("var/run/cdi")]
+    }
+
     /// The running kernel's release, from `<root>/proc/sys/kernel/osrelease`.
     pub fn kernel_release(&self) -> Result<String> {
         let path = self.root.join("proc/sys/kernel/osrelease");

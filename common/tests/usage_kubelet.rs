@@ -6,7 +6,7 @@ use common::usage::{PodSource, Source};
 use common::{HostPaths, Inventory, Usage, User};
 use fake_kubelet::FakePodResources;
 use fake_kubelet::checkpoint::{self, entry};
-use fake_kubelet::pod_resources::pod;
+use fake_kubelet::pod_resources::{ClaimDevice, pod, pod_with_claim};
 
 const UUID: &str = "5a3b2c1d-0000-4000-8000-00000000abcd";
 const RESOURCE: &str = "nvidia.com/NVIDIA_A10-4Q";
@@ -129,4 +129,93 @@ async fn usage_can_be_read_on_a_blocking_thread_of_a_runtime() {
         .await
         .unwrap();
     assert_eq!(found.len(), 1, "{found:?}");
+}
+
+/// Two A10s in groups 21 and 37, each with its own function only.
+fn two_gpus() -> Inventory {
+    let mut inv = Inventory::default();
+    for (a, g) in [("0000:41:00.0", 21), ("0000:61:00.0", 37)] {
+        let mut d = common::PciDevice::new(a.parse().unwrap(), 0x10de, 0x2236, 0x030200);
+        d.driver = Some("vfio-pci".into());
+        d.iommu_group = Some(g);
+        inv.devices.insert(d.address, d);
+    }
+    inv
+}
+
+const DRIVER: &str = "gpu.gpu-vm-node.io";
+
+fn claim_device(device: &str) -> ClaimDevice {
+    ClaimDevice {
+        driver: DRIVER.into(),
+        pool: "node-a".into(),
+        device: device.into(),
+        cdi_devices: vec![
+            format!("{DRIVER}/vfio=u1-{device}"),
+            format!("{DRIVER}/vfio=u1-metadata-gpu"),
+        ],
+    }
+}
+
+#[test]
+fn a_claim_kubelet_lists_holds_the_groups_its_cdi_devices_name() {
+    let (dir, paths) = root();
+    // The CDI spec sandbox-dra wrote for the claim.
+    let cdi = dir.path().join("var/run/cdi");
+    std::fs::create_dir_all(&cdi).unwrap();
+    std::fs::write(
+        cdi.join(format!("{DRIVER}_u1.json")),
+        serde_json::json!({"cdiVersion": "0.5.0", "kind": format!("{DRIVER}/vfio"), "devices": [
+            {"name": "u1-gpu-0000-41-00-0", "containerEdits": {"deviceNodes": [
+                {"path": "/dev/vfio/vfio"}, {"path": "/dev/vfio/21"}]}},
+            {"name": "u1-gpu-0000-61-00-0", "containerEdits": {"deviceNodes": [
+                {"path": "/dev/vfio/vfio"}, {"path": "/dev/vfio/37"}]}},
+            {"name": "u1-metadata-gpu", "containerEdits": {"mounts": [
+                {"hostPath": "/m", "containerPath": "/c"}]}},
+        ]})
+        .to_string(),
+    )
+    .unwrap();
+    let fake = FakePodResources::spawn(&paths.pod_resources_socket()).unwrap();
+    fake.set_pods(vec![pod_with_claim(
+        "vms",
+        "virt-launcher-a",
+        "compute",
+        "vm1-gpu",
+        &[
+            claim_device("gpu-0000-41-00-0"),
+            claim_device("gpu-0000-61-00-0"),
+        ],
+    )]);
+    let inv = two_gpus();
+    let u = Usage::read(&paths);
+    // Each group is the claim's device that names it, though kubelet hands the second device
+    // the first's CDI devices too.
+    for (g, device) in [(21, "gpu-0000-41-00-0"), (37, "gpu-0000-61-00-0")] {
+        let uses = u.of_group(&inv, g);
+        assert_eq!(
+            uses.iter().map(|u| u.user.to_string()).collect::<Vec<_>>(),
+            vec![format!(
+                "pod vms/virt-launcher-a (container compute, claim vms/vm1-gpu, device \
+                 {DRIVER}/node-a/{device}) has it"
+            )]
+        );
+    }
+    // The claim's spec gone (unprepared) while kubelet still lists it: who holds what cannot
+    // be told, which is in use.
+    std::fs::remove_file(cdi.join(format!("{DRIVER}_u1.json"))).unwrap();
+    let uses = Usage::read(&paths).of_group(&inv, 21);
+    assert_eq!(uses.len(), 1, "{uses:?}");
+    assert!(uses[0].user.is_unknown_from(Source::Kubelet), "{uses:?}");
+    assert!(
+        uses[0].to_string().contains(&format!(
+            "pod vms/virt-launcher-a (container compute) through claim vms/vm1-gpu holds: CDI \
+             device {DRIVER}/vfio=u1-gpu-0000-41-00-0, {DRIVER}/vfio=u1-metadata-gpu, \
+             {DRIVER}/vfio=u1-gpu-0000-61-00-0 is in no spec"
+        )),
+        "{uses:?}"
+    );
+    // kubelet no longer lists the pod: free.
+    fake.set_pods(vec![]);
+    assert_eq!(Usage::read(&paths).of_group(&inv, 21), vec![]);
 }

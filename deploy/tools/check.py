@@ -351,6 +351,8 @@ ALLOWED_HOST_MOUNTS = {
         "/run/vfio-manager": True,
         "/var/lib/kubelet/device-plugins": False,
         "/var/lib/kubelet/pod-resources": False,
+        "/etc/cdi": False,
+        "/var/run/cdi": False,
     },
     "vgpu-device-manager": {
         "/sys": True,
@@ -359,6 +361,8 @@ ALLOWED_HOST_MOUNTS = {
         "/run/nvidia/validations": True,
         "/var/lib/kubelet/device-plugins": False,
         "/var/lib/kubelet/pod-resources": False,
+        "/etc/cdi": False,
+        "/var/run/cdi": False,
         "/run/gpu-vm-node": True,
     },
     "sandbox-dp": {
@@ -378,6 +382,7 @@ ALLOWED_HOST_MOUNTS = {
         "/var/run/cdi": True,
         "/var/lib/kubelet/device-plugins": False,
         "/var/lib/kubelet/pod-resources": False,
+        "/etc/cdi": False,
         "/run/gpu-vm-node": True,
         "/run/vfio-manager": True,
     },
@@ -387,6 +392,8 @@ ALLOWED_HOST_MOUNTS = {
         "/proc": False,
         "/var/lib/kubelet/device-plugins": True,
         "/var/lib/kubelet/pod-resources": False,
+        "/etc/cdi": False,
+        "/var/run/cdi": False,
         "/run/gpu-vm-node": True,
     },
 }

@@ -7,6 +7,13 @@
 //! The checkpoint (`<kubelet-dir>/kubelet_internal_checkpoint`) is only a fallback: kubelet
 //! keeps a deleted pod's entry until it next admits a pod, so a device it lists may be free.
 //! When the PodResources API answers, it alone says which pods hold what.
+//!
+//! `List` also names the ResourceClaims (DRA) each container has: per claim, each allocated
+//! device as `<driver>/<pool>/<device>` with the CDI devices the driver answered prepare with.
+//! kubelet 1.36 lists a claim from the moment it starts preparing it, with no devices until
+//! the driver's prepare returned, and only for the containers whose `resources.claims` name it.
+//! Those are kept here with the CDI device IDs that say which device nodes they hold
+//! ([`ListedClaim`]); the checkpoint has no claims.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -18,7 +25,7 @@ use serde::Deserialize;
 
 use crate::error::error_chain;
 use crate::paths::HostPaths;
-use crate::usage::{Pod, PodSource};
+use crate::usage::{Claim, Pod, PodSource};
 
 /// Device ID (lower case) → the pods' containers that hold it.
 pub(crate) type Allocations = BTreeMap<String, Vec<Pod>>;
@@ -26,11 +33,23 @@ pub(crate) type Allocations = BTreeMap<String, Vec<Pod>>;
 /// The largest `List` answer accepted; kubelet's own client allows as much.
 const MAX_MESSAGE: usize = 16 * 1024 * 1024;
 
+/// One device of a ResourceClaim a pod's container has, as `List` names it: the pod (with the
+/// claim) and the CDI devices the container got for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ListedClaim {
+    /// The pod, its container and the claim's device.
+    pub pod: Pod,
+    /// Fully qualified CDI device names (`gpu.gpu-vm-node.io/vfio=<uid>-gpu-0000-41-00-0`).
+    pub cdi_devices: Vec<String>,
+}
+
 /// What was learnt about the pods, and from where.
 #[derive(Debug)]
 pub(crate) struct PodsRead {
     /// The allocations, or why they cannot be known.
     pub allocations: Result<Allocations, String>,
+    /// The claims' devices the pods have (none from the checkpoint).
+    pub claims: Vec<ListedClaim>,
     /// Where they come from, for logs and reports.
     pub source: String,
 }
@@ -40,8 +59,9 @@ pub(crate) struct PodsRead {
 pub(crate) fn read(paths: &HostPaths, timeout: Duration) -> PodsRead {
     let socket = paths.pod_resources_socket();
     match list(&socket, timeout) {
-        Ok(pods) => PodsRead {
-            allocations: Ok(pods),
+        Ok(listed) => PodsRead {
+            allocations: Ok(listed.devices),
+            claims: listed.claims,
             source: format!("kubelet's PodResources API ({})", socket.display()),
         },
         Err(ListError::Failed(why)) => PodsRead {
@@ -49,12 +69,14 @@ pub(crate) fn read(paths: &HostPaths, timeout: Duration) -> PodsRead {
                 "kubelet's PodResources API ({}) does not answer List: {why}",
                 socket.display()
             )),
+            claims: Vec::new(),
             source: format!("kubelet's PodResources API ({})", socket.display()),
         },
         Err(ListError::Unreachable(why)) => {
             let path = paths.kubelet_checkpoint();
             PodsRead {
                 allocations: checkpoint(&path),
+                claims: Vec::new(),
                 source: format!(
                     "kubelet's checkpoint {} (nothing listens on {}: {why})",
                     path.display(),
@@ -70,7 +92,7 @@ pub(crate) fn read(paths: &HostPaths, timeout: Duration) -> PodsRead {
 /// a deleted pod's entry until kubelet next admits a pod).
 pub(crate) fn active(paths: &HostPaths, timeout: Duration) -> Result<Allocations, String> {
     let socket = paths.pod_resources_socket();
-    list(&socket, timeout).map_err(|e| {
+    list(&socket, timeout).map(|l| l.devices).map_err(|e| {
         let why = match e {
             ListError::Unreachable(w) => format!("nothing listens ({w})"),
             ListError::Failed(w) => w,
@@ -80,6 +102,13 @@ pub(crate) fn active(paths: &HostPaths, timeout: Duration) -> Result<Allocations
             socket.display()
         )
     })
+}
+
+/// `List`'s answer: the device plugins' devices and the claims' devices.
+#[derive(Debug, Default)]
+struct Listed {
+    devices: Allocations,
+    claims: Vec<ListedClaim>,
 }
 
 /// Why `List` gave no answer.
@@ -95,7 +124,7 @@ enum ListError {
 /// (non-blocking): when nothing listens, that is known without a runtime. The client then runs
 /// on a runtime of its own, on this thread when it is not a runtime's, otherwise on a thread
 /// of its own, so that this may be called from anywhere, async code included.
-fn list(socket: &Path, timeout: Duration) -> Result<Allocations, ListError> {
+fn list(socket: &Path, timeout: Duration) -> Result<Listed, ListError> {
     let stream = dial(socket)?;
     let client = move || {
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -148,7 +177,7 @@ fn dial(socket: &Path) -> Result<std::os::unix::net::UnixStream, ListError> {
     }
 }
 
-async fn list_async(stream: tokio::net::UnixStream) -> Result<Allocations, ListError> {
+async fn list_async(stream: tokio::net::UnixStream) -> Result<Listed, ListError> {
     let channel = kubelet_api::channel_over(stream)
         .await
         .map_err(|e| ListError::Failed(error_chain(&e)))?;
@@ -158,18 +187,48 @@ async fn list_async(stream: tokio::net::UnixStream) -> Result<Allocations, ListE
         .await
         .map_err(|s| ListError::Failed(format!("{} ({:?})", s.message(), s.code())))?
         .into_inner();
-    let mut out = Allocations::new();
+    let mut out = Listed::default();
     for p in answer.pod_resources {
         for c in &p.containers {
+            let pod = |resource: &str, claim: Option<Claim>| Pod {
+                namespace: Some(p.namespace.clone()),
+                name: Some(p.name.clone()),
+                uid: None,
+                container: c.name.clone(),
+                resource: resource.to_string(),
+                claim,
+                source: PodSource::PodResources,
+            };
             for d in &c.devices {
                 for id in &d.device_ids {
-                    out.entry(id.to_ascii_lowercase()).or_default().push(Pod {
-                        namespace: Some(p.namespace.clone()),
-                        name: Some(p.name.clone()),
-                        uid: None,
-                        container: c.name.clone(),
-                        resource: d.resource_name.clone(),
-                        source: PodSource::PodResources,
+                    out.devices
+                        .entry(id.to_ascii_lowercase())
+                        .or_default()
+                        .push(pod(&d.resource_name, None));
+                }
+            }
+            for dr in &c.dynamic_resources {
+                // kubelet 1.36 hands each device of a driver the CDI devices of the devices
+                // before it too (one list grows across them): a device's own are those not
+                // named before it in this claim. A kubelet that lists them apart reads the same.
+                let mut seen = std::collections::BTreeSet::new();
+                for r in &dr.claim_resources {
+                    let claim = Claim {
+                        namespace: dr.claim_namespace.clone(),
+                        name: dr.claim_name.clone(),
+                        driver: r.driver_name.clone(),
+                        pool: r.pool_name.clone(),
+                        device: r.device_name.clone(),
+                    };
+                    let cdi_devices = r
+                        .cdi_devices
+                        .iter()
+                        .filter(|d| seen.insert(d.name.clone()))
+                        .map(|d| d.name.clone())
+                        .collect();
+                    out.claims.push(ListedClaim {
+                        pod: pod(&r.driver_name, Some(claim)),
+                        cdi_devices,
                     });
                 }
             }
@@ -259,6 +318,7 @@ fn checkpoint(path: &Path) -> Result<Allocations, String> {
                 uid: Some(e.pod_uid.clone()),
                 container: e.container.clone(),
                 resource: e.resource.clone(),
+                claim: None,
                 source: PodSource::Checkpoint,
             });
         }

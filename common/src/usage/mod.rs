@@ -11,15 +11,23 @@
 //!   whatever resource lists it. Where nothing listens on that socket (kubelet is not running)
 //!   kubelet's checkpoint ([`HostPaths::kubelet_checkpoint`]) stands in; it is conservative,
 //!   since kubelet keeps a deleted pod's entry there until it next admits a pod;
+//! - a pod kubelet runs has a **ResourceClaim** (DRA) prepared with one of its device nodes:
+//!   `List` names each claim's devices with the CDI devices the container gets, and the CDI
+//!   specs on the node ([`HostPaths::cdi_spec_dirs`]) say which device nodes those are
+//!   (`/dev/vfio/<group>`, `/dev/vfio/devices/vfioN`, `/dev/nvidia<N>`), matched as a process's
+//!   open files are. Any DRA driver that hands devices through CDI is seen, sandbox-dra's
+//!   among them. kubelet's checkpoint has no claims: while kubelet is down, a prepared claim
+//!   is seen only through the processes holding its devices;
 //! - or a source cannot be read (no `/proc`, a truncated checkpoint, a PodResources socket
-//!   that does not answer): the user is **unknown**, which counts as in use. Only a daemon's
-//!   `--force` overrides it.
+//!   that does not answer, a claim's CDI device that no spec on the node defines): the user is
+//!   **unknown**, which counts as in use. Only a daemon's `--force` overrides it.
 //!
 //! A GPU is in use when any of its functions, VFs or vGPUs is ([`Usage::of_gpu`]).
 //!
 //! [`Usage::read`] reads every source once (one `/proc` scan, one `List`); the queries then
 //! answer for any number of devices without reading again.
 
+mod cdi;
 mod kubelet;
 mod procs;
 
@@ -64,6 +72,32 @@ pub enum PodSource {
     Checkpoint,
 }
 
+/// The ResourceClaim through which a pod has a device (DRA), and the device as its driver
+/// published it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Claim {
+    /// The claim's namespace.
+    pub namespace: String,
+    /// The claim's name.
+    pub name: String,
+    /// The DRA driver (`gpu.gpu-vm-node.io`).
+    pub driver: String,
+    /// The driver's pool (for sandbox-dra, the node's name).
+    pub pool: String,
+    /// The device's name in the pool (`gpu-0000-41-00-0`).
+    pub device: String,
+}
+
+impl fmt::Display for Claim {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "claim {}/{}, device {}/{}/{}",
+            self.namespace, self.name, self.driver, self.pool, self.device
+        )
+    }
+}
+
 /// A pod's container that kubelet gave the device to.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Pod {
@@ -75,8 +109,12 @@ pub struct Pod {
     pub uid: Option<String>,
     /// The container.
     pub container: String,
-    /// The resource the device was allocated as (`nvidia.com/NVIDIA_A10-4Q`).
+    /// The resource the device was allocated as (`nvidia.com/NVIDIA_A10-4Q`); for a claim's
+    /// device, its DRA driver.
     pub resource: String,
+    /// The ResourceClaim it came through, for a device DRA allocated.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub claim: Option<Claim>,
     /// Where this comes from.
     pub source: PodSource,
 }
@@ -88,7 +126,10 @@ impl fmt::Display for Pod {
             (_, _, Some(uid)) => write!(f, "pod {uid}")?,
             _ => f.write_str("a pod")?,
         }
-        write!(f, " (container {}, {}", self.container, self.resource)?;
+        match &self.claim {
+            Some(c) => write!(f, " (container {}, {c}", self.container)?,
+            None => write!(f, " (container {}, {}", self.container, self.resource)?,
+        }
         if self.source == PodSource::Checkpoint {
             f.write_str("; kubelet's checkpoint")?;
         }
@@ -272,6 +313,12 @@ pub struct Usage {
     /// Device ID in lower case (PCI address, mdev UUID) → the pods kubelet gave it to; or why
     /// that cannot be known.
     pub pods: Result<BTreeMap<String, Vec<Pod>>, String>,
+    /// Device nodes, as host paths (`/dev/vfio/42`) → the pods a prepared ResourceClaim gave
+    /// them to (each [`Pod`] names its claim).
+    pub claims: BTreeMap<String, Vec<Pod>>,
+    /// Claims' devices whose device nodes cannot be told (a CDI device that no spec on the node
+    /// defines, a spec that cannot be read): why, each naming the pod and claim.
+    pub claims_unknown: Vec<String>,
     /// Where `pods` comes from, for logs.
     pub pods_source: String,
 }
@@ -283,6 +330,8 @@ impl Default for Usage {
             processes: Ok(BTreeMap::new()),
             nvidia_minors: Ok(BTreeMap::new()),
             pods: Ok(BTreeMap::new()),
+            claims: BTreeMap::new(),
+            claims_unknown: Vec::new(),
             pods_source: "none".into(),
         }
     }
@@ -305,16 +354,28 @@ impl Usage {
         });
         let kubelet::PodsRead {
             allocations,
+            claims,
             source,
         } = kubelet::read(paths, POD_RESOURCES_TIMEOUT);
         match &allocations {
-            Ok(a) => tracing::debug!(source = %source, devices = a.len(), "pods' devices read"),
+            Ok(a) => {
+                tracing::debug!(source = %source, devices = a.len(), claims = claims.len(), "pods' devices read")
+            }
             Err(e) => tracing::warn!("cannot tell which devices pods hold: {e}"),
+        }
+        let cdi::Resolved {
+            by_node: claims,
+            unknown: claims_unknown,
+        } = cdi::resolve(paths, claims);
+        for e in &claims_unknown {
+            tracing::warn!("{e}");
         }
         Usage {
             processes,
             nvidia_minors,
             pods: allocations,
+            claims,
+            claims_unknown,
             pods_source: source,
         }
     }
@@ -328,6 +389,13 @@ impl Usage {
         }
     }
 
+    /// Pods whose prepared claims gave them `path` (a host path).
+    fn claim_holders(&self, path: &str, out: &mut Vec<User>) {
+        if let Some(p) = self.claims.get(path) {
+            out.extend(p.iter().cloned().map(User::Pod));
+        }
+    }
+
     /// The processes source, where it could not be read.
     fn processes_unknown(&self, out: &mut Vec<User>) {
         if let Err(e) = &self.processes {
@@ -336,6 +404,16 @@ impl Usage {
                 reason: e.clone(),
             }));
         }
+    }
+
+    /// Claims whose device nodes cannot be told: any device may be theirs.
+    fn claims_unknown(&self, out: &mut Vec<User>) {
+        out.extend(self.claims_unknown.iter().map(|reason| {
+            User::Unknown(Unknown {
+                source: Source::Kubelet,
+                reason: reason.clone(),
+            })
+        }));
     }
 
     /// Pods holding the device with ID `id`, or the kubelet source where it could not be read.
@@ -354,31 +432,54 @@ impl Usage {
     }
 
     /// Users of one PCI function: processes holding its group's `/dev/vfio/<group>` or its VFIO
-    /// cdev, or (on nvidia) its `/dev/nvidia<N>`; pods kubelet gave its address to. A function
-    /// the inventory does not have is asked of kubelet only.
+    /// cdev, or (on nvidia) its `/dev/nvidia<N>`; pods kubelet gave its address to, or whose
+    /// claims gave them one of those nodes. A function the inventory does not have is asked of
+    /// kubelet's device plugins' allocations only.
     pub fn of_function(&self, inv: &Inventory, address: &PciAddress) -> Vec<User> {
-        let mut out = self.processes_of_function(inv, address);
+        let mut out = self.holders_of_function(inv, address, true);
         self.pods_of(&address.to_string(), &mut out);
         dedup(out)
     }
 
-    /// The processes part of [`Usage::of_function`].
-    fn processes_of_function(&self, inv: &Inventory, address: &PciAddress) -> Vec<User> {
+    /// The device-node part of [`Usage::of_function`]: processes, and (with `vfio_claims`)
+    /// claims holding its VFIO nodes; claims holding its `/dev/nvidia<N>` always.
+    fn holders_of_function(
+        &self,
+        inv: &Inventory,
+        address: &PciAddress,
+        vfio_claims: bool,
+    ) -> Vec<User> {
         let mut out = Vec::new();
         let Some(d) = inv.device(address) else {
             return out;
         };
         self.processes_unknown(&mut out);
+        // A claim whose nodes cannot be told may hold any of them; without the VFIO nodes,
+        // only the `/dev/nvidia<N>` of a GPU on nvidia is left to hold.
+        if vfio_claims || d.driver.as_deref() == Some("nvidia") {
+            self.claims_unknown(&mut out);
+        }
+        let mut vfio_nodes = Vec::new();
         if let Some(g) = d.iommu_group {
-            self.holders(&host_vfio_group_path(g), &mut out);
+            vfio_nodes.push(host_vfio_group_path(g));
         }
         if let Some(c) = &d.vfio_cdev {
-            self.holders(&host_vfio_cdev_path(c), &mut out);
+            vfio_nodes.push(host_vfio_cdev_path(c));
+        }
+        for n in &vfio_nodes {
+            self.holders(n, &mut out);
+            if vfio_claims {
+                self.claim_holders(n, &mut out);
+            }
         }
         if d.driver.as_deref() == Some("nvidia") {
             match &self.nvidia_minors {
                 Ok(m) => match m.get(address) {
-                    Some(Ok(minor)) => self.holders(&format!("/dev/nvidia{minor}"), &mut out),
+                    Some(Ok(minor)) => {
+                        let node = format!("/dev/nvidia{minor}");
+                        self.holders(&node, &mut out);
+                        self.claim_holders(&node, &mut out);
+                    }
                     Some(Err(e)) => out.push(User::Unknown(Unknown {
                         source: Source::Processes,
                         reason: format!("which /dev/nvidia<N> is {address}: {e}"),
@@ -396,15 +497,19 @@ impl Usage {
     }
 
     /// Users of an mdev: processes holding its group's `/dev/vfio/<group>` or its VFIO cdev;
-    /// pods kubelet gave its UUID to.
+    /// pods kubelet gave its UUID to, or whose claims gave them one of those nodes.
     pub fn of_mdev(&self, m: &MdevDevice) -> Vec<User> {
         let mut out = Vec::new();
         self.processes_unknown(&mut out);
-        if let Some(g) = m.iommu_group {
-            self.holders(&host_vfio_group_path(g), &mut out);
-        }
-        if let Some(c) = &m.vfio_cdev {
-            self.holders(&host_vfio_cdev_path(c), &mut out);
+        self.claims_unknown(&mut out);
+        let nodes = m
+            .iommu_group
+            .map(host_vfio_group_path)
+            .into_iter()
+            .chain(m.vfio_cdev.as_deref().map(host_vfio_cdev_path));
+        for n in nodes {
+            self.holders(&n, &mut out);
+            self.claim_holders(&n, &mut out);
         }
         self.pods_of(&m.uuid, &mut out);
         dedup(out)
@@ -429,9 +534,10 @@ impl Usage {
     }
 
     /// Whom moving a function onto a VFIO driver would hurt: [`Usage::of_gpu`] without the
-    /// pods kubelet gave the function itself to. Such a pod was given it for passthrough, on
-    /// VFIO, and needs it there (after a reboot the GPU comes up on nvidia while kubelet still
-    /// runs the pod); the processes holding it, its VFs and its vGPUs still count.
+    /// pods kubelet gave the function itself to, by device plugin or by a claim's VFIO nodes.
+    /// Such a pod was given it for passthrough, on VFIO, and needs it there (after a reboot the
+    /// GPU comes up on nvidia while kubelet still runs the pod); the processes holding it, a
+    /// claim holding its `/dev/nvidia<N>`, its VFs and its vGPUs still count.
     pub fn of_gpu_for_passthrough(&self, inv: &Inventory, address: &PciAddress) -> Vec<Use> {
         self.gpu_uses(inv, address, false)
     }
@@ -440,7 +546,7 @@ impl Usage {
         let own = if own_pods {
             self.of_function(inv, address)
         } else {
-            self.processes_of_function(inv, address)
+            dedup(self.holders_of_function(inv, address, false))
         };
         let mut uses = self.uses(Device::Function(*address), own);
         let vfs: Vec<PciAddress> = inv

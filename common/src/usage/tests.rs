@@ -69,6 +69,7 @@ fn pod(uid: &str, source: PodSource) -> Pod {
         uid: (source == PodSource::Checkpoint).then(|| uid.into()),
         container: "compute".into(),
         resource: "nvidia.com/NVIDIA_A10-4Q".into(),
+        claim: None,
         source,
     }
 }
@@ -259,6 +260,105 @@ fn moving_a_function_to_vfio_ignores_pods_given_that_function_only() {
     }
     assert!(
         u.of_gpu_for_passthrough(&bare, &a("0000:41:00.0"))
+            .is_empty()
+    );
+}
+
+/// A pod whose claim `claim` gave it a device of sandbox-dra's.
+fn claim_pod(claim: &str, device: &str) -> Pod {
+    Pod {
+        namespace: Some("vms".into()),
+        name: Some("virt-launcher-a".into()),
+        uid: None,
+        container: "compute".into(),
+        resource: "gpu.gpu-vm-node.io".into(),
+        claim: Some(Claim {
+            namespace: "vms".into(),
+            name: claim.into(),
+            driver: "gpu.gpu-vm-node.io".into(),
+            pool: "node-a".into(),
+            device: device.into(),
+        }),
+        source: PodSource::PodResources,
+    }
+}
+
+#[test]
+fn a_prepared_claim_holds_the_device_nodes_its_cdi_devices_name() {
+    let inv = node();
+    let mut u = usage();
+    u.claims = [
+        // A whole GPU: its group's node (and the container node every VFIO device has).
+        (
+            "/dev/vfio/37".to_string(),
+            vec![claim_pod("gpu", "gpu-0000-61-00-0")],
+        ),
+        (
+            "/dev/vfio/vfio".to_string(),
+            vec![claim_pod("gpu", "gpu-0000-61-00-0")],
+        ),
+        // A vGPU: the mdev's cdev.
+        (
+            "/dev/vfio/devices/vfio3".to_string(),
+            vec![claim_pod("vgpu", "vgpu-0000-41-00-0-a10-4q-0")],
+        ),
+    ]
+    .into();
+    let uses = u.of_group(&inv, 37);
+    assert_eq!(
+        uses.iter().map(|u| u.to_string()).collect::<Vec<_>>(),
+        vec![
+            "0000:61:00.0: pod vms/virt-launcher-a (container compute, claim vms/gpu, device \
+             gpu.gpu-vm-node.io/node-a/gpu-0000-61-00-0) has it",
+            "0000:61:00.1: pod vms/virt-launcher-a (container compute, claim vms/gpu, device \
+             gpu.gpu-vm-node.io/node-a/gpu-0000-61-00-0) has it",
+        ]
+    );
+    let json = serde_json::to_value(&uses[0]).unwrap();
+    assert_eq!(json["kind"], "pod");
+    assert_eq!(json["claim"]["name"], "gpu");
+    assert_eq!(json["claim"]["device"], "gpu-0000-61-00-0");
+    // The vGPU's claim makes its GPU in use, even to a move onto VFIO.
+    let uses = u.of_gpu_for_passthrough(&inv, &a("0000:41:00.0"));
+    assert_eq!(uses.len(), 1, "{uses:?}");
+    assert_eq!(uses[0].device, Device::Mdev(UUID.into()));
+    // The whole GPU's own claim needs it on VFIO: no blocker for that move, but for all else.
+    assert!(
+        u.of_gpu_for_passthrough(&inv, &a("0000:61:00.0"))
+            .is_empty()
+    );
+    assert_eq!(u.of_gpu(&inv, &a("0000:61:00.0")).len(), 1);
+}
+
+#[test]
+fn a_claim_holding_a_gpus_nvidia_node_blocks_its_move_to_vfio() {
+    let inv = node();
+    let mut u = usage();
+    u.claims = [("/dev/nvidia0".to_string(), vec![claim_pod("cuda", "gpu-0")])].into();
+    let uses = u.of_gpu_for_passthrough(&inv, &a("0000:41:00.0"));
+    assert_eq!(uses.len(), 1, "{uses:?}");
+    assert!(uses[0].to_string().contains("claim vms/cuda"), "{uses:?}");
+}
+
+#[test]
+fn a_claim_whose_nodes_cannot_be_told_is_an_unknown_user_of_every_device() {
+    let inv = node();
+    let mut u = usage();
+    u.claims_unknown = vec!["cannot tell which devices pod vms/x (…) holds: …".into()];
+    for g in [21, 37] {
+        let uses = u.of_group(&inv, g);
+        assert_eq!(uses.len(), 1, "{uses:?}");
+        assert!(uses[0].user.is_unknown_from(Source::Kubelet), "{uses:?}");
+    }
+    assert_eq!(u.of_mdev(&inv.mdevs[UUID]).len(), 1);
+    // A GPU on VFIO moving onto VFIO has no node a claim could hold but its own.
+    assert!(
+        u.of_gpu_for_passthrough(&inv, &a("0000:61:00.0"))
+            .is_empty()
+    );
+    // On nvidia, its /dev/nvidia<N> may be the claim's.
+    assert!(
+        !u.of_gpu_for_passthrough(&inv, &a("0000:41:00.0"))
             .is_empty()
     );
 }

@@ -20,9 +20,9 @@ use kubelet_api::podresources::v1::pod_resources_lister_server::{
     PodResourcesLister, PodResourcesListerServer,
 };
 use kubelet_api::podresources::v1::{
-    AllocatableResourcesRequest, AllocatableResourcesResponse, ContainerDevices,
-    ContainerResources, GetPodResourcesRequest, GetPodResourcesResponse, ListPodResourcesRequest,
-    ListPodResourcesResponse, PodResources,
+    AllocatableResourcesRequest, AllocatableResourcesResponse, CdiDevice, ClaimResource,
+    ContainerDevices, ContainerResources, DynamicResource, GetPodResourcesRequest,
+    GetPodResourcesResponse, ListPodResourcesRequest, ListPodResourcesResponse, PodResources,
 };
 use tonic::service::Routes;
 use tonic::{Request, Response, Status};
@@ -217,6 +217,59 @@ pub fn pod(
                 resource_name: resource.to_string(),
                 device_ids: ids.iter().map(|s| s.to_string()).collect(),
                 topology: None,
+            }],
+            ..Default::default()
+        }],
+    }
+}
+
+/// One device a DRA driver prepared for a claim, as its `NodePrepareResources` answer named it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClaimDevice {
+    /// The driver.
+    pub driver: String,
+    /// Its pool.
+    pub pool: String,
+    /// Its name in the pool.
+    pub device: String,
+    /// The CDI devices the driver answered for it.
+    pub cdi_devices: Vec<String>,
+}
+
+/// A pod whose one container has the ResourceClaim `claim_namespace/claim` with `devices`, as
+/// kubelet 1.36's `List` reports it: each device of one driver carries the CDI devices of the
+/// devices before it as well as its own (kubelet builds one list across them,
+/// `containerManagerImpl.GetDynamicResources`).
+pub fn pod_with_claim(
+    namespace: &str,
+    name: &str,
+    container: &str,
+    claim: &str,
+    devices: &[ClaimDevice],
+) -> PodResources {
+    let mut so_far: std::collections::BTreeMap<&str, Vec<CdiDevice>> = Default::default();
+    let claim_resources = devices
+        .iter()
+        .map(|d| {
+            let cdi = so_far.entry(&d.driver).or_default();
+            cdi.extend(d.cdi_devices.iter().map(|n| CdiDevice { name: n.clone() }));
+            ClaimResource {
+                cdi_devices: cdi.clone(),
+                driver_name: d.driver.clone(),
+                pool_name: d.pool.clone(),
+                device_name: d.device.clone(),
+            }
+        })
+        .collect();
+    PodResources {
+        name: name.to_string(),
+        namespace: namespace.to_string(),
+        containers: vec![ContainerResources {
+            name: container.to_string(),
+            dynamic_resources: vec![DynamicResource {
+                claim_name: claim.to_string(),
+                claim_namespace: namespace.to_string(),
+                claim_resources,
             }],
             ..Default::default()
         }],

@@ -1,0 +1,283 @@
+//! A claim sandbox-dra prepared is in use for every daemon: with the claim's pod in kubelet's
+//! PodResources `List` (the fake kubelet, answering as kubelet 1.36 does, with the CDI devices
+//! sandbox-dra's prepare answered), `vfio-manager` refuses to take the claim's GPU or the GPU
+//! of its vGPU, naming the pod and the claim, and takes it once kubelet no longer runs the pod.
+//!
+//! sandbox-dra and vfio-manager run as processes on a simulated node (node-sim); vfio-manager
+//! is the binary built beside sandbox-dra (`cargo test --workspace` builds it; a test without
+//! it says `skipped`).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on setup failures
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use testkit::apiserver::FakeApiServer;
+use testkit::kubelet::FakePodResources;
+use testkit::kubelet::dra::{self, Claim, DraDriver, PreparedDevice, Version};
+use testkit::kubelet::pod_resources::{ClaimDevice, pod_with_claim};
+use testkit::sim::try_mount;
+
+const BIN: &str = env!("CARGO_BIN_EXE_sandbox-dra");
+const DRIVER: &str = "gpu.gpu-vm-node.io";
+const NODE: &str = "node-a";
+const NS: &str = "vms";
+const POD: &str = "virt-launcher-a";
+const PATIENCE: Duration = Duration::from_secs(30);
+
+/// vfio-manager beside sandbox-dra, or `None` (said as `skipped`) when it is not built.
+fn vfio_manager() -> Option<PathBuf> {
+    let p = Path::new(BIN).parent()?.join("vfio-manager");
+    if p.is_file() {
+        return Some(p);
+    }
+    println!(
+        "skipped: {} is not built; cargo test --workspace builds it",
+        p.display()
+    );
+    None
+}
+
+struct Driver(Child, tempfile::TempDir);
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start(root: &Path, api: &FakeApiServer, extra: &[&str]) -> Driver {
+    let reg = root.join(format!(
+        "var/lib/kubelet/plugins_registry/{DRIVER}-reg.sock"
+    ));
+    let _ = std::fs::remove_file(&reg);
+    let dir = tempfile::tempdir().unwrap();
+    let child = Command::new(BIN)
+        .arg("--host-root")
+        .arg(root)
+        .args(["--node-name", NODE, "--kubeconfig"])
+        .arg(api.kubeconfig())
+        .args(extra)
+        .arg("serve")
+        .env("RUST_LOG", "info")
+        .env_remove("HOST_ROOT")
+        .env_remove("KUBECONFIG")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("log")).unwrap())
+        .spawn()
+        .unwrap();
+    let mut d = Driver(child, dir);
+    let t = Instant::now();
+    while !reg.exists() {
+        let log = || std::fs::read_to_string(d.1.path().join("log")).unwrap_or_default();
+        if let Some(st) = d.0.try_wait().unwrap() {
+            panic!("sandbox-dra exited ({st}):\n{}", log());
+        }
+        assert!(t.elapsed() < PATIENCE, "no registration socket:\n{}", log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    d
+}
+
+async fn register(root: &Path) -> DraDriver {
+    let socks = dra::registration_sockets(root, Path::new("/var/lib/kubelet"));
+    dra::register(root, &socks[0], None).await.unwrap()
+}
+
+/// Claim `name` allocated `device` of this node for request `gpu`, in the fake API server.
+fn put_claim(api: &FakeApiServer, name: &str, uid: &str, class: &str, device: &str) -> Claim {
+    api.put_claim(json!({
+        "metadata": {"namespace": NS, "name": name, "uid": uid},
+        "spec": {"devices": {"requests": [
+            {"name": "gpu", "exactly": {"deviceClassName": class}}
+        ]}},
+        "status": {"allocation": {"devices": {"results": [{
+            "request": "gpu", "driver": DRIVER, "pool": NODE, "device": device,
+        }]}}},
+    }));
+    Claim {
+        namespace: NS.into(),
+        name: name.into(),
+        uid: uid.into(),
+    }
+}
+
+async fn prepare(d: &DraDriver, c: &Claim) -> Vec<PreparedDevice> {
+    let mut out = d
+        .prepare(Version::V1, std::slice::from_ref(c))
+        .await
+        .unwrap();
+    out.remove(0)
+        .1
+        .unwrap_or_else(|e| panic!("prepare {}: {e}", c.name))
+}
+
+async fn unprepare(d: &DraDriver, c: &Claim) {
+    let mut out = d
+        .unprepare(Version::V1, std::slice::from_ref(c))
+        .await
+        .unwrap();
+    out.remove(0)
+        .1
+        .unwrap_or_else(|e| panic!("unprepare {}: {e}", c.name));
+}
+
+/// kubelet's PodResources API on the node, running pod `vms/virt-launcher-a` whose container
+/// `compute` has claim `c` with the devices its prepare answered.
+async fn kubelet_runs(root: &Path, c: &Claim, prepared: &[PreparedDevice]) -> FakePodResources {
+    let devices: Vec<ClaimDevice> = prepared
+        .iter()
+        .map(|d| ClaimDevice {
+            driver: DRIVER.into(),
+            pool: d.pool_name.clone(),
+            device: d.device_name.clone(),
+            cdi_devices: d.cdi_device_ids.clone(),
+        })
+        .collect();
+    let fake = FakePodResources::start(&root.join("var/lib/kubelet/pod-resources/kubelet.sock"))
+        .await
+        .unwrap();
+    fake.set_pods(vec![pod_with_claim(NS, POD, "compute", &c.name, &devices)]);
+    fake
+}
+
+fn vfio(bin: &Path, root: &Path, args: &[&str]) -> Output {
+    Command::new(bin)
+        .arg("--host-root")
+        .arg(root)
+        .args(args)
+        .env("RUST_LOG", "info")
+        .env_remove("HOST_ROOT")
+        .env_remove("KUBELET_DIR")
+        .env_remove("POD_RESOURCES_SOCKET")
+        .output()
+        .unwrap()
+}
+
+fn show(o: &Output) -> String {
+    format!(
+        "status {:?}\n--- stdout\n{}--- stderr\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn driver_of(root: &Path, bdf: &str) -> Option<String> {
+    std::fs::read_link(root.join("sys/bus/pci/devices").join(bdf).join("driver"))
+        .ok()
+        .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn vfio_manager_unbind_refuses_the_gpu_of_a_prepared_claim_while_kubelet_runs_its_pod() {
+    let Some(vfio_manager) = vfio_manager() else {
+        return;
+    };
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let _d = start(root, &api, &[]);
+    let drv = register(root).await;
+    let c = put_claim(
+        &api,
+        "vm1-gpu",
+        "uid-1",
+        "vfio-gpu.gpu-vm-node.io",
+        "gpu-0000-41-00-0",
+    );
+    let prepared = prepare(&drv, &c).await;
+    assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    let kubelet = kubelet_runs(root, &c, &prepared).await;
+
+    sim.clear_ops();
+    let o = vfio(
+        &vfio_manager,
+        root,
+        &["unbind", "--address", "0000:41:00.0"],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains(&format!(
+            "0000:41:00.0: pod {NS}/{POD} (container compute, claim {NS}/vm1-gpu, device \
+             {DRIVER}/{NODE}/gpu-0000-41-00-0) has it"
+        )),
+        "{}",
+        show(&o)
+    );
+    assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    assert!(
+        sim.ops().iter().all(|op| op.path.contains("node-sim/")),
+        "nothing written: {:?}",
+        sim.ops()
+    );
+    // status says who has it.
+    let st = vfio(&vfio_manager, root, &["status", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+    let gpu = v["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["address"] == "0000:41:00.0")
+        .unwrap_or_else(|| panic!("{}", show(&st)));
+    assert_eq!(
+        gpu["in_use"][0]["claim"]["name"],
+        "vm1-gpu",
+        "{}",
+        show(&st)
+    );
+
+    // The pod ends: kubelet no longer lists it and unprepares the claim; the GPU is free.
+    kubelet.set_pods(vec![]);
+    unprepare(&drv, &c).await;
+    let o = vfio(
+        &vfio_manager,
+        root,
+        &["unbind", "--address", "0000:41:00.0"],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("nvidia"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn vfio_manager_bind_refuses_the_gpu_of_a_prepared_vgpu_claim() {
+    let Some(vfio_manager) = vfio_manager() else {
+        return;
+    };
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let _d = start(root, &api, &["--vgpu", "all"]);
+    let drv = register(root).await;
+    let c = put_claim(
+        &api,
+        "vm2-vgpu",
+        "uid-2",
+        "vgpu.gpu-vm-node.io",
+        "vgpu-0000-61-00-0-a10-4q-0",
+    );
+    let prepared = prepare(&drv, &c).await;
+    let _kubelet = kubelet_runs(root, &c, &prepared).await;
+
+    // Binding the GPU to VFIO would destroy the claim's vGPU.
+    let o = vfio(&vfio_manager, root, &["bind", "--address", "0000:61:00.0"]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains(&format!(
+            "pod {NS}/{POD} (container compute, claim {NS}/vm2-vgpu, device \
+             {DRIVER}/{NODE}/vgpu-0000-61-00-0-a10-4q-0) has it"
+        )),
+        "{}",
+        show(&o)
+    );
+    assert_eq!(driver_of(root, "0000:61:00.0").as_deref(), Some("nvidia"));
+}

@@ -64,6 +64,24 @@ impl Plugin {
     }
 }
 
+/// The request names kubelet matches against its containers' claims: each device's top-level
+/// request, a `firstAvailable` subrequest (`gpu/a10`) answered as its request (`gpu`). kubelet
+/// hands a container a device's CDI devices only when the container's request is listed; the
+/// full name stays in the device metadata file.
+fn kubelet_request_names(requests: Vec<String>) -> Vec<String> {
+    let mut names: Vec<String> = Vec::with_capacity(requests.len());
+    for r in requests {
+        let base = match r.split_once('/') {
+            Some((base, _)) => base.to_string(),
+            None => r,
+        };
+        if !names.contains(&base) {
+            names.push(base);
+        }
+    }
+    names
+}
+
 /// Converts one version's messages to and from the shared types.
 macro_rules! dra_version {
     ($v:ident) => {
@@ -88,7 +106,7 @@ macro_rules! dra_version {
                                 devices: devices
                                     .into_iter()
                                     .map(|d| $v::Device {
-                                        request_names: d.requests,
+                                        request_names: kubelet_request_names(d.requests),
                                         pool_name: d.pool,
                                         device_name: d.device,
                                         cdi_device_ids: d.cdi_ids,
@@ -133,3 +151,16 @@ macro_rules! dra_version {
 
 dra_version!(v1);
 dra_version!(v1beta1);
+
+#[cfg(test)]
+mod tests {
+    use super::kubelet_request_names;
+
+    #[test]
+    fn subrequests_are_answered_as_their_request() {
+        let names = |v: &[&str]| kubelet_request_names(v.iter().map(|s| s.to_string()).collect());
+        assert_eq!(names(&["gpu/a10"]), ["gpu"]);
+        assert_eq!(names(&["gpu/a10", "gpu/t4", "nic"]), ["gpu", "nic"]);
+        assert_eq!(names(&["gpu"]), ["gpu"]);
+    }
+}

@@ -6,6 +6,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/podresources/v1/api.proto",
         "proto/dra/v1/api.proto",
         "proto/dra/v1beta1/api.proto",
+        "proto/dra-health/v1alpha1/api.proto",
         "proto/pluginregistration/v1/api.proto",
     ];
     for p in protos {

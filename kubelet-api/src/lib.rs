@@ -6,6 +6,8 @@
 //!   `<kubelet-root>/pod-resources/kubelet.sock`): which devices the pods kubelet runs hold;
 //! - [`dra::v1`] and [`dra::v1beta1`]: `DRAPlugin` (a DRA driver's socket under
 //!   `<kubelet-root>/plugins/<driver>/`), `NodePrepareResources` / `NodeUnprepareResources`;
+//! - [`dra_health::v1alpha1`]: `DRAResourceHealth` (on the same socket as `DRAPlugin`),
+//!   `NodeWatchResources`, the stream of device health kubelet shows in pod status;
 //! - [`pluginregistration`]: `Registration` (a plugin's socket in
 //!   `<kubelet-root>/plugins_registry/`), how kubelet discovers DRA drivers.
 //!
@@ -50,6 +52,16 @@ pub mod dra {
     #[allow(missing_docs, missing_debug_implementations, clippy::all)]
     pub mod v1beta1 {
         tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
+    }
+}
+
+/// kubelet's DRA device-health API.
+pub mod dra_health {
+    /// Version `v1alpha1`, the one kubelet 1.34-1.36 dials (wire service
+    /// `v1alpha1.DRAResourceHealth`).
+    #[allow(missing_docs, missing_debug_implementations, clippy::all)]
+    pub mod v1alpha1 {
+        tonic::include_proto!("v1alpha1");
     }
 }
 

@@ -7,12 +7,15 @@
 //!   `<kubelet-root>/plugins/<driver>/dra.sock`, answered by [`prepare`], which writes the
 //!   [`cdi`] spec and device metadata and keeps a [`record`] of each claim;
 //! - [`slices`]: the node's devices as a ResourceSlice, kept true in the API server by
-//!   [`publish`].
+//!   [`publish`];
+//! - [`health`]: the devices' health, streamed to kubelet on the same socket
+//!   (`NodeWatchResources`), judged after each of the publisher's reads of the node.
 //!
 //! Every path the driver gives kubelet or the container runtime is the host's view (its
 //! `--kubelet-root`, `/dev/vfio/<g>`); the driver reaches them under `--host-root`.
 
 pub mod cdi;
+pub mod health;
 pub mod names;
 pub mod plugin;
 pub mod prepare;
@@ -84,6 +87,11 @@ impl KubeletDirs {
     /// The `DRAPlugin` socket as the host names it: what kubelet is told to dial.
     pub fn plugin_socket_host(&self) -> PathBuf {
         self.driver_dir_host().join(PLUGIN_SOCKET)
+    }
+
+    /// The driver's own directory as this process reaches it.
+    pub fn driver_dir(&self) -> PathBuf {
+        self.local(&self.driver_dir_host())
     }
 
     /// The `DRAPlugin` socket as this process reaches it.
@@ -186,9 +194,16 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     let plugin = Plugin::new(preparer, telemetry.clone());
     let plugin_path = dirs.plugin_socket();
     let plugin_listener = bind_socket(&plugin_path)?;
+    let (health_reporter, health_service) = health::channel(
+        config.node_name.clone(),
+        dirs.driver_dir(),
+        health::timeout_for(config.resync_interval),
+        shutdown.clone(),
+    );
     let plugin_server = tonic::transport::Server::builder()
         .add_service(v1::dra_plugin_server::DraPluginServer::new(plugin.clone()))
-        .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(plugin));
+        .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(plugin))
+        .add_service(health::DraResourceHealthServer::new(health_service));
     let registrar = Registrar::new(config.driver.clone(), dirs.plugin_socket_host());
     let reg_path = dirs.registration_socket();
     let reg_listener = bind_socket(&reg_path)?;
@@ -209,6 +224,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         },
         paths.clone(),
         registrar.subscribe(),
+        health_reporter,
         stop_publishing.clone(),
     ));
     let reg_server =

@@ -101,7 +101,8 @@ struct Cli {
 
     /// Compare the published ResourceSlice with the node this often even without events, a
     /// safety net; uevents and kubelet's registration drive updates (30s, 5m; a bare number is
-    /// seconds).
+    /// seconds). Device health goes to kubelet at each pass too; kubelet shows a device Unknown
+    /// after three intervals (at least 30s) without news.
     #[arg(
         long,
         value_name = "DURATION",

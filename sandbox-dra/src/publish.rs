@@ -47,8 +47,9 @@ use crate::slices::{self, LeftOut, NodeDevices, Pool};
 /// The field manager of the driver's writes.
 pub const FIELD_MANAGER: &str = "sandbox-dra";
 
-/// Uevent subsystems whose events can change the slice (events without one count too).
-const SUBSYSTEMS: &[&str] = &["pci", "vfio", "iommu", "drivers"];
+/// Uevent subsystems whose events can change the slice or a device's health (events without
+/// one count too): `mdev` for a prepared vGPU removed behind the driver's back.
+const SUBSYSTEMS: &[&str] = &["pci", "vfio", "iommu", "drivers", "mdev"];
 
 /// The first and the longest delay before a failed pass is tried again.
 const RETRY_MIN: Duration = Duration::from_secs(1);
@@ -258,12 +259,15 @@ impl Publisher {
 }
 
 /// Publishes the node's slice until `shutdown`; `registered` follows kubelet's registration.
-/// Failures are logged and retried, never fatal: the driver keeps serving prepared claims.
+/// After each read of the node, `health` judges its devices for kubelet ([`crate::health`]),
+/// whether or not the API server then takes the slice. Failures are logged and retried, never
+/// fatal: the driver keeps serving prepared claims.
 pub async fn run(
     client: kube::Client,
     cfg: PublishConfig,
     paths: HostPaths,
     mut registered: watch::Receiver<Registered>,
+    mut health: crate::health::Reporter,
     shutdown: CancellationToken,
 ) {
     let mut p = Publisher {
@@ -325,6 +329,8 @@ pub async fn run(
         .await
         {
             Ok(nd) => {
+                let names = nd.devices.iter().map(|d| d.name.clone()).collect();
+                health.report(&paths, names, &nd.left_out).await;
                 p.note_left_out(nd.left_out);
                 let published = nd.devices.len();
                 p.publish(nd.devices, nd.counters).await.map(|_| published)

@@ -17,8 +17,11 @@ use tonic::{Request, Response, Status};
 /// The plugin type kubelet dispatches DRA drivers by.
 pub const PLUGIN_TYPE: &str = "DRAPlugin";
 
-/// The `DRAPlugin` service versions served, newest first, as kubelet names them.
-pub const SUPPORTED_VERSIONS: [&str; 2] = ["v1.DRAPlugin", "v1beta1.DRAPlugin"];
+/// The gRPC services served on the plugin socket, as kubelet names them: the `DRAPlugin`
+/// versions newest first (kubelet takes the first it knows), then the device-health service
+/// (kubelet 1.36 opens its stream whatever is listed; later kubelets only when it is listed).
+pub const SUPPORTED_VERSIONS: [&str; 3] =
+    ["v1.DRAPlugin", "v1beta1.DRAPlugin", crate::health::SERVICE];
 
 /// What kubelet last said about the registration.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -1,0 +1,288 @@
+//! Device health as kubelet 1.36 asks for it: a `NodeWatchResources` stream
+//! (`v1alpha1.DRAResourceHealth`) on the driver's plugin socket, opened the way kubelet opens
+//! it, against sandbox-dra as a process on a simulated node (node-sim). What is checked is what
+//! kubelet would put in the pod's `allocatedResourcesStatus`: which device of the pool is
+//! Healthy or Unhealthy, as the node changes under prepared claims.
+//!
+//! Prints `skipped: ...` when FUSE or root is missing.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kubelet_api::dra_health::v1alpha1::dra_resource_health_client::DraResourceHealthClient;
+use kubelet_api::dra_health::v1alpha1::{
+    HealthStatus, NodeWatchResourcesRequest, NodeWatchResourcesResponse,
+};
+use serde_json::json;
+use testkit::apiserver::FakeApiServer;
+use testkit::kubelet::dra::{self, Claim, DraDriver, Version};
+use testkit::sim::try_mount;
+use tonic::codec::Streaming;
+
+const BIN: &str = env!("CARGO_BIN_EXE_sandbox-dra");
+const DRIVER: &str = "gpu.gpu-vm-node.io";
+const NODE: &str = "node-a";
+const NS: &str = "vms";
+/// How long a test waits for something that should happen promptly before it calls it lost.
+const PATIENCE: Duration = Duration::from_secs(30);
+
+struct Driver(Child, tempfile::TempDir);
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Driver {
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.1.path().join("log")).unwrap_or_default()
+    }
+}
+
+/// Starts `sandbox-dra serve` with `--vgpu vgpu` and waits for its registration socket.
+fn start(root: &Path, api: &FakeApiServer, vgpu: &str) -> Driver {
+    let reg = root.join(format!(
+        "var/lib/kubelet/plugins_registry/{DRIVER}-reg.sock"
+    ));
+    let _ = std::fs::remove_file(&reg);
+    let dir = tempfile::tempdir().unwrap();
+    let child = Command::new(BIN)
+        .arg("--host-root")
+        .arg(root)
+        .args(["--node-name", NODE, "--vgpu", vgpu, "--kubeconfig"])
+        .arg(api.kubeconfig())
+        .arg("serve")
+        .env("RUST_LOG", "info")
+        .env_remove("HOST_ROOT")
+        .env_remove("KUBECONFIG")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("log")).unwrap())
+        .spawn()
+        .unwrap();
+    let mut d = Driver(child, dir);
+    let t = Instant::now();
+    while !reg.exists() {
+        if let Some(st) = d.0.try_wait().unwrap() {
+            panic!("sandbox-dra exited ({st}):\n{}", d.log());
+        }
+        assert!(
+            t.elapsed() < PATIENCE,
+            "no registration socket:\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    d
+}
+
+async fn register(root: &Path) -> DraDriver {
+    let socks = dra::registration_sockets(root, Path::new("/var/lib/kubelet"));
+    dra::register(root, &socks[0], None).await.unwrap()
+}
+
+fn put_claim(api: &FakeApiServer, name: &str, uid: &str, class: &str, device: &str) -> Claim {
+    api.put_claim(json!({
+        "metadata": {"namespace": NS, "name": name, "uid": uid},
+        "spec": {"devices": {"requests": [
+            {"name": "gpu", "exactly": {"deviceClassName": class}}
+        ]}},
+        "status": {"allocation": {"devices": {"results": [{
+            "request": "gpu", "driver": DRIVER, "pool": NODE, "device": device,
+        }]}}},
+    }));
+    Claim {
+        namespace: NS.into(),
+        name: name.into(),
+        uid: uid.into(),
+    }
+}
+
+async fn prepare(d: &DraDriver, c: &Claim) {
+    d.prepare(Version::V1, std::slice::from_ref(c))
+        .await
+        .unwrap()
+        .remove(0)
+        .1
+        .unwrap();
+}
+
+/// Opens the health stream on the driver's plugin socket, as kubelet does.
+async fn watch(root: &Path) -> Streaming<NodeWatchResourcesResponse> {
+    let sock = root.join(format!("var/lib/kubelet/plugins/{DRIVER}/dra.sock"));
+    let ch = kubelet_api::unix_channel(&sock).await.unwrap();
+    DraResourceHealthClient::new(ch)
+        .node_watch_resources(NodeWatchResourcesRequest {})
+        .await
+        .unwrap_or_else(|e| panic!("no health stream: {e}"))
+        .into_inner()
+}
+
+/// One message: device name → (health, message).
+type Report = BTreeMap<String, (HealthStatus, String)>;
+
+fn report(msg: NodeWatchResourcesResponse) -> Report {
+    let mut out = Report::new();
+    for d in msg.devices {
+        let id = d.device.clone().expect("a device identifier");
+        assert_eq!(id.pool_name, NODE, "{d:?}");
+        assert!(d.last_updated_time > 1_700_000_000, "{d:?}");
+        // kubelet reads Unknown after this long without news: at least its own default.
+        assert!(d.health_check_timeout_seconds >= 30, "{d:?}");
+        let before = out.insert(id.device_name, (d.health(), d.message));
+        assert!(before.is_none(), "a device listed twice");
+    }
+    out
+}
+
+/// Reads messages until one satisfies `want`.
+async fn until(
+    s: &mut Streaming<NodeWatchResourcesResponse>,
+    d: &Driver,
+    what: &str,
+    want: impl Fn(&Report) -> bool,
+) -> Report {
+    let deadline = Instant::now() + PATIENCE;
+    let mut last = Report::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, s.message()).await {
+            Ok(Ok(Some(m))) => {
+                last = report(m);
+                if want(&last) {
+                    return last;
+                }
+            }
+            Ok(other) => panic!(
+                "the stream ended ({other:?}) waiting for {what}:\n{}",
+                d.log()
+            ),
+            Err(_) => panic!("no report with {what}; last: {last:#?}\n{}", d.log()),
+        }
+    }
+}
+
+fn unhealthy(r: &Report) -> Vec<&str> {
+    r.iter()
+        .filter(|(_, (h, _))| *h == HealthStatus::Unhealthy)
+        .map(|(n, _)| n.as_str())
+        .collect()
+}
+
+fn is(r: &Report, name: &str, h: HealthStatus) -> bool {
+    r.get(name).is_some_and(|(x, _)| *x == h)
+}
+
+/// The one mdev on the node.
+fn only_mdev(root: &Path) -> String {
+    let names: Vec<String> = std::fs::read_dir(root.join("sys/bus/mdev/devices"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names.len(), 1, "{names:?}");
+    names[0].clone()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kubelet_hears_exactly_the_device_that_can_no_longer_serve_its_vm() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let d = start(root, &api, "0000:61:00.0");
+    let drv = register(root).await;
+    assert!(
+        drv.info
+            .supported_versions
+            .iter()
+            .any(|v| v == "v1alpha1.DRAResourceHealth"),
+        "{:?}",
+        drv.info.supported_versions
+    );
+    let mut s = watch(root).await;
+
+    // At start: every published device, all healthy.
+    let (whole, vgpu) = ("gpu-0000-41-00-0", "vgpu-0000-61-00-0-a10-4q-0");
+    let r = until(&mut s, &d, "the published devices", |r| {
+        r.contains_key(whole) && r.contains_key(vgpu)
+    })
+    .await;
+    assert!(r.contains_key("gpu-0000-61-00-0"), "{r:#?}");
+    assert_eq!(unhealthy(&r), Vec::<&str>::new(), "{r:#?}");
+    assert!(r.values().all(|(h, _)| *h == HealthStatus::Healthy));
+
+    // A whole GPU and a vGPU prepared for VMs: still healthy.
+    let c1 = put_claim(&api, "vm1", "uid-1", "vfio.gpu.gpu-vm-node.io", whole);
+    prepare(&drv, &c1).await;
+    let c2 = put_claim(&api, "vm2", "uid-2", "vgpu.gpu-vm-node.io", vgpu);
+    prepare(&drv, &c2).await;
+
+    // The whole GPU taken off vfio-pci behind the driver's back: that device, and only it.
+    std::fs::write(
+        root.join("sys/bus/pci/drivers/vfio-pci/unbind"),
+        "0000:41:00.0",
+    )
+    .unwrap();
+    let r = until(&mut s, &d, "the unbound GPU unhealthy", |r| {
+        is(r, whole, HealthStatus::Unhealthy)
+    })
+    .await;
+    assert_eq!(unhealthy(&r), vec![whole], "{r:#?}");
+    let why = &r[whole].1;
+    assert!(
+        why.contains("0000:41:00.0") && why.contains("VFIO"),
+        "{why}"
+    );
+    assert!(is(&r, vgpu, HealthStatus::Healthy), "{r:#?}");
+
+    // The prepared vGPU's mdev removed: that vGPU device too, its siblings stay healthy.
+    let uuid = only_mdev(root);
+    std::fs::write(
+        root.join(format!("sys/bus/mdev/devices/{uuid}/remove")),
+        "1",
+    )
+    .unwrap();
+    let r = until(&mut s, &d, "the removed vGPU unhealthy", |r| {
+        is(r, vgpu, HealthStatus::Unhealthy)
+    })
+    .await;
+    assert_eq!(unhealthy(&r), vec![whole, vgpu], "{r:#?}");
+    assert!(r[vgpu].1.contains(&uuid), "{:?}", r[vgpu]);
+    assert!(
+        is(&r, "vgpu-0000-61-00-0-a10-4q-1", HealthStatus::Healthy),
+        "{r:#?}"
+    );
+
+    // A GPU hot-plugged is healthy; hot-removed, it is unhealthy.
+    let plugged = "gpu-0000-81-00-0";
+    sim.control("hotplug 0000:81:00.0 A10 group=50 numa=1")
+        .unwrap();
+    until(&mut s, &d, "the hot-plugged GPU healthy", |r| {
+        is(r, plugged, HealthStatus::Healthy)
+    })
+    .await;
+    sim.control("unplug 0000:81:00.0").unwrap();
+    let r = until(&mut s, &d, "the hot-removed GPU unhealthy", |r| {
+        is(r, plugged, HealthStatus::Unhealthy)
+    })
+    .await;
+    assert_eq!(unhealthy(&r), vec![whole, plugged, vgpu], "{r:#?}");
+
+    // Put back on vfio-pci, the whole GPU is healthy again.
+    std::fs::write(
+        root.join("sys/bus/pci/drivers/vfio-pci/bind"),
+        "0000:41:00.0",
+    )
+    .unwrap();
+    let r = until(&mut s, &d, "the rebound GPU healthy", |r| {
+        is(r, whole, HealthStatus::Healthy)
+    })
+    .await;
+    assert_eq!(unhealthy(&r), vec![plugged, vgpu], "{r:#?}");
+}

@@ -6,6 +6,7 @@ use anyhow::{Context, Result, bail};
 use cluster_tier::{Cluster, NAMESPACE, RELEASE};
 use serde_json::Value;
 
+mod dra;
 mod on_demand;
 mod operator;
 mod passthrough;
@@ -35,6 +36,10 @@ pub const ALL: &[Scenario] = &[
     Scenario {
         name: "on-demand",
         run: on_demand::run,
+    },
+    Scenario {
+        name: "dra-passthrough",
+        run: dra::passthrough,
     },
     Scenario {
         name: "gpu-operator-daemonsets",
@@ -67,6 +72,15 @@ pub fn reset(c: &Cluster) -> Result<()> {
         "--ignore-not-found",
         "--wait=false",
     ]);
+    // The test pods go first, while the chart's drivers still run to unprepare their claims
+    // (kubelet keeps a pod whose claims no driver can unprepare).
+    c.wait("the test pods gone", Duration::from_secs(120), || {
+        let pods = c.get_json(&["pods", "-n", TEST_NS])?;
+        Ok(pods["items"]
+            .as_array()
+            .is_none_or(Vec::is_empty)
+            .then_some(()))
+    })?;
     let _ = c.helm(&[
         "uninstall",
         RELEASE,

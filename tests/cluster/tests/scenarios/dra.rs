@@ -1,0 +1,379 @@
+//! The DRA driver (`draDriver.enabled`, nodes labelled `vm-dra`) through the real scheduler and
+//! kubelet: GPUs published as a ResourceSlice, claimed by pods (a stand-in for virt-launcher)
+//! that see their `/dev/vfio` nodes and the metadata file KubeVirt reads, a `firstAvailable`
+//! claim, device health in the pod's status, and faults: sandbox-dra killed (-9), and away while
+//! a pod is deleted.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use cluster_tier::{Cluster, NAMESPACE};
+use serde_json::Value;
+
+use super::{
+    TEST_NS, WORKLOAD, kill_daemon, pod_yaml, test_namespace, wait_daemonset_ready, wait_log,
+    wait_phase,
+};
+
+const DRIVER: &str = "gpu.gpu-vm-node.io";
+const GPU_CLASS: &str = "vfio-gpu.gpu-vm-node.io";
+const METADATA_DIR: &str = "/var/run/kubernetes.io/dra-device-attributes";
+
+/// What the pods run: the container's `/dev/vfio` and every metadata file, then they stay.
+fn show_devices() -> String {
+    format!(
+        "ls /dev/vfio; echo ---; for f in $(busybox find {METADATA_DIR} -name '*.json'); do \
+         echo \"$f\"; busybox cat \"$f\"; echo; done; echo done; sleep 3600"
+    )
+}
+
+/// A pod claiming one claim made from `template`, its container using the claim's request
+/// `gpu`.
+fn claim_pod(c: &Cluster, name: &str, template: &str) -> String {
+    let mut y = pod_yaml(c, name, &show_devices(), "claims:\n- name: gpu", "");
+    y.push_str(&format!(
+        "  resourceClaims:\n  - name: gpu\n    resourceClaimTemplateName: {template}\n"
+    ));
+    y
+}
+
+/// A ResourceClaimTemplate in the test namespace with `requests` (YAML under `requests:`,
+/// indented for it) and optional `constraints`.
+fn template(name: &str, requests: &str, constraints: &str) -> String {
+    let indent = |s: &str| {
+        s.lines()
+            .map(|l| format!("        {l}\n"))
+            .collect::<String>()
+    };
+    let mut y = format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata:\n  name: {name}\n  \
+         namespace: {TEST_NS}\nspec:\n  spec:\n    devices:\n      requests:\n{}",
+        indent(requests)
+    );
+    if !constraints.is_empty() {
+        y.push_str(&format!("      constraints:\n{}", indent(constraints)));
+    }
+    y
+}
+
+/// The driver's ResourceSlices on the node.
+fn slices(c: &Cluster) -> Result<Vec<Value>> {
+    let all = c.get_json(&[
+        "resourceslices",
+        "--field-selector",
+        &format!("spec.driver={DRIVER}"),
+    ])?;
+    Ok(all["items"].as_array().cloned().unwrap_or_default())
+}
+
+/// The published devices: name → attributes. Fails while the pool is incomplete (fewer slices
+/// than its `resourceSliceCount`, or slices of two generations).
+fn devices(c: &Cluster) -> Result<Option<Vec<(String, Value)>>> {
+    let slices = slices(c)?;
+    let Some(first) = slices.first() else {
+        return Ok(None);
+    };
+    let generation = &first["spec"]["pool"]["generation"];
+    let count = first["spec"]["pool"]["resourceSliceCount"]
+        .as_u64()
+        .unwrap_or(0);
+    if slices.len() as u64 != count
+        || slices
+            .iter()
+            .any(|s| &s["spec"]["pool"]["generation"] != generation)
+    {
+        return Ok(None);
+    }
+    let mut out = Vec::new();
+    for s in &slices {
+        for d in s["spec"]["devices"].as_array().into_iter().flatten() {
+            out.push((
+                d["name"].as_str().unwrap_or_default().to_string(),
+                d["attributes"].clone(),
+            ));
+        }
+    }
+    Ok(Some(out))
+}
+
+fn attr<'a>(attrs: &'a Value, name: &str) -> &'a Value {
+    let key = if name.contains('/') {
+        name.to_string()
+    } else {
+        format!("{DRIVER}/{name}")
+    };
+    // The API server returns attributes under their names as written; ours are unqualified.
+    match &attrs[name] {
+        Value::Null => &attrs[key.as_str()],
+        v => v,
+    }
+}
+
+/// Waits for a complete pool in which `pred` holds; its devices.
+fn wait_pool(
+    c: &Cluster,
+    what: &str,
+    timeout: Duration,
+    pred: impl Fn(&[(String, Value)]) -> bool,
+) -> Result<Vec<(String, Value)>> {
+    c.wait(what, timeout, || Ok(devices(c)?.filter(|d| pred(d))))
+}
+
+/// Passthrough devices (mode `passthrough`) and vGPU devices per parent GPU.
+fn count_modes(devs: &[(String, Value)]) -> (usize, std::collections::BTreeMap<String, usize>) {
+    let mut whole = 0;
+    let mut vgpus = std::collections::BTreeMap::new();
+    for (_, a) in devs {
+        match attr(a, "mode")["string"].as_str() {
+            Some("passthrough") => whole += 1,
+            Some(_) => {
+                let parent = attr(a, "parentGPU")["string"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string();
+                *vgpus.entry(parent).or_insert(0) += 1;
+            }
+            None => {}
+        }
+    }
+    (whole, vgpus)
+}
+
+fn driver_of(c: &Cluster, addr: &str) -> Result<String> {
+    c.with_sim(|s| {
+        std::fs::read_link(s.root().join(format!("sys/bus/pci/devices/{addr}/driver")))
+            .ok()
+            .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_default()
+    })
+}
+
+/// The pod's log once it printed everything: its `/dev/vfio` entries and its metadata files.
+fn pod_view(c: &Cluster, pod: &str) -> Result<(Vec<String>, String)> {
+    wait_phase(c, pod, &["Running"], Duration::from_secs(90))?;
+    let log = wait_log(c, pod, "\ndone", Duration::from_secs(30))?;
+    let (vfio, metadata) = log.split_once("---").unwrap_or((&log, ""));
+    Ok((
+        vfio.split_whitespace().map(str::to_string).collect(),
+        metadata.to_string(),
+    ))
+}
+
+/// No `FailedPrepareDynamicResources` Event for `pod`: its claim was prepared at the first call.
+fn prepared_first_time(c: &Cluster, pod: &str) -> Result<()> {
+    let failed: Vec<Value> = c
+        .events(Some(TEST_NS))?
+        .into_iter()
+        .filter(|e| {
+            (e["regarding"]["name"] == pod || e["involvedObject"]["name"] == pod)
+                && e["reason"].as_str().is_some_and(|r| r.contains("Prepare"))
+        })
+        .collect();
+    ensure!(
+        failed.is_empty(),
+        "pod {pod}'s claim failed a prepare before it started: {failed:?}"
+    );
+    Ok(())
+}
+
+fn install(c: &Cluster, topology: &str, vgpu: bool) -> Result<()> {
+    c.mount_sim(topology)?;
+    c.label_node(WORKLOAD, Some("vm-dra"))?;
+    let mut set = vec!["draDriver.enabled=true", "draDriver.metricsPort=19484"];
+    if vgpu {
+        set.push("draDriver.vgpu=all");
+    }
+    c.helm_install(&set, &["--wait", "--timeout", "3m"])?;
+    wait_daemonset_ready(c, "sandbox-dra", Duration::from_secs(120))?;
+    test_namespace(c)
+}
+
+/// Whole GPUs: a claim by product name and one with `firstAvailable`, each pod seeing its
+/// group's node and the metadata KubeVirt reads; sandbox-dra killed and away while a pod is
+/// deleted.
+pub fn passthrough(c: &Cluster) -> Result<()> {
+    install(c, "2xA10", false)?;
+    let svc = c.get_json(&["service", "-n", NAMESPACE, "sandbox-dra-metrics"])?;
+    ensure!(
+        svc["spec"]["ports"][0]["port"] == 19484,
+        "draDriver.metricsPort: the Service's port is {}",
+        svc["spec"]["ports"][0]["port"]
+    );
+    let devs = wait_pool(c, "the two A10s published", Duration::from_secs(60), |d| {
+        count_modes(d).0 == 2
+    })?;
+    ensure!(
+        devs.iter()
+            .all(|(_, a)| attr(a, "resource.kubernetes.io/pciBusID")["string"].is_string()),
+        "a GPU without resource.kubernetes.io/pciBusID: {devs:?}"
+    );
+
+    let example =
+        cluster_tier::assets::repo().join("deploy/examples/dra/resourceclaimtemplate.yaml");
+    let example = example.to_string_lossy().into_owned();
+    c.kubectl(&["apply", "-n", TEST_NS, "-f", &example])?;
+    c.apply(&template(
+        "first-available",
+        &format!(
+            "- name: gpu\n  firstAvailable:\n  - name: h100\n    deviceClassName: {GPU_CLASS}\n    \
+             selectors:\n    - cel:\n        expression: device.attributes[\"{DRIVER}\"].productName == \"GH100 [H100 SXM5 80GB]\"\n  \
+             - name: any\n    deviceClassName: {GPU_CLASS}"
+        ),
+        "",
+    ))?;
+
+    c.apply(&claim_pod(c, "vm-a", "a10-passthrough"))?;
+    let (vfio_a, meta_a) = pod_view(c, "vm-a")?;
+    let addr_a = which_gpu(&vfio_a, &meta_a)?;
+    ensure!(
+        meta_a.contains(&format!(
+            "{METADATA_DIR}/resourceclaimtemplates/gpu/gpu/{DRIVER}-metadata.json"
+        )),
+        "vm-a's metadata file is not where KubeVirt reads it:\n{meta_a}"
+    );
+    ensure!(
+        driver_of(c, addr_a)? == "vfio-pci",
+        "{addr_a} is on {} while vm-a holds it",
+        driver_of(c, addr_a)?
+    );
+    prepared_first_time(c, "vm-a")?;
+
+    // firstAvailable: the H100 subrequest matches nothing here, `any` takes the other A10, and
+    // the container still gets its devices (kubelet matches the request `gpu`, not `gpu/any`).
+    c.apply(&claim_pod(c, "vm-b", "first-available"))?;
+    let (vfio_b, meta_b) = pod_view(c, "vm-b")?;
+    let addr_b = which_gpu(&vfio_b, &meta_b)?;
+    ensure!(addr_b != addr_a, "vm-a and vm-b both hold {addr_a}");
+    ensure!(
+        meta_b.contains("gpu/any"),
+        "vm-b's metadata does not name the subrequest gpu/any:\n{meta_b}"
+    );
+
+    // sandbox-dra killed (-9) while both VMs run: nothing is taken from them.
+    kill_daemon(c, "sandbox-dra")?;
+    for (pod, addr) in [("vm-a", addr_a), ("vm-b", addr_b)] {
+        ensure!(
+            driver_of(c, addr)? == "vfio-pci",
+            "{addr} left vfio-pci after sandbox-dra was killed"
+        );
+        let p = wait_phase(c, pod, &["Running"], Duration::from_secs(5))?;
+        ensure!(
+            p["status"]["containerStatuses"][0]["restartCount"] == 0,
+            "{pod} restarted"
+        );
+    }
+
+    // sandbox-dra away while vm-a is deleted: the GPU stays on VFIO until it is back, then
+    // returns to nvidia.
+    c.label_node(WORKLOAD, Some("none"))?;
+    c.wait("sandbox-dra gone", Duration::from_secs(60), || {
+        let pods = c.get_json(&["pods", "-n", NAMESPACE])?;
+        Ok(pods["items"]
+            .as_array()
+            .is_none_or(Vec::is_empty)
+            .then_some(()))
+    })?;
+    c.kubectl(&["delete", "pod", "-n", TEST_NS, "vm-a", "--wait=false"])?;
+    c.wait("vm-a's container stopped", Duration::from_secs(60), || {
+        let p = c.get_json(&["pod", "-n", TEST_NS, "vm-a", "--ignore-not-found"]);
+        let stopped = match p {
+            Ok(p) => {
+                p.is_null()
+                    || p["status"]["containerStatuses"][0]["state"]["terminated"].is_object()
+            }
+            Err(_) => true,
+        };
+        Ok(stopped.then_some(()))
+    })?;
+    ensure!(
+        driver_of(c, addr_a)? == "vfio-pci",
+        "{addr_a} left vfio-pci while no driver could unprepare it"
+    );
+    c.label_node(WORKLOAD, Some("vm-dra"))?;
+    // Back, it unprepares the claim: the pod and its claim go. The GPU stays on VFIO, ready for
+    // the next VM (sandbox-dra's default `--unprepare keep`).
+    c.wait(
+        "vm-a and its claim gone once sandbox-dra is back",
+        Duration::from_secs(120),
+        || {
+            let pod = c.kubectl(&[
+                "get",
+                "pod",
+                "-n",
+                TEST_NS,
+                "vm-a",
+                "--ignore-not-found",
+                "-o",
+                "name",
+            ])?;
+            let claims = c.get_json(&["resourceclaims", "-n", TEST_NS])?;
+            let left = claims["items"].as_array().into_iter().flatten().any(|cl| {
+                cl["metadata"]["name"]
+                    .as_str()
+                    .is_some_and(|n| n.starts_with("vm-a-"))
+            });
+            Ok((pod.trim().is_empty() && !left).then_some(()))
+        },
+    )?;
+    ensure!(
+        driver_of(c, addr_a)? == "vfio-pci",
+        "{addr_a} left vfio-pci after its claim was unprepared (policy keep)"
+    );
+    // The freed GPU serves the next claim.
+    c.apply(&claim_pod(c, "vm-c", "a10-passthrough"))?;
+    let (vfio_c, meta_c) = pod_view(c, "vm-c")?;
+    ensure!(
+        which_gpu(&vfio_c, &meta_c)? == addr_a,
+        "vm-c did not get the freed GPU {addr_a}"
+    );
+
+    // Device health, as kubelet shows it in the pod's status: Healthy, then Unhealthy once the
+    // GPU is taken off vfio-pci under the VM.
+    wait_health(c, "vm-c", "Healthy")?;
+    c.with_sim(|s| std::fs::write(s.root().join("sys/bus/pci/drivers/vfio-pci/unbind"), addr_a))?
+        .with_context(|| format!("unbinding {addr_a} from vfio-pci"))?;
+    wait_health(c, "vm-c", "Unhealthy")?;
+    Ok(())
+}
+
+/// Waits until kubelet shows every device of `pod`'s claim with `health`
+/// (`status.containerStatuses[].allocatedResourcesStatus`).
+fn wait_health(c: &Cluster, pod: &str, health: &str) -> Result<()> {
+    c.wait(
+        &format!("{pod}'s device {health} in its status"),
+        Duration::from_secs(60),
+        || {
+            let p = c.get_json(&["pod", "-n", TEST_NS, pod])?;
+            let healths: Vec<String> = p["status"]["containerStatuses"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|s| {
+                    s["allocatedResourcesStatus"]
+                        .as_array()
+                        .cloned()
+                        .unwrap_or_default()
+                })
+                .flat_map(|r| r["resources"].as_array().cloned().unwrap_or_default())
+                .map(|r| r["health"].as_str().unwrap_or_default().to_string())
+                .collect();
+            Ok((!healths.is_empty() && healths.iter().all(|h| h == health)).then_some(()))
+        },
+    )
+}
+
+/// Which A10 a pod holds, from its `/dev/vfio` and its metadata's `pciBusID`, which must agree.
+fn which_gpu(vfio: &[String], metadata: &str) -> Result<&'static str> {
+    let (addr, group) = if metadata.contains("\"0000:41:00.0\"") {
+        ("0000:41:00.0", "21")
+    } else if metadata.contains("\"0000:61:00.0\"") {
+        ("0000:61:00.0", "37")
+    } else {
+        bail!("the metadata names neither A10's pciBusID:\n{metadata}");
+    };
+    ensure!(
+        vfio.iter().any(|n| n == group) && vfio.iter().any(|n| n == "vfio"),
+        "/dev/vfio in the container holds {vfio:?}, not {group} and vfio ({addr})"
+    );
+    Ok(addr)
+}

@@ -22,6 +22,7 @@ pub mod prepare;
 pub mod publish;
 pub mod record;
 pub mod registration;
+pub mod runtime;
 pub mod slices;
 pub mod telemetry;
 pub mod vgpu;
@@ -191,7 +192,10 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     let preparer = Arc::new(Preparer::new(prepare_config, paths.clone(), client.clone()));
     // Before kubelet can call: what a crash left half done is brought in line first.
     preparer.reconcile().await;
-    let plugin = Plugin::new(preparer, telemetry.clone());
+    // The node's container runtime, as the publisher reads it from the Node: prepare refuses
+    // claims a runtime without CDI could not hand to the pod.
+    let runtime = Arc::new(runtime::RuntimeCheck::default());
+    let plugin = Plugin::new(preparer, telemetry.clone(), runtime.clone());
     let plugin_path = dirs.plugin_socket();
     let plugin_listener = bind_socket(&plugin_path)?;
     let (health_reporter, health_service) = health::channel(
@@ -219,6 +223,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
             pci_ids: config.pci_ids.clone(),
             resync_interval: config.resync_interval,
             telemetry,
+            runtime,
             vgpu_pool,
             mdev_parents,
         },

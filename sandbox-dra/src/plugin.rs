@@ -12,6 +12,7 @@ use kubelet_api::dra::{v1, v1beta1};
 use tonic::{Request, Response, Status};
 
 use crate::prepare::{ClaimRef, PreparedDevice, Preparer};
+use crate::runtime::RuntimeCheck;
 use crate::telemetry::Telemetry;
 
 /// The `DRAPlugin` service, both versions.
@@ -19,14 +20,21 @@ use crate::telemetry::Telemetry;
 pub struct Plugin {
     preparer: Arc<Preparer>,
     telemetry: Arc<Telemetry>,
+    runtime: Arc<RuntimeCheck>,
 }
 
 impl Plugin {
-    /// The service answering with `preparer`, counting in `telemetry`.
-    pub fn new(preparer: Arc<Preparer>, telemetry: Arc<Telemetry>) -> Self {
+    /// The service answering with `preparer`, counting in `telemetry`, refusing every claim
+    /// while `runtime` says the node's container runtime ignores CDI.
+    pub fn new(
+        preparer: Arc<Preparer>,
+        telemetry: Arc<Telemetry>,
+        runtime: Arc<RuntimeCheck>,
+    ) -> Self {
         Plugin {
             preparer,
             telemetry,
+            runtime,
         }
     }
 
@@ -36,6 +44,12 @@ impl Plugin {
     ) -> HashMap<String, Result<Vec<PreparedDevice>, String>> {
         let mut out = HashMap::new();
         for claim in claims {
+            if let Some(why) = self.runtime.refusal() {
+                tracing::warn!(claim = %claim, error = %why, "claim not prepared");
+                self.telemetry.prepared(&claim, Err(&why));
+                out.insert(claim.uid.clone(), Err(why));
+                continue;
+            }
             let result = self.preparer.prepare(&claim).await.map_err(|e| {
                 let msg = common::error_chain(&e);
                 tracing::warn!(claim = %claim, error = %msg, "claim not prepared");

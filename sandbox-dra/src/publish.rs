@@ -79,6 +79,9 @@ pub struct PublishConfig {
     pub resync_interval: Duration,
     /// Where passes are counted, and readiness told.
     pub telemetry: std::sync::Arc<crate::telemetry::Telemetry>,
+    /// Where the node's container runtime is recorded, for prepare to refuse what it could not
+    /// hand to a pod.
+    pub runtime: std::sync::Arc<crate::runtime::RuntimeCheck>,
     /// The GPUs published with vGPU devices (`--vgpu`).
     pub vgpu_pool: BTreeSet<PciAddress>,
     /// The mdev parents that are not PCI functions published with their types (`--vgpu mtty`).
@@ -137,6 +140,8 @@ pub async fn read_devices(
 struct Publisher {
     slices: Api<ResourceSlice>,
     nodes: Api<Node>,
+    runtime: std::sync::Arc<crate::runtime::RuntimeCheck>,
+    telemetry: std::sync::Arc<crate::telemetry::Telemetry>,
     pool: Pool,
     /// The pool generation last applied or adopted.
     generation: i64,
@@ -179,6 +184,17 @@ impl Publisher {
             .await
             .with_context(|| format!("cannot read Node {}", self.pool.node_name))?;
         self.pool.node_uid = node.metadata.uid;
+        let runtime = node
+            .status
+            .as_ref()
+            .and_then(|s| s.node_info.as_ref())
+            .map(|i| i.container_runtime_version.as_str())
+            .unwrap_or_default();
+        if !runtime.is_empty()
+            && let Some(cdi) = self.runtime.observe(runtime)
+        {
+            self.telemetry.runtime(&cdi);
+        }
         let fields = format!(
             "spec.nodeName={},spec.driver={}",
             self.pool.node_name, self.pool.driver
@@ -273,6 +289,8 @@ pub async fn run(
     let mut p = Publisher {
         slices: Api::all(client.clone()),
         nodes: Api::all(client),
+        runtime: cfg.runtime.clone(),
+        telemetry: cfg.telemetry.clone(),
         pool: Pool {
             driver: cfg.driver.clone(),
             node_name: cfg.node_name.clone(),

@@ -100,6 +100,24 @@ impl Telemetry {
         }
     }
 
+    /// What the node's container runtime (newly read) means for CDI, told once per change.
+    pub fn runtime(&self, cdi: &crate::runtime::Cdi) {
+        use crate::runtime::Cdi;
+        match cdi {
+            Cdi::Read => tracing::info!("the node's container runtime reads CDI"),
+            Cdi::Maybe(why) => {
+                tracing::warn!("{why}");
+                self.events
+                    .warning("ContainerRuntimeCDI", "Check", why.clone());
+            }
+            Cdi::Ignored(why) => {
+                tracing::error!("{why}; every claim is refused until it changes");
+                self.events
+                    .warning("ContainerRuntimeCDI", "Check", why.clone());
+            }
+        }
+    }
+
     /// The publisher's loop is alive.
     pub fn beat(&self) {
         self.ops.beat();

@@ -1,0 +1,242 @@
+//! A node whose container runtime ignores CDI (containerd 1.6, Debian 12's) would start a VM's pod
+//! without its `/dev/vfio` nodes and metadata: sandbox-dra reads the runtime from its Node and
+//! refuses the claim instead, naming the runtime, with a Warning Event on the Node; once the
+//! Node reports a runtime that reads CDI, the same claim is prepared.
+//!
+//! Against a real kube-apiserver (the cluster tier's assets): the Node, its status and the
+//! claim's allocation are written as kubelet and the scheduler write them. The driver runs on a
+//! node-sim 2xA10 and is called the way kubelet calls it.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on setup failures
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use cluster_tier::{Assets, ControlPlane, ControlPlaneOpts};
+use serde_json::{Value, json};
+use testkit::kubelet::dra::{self, Claim, Version};
+use testkit::sim::try_mount;
+
+const BIN: &str = env!("CARGO_BIN_EXE_sandbox-dra");
+const DRIVER: &str = "gpu.gpu-vm-node.io";
+const NODE: &str = "node-a";
+const NS: &str = "default";
+
+struct Driver(Child);
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn kubectl_apply(cp: &ControlPlane, dir: &Path, name: &str, obj: &Value) {
+    let f = dir.join(format!("{name}.json"));
+    std::fs::write(&f, obj.to_string()).unwrap();
+    cp.kubectl(&["apply", "-f", f.to_str().unwrap()]).unwrap();
+}
+
+fn set_runtime(cp: &ControlPlane, version: &str) {
+    let status = json!({"status": {"nodeInfo": {
+        "machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": "6.1.0",
+        "osImage": "Debian GNU/Linux 12", "containerRuntimeVersion": version,
+        "kubeletVersion": "v1.36.2", "kubeProxyVersion": "", "operatingSystem": "linux",
+        "architecture": "amd64"
+    }}});
+    cp.kubectl(&[
+        "patch",
+        "node",
+        NODE,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        &status.to_string(),
+    ])
+    .unwrap();
+}
+
+fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "waited 60 s for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_runtime_without_cdi_refuses_claims_and_says_so() {
+    if let Some(why) = cluster_tier::assets::unavailable() {
+        cluster_tier::assets::skip("sandbox-dra against a real API server", &why);
+        return;
+    }
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let dir = tempfile::tempdir().unwrap();
+    let cp = ControlPlane::start(
+        dir.path(),
+        &Assets::load().unwrap(),
+        ControlPlaneOpts::default(),
+    )
+    .unwrap();
+    kubectl_apply(
+        &cp,
+        dir.path(),
+        "node",
+        &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}}),
+    );
+    set_runtime(&cp, "containerd://1.6.20");
+    kubectl_apply(
+        &cp,
+        dir.path(),
+        "claim",
+        &json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"namespace": NS, "name": "vm1-gpu"},
+            "spec": {"devices": {"requests": [
+                {"name": "gpu", "exactly": {"deviceClassName": "vfio-gpu.gpu-vm-node.io"}}
+            ]}},
+        }),
+    );
+    let allocation = json!({"status": {"allocation": {"devices": {"results": [
+        {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-0000-41-00-0"}
+    ]}}}});
+    cp.kubectl(&[
+        "patch",
+        "resourceclaim",
+        "-n",
+        NS,
+        "vm1-gpu",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        &allocation.to_string(),
+    ])
+    .unwrap();
+    let uid = cp
+        .kubectl(&[
+            "get",
+            "resourceclaim",
+            "-n",
+            NS,
+            "vm1-gpu",
+            "-o",
+            "jsonpath={.metadata.uid}",
+        ])
+        .unwrap();
+
+    let log = dir.path().join("sandbox-dra.log");
+    let _d = Driver(
+        Command::new(BIN)
+            .arg("--host-root")
+            .arg(root)
+            .args([
+                "--node-name",
+                NODE,
+                "--resync-interval",
+                "1s",
+                "--kubeconfig",
+            ])
+            .arg(cp.admin_kubeconfig())
+            .arg("serve")
+            .env("RUST_LOG", "info")
+            .env_remove("HOST_ROOT")
+            .env_remove("KUBELET_DIR")
+            .env_remove("KUBECONFIG")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let kubelet_root = Path::new("/var/lib/kubelet");
+    let reg = wait_for("the registration socket", || {
+        dra::registration_sockets(root, kubelet_root)
+            .into_iter()
+            .next()
+    });
+    let drv = dra::register(root, &reg, None).await.unwrap();
+    // The Node's runtime is read with the first pass, which also publishes the slice.
+    wait_for("the slice published", || {
+        let out = cp
+            .kubectl(&["get", "resourceslices", "-o", "name"])
+            .unwrap();
+        (!out.trim().is_empty()).then_some(())
+    });
+
+    let claim = Claim {
+        namespace: NS.into(),
+        name: "vm1-gpu".into(),
+        uid: uid.clone(),
+    };
+    let out = drv
+        .prepare(Version::V1, std::slice::from_ref(&claim))
+        .await
+        .unwrap();
+    let err = out[0]
+        .1
+        .as_ref()
+        .expect_err("a claim prepared for a runtime without CDI");
+    assert!(
+        err.contains("containerd://1.6.20 ignores CDI") && err.contains("containerd 2.0"),
+        "{err}"
+    );
+    let driver_link = root.join("sys/bus/pci/devices/0000:41:00.0/driver");
+    assert!(
+        std::fs::read_link(&driver_link)
+            .unwrap()
+            .ends_with("nvidia"),
+        "the GPU was moved for a claim that was refused"
+    );
+    let events = wait_for("the Warning Event on the Node", || {
+        let out = cp
+            .kubectl(&[
+                "get",
+                "events",
+                "-A",
+                "--field-selector",
+                "reason=ContainerRuntimeCDI",
+                "-o",
+                "json",
+            ])
+            .unwrap();
+        let v: Value = serde_json::from_str(&out).unwrap();
+        let items = v["items"].as_array().cloned().unwrap_or_default();
+        (!items.is_empty()).then_some(items)
+    });
+    assert_eq!(events[0]["type"], "Warning", "{events:?}");
+    assert!(
+        events[0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("containerd://1.6.20")),
+        "{events:?}"
+    );
+
+    // The node's runtime upgraded: the same claim is prepared.
+    set_runtime(&cp, "containerd://2.0.5");
+    let devices = wait_for("the claim prepared once the runtime reads CDI", || {
+        std::thread::sleep(Duration::from_millis(500));
+        let rt = tokio::runtime::Handle::current();
+        let out = tokio::task::block_in_place(|| {
+            rt.block_on(drv.prepare(Version::V1, std::slice::from_ref(&claim)))
+        })
+        .unwrap();
+        out[0].1.clone().ok()
+    });
+    assert_eq!(devices.len(), 1, "{devices:?}");
+    assert!(
+        std::fs::read_link(&driver_link)
+            .unwrap()
+            .ends_with("vfio-pci")
+    );
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(log.contains("ignores CDI"), "{log}");
+}

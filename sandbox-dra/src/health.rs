@@ -127,8 +127,14 @@ pub fn prepared_fault(inv: &Inventory, d: &ClaimDevice) -> Option<String> {
         }
     }
     if !inv.vfio_nodes.contains(&d.group) {
+        let of = match (&d.mdev, &d.vgpu, d.address) {
+            (Some(m), _, _) => format!("mdev {}", m.uuid),
+            (_, Some(v), _) => format!("the {} vGPU {} of {}", v.type_name, v.handle, v.gpu),
+            (_, _, Some(a)) => a.to_string(),
+            (None, None, None) => d.device.clone(),
+        };
         return Some(format!(
-            "{} is gone",
+            "{} (the IOMMU group of {of}) is gone",
             common::paths::host_vfio_group_path(d.group)
         ));
     }

@@ -234,11 +234,9 @@ async fn kubelet_hears_exactly_the_device_that_can_no_longer_serve_its_vm() {
     })
     .await;
     assert_eq!(unhealthy(&r), vec![whole], "{r:#?}");
+    // The driver link and the group node go one after the other: either names the GPU.
     let why = &r[whole].1;
-    assert!(
-        why.contains("0000:41:00.0") && why.contains("VFIO"),
-        "{why}"
-    );
+    assert!(why.contains("0000:41:00.0"), "{why}");
     assert!(is(&r, vgpu, HealthStatus::Healthy), "{r:#?}");
 
     // The prepared vGPU's mdev removed: that vGPU device too, its siblings stay healthy.

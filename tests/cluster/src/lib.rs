@@ -15,6 +15,7 @@
 //! numbers of node-sim's groups, created as copies of `/dev/null` where nothing is, removed
 //! afterwards.
 
+pub mod api_server;
 pub mod assets;
 pub mod control_plane;
 pub mod node;
@@ -31,6 +32,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
+pub use api_server::ApiServer;
 pub use assets::Assets;
 pub use control_plane::{ControlPlane, ControlPlaneOpts};
 pub use node::Node;

@@ -3,7 +3,7 @@
 //! environment, run as the container would run them, against a simulated node (node-sim).
 //!
 //! "As the container would": the image's `/usr/local/bin` is a directory laid out as the
-//! Containerfile lays it out (our three binaries, `vfio-manage` naming vfio-manager, the
+//! image lays it out (tools/build-image.sh: our three binaries, `vfio-manage` naming vfio-manager, the
 //! default command `image/operand`), a container without `command` runs the Containerfile's
 //! `CMD`, and the environment is only the image's (`HOST_ROOT=/host`) and the DaemonSet's. A
 //! volume mount cannot be made without a mount namespace, so a container path a DaemonSet
@@ -64,12 +64,14 @@ impl Image {
         std::os::unix::fs::symlink("vfio-manager", bin.path().join("vfio-manage")).unwrap();
         std::os::unix::fs::symlink(repo().join("image/operand"), bin.path().join("operand"))
             .unwrap();
-        let containerfile = std::fs::read_to_string(repo().join("Containerfile")).unwrap();
+        // The image's files are what tools/build-image.sh lays out (the Containerfile runs it).
+        let layout = std::fs::read_to_string(repo().join("tools/build-image.sh")).unwrap();
         assert!(
-            containerfile.contains("ln -s vfio-manager /out/usr/local/bin/vfio-manage")
-                && containerfile.contains("image/operand /out/usr/local/bin/operand"),
-            "the Containerfile no longer installs vfio-manage and operand as this test assumes"
+            layout.contains(r#"ln -s vfio-manager "$root/usr/local/bin/vfio-manage""#)
+                && layout.contains("put image/operand /usr/local/bin/operand"),
+            "tools/build-image.sh no longer installs vfio-manage and operand as this test assumes"
         );
+        let containerfile = std::fs::read_to_string(repo().join("Containerfile")).unwrap();
         let cmd = containerfile
             .lines()
             .find_map(|l| l.strip_prefix("CMD "))

@@ -1,4 +1,6 @@
-//! `vgpu-device-manager daemon` as a process against node-sim and a fake API server.
+//! `vgpu-device-manager daemon` as a process against node-sim and an API server: the fake
+//! (`testkit::apiserver`) where a test follows labels and needs a conflict on cue, a real one
+//! (etcd and kube-apiserver) for the GPU Operator's RBAC.
 
 #![allow(clippy::unwrap_used)]
 
@@ -277,7 +279,102 @@ fn the_operators_environment_alone_selects_node_file_and_default_profile() {
 }
 
 /// The GPU Operator's ClusterRole grants `update` on nodes, not `patch`: the state label is
-/// still written, by a read and a replace.
+/// still written, by a read and a replace, on a real API server under the operator's own RBAC.
+#[test]
+fn state_is_written_by_update_under_the_operators_rbac() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let Some(api) =
+        cluster_tier::ApiServer::start_or_skip("vgpu-device-manager under the operator's RBAC")
+            .unwrap()
+    else {
+        return;
+    };
+    let node = "node-rbac";
+    api.create_node(node, &[(CONFIG_LABEL, "A10-4Q"), ("keep", "me")])
+        .unwrap();
+    api.apply_gpu_operator_rbac().unwrap();
+    let sa = "system:serviceaccount:gpu-operator:nvidia-vgpu-device-manager";
+    let kc = api
+        .service_account_kubeconfig("gpu-operator", "nvidia-vgpu-device-manager")
+        .unwrap();
+    let history = api.watch_label(node, STATE).unwrap();
+    let cfg = config_file(CONFIG);
+    let f = cfg.path.to_str().unwrap();
+    let d = daemon(
+        root,
+        &[
+            "--node-name",
+            node,
+            "--kubeconfig",
+            kc.to_str().unwrap(),
+            "-f",
+            f,
+        ],
+    );
+    assert!(
+        api.wait_for_label(node, STATE, WAIT, |v| v == Some("success")),
+        "{:?}",
+        api.label(node, STATE)
+    );
+    assert_eq!(
+        history.history(),
+        vec![None, Some("pending".into()), Some("success".into())]
+    );
+    assert_eq!(
+        api.label(node, "keep").as_deref(),
+        Some("me"),
+        "other labels kept"
+    );
+    assert_eq!(counts(root), each("NVIDIA A10-4Q", 6));
+
+    // A failure's reason is an annotation: written and then removed the same way.
+    api.set_label(node, CONFIG_LABEL, Some("no-such-profile"))
+        .unwrap();
+    assert!(api.wait_for_label(node, STATE, WAIT, |v| v == Some("failed")));
+    let reason = api.annotation(node, REASON).unwrap_or_default();
+    assert!(reason.contains("no-such-profile"), "{reason}");
+    api.set_label(node, CONFIG_LABEL, Some("A10-4Q")).unwrap();
+    assert!(api.wait_for_label(node, STATE, WAIT, |v| v == Some("success")));
+    assert_eq!(api.annotation(node, REASON), None);
+
+    // What the API server answered the daemon: one patch, refused; then replaces, accepted.
+    let writes: Vec<_> = api
+        .audited("nodes")
+        .into_iter()
+        .filter(|e| e["user"]["username"] == sa && e["verb"] != "get" && e["verb"] != "list")
+        .filter(|e| e["verb"] != "watch")
+        .map(|e| {
+            (
+                e["verb"].as_str().unwrap().to_string(),
+                e["responseStatus"]["code"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        writes.first(),
+        Some(&("patch".to_string(), 403)),
+        "{writes:?}"
+    );
+    // (A replace that lost to `kubectl label` is a conflict, read again and retried.)
+    assert!(
+        writes[1..]
+            .iter()
+            .all(|(verb, code)| verb == "update" && (*code == 200 || *code == 409)),
+        "{writes:?}"
+    );
+    assert!(
+        writes.iter().filter(|w| w.1 == 200).count() >= 4,
+        "pending, success, failed, success: {writes:?}"
+    );
+    assert_eq!(d.stop(), Some(0));
+}
+
+/// Another client's writes at exact moments between the daemon's read and its replace (which
+/// a real API server cannot be made to interleave on cue): each conflict is read again and
+/// retried, and the other client's labels survive.
 #[test]
 fn state_is_written_by_update_where_patch_is_forbidden() {
     let Some(sim) = testkit::sim::try_mount("2xA10") else {

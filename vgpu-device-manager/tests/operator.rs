@@ -8,7 +8,8 @@
 //! `CMD`, and the environment is only the image's (`HOST_ROOT=/host`) and the DaemonSet's. A
 //! volume mount cannot be made without a mount namespace, so a container path a DaemonSet
 //! mounts is rewritten to where the simulated host keeps it (`/host` is the node-sim root); the
-//! pod's service account is a kubeconfig for the fake API server, and the device-plugin mount
+//! pod's service account is a client certificate for that service account on a real API
+//! server (etcd and kube-apiserver) holding the GPU Operator's RBAC, and the device-plugin mount
 //! is named through `KUBELET_DIR`. The init containers run NVIDIA's validator and
 //! driver-manager images, not ours, and are not run.
 //!
@@ -25,7 +26,6 @@ use std::process::{Child, Command, Output};
 use std::time::{Duration, Instant};
 
 use support::*;
-use testkit::apiserver::FakeApiServer;
 use testkit::kubelet::FakeKubelet;
 use yaml_serde::Value;
 
@@ -294,7 +294,17 @@ fn the_operators_vgpu_device_manager_applies_its_default_profile_and_coexists_wi
     };
     let Some(image) = Image::new() else { return };
     let root = sim.root();
-    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let Some(api) =
+        cluster_tier::ApiServer::start_or_skip("the operator's vgpu-device-manager").unwrap()
+    else {
+        return;
+    };
+    api.create_node(NODE, &[]).unwrap();
+    // The pod's service account, with the operator's own roles: `update` on nodes, no `patch`.
+    api.apply_gpu_operator_rbac().unwrap();
+    let kubeconfig = api
+        .service_account_kubeconfig("gpu-operator", "nvidia-vgpu-device-manager")
+        .unwrap();
     // The ConfigMap default-vgpu-devices-config, mounted at /vgpu-config.
     let cm = config_file(CONFIG);
     let c = container(
@@ -308,13 +318,23 @@ fn the_operators_vgpu_device_manager_applies_its_default_profile_and_coexists_wi
         "runs the image's default command"
     );
 
-    let kubeconfig = api.kubeconfig().to_str().unwrap().to_string();
+    let kubeconfig = kubeconfig.to_str().unwrap().to_string();
     let mut run = c.start(&[("KUBECONFIG", &kubeconfig)]);
     assert!(
-        api.wait_for(STATE, WAIT, |v| v == Some("success")),
+        api.wait_for_label(NODE, STATE, WAIT, |v| v == Some("success")),
         "{:?}",
-        api.label(STATE)
+        api.label(NODE, STATE)
     );
+    // Written as the operator's service account, by a replace: the API server refused its patch.
+    let sa = "system:serviceaccount:gpu-operator:nvidia-vgpu-device-manager";
+    let by_sa: Vec<_> = api
+        .audited("nodes")
+        .into_iter()
+        .filter(|e| e["user"]["username"] == sa)
+        .map(|e| (e["verb"].clone(), e["responseStatus"]["code"].clone()))
+        .collect();
+    assert!(by_sa.contains(&("update".into(), 200.into())), "{by_sa:?}");
+    assert!(!by_sa.contains(&("patch".into(), 200.into())), "{by_sa:?}");
     let want: Vec<_> = GPUS
         .iter()
         .map(|g| ((g.to_string(), "NVIDIA A10-8Q".to_string()), 3))

@@ -3,7 +3,9 @@
 //! [`FakePodResources`], kubelet's PodResources service answering from a list the test sets;
 //! and [`checkpoint`], kubelet's device-manager checkpoint in the shape kubelet writes; and
 //! [`dra`], kubelet's side of a DRA driver (registration and `DRAPlugin` calls), dialled
-//! through [`h2raw`] with the `:authority` kubelet sends.
+//! through [`h2raw`] with the `:authority` kubelet sends; and [`apiserver`], a fake Kubernetes
+//! API server with one Node, ResourceSlices, ResourceClaims and Events (here rather than in
+//! testkit so that node-sim's demo can run the DRA driver too).
 //!
 //! ```no_run
 //! # async fn f() -> anyhow::Result<()> {
@@ -31,6 +33,7 @@ use tonic::service::Routes;
 use tonic::transport::{Channel, Server};
 use tonic::{Request, Response, Status, Streaming};
 
+pub mod apiserver;
 pub mod checkpoint;
 pub mod dra;
 pub mod h2raw;

@@ -5,9 +5,14 @@
 //!    then `sandbox-dp` registering with a test kubelet.
 //! 2. A vGPU node (`vm-vgpu`, `nvidia.com/vgpu.config=<profile>`): `vgpu-device-manager apply`,
 //!    then `sandbox-dp`.
+//! 3. A node with vGPUs on demand (`vm-vgpu-on-demand`): `sandbox-dp --on-demand all`; an
+//!    Allocate creates a vGPU, the pod's end removes it ([`dynamic::on_demand`]).
+//! 4. A DRA node (`vm-dra`): `sandbox-dra --vgpu all` with a test API server; a claim for a
+//!    whole GPU and one for a vGPU prepared as kubelet prepares them ([`dynamic::dra`]).
 //!
-//! For each: the node's Capacity/Allocatable as `kubectl describe node` shows them, what a VM's
-//! virt-launcher receives on Allocate, and the `permittedHostDevices` block for KubeVirt.
+//! For each: the node's Capacity/Allocatable as `kubectl describe node` shows them (or the
+//! ResourceSlices), what a VM's virt-launcher receives (the Allocate answer's env; a claim's
+//! CDI devices and device-metadata file), and the `permittedHostDevices` block for KubeVirt.
 //! Everything lives in temporary directories that are unmounted and removed at the end, also
 //! on Ctrl-C.
 
@@ -20,6 +25,8 @@ use anyhow::{Context, Result, anyhow, bail};
 use fake_kubelet::{FakeKubelet, PluginClient};
 
 use node_sim::{Sim, Topology};
+
+mod dynamic;
 
 /// What the demo needs from the command line.
 #[derive(Debug, Clone)]
@@ -36,6 +43,7 @@ struct Bins {
     vfio: PathBuf,
     vgpu: PathBuf,
     dp: PathBuf,
+    dra: PathBuf,
 }
 
 fn bins(dir: Option<&Path>) -> Result<Bins> {
@@ -51,8 +59,9 @@ fn bins(dir: Option<&Path>) -> Result<Bins> {
         vfio: dir.join("vfio-manager"),
         vgpu: dir.join("vgpu-device-manager"),
         dp: dir.join("sandbox-dp"),
+        dra: dir.join("sandbox-dra"),
     };
-    for p in [&b.vfio, &b.vgpu, &b.dp] {
+    for p in [&b.vfio, &b.vgpu, &b.dp, &b.dra] {
         if !p.is_file() {
             bail!(
                 "{} is missing: build the daemons first (cargo build --release --bins)",
@@ -301,6 +310,9 @@ async fn demo(args: DemoArgs) -> Result<()> {
     println!("# gpu-node-2\n{}", a2.permitted);
     drop(node1);
     drop(node2);
+
+    dynamic::on_demand(&b, &topo).await?;
+    dynamic::dra(&b, &topo).await?;
     println!(
         "Done in {:.1} s; the simulated nodes are unmounted and removed.",
         started.elapsed().as_secs_f64()

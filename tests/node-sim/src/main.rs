@@ -33,14 +33,16 @@ enum Cmd {
     Topologies,
     /// Print the vGPU type catalogue.
     Catalogue,
-    /// Two simulated nodes with the real daemons run against them: a passthrough node
-    /// (vfio-manager, then sandbox-dp) and a vGPU node (vgpu-device-manager, then sandbox-dp),
-    /// each with a test kubelet. Prints what `kubectl describe node` would show under
-    /// Capacity/Allocatable, what a VM's virt-launcher receives on Allocate, and KubeVirt's
-    /// permittedHostDevices block. Cleans up after itself, also on Ctrl-C. The daemons are
-    /// looked for beside this binary (build them with `cargo build --release --bins`).
+    /// Simulated nodes with the real daemons run against them: a passthrough node
+    /// (vfio-manager, then sandbox-dp), a vGPU node (vgpu-device-manager, then sandbox-dp), a
+    /// node with vGPUs made on demand (sandbox-dp --on-demand) and a DRA node (sandbox-dra),
+    /// each with a test kubelet (and API server). Prints what `kubectl describe node` would show
+    /// under Capacity/Allocatable, what a VM's virt-launcher receives (Allocate's env, a
+    /// claim's device metadata), and KubeVirt's permittedHostDevices block. Cleans up after
+    /// itself, also on Ctrl-C. The daemons are looked for beside this binary (build them with
+    /// `cargo build --release --bins`).
     Demo {
-        /// The topology of both nodes: a built-in name or a TOML file.
+        /// The topology of every node: a built-in name or a TOML file.
         #[arg(long, short, default_value = "2xA10")]
         topology: String,
         /// The vGPU profile of the second node [default: A10-4Q on A10 nodes, else `default`].

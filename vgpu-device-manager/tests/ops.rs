@@ -1,6 +1,6 @@
-//! The daemon's operational side against node-sim and a fake API server: `/metrics` read by a
+//! The daemon's operational side against node-sim and a real API server (etcd and kube-apiserver): `/metrics` read by a
 //! real Prometheus parser, `/readyz` before and after the first successful apply, systemd's
-//! `READY=1`, Events on the Node for a refusal and for the apply, and progress lines during a
+//! `READY=1`, Events on the Node for a refusal and for the apply (as `kubectl get events` shows them), and progress lines during a
 //! long apply.
 
 #![allow(clippy::unwrap_used)]
@@ -12,7 +12,6 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use support::*;
-use testkit::apiserver::FakeApiServer;
 use testkit::ops::{MetricsParser, NotifySocket, free_addr, http_get, value, wait_for_status};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -29,12 +28,17 @@ fn metrics_readiness_notify_and_events_follow_the_applies() {
     // A VM holds a vGPU of A10-4Q: switching to A10-8Q is refused until it goes.
     let group = apply_and_hold_a_vgpu(&sim, f, "A10-4Q", 778);
 
-    let api = FakeApiServer::start("node-m", &[("nvidia.com/vgpu.config", "A10-8Q")]).unwrap();
+    let Some(api) = cluster_tier::ApiServer::start_or_skip("vgpu-device-manager's Events").unwrap()
+    else {
+        return;
+    };
+    api.create_node("node-m", &[("nvidia.com/vgpu.config", "A10-8Q")])
+        .unwrap();
     let notify = NotifySocket::new().unwrap();
     let addr = free_addr();
     let mut child = Command::new(BIN)
         .args(["daemon", "--node-name", "node-m", "--kubeconfig"])
-        .arg(api.kubeconfig())
+        .arg(api.admin_kubeconfig())
         .args(["-f", f, "--retry-min", "200ms", "--retry-max", "1s"])
         .args(["--metrics-addr", &addr, "--host-root"])
         .arg(root)
@@ -45,12 +49,13 @@ fn metrics_readiness_notify_and_events_follow_the_applies() {
         .spawn()
         .unwrap();
 
-    let refused = api.wait_for_event("ProfileBlocked", WAIT);
+    // Node events go to "default", as kubelet's do.
+    let refused = api.wait_for_event("default", "ProfileBlocked", WAIT);
     let refused = refused.expect("no ProfileBlocked event");
     assert_eq!(refused["type"], "Warning");
-    assert_eq!(refused["regarding"]["kind"], "Node");
-    assert_eq!(refused["regarding"]["name"], "node-m");
-    let note = refused["note"].as_str().unwrap();
+    assert_eq!(refused["involvedObject"]["kind"], "Node");
+    assert_eq!(refused["involvedObject"]["name"], "node-m");
+    let note = refused["message"].as_str().unwrap();
     assert!(
         note.contains("A10-8Q") && note.contains("pid 778"),
         "{note}"
@@ -69,9 +74,11 @@ fn metrics_readiness_notify_and_events_follow_the_applies() {
         "{lines:?}"
     );
     assert!(wait_for_status(&addr, "/readyz", 200, WAIT));
-    let applied = api.wait_for_event("ProfileApplied", WAIT).unwrap();
+    let applied = api
+        .wait_for_event("default", "ProfileApplied", WAIT)
+        .unwrap();
     assert_eq!(applied["type"], "Normal");
-    let note = applied["note"].as_str().unwrap();
+    let note = applied["message"].as_str().unwrap();
     // The free GPU was switched by the refused pass already; this one switched the other.
     assert_eq!(
         note,

@@ -1,5 +1,6 @@
-//! `vfio-manager daemon`'s operational side against node-sim and a fake API server: Events on
-//! the Node for a refusal and for the binds, `/readyz` before and after every selected GPU is
+//! `vfio-manager daemon`'s operational side against node-sim and a real API server (etcd and
+//! kube-apiserver): Events on the Node for a refusal and for the binds, as `kubectl get events`
+//! shows them, `/readyz` before and after every selected GPU is
 //! bound, systemd's `READY=1`, and `/metrics` read by a real Prometheus parser.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -8,7 +9,6 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use testkit::apiserver::FakeApiServer;
 use testkit::ops::{MetricsParser, NotifySocket, free_addr, http_get, value, wait_for_status};
 
 const BIN: &str = env!("CARGO_BIN_EXE_vfio-manager");
@@ -29,7 +29,10 @@ fn a_refusal_then_the_binds_are_told_counted_and_make_it_ready() {
     // A CUDA job holds the first GPU's /dev/nvidia<N>: it is refused until the job ends.
     let held = testkit::sim::hold_nvidia_node(root, "0000:41:00.0");
 
-    let api = FakeApiServer::start("node-v", &[]).unwrap();
+    let Some(api) = cluster_tier::ApiServer::start_or_skip("vfio-manager's Events").unwrap() else {
+        return;
+    };
+    api.create_node("node-v", &[]).unwrap();
     let notify = NotifySocket::new().unwrap();
     let addr = free_addr();
     let mut child = Command::new(BIN)
@@ -37,7 +40,7 @@ fn a_refusal_then_the_binds_are_told_counted_and_make_it_ready() {
         .arg(root)
         .args(["daemon", "--resync-interval", "1", "--metrics-addr", &addr])
         .args(["--node-name", "node-v", "--kubeconfig"])
-        .arg(api.kubeconfig())
+        .arg(api.admin_kubeconfig())
         .env("NOTIFY_SOCKET", notify.path())
         .env("RUST_LOG", "info")
         .env_remove("KUBELET_DIR")
@@ -47,23 +50,24 @@ fn a_refusal_then_the_binds_are_told_counted_and_make_it_ready() {
         .spawn()
         .unwrap();
 
+    // Node events go to "default", as kubelet's do.
     let refused = api
-        .wait_for_event("BindRefused", WAIT)
+        .wait_for_event("default", "BindRefused", WAIT)
         .expect("no BindRefused event");
     assert_eq!(refused["type"], "Warning");
-    assert_eq!(refused["regarding"]["kind"], "Node");
-    assert_eq!(refused["regarding"]["name"], "node-v");
-    let note = refused["note"].as_str().unwrap();
+    assert_eq!(refused["involvedObject"]["kind"], "Node");
+    assert_eq!(refused["involvedObject"]["name"], "node-v");
+    let note = refused["message"].as_str().unwrap();
     let me = format!("pid {}", std::process::id());
     assert!(
         note.contains("0000:41:00.0") && note.contains(&me),
         "{note}"
     );
     let bound = api
-        .wait_for_event("GpusBound", WAIT)
+        .wait_for_event("default", "GpusBound", WAIT)
         .expect("no GpusBound event");
     assert!(
-        bound["note"].as_str().unwrap().contains("0000:61:00.0"),
+        bound["message"].as_str().unwrap().contains("0000:61:00.0"),
         "{bound}"
     );
     // Not every selected GPU is bound: alive, not ready.
@@ -71,12 +75,17 @@ fn a_refusal_then_the_binds_are_told_counted_and_make_it_ready() {
     assert_eq!(http_get(&addr, "/readyz").unwrap().0, 503);
     // The refusal is told once, not at every retry.
     std::thread::sleep(Duration::from_millis(2500));
-    let refusals = api
-        .events()
+    let events = api.events("default").unwrap();
+    let refusals: Vec<_> = events
         .iter()
         .filter(|e| e["reason"] == "BindRefused")
-        .count();
-    assert_eq!(refusals, 1, "{:?}", api.events());
+        .collect();
+    assert_eq!(refusals.len(), 1, "{events:?}");
+    // Not repeated either: a repeat would be a series on the one Event (count 2 and more).
+    assert!(
+        refusals[0]["series"].is_null() && cluster_tier::quantity(&refusals[0]["count"]) <= 1,
+        "{events:?}"
+    );
 
     drop(held);
     let lines = notify

@@ -1036,17 +1036,24 @@ async fn vfs_are_not_enabled_at_start_on_a_gpu_in_use() {
     );
 }
 
-/// What the pool changes and refuses is told on the Node: the vGPU created (type, UUID, GPU,
-/// device), the Allocate refused (naming the GPU and the type), the vGPU removed once its pod is
-/// gone.
+/// What the pool changes and refuses is told on the Node, as `kubectl get events` shows it from
+/// a real API server: the vGPU created (type, UUID, GPU, device), the Allocate refused (naming
+/// the GPU and the type), the vGPU kept while a process holds it, then removed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn creations_refusals_and_removals_are_node_events() {
     let Some(sim) = testkit::sim::try_mount("2xA10") else {
         return;
     };
     let root = sim.root();
-    let api = testkit::apiserver::FakeApiServer::start("node-od", &[]).unwrap();
-    let kubeconfig = api.kubeconfig().to_str().unwrap().to_string();
+    let Some(api) =
+        block(|| cluster_tier::ApiServer::start_or_skip("sandbox-dp's Events")).unwrap()
+    else {
+        return;
+    };
+    api.create_node("node-od", &[]).unwrap();
+    let kubeconfig = api.admin_kubeconfig().to_str().unwrap().to_string();
+    // Node events go to "default", as kubelet's do.
+    let event = |reason: &str| block(|| api.wait_for_event("default", reason, DEADLINE));
     let mut pool = a10_pool(
         root,
         &[
@@ -1065,9 +1072,8 @@ async fn creations_refusals_and_removals_are_node_events() {
     let resp = pool.p4.allocate(&[&[slot.as_str()]]).await.unwrap();
     let uuid =
         resp.container_responses[0].envs["MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q"].clone();
-    let created = block(|| api.wait_for_event("VgpuCreated", DEADLINE))
-        .expect("a VgpuCreated event on the Node");
-    let note = created["note"].as_str().unwrap_or_default();
+    let created = event("VgpuCreated").expect("a VgpuCreated event on the Node");
+    let note = created["message"].as_str().unwrap_or_default();
     assert!(
         note.contains("NVIDIA A10-4Q")
             && note.contains(&uuid)
@@ -1075,17 +1081,16 @@ async fn creations_refusals_and_removals_are_node_events() {
             && note.contains(&slot),
         "{created}"
     );
-    assert_eq!(created["regarding"]["kind"], "Node");
-    assert_eq!(created["regarding"]["name"], "node-od");
+    assert_eq!(created["involvedObject"]["kind"], "Node");
+    assert_eq!(created["involvedObject"]["name"], "node-od");
     assert_eq!(created["type"], "Normal");
 
     // GPU A hosts a 4Q: an 8Q cannot go there, and no other GPU is pooled.
     let s8 = format!("{GPU_A}-A10-8Q-0");
     let refused = pool.p8.allocate(&[&[s8.as_str()]]).await;
     assert!(refused.is_err(), "{refused:?}");
-    let ev = block(|| api.wait_for_event("VgpuNotCreated", DEADLINE))
-        .expect("a VgpuNotCreated event on the Node");
-    let note = ev["note"].as_str().unwrap_or_default();
+    let ev = event("VgpuNotCreated").expect("a VgpuNotCreated event on the Node");
+    let note = ev["message"].as_str().unwrap_or_default();
     assert!(note.contains(GPU_A) && note.contains("A10-8Q"), "{ev}");
     assert_eq!(ev["type"], "Warning");
 
@@ -1103,18 +1108,16 @@ async fn creations_refusals_and_removals_are_node_events() {
     let group = group.file_name().unwrap().to_str().unwrap().to_string();
     let qemu = std::fs::File::open(root.join(format!("dev/vfio/{group}"))).unwrap();
     pool.pods.set_pods(vec![]);
-    let kept = block(|| api.wait_for_event("VgpuNotRemoved", DEADLINE))
-        .expect("a VgpuNotRemoved event on the Node");
-    let note = kept["note"].as_str().unwrap_or_default();
+    let kept = event("VgpuNotRemoved").expect("a VgpuNotRemoved event on the Node");
+    let note = kept["message"].as_str().unwrap_or_default();
     assert!(note.contains(&uuid) && note.contains("in use"), "{kept}");
     assert_eq!(kept["type"], "Warning");
     assert!(root.join(format!("sys/bus/mdev/devices/{uuid}")).exists());
 
     // Let go: the next poll removes it, and that is told too.
     drop(qemu);
-    let removed = block(|| api.wait_for_event("VgpuRemoved", DEADLINE))
-        .expect("a VgpuRemoved event on the Node");
-    let note = removed["note"].as_str().unwrap_or_default();
+    let removed = event("VgpuRemoved").expect("a VgpuRemoved event on the Node");
+    let note = removed["message"].as_str().unwrap_or_default();
     assert!(note.contains(&uuid) && note.contains(GPU_A), "{removed}");
     assert!(!root.join(format!("sys/bus/mdev/devices/{uuid}")).exists());
 }

@@ -165,6 +165,10 @@ pub struct PciDevice {
     pub upstream_bridge: Option<PciAddress>,
     /// The whole chain of bridges above the function, nearest first.
     pub bridges: Vec<PciAddress>,
+    /// The PCIe root complex the function sits under, as sysfs names its directory
+    /// (`pci0000:40` for `/sys/devices/pci0000:40/0000:40:01.1/0000:41:00.0`): the value of
+    /// Kubernetes' standard device attribute `resource.kubernetes.io/pcieRoot`.
+    pub pcie_root: Option<String>,
     /// The VFIO cdev name (`vfio0`) under `<dev>/vfio-dev/`, when the kernel has them.
     pub vfio_cdev: Option<String>,
     /// mdev types, when this function is an mdev parent (and types were read).
@@ -197,6 +201,7 @@ impl PciDevice {
             modalias: None,
             upstream_bridge: None,
             bridges: Vec::new(),
+            pcie_root: None,
             vfio_cdev: None,
             mdev_types: Vec::new(),
             mdev_parent: false,

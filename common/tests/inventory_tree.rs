@@ -137,6 +137,9 @@ fn reads_functions_groups_and_bridges() {
         deep.bridges,
         vec![a("0000:02:08.0"), a("0000:01:00.0"), a("0000:00:02.0")]
     );
+    // The root complex above the bridges: Kubernetes' resource.kubernetes.io/pcieRoot.
+    assert_eq!(deep.pcie_root.as_deref(), Some("pci0000:00"));
+    assert_eq!(gpu.pcie_root.as_deref(), Some("pci0000:00"));
     assert_eq!(inv.gpus(Some(0x10de)).len(), 2);
     assert_eq!(inv.vfio_nodes.iter().copied().collect::<Vec<_>>(), vec![31]);
 }

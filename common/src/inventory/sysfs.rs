@@ -148,6 +148,21 @@ fn resolve_link(link: &Path) -> io::Result<PathBuf> {
     Ok(out)
 }
 
+/// Whether `name` is a PCIe root complex's directory under `/sys/devices`: `pci` then a
+/// four-digit domain and a two-digit bus in hex (`pci0000:40`, `pci10000:00` on VMD domains).
+fn is_pcie_root(name: &str) -> bool {
+    name.strip_prefix("pci")
+        .and_then(|r| r.split_once(':'))
+        .is_some_and(|(domain, bus)| {
+            (4..=8).contains(&domain.len())
+                && bus.len() == 2
+                && domain
+                    .chars()
+                    .chain(bus.chars())
+                    .all(|c| c.is_ascii_hexdigit())
+        })
+}
+
 /// Reads one function; with it, the UUIDs of the mdevs whose directories sit in its own.
 pub(super) fn read_pci_device(
     link: &Path,
@@ -176,6 +191,13 @@ pub(super) fn read_pci_device(
         .skip(1)
         .map_while(|p| p.file_name()?.to_str()?.parse::<PciAddress>().ok())
         .collect();
+    // Above the last bridge: the root complex's directory, `pci<domain>:<bus>`.
+    let pcie_root = dir
+        .ancestors()
+        .nth(bridges.len() + 1)
+        .and_then(|p| p.file_name()?.to_str())
+        .filter(|n| is_pcie_root(n))
+        .map(str::to_string);
     let mut virtfns: Vec<(u32, PciAddress)> = Vec::new();
     let mut mdev_parent = false;
     let mut vfio_cdev = None;
@@ -294,6 +316,7 @@ pub(super) fn read_pci_device(
         modalias: id_opt("modalias")?,
         upstream_bridge: bridges.first().copied(),
         bridges,
+        pcie_root,
         vfio_cdev,
         mdev_types,
         mdev_parent,

@@ -10,7 +10,7 @@
 //! | `run/gpu-vm-node/dra-pool` | sandbox-dra `--vgpu` ([`pool::write_dra`]) | vgpu-device-manager ([`pool::load_owned`]) |
 //! | `run/gpu-vm-node/on-demand-vgpus.json` | sandbox-dp `--on-demand` ([`write_atomic`]), before and after each vGPU it creates or removes | sandbox-dp, at start and after a crash |
 //! | `run/vfio-manager/original-drivers` | vfio-manager `bind`/`unbind`, sandbox-dra's prepare and unprepare ([`originals::update`]) | vfio-manager `unbind`, sandbox-dra's unprepare |
-//! | `<kubelet-root>/plugins/<driver>/claims/<uid>.json`, `…/metadata/`, `<cdi-root>/<driver>_<uid>.json` | sandbox-dra's prepare ([`write_atomic`]); removed by its unprepare | sandbox-dra; the container runtime (CDI spec, metadata) |
+//! | `<kubelet-root>/plugins/<driver>/claims/<uid>.json`, `…/metadata/`, `<cdi-root>/<driver>_<uid>.json` | sandbox-dra's prepare ([`write_atomic`]; the metadata and CDI spec with mode 0644, [`write_atomic_mode`]); removed by its unprepare | sandbox-dra; the container runtime (CDI spec, metadata); virt-launcher (metadata) |
 //! | sandbox-dp's sockets in kubelet's device-plugin directory | sandbox-dp (bound by its servers; [`remove_if_present`]; [`file_identity`] tells one replaced, as for `kubelet.sock`) | kubelet |
 //!
 //! All but sandbox-dra's live in `/run`, emptied at boot with the bindings and vGPUs they
@@ -36,6 +36,16 @@ use crate::error::{Error, Result};
 /// On failure the temporary file is removed and `path` is left as it was.
 pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<()> {
     write_atomic_with(path, |f| f.write_all(contents))
+}
+
+/// [`write_atomic`], the file's permission bits `mode` whatever the process's umask (a file
+/// another user must read: sandbox-dra's device metadata, read by virt-launcher as `qemu`).
+pub fn write_atomic_mode(path: &Path, contents: &[u8], mode: u32) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    write_atomic_with(path, |f| {
+        f.set_permissions(std::fs::Permissions::from_mode(mode))?;
+        f.write_all(contents)
+    })
 }
 
 /// [`write_atomic`] with the content written by `fill`.
@@ -163,6 +173,20 @@ mod tests {
         write_atomic(&path, b"two\n").unwrap();
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "two\n");
         assert_eq!(names(&dir.path().join("a/b")), ["state"]);
+    }
+
+    #[test]
+    fn write_atomic_mode_sets_the_mode_whatever_the_file_had() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metadata.json");
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        write_atomic_mode(&path, b"{}", 0o644).unwrap();
+        assert_eq!(mode(&path), 0o644);
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        write_atomic_mode(&path, b"{}", 0o644).unwrap();
+        assert_eq!(mode(&path), 0o644);
+        assert_eq!(names(dir.path()), ["metadata.json"]);
     }
 
     #[test]

@@ -26,6 +26,12 @@
 //! It also holds ResourceClaims, put by tests with [`FakeApiServer::put_claim`], and takes
 //! Events (`events.k8s.io/v1`: create, and the merge patch that counts a repeat), which tests
 //! read with [`FakeApiServer::events`].
+//!
+//! [`FakeApiServer::hang`] makes it accept connections and read requests but never answer, until
+//! [`FakeApiServer::answer`]: the fault a daemon must survive when the API server (or the network
+//! to it) stalls. The real kube-apiserver cannot be made to do that (stopped, it refuses
+//! connections; frozen with SIGSTOP, the kernel still completes TCP handshakes but the test
+//! cannot tell a request read from one queued), so tests of that fault use this fake.
 
 mod claims;
 
@@ -63,6 +69,10 @@ struct Inner {
     node_uid: String,
     /// Events, in the order they were created.
     events: Vec<Value>,
+    /// Whether requests are read and never answered ([`FakeApiServer::hang`]).
+    hang: bool,
+    /// Requests read while hanging.
+    hung: usize,
 }
 
 /// The Node's UID when the server starts.
@@ -148,6 +158,8 @@ impl FakeApiServer {
                 puts_raced: 0,
                 node_uid: NODE_UID.to_string(),
                 events: Vec::new(),
+                hang: false,
+                hung: 0,
             }),
             claims: Default::default(),
             changed: Condvar::new(),
@@ -188,6 +200,23 @@ impl FakeApiServer {
     /// PUTs arrives, so that each of them carries a stale `resourceVersion` and gets a 409.
     pub fn race_puts(&self, n: u32) {
         self.shared.lock().puts_raced = n;
+    }
+
+    /// From now on every request is read and never answered (on connections open already too)
+    /// until [`FakeApiServer::answer`].
+    pub fn hang(&self) {
+        self.shared.lock().hang = true;
+    }
+
+    /// Answers requests again; those read while hanging stay unanswered (their clients gave up).
+    pub fn answer(&self) {
+        self.shared.lock().hang = false;
+        self.shared.changed.notify_all();
+    }
+
+    /// How many requests were read and left unanswered while hanging.
+    pub fn hung_requests(&self) -> usize {
+        self.shared.lock().hung
     }
 
     /// A kubeconfig file for this server.
@@ -479,6 +508,21 @@ fn serve(s: &Shared, conn: TcpStream) -> std::io::Result<()> {
     let mut w = conn.try_clone()?;
     let mut r = BufReader::new(conn);
     while let Some(req) = read_request(&mut r)? {
+        {
+            let mut i = s.lock();
+            if i.hang {
+                i.hung += 1;
+                while i.hang && !s.stop.load(Ordering::SeqCst) {
+                    i = s
+                        .changed
+                        .wait_timeout(i, Duration::from_millis(200))
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+                // The client gave up long ago: this connection says nothing more.
+                return Ok(());
+            }
+        }
         let name = s.lock().name.clone();
         s.lock()
             .requests

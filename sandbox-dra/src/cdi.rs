@@ -21,7 +21,10 @@
 //!   `name` and `devices[]` (`driver`, `pool`, `name`, `attributes` in the ResourceSlice's
 //!   attribute form, e.g. `{"string": "0000:41:00.0"}`);
 //! - virt-launcher takes `resource.kubernetes.io/pciBusID` of the request's single device and
-//!   writes the libvirt `<hostdev>` from it.
+//!   writes the libvirt `<hostdev>` from it;
+//! - KubeVirt 1.8.0 to 1.8.2 read KEP-5304's first layout,
+//!   `/var/run/dra-device-attributes/<claimName>/<requestName>/<driver>-metadata.json` (1.8.3
+//!   moved to the one above): the file is mounted there as well.
 //!
 //! On the host the file lives in the driver's own directory under kubelet's root
 //! (`<kubelet-root>/plugins/<driver>/metadata/<namespace>_<claim>/<request>/metadata.json`),
@@ -33,6 +36,7 @@
 //! `/dev/vfio/devices/vfioN` where the kernel has them); each request is one more CDI device
 //! `<claim-uid>-metadata-<request>` mounting its metadata file. Paths in the spec are the host's.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -46,6 +50,11 @@ pub const CDI_CLASS: &str = "vfio";
 
 /// The directory holding metadata files inside containers (KEP-5304).
 pub const CONTAINER_METADATA_DIR: &str = "/var/run/kubernetes.io/dra-device-attributes";
+
+/// Where KubeVirt 1.8.0 to 1.8.2 look for the metadata file (KEP-5304's first layout):
+/// `<dir>/<claim name>/<request>/<driver>-metadata.json` for every claim (one made from a
+/// template is found by its `podClaimName`). The file is mounted there too.
+pub const LEGACY_CONTAINER_METADATA_DIR: &str = "/var/run/dra-device-attributes";
 
 /// The annotation on a claim made from a template that names it in the pod.
 pub const POD_CLAIM_NAME_ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
@@ -83,20 +92,35 @@ pub struct ClaimDevice {
     /// The mdev made for it, for a device of an mdev parent that is not a PCI function.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mdev: Option<crate::vgpu::Mdev>,
+    /// Its attributes as the ResourceSlice published them when it was prepared, in the
+    /// slice's form (`{"string": "10de"}`), for the metadata file.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub attributes: BTreeMap<String, Value>,
 }
 
 impl ClaimDevice {
-    /// What KubeVirt reads of it: the mdev's UUID (`mdevUUID`) for a mediated device, else
-    /// the PCI address of the function (a GPU, or an SR-IOV VF vGPU).
+    /// What the metadata file says of it: every attribute the slice published, and what
+    /// KubeVirt reads: the mdev's UUID (`mdevUUID`) for a mediated device, else the PCI
+    /// address of the function (a GPU, or an SR-IOV VF vGPU).
     fn attributes(&self) -> Value {
+        let mut attrs: serde_json::Map<String, Value> = self
+            .attributes
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         match (&self.vgpu, &self.mdev, self.address) {
             (Some(v), _, _) if !v.handle.is_vendor() => {
-                json!({MDEV_UUID: {"string": v.handle.to_string()}})
+                attrs.insert(MDEV_UUID.into(), json!({"string": v.handle.to_string()}));
             }
-            (_, Some(m), _) => json!({MDEV_UUID: {"string": m.uuid}}),
-            (_, _, Some(a)) => json!({PCI_BUS_ID: {"string": a.to_string()}}),
-            (_, None, None) => json!({}),
+            (_, Some(m), _) => {
+                attrs.insert(MDEV_UUID.into(), json!({"string": m.uuid}));
+            }
+            (_, _, Some(a)) => {
+                attrs.insert(PCI_BUS_ID.into(), json!({"string": a.to_string()}));
+            }
+            (_, None, None) => {}
         }
+        Value::Object(attrs)
     }
 }
 
@@ -160,6 +184,15 @@ impl Layout {
             .join(format!("{}-metadata.json", self.driver))
     }
 
+    /// Where KubeVirt 1.8.0 to 1.8.2 look for the request's metadata file
+    /// ([`LEGACY_CONTAINER_METADATA_DIR`]).
+    pub fn legacy_container_metadata_file(&self, claim: &ClaimId, request: &str) -> PathBuf {
+        Path::new(LEGACY_CONTAINER_METADATA_DIR)
+            .join(&claim.name)
+            .join(request)
+            .join(format!("{}-metadata.json", self.driver))
+    }
+
     /// The CDI device name of an allocated GPU.
     fn gpu_cdi_name(claim: &ClaimId, device: &ClaimDevice) -> String {
         format!("{}-{}", claim.uid, device.device)
@@ -201,11 +234,18 @@ impl Layout {
             cdi_devices.push(json!({
                 "name": Self::metadata_cdi_name(claim, &r),
                 "containerEdits": {
-                    "mounts": [{
-                        "hostPath": self.metadata_file(claim, &r),
-                        "containerPath": self.container_metadata_file(claim, &r),
-                        "options": ["ro", "bind"],
-                    }],
+                    "mounts": [
+                        {
+                            "hostPath": self.metadata_file(claim, &r),
+                            "containerPath": self.container_metadata_file(claim, &r),
+                            "options": ["ro", "bind"],
+                        },
+                        {
+                            "hostPath": self.metadata_file(claim, &r),
+                            "containerPath": self.legacy_container_metadata_file(claim, &r),
+                            "options": ["ro", "bind"],
+                        },
+                    ],
                 },
             }));
         }
@@ -308,6 +348,13 @@ mod tests {
             nodes: vec!["/dev/vfio/vfio".into(), "/dev/vfio/21".into()],
             vgpu: None,
             mdev: None,
+            attributes: BTreeMap::from([
+                ("vendorID".to_string(), json!({"string": "10de"})),
+                (
+                    "resource.kubernetes.io/pcieRoot".to_string(),
+                    json!({"string": "pci0000:40"}),
+                ),
+            ]),
         }
     }
 
@@ -343,6 +390,12 @@ mod tests {
         assert_eq!(d["pool"], "node-a");
         assert_eq!(d["name"], "gpu-0000-41-00-0");
         assert_eq!(d["attributes"][PCI_BUS_ID]["string"], "0000:41:00.0");
+        // Every attribute the slice published, as upstream's helper puts them.
+        assert_eq!(d["attributes"]["vendorID"]["string"], "10de");
+        assert_eq!(
+            d["attributes"]["resource.kubernetes.io/pcieRoot"]["string"],
+            "pci0000:40"
+        );
         assert!(l.metadata_json(&claim(None), "gpu", &[gpu("gpu")])["podClaimName"].is_null());
     }
 
@@ -364,6 +417,13 @@ mod tests {
             "/var/lib/kubelet/plugins/gpu.example.io/metadata/vms_vm1-gpu-x7k/gpu/metadata.json"
         );
         assert_eq!(m["options"], json!(["ro", "bind"]));
+        // The same file where KubeVirt 1.8.0 to 1.8.2 read it.
+        let legacy = &spec["devices"][1]["containerEdits"]["mounts"][1];
+        assert_eq!(legacy["hostPath"], m["hostPath"]);
+        assert_eq!(
+            legacy["containerPath"],
+            "/var/run/dra-device-attributes/vm1-gpu-x7k/gpu/gpu.example.io-metadata.json"
+        );
         assert_eq!(
             l.cdi_ids(&c, &d),
             vec![

@@ -138,6 +138,9 @@ pub struct Config {
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// The GPUs published and prepared as vGPUs too (`--vgpu`).
     pub vgpu: Option<vgpu::Selector>,
+    /// The most one request to the API server may take, connecting, sending and waiting for
+    /// the answer (`--api-timeout`).
+    pub api_timeout: Duration,
 }
 
 /// Binds a Unix socket at `path`, replacing a stale one a killed run left.
@@ -161,7 +164,14 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         kubelet_root = %config.kubelet_root.display(),
         "starting"
     );
-    let client = daemon_kit::kube::client(config.kubeconfig.as_deref()).await?;
+    // Every request is bounded: an API server that accepts and never answers makes a claim
+    // fail (kubelet calls again) and a publishing pass fail (retried), never stalls them.
+    let mut kube_config = daemon_kit::kube::config(config.kubeconfig.as_deref()).await?;
+    kube_config.connect_timeout = Some(config.api_timeout);
+    kube_config.write_timeout = Some(config.api_timeout);
+    kube_config.read_timeout = Some(config.api_timeout);
+    kube_config.reset_reader_on_write = true;
+    let client = kube::Client::try_from(kube_config).context("cannot make a Kubernetes client")?;
     let ops = daemon_kit::ops::Ops::new();
     // The publisher's loop wakes at least every resync.
     ops.expect_beats(daemon_kit::ops::liveness_window(config.resync_interval));
@@ -188,6 +198,8 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         timeout: config.timeout,
         vgpu_pool: vgpu_pool.clone(),
         mdev_parents: mdev_parents.clone(),
+        pci_ids: config.pci_ids.clone(),
+        api_timeout: config.api_timeout,
     };
     let preparer = Arc::new(Preparer::new(prepare_config, paths.clone(), client.clone()));
     // Before kubelet can call: what a crash left half done is brought in line first.

@@ -122,6 +122,19 @@ struct Cli {
     #[arg(long, env = "VGPU", value_name = "all|BDF|PARENT,...", value_parser = sandbox_dra::vgpu::parse_selector, global = true)]
     vgpu: Option<sandbox_dra::vgpu::Selector>,
 
+    /// The most one request to the API server may take (connecting, sending, waiting for the
+    /// answer): a claim whose allocation cannot be read in that time fails and kubelet calls
+    /// again; a ResourceSlice pass fails and is retried (500ms, 10s, 1m; a bare number is
+    /// seconds).
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = "10s",
+        value_parser = duration::parse,
+        global = true
+    )]
+    api_timeout: Duration,
+
     #[command(flatten)]
     events: EventsArgs,
 
@@ -204,6 +217,7 @@ fn run(cli: Cli) -> exit::Result {
                 resync_interval: cli.resync_interval,
                 metrics_addr: cli.metrics.metrics_addr,
                 vgpu: cli.vgpu,
+                api_timeout: cli.api_timeout,
             };
             daemon_kit::daemon::run(Threads::Current, |shutdown| {
                 sandbox_dra::run(config, paths, shutdown)

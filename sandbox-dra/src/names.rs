@@ -82,6 +82,61 @@ pub fn parse_mdev_device<'a>(
     })
 }
 
+/// The longest DNS label (RFC 1123) the API accepts.
+pub const DNS_LABEL_MAX: usize = 63;
+
+/// The longest DNS subdomain (RFC 1123) the API accepts.
+pub const DNS_SUBDOMAIN_MAX: usize = 253;
+
+/// Whether `s` is a DNS label as the API defines it (RFC 1123): 1 to 63 lowercase letters,
+/// digits and `-`, starting and ending with a letter or digit. Namespaces, a pod's names for
+/// its claims, requests and device names are such labels; none holds `/`, `.` or NUL, so none
+/// can leave the directory it is joined to.
+pub fn is_dns_label(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= DNS_LABEL_MAX
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b[0] != b'-'
+        && b[b.len() - 1] != b'-'
+}
+
+/// Whether `s` is a DNS subdomain as the API defines it (RFC 1123): at most 253 characters,
+/// DNS labels joined by `.`. Object names (a ResourceClaim's) are such subdomains: no `/`, no
+/// NUL, no empty label (so neither `.` nor `..`).
+pub fn is_dns_subdomain(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= DNS_SUBDOMAIN_MAX
+        && s.split('.').all(|l| {
+            let b = l.as_bytes();
+            !b.is_empty()
+                && b.iter()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+                && b[0] != b'-'
+                && b[b.len() - 1] != b'-'
+        })
+}
+
+/// Whether `s` is a request reference as an allocation names it: a request (a DNS label), or
+/// `<request>/<subrequest>` for a `firstAvailable` request's choice.
+pub fn is_request_ref(s: &str) -> bool {
+    match s.split_once('/') {
+        Some((request, sub)) => is_dns_label(request) && is_dns_label(sub),
+        None => is_dns_label(s),
+    }
+}
+
+/// `s` as a message quotes a name from the API: escaped, and cut after 80 characters.
+pub fn quoted(s: &str) -> String {
+    let cut: String = s.chars().take(80).collect();
+    if cut.len() < s.len() {
+        format!("{cut:?}… ({} bytes)", s.len())
+    } else {
+        format!("{cut:?}")
+    }
+}
+
 /// Whether `s` may stand in a device name (lowercase letters, digits and `-`).
 pub fn is_name_part(s: &str) -> bool {
     !s.is_empty()
@@ -90,8 +145,57 @@ pub fn is_name_part(s: &str) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// What the tests of every name from the API try: a way out of a directory, a separator,
+    /// a NUL, and a value one past the API's length limit.
+    pub(crate) fn hostile(limit: usize) -> Vec<String> {
+        vec![
+            "../x".into(),
+            "..".into(),
+            "a/b".into(),
+            "a\0b".into(),
+            "a".repeat(limit + 1),
+        ]
+    }
+
+    #[test]
+    fn labels_subdomains_and_request_references_are_as_the_api_defines_them() {
+        for ok in ["gpu", "vm-1", "0", &"a".repeat(63)] {
+            assert!(is_dns_label(ok), "{ok}");
+            assert!(is_dns_subdomain(ok), "{ok}");
+            assert!(is_request_ref(ok), "{ok}");
+        }
+        for ok in [
+            "vm1.gpu-x7k",
+            &format!("{}.{}", "a".repeat(63), "b".repeat(63)),
+        ] {
+            assert!(is_dns_subdomain(ok), "{ok}");
+            assert!(!is_dns_label(ok), "{ok}");
+        }
+        assert!(is_request_ref("gpu/a10"));
+        for bad in ["", "-a", "a-", "A", "a_b", "a.b", "a b"] {
+            assert!(!is_dns_label(bad), "{bad:?}");
+        }
+        for bad in hostile(DNS_LABEL_MAX) {
+            assert!(!is_dns_label(&bad), "{bad:?}");
+            // `a/b` is a request and its subrequest: the path takes `a` only.
+            assert_eq!(is_request_ref(&bad), bad == "a/b", "{bad:?}");
+        }
+        for bad in
+            hostile(DNS_SUBDOMAIN_MAX)
+                .into_iter()
+                .chain([".".into(), "a..b".into(), ".a".into()])
+        {
+            assert!(!is_dns_subdomain(&bad), "{bad:?}");
+        }
+        for bad in ["gpu/", "/a10", "gpu/a10/x", "gpu/../x"] {
+            assert!(!is_request_ref(bad), "{bad:?}");
+        }
+        assert_eq!(quoted("a\0b"), "\"a\\0b\"");
+        assert!(quoted(&"a".repeat(300)).ends_with("(300 bytes)"));
+    }
 
     #[test]
     fn mdev_names_round_trip() {

@@ -60,12 +60,31 @@ fn start(root: &Path, api: &FakeApiServer, extra: &[&str]) -> Driver {
 
 /// [`start`] with `--kubelet-root kubelet_root`.
 fn start_at(root: &Path, api: &FakeApiServer, extra: &[&str], kubelet_root: &str) -> Driver {
+    start_with(root, api, extra, kubelet_root, None)
+}
+
+/// [`start_at`], the process started with `umask` when given (through `sh`).
+fn start_with(
+    root: &Path,
+    api: &FakeApiServer,
+    extra: &[&str],
+    kubelet_root: &str,
+    umask: Option<&str>,
+) -> Driver {
     let reg = reg_socket(root, kubelet_root);
     // A socket left by a killed run must not count as the new one's.
     let _ = std::fs::remove_file(&reg);
     let logdir = tempfile::tempdir().unwrap();
     let log = logdir.path().join("sandbox-dra.log");
-    let child = Command::new(BIN)
+    let mut cmd = match umask {
+        Some(m) => {
+            let mut c = Command::new("sh");
+            c.args(["-c", &format!("umask {m} && exec \"$0\" \"$@\""), BIN]);
+            c
+        }
+        None => Command::new(BIN),
+    };
+    let child = cmd
         .arg("--host-root")
         .arg(root)
         .args([
@@ -178,7 +197,8 @@ fn spec_nodes(spec: &Value, device: &str) -> Vec<String> {
         .collect()
 }
 
-/// The one metadata mount of the spec: (host path, container path).
+/// The one metadata file of the spec: (host path, container path). It is mounted twice: where
+/// KEP-5304 (and KubeVirt 1.8.3 and later) has it, and where KubeVirt 1.8.0 to 1.8.2 read it.
 fn spec_metadata_mount(spec: &Value) -> (String, String) {
     let mounts: Vec<&Value> = spec["devices"]
         .as_array()
@@ -187,7 +207,13 @@ fn spec_metadata_mount(spec: &Value) -> (String, String) {
         .filter_map(|d| d["containerEdits"]["mounts"].as_array())
         .flatten()
         .collect();
-    assert_eq!(mounts.len(), 1, "{spec}");
+    assert_eq!(mounts.len(), 2, "{spec}");
+    assert_eq!(mounts[0]["hostPath"], mounts[1]["hostPath"], "{spec}");
+    let legacy = mounts[1]["containerPath"].as_str().unwrap();
+    assert!(
+        legacy.starts_with("/var/run/dra-device-attributes/"),
+        "{legacy}"
+    );
     (
         mounts[0]["hostPath"].as_str().unwrap().to_string(),
         mounts[0]["containerPath"].as_str().unwrap().to_string(),
@@ -318,6 +344,146 @@ async fn two_a10_claim_binds_both_and_hands_kubevirt_the_vfio_nodes_and_pci_addr
         .map(|f| common::state::file_identity(f).unwrap())
         .collect();
     assert_eq!(before, after, "no file rewritten");
+}
+
+/// A claim whose request `gpu` has `firstAvailable` subrequests, allocated `gpu/a10` as the
+/// scheduler writes it.
+fn first_available_claim_json(name: &str, uid: &str, device: &str) -> Value {
+    json!({
+        "metadata": {"namespace": NS, "name": name, "uid": uid},
+        "spec": {"devices": {"requests": [{"name": "gpu", "firstAvailable": [
+            {"name": "a10", "deviceClassName": "vfio-gpu.gpu-vm-node.io"},
+            {"name": "any", "deviceClassName": "vfio-gpu.gpu-vm-node.io"},
+        ]}]}},
+        "status": {"allocation": {"devices": {"results": [{
+            "request": "gpu/a10", "driver": DRIVER, "pool": NODE, "device": device,
+        }]}}},
+    })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_first_available_claim_is_answered_by_its_request_and_keeps_the_subrequest_in_metadata() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    // A umask that would leave the files to root alone.
+    let _d = start_with(root, &api, &[], KUBELET_ROOT, Some("077"));
+    let drv = register(root).await;
+    api.put_claim(first_available_claim_json(
+        "vm1-gpu",
+        "uid-fa",
+        "gpu-0000-41-00-0",
+    ));
+    let c = claim("vm1-gpu", "uid-fa");
+    for v in [Version::V1, Version::V1beta1] {
+        let devices = prepare_one(&drv, v, &c).await.unwrap();
+        assert_eq!(devices.len(), 1, "{devices:?}");
+        // kubelet gives a container the CDI devices of the requests it names: `gpu`.
+        assert_eq!(devices[0].request_names, vec!["gpu".to_string()], "{v:?}");
+        assert_eq!(
+            devices[0].cdi_device_ids,
+            vec![
+                format!("{DRIVER}/vfio=uid-fa-gpu-0000-41-00-0"),
+                format!("{DRIVER}/vfio=uid-fa-metadata-gpu"),
+            ]
+        );
+    }
+    let spec = read_json(&cdi_spec_path(root, "uid-fa"));
+    let (host, container) = spec_metadata_mount(&spec);
+    assert!(
+        container.ends_with(&format!(
+            "/resourceclaims/vm1-gpu/gpu/{DRIVER}-metadata.json"
+        )),
+        "{container}"
+    );
+    // The metadata names what was allocated: the subrequest.
+    let meta = read_json(&under(root, &host));
+    assert_eq!(meta["requests"][0]["name"], "gpu/a10", "{meta}");
+    // Every attribute the slice publishes, the standard ones among them.
+    let attrs = &meta["requests"][0]["devices"][0]["attributes"];
+    for (k, v) in [
+        (
+            "resource.kubernetes.io/pciBusID",
+            json!({"string": "0000:41:00.0"}),
+        ),
+        (
+            "resource.kubernetes.io/pcieRoot",
+            json!({"string": "pci0000:40"}),
+        ),
+        ("resource.kubernetes.io/numaNode", json!({"int": 0})),
+        ("numaNode", json!({"int": 0})),
+        ("productName", json!({"string": "GA102GL [A10]"})),
+        ("iommuGroup", json!({"int": 21})),
+        ("vfioDriver", json!({"string": "vfio-pci"})),
+        ("mode", json!({"string": "passthrough"})),
+    ] {
+        assert_eq!(attrs[k], v, "{k}: {meta}");
+    }
+    // Readable by virt-launcher's own user whatever the driver's umask; so is the CDI spec.
+    use std::os::unix::fs::PermissionsExt as _;
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let file = under(root, &host);
+    assert_eq!(mode(&file), 0o644, "{}", file.display());
+    assert_eq!(mode(file.parent().unwrap()), 0o755);
+    assert_eq!(mode(file.parent().unwrap().parent().unwrap()), 0o755);
+    assert_eq!(mode(&cdi_spec_path(root, "uid-fa")), 0o644);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn names_from_the_api_that_would_leave_their_directory_are_refused_before_any_write() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let d = start(root, &api, &["--vgpu", "all"]);
+    let drv = register(root).await;
+    let escape = "../../../../../../tmp/x";
+    let mut cases: Vec<(&str, Value)> = Vec::new();
+    let mut c = claim_json("vm1-gpu", "uid-h1", &["gpu-0000-41-00-0"]);
+    c["metadata"]["annotations"] = json!({"resource.kubernetes.io/pod-claim-name": escape});
+    cases.push(("resource.kubernetes.io/pod-claim-name", c));
+    let mut c = claim_json("vm1-gpu", "uid-h2", &["gpu-0000-41-00-0"]);
+    c["status"]["allocation"]["devices"]["results"][0]["request"] = json!(escape);
+    cases.push(("request", c));
+    let mut c = claim_json("vm1-gpu", "uid-h3", &["gpu-0000-41-00-0"]);
+    c["status"]["allocation"]["devices"]["results"][0]["device"] = json!("gpu-0000-41-00-0/../x");
+    cases.push(("device", c));
+    // A type the GPU does not have, in a well-formed name: nothing is written for it either
+    // (not even the VFs it would need).
+    let c = claim_json("vm1-gpu", "uid-h4", &["vgpu-0000-41-00-0-a10-99q-0"]);
+    cases.push(("a10-99q", c));
+    sim.clear_ops();
+    for (what, c) in cases {
+        let uid = c["metadata"]["uid"].as_str().unwrap().to_string();
+        api.put_claim(c);
+        let err = prepare_one(&drv, Version::V1, &claim("vm1-gpu", &uid))
+            .await
+            .unwrap_err();
+        assert!(err.contains(what), "{what}: {err}\n{}", d.log());
+        assert!(!cdi_spec_path(root, &uid).exists(), "{what}: a CDI spec");
+        assert!(!record_path(root, &uid).exists(), "{what}: a record");
+    }
+    // kubelet names the claim too: a namespace or name that is not one.
+    for (ns, name) in [("../etc", "c"), ("vms", "a/b"), ("vms", "..")] {
+        let bad = Claim {
+            namespace: ns.into(),
+            name: name.into(),
+            uid: "uid-h5".into(),
+        };
+        let err = prepare_one(&drv, Version::V1, &bad).await.unwrap_err();
+        assert!(err.contains("not a"), "{ns}/{name}: {err}");
+        unprepare_one(&drv, Version::V1, &bad).await.unwrap_err();
+    }
+    assert_eq!(writes(&sim), Vec::<String>::new());
+    assert!(!root.join("tmp/x").exists());
+    assert!(
+        !root
+            .join(format!("var/lib/kubelet/plugins/{DRIVER}/metadata"))
+            .exists()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -815,4 +981,61 @@ async fn a_claim_the_api_server_cannot_be_asked_about_is_an_error_naming_it() {
         "{err}"
     );
     assert_eq!(writes(&sim), Vec::<String>::new());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_api_server_that_never_answers_fails_a_claim_in_time_and_holds_up_no_other() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    // No resync while the server hangs: the only request left unanswered is the claim's.
+    // The timeout is well inside the fake kubelet's own wait for an answer (10 s).
+    let d = start(
+        root,
+        &api,
+        &["--api-timeout", "4s", "--resync-interval", "1h"],
+    );
+    let drv = register(root).await;
+    api.put_claim(claim_json("vm1-gpu", "uid-a", &["gpu-0000-41-00-0"]));
+    let a = claim("vm1-gpu", "uid-a");
+    prepare_one(&drv, Version::V1, &a)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    api.put_claim(claim_json("vm2-gpu", "uid-b", &["gpu-0000-61-00-0"]));
+    let b = claim("vm2-gpu", "uid-b");
+
+    api.hang();
+    let before = api.hung_requests();
+    let pending = prepare_one(&drv, Version::V1, &b);
+    tokio::pin!(pending);
+    // Until the driver's read of claim b is in the API server's hands, unanswered.
+    while api.hung_requests() == before {
+        tokio::select! {
+            r = &mut pending => panic!("answered while the API server hangs: {r:?}"),
+            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+        }
+    }
+    // Claim a is unprepared meanwhile: the prepare lock is not held across the request.
+    tokio::select! {
+        r = &mut pending => panic!("claim b ended before claim a's unprepare: {r:?}\n{}", d.log()),
+        r = unprepare_one(&drv, Version::V1, &a) => r.unwrap_or_else(|e| panic!("{e}\n{}", d.log())),
+    }
+    assert!(!cdi_spec_path(root, "uid-a").exists());
+    // Claim b fails, naming the wait; nothing was written for it.
+    let err = pending.await.unwrap_err();
+    assert!(
+        err.contains("did not answer within") && err.contains("vm2-gpu"),
+        "{err}"
+    );
+    assert!(!record_path(root, "uid-b").exists());
+    assert_eq!(driver_of(root, "0000:61:00.0").as_deref(), Some("nvidia"));
+
+    // The API server back: kubelet's next call prepares it.
+    api.answer();
+    prepare_one(&drv, Version::V1, &b)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    assert!(cdi_spec_path(root, "uid-b").exists());
 }

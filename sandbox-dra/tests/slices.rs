@@ -101,6 +101,8 @@ fn a_2xa10_node_is_published_followed_through_hotplug_and_collected_with_its_nod
             "deviceID": {"string": "2236"},
             "productName": {"string": "GA102GL [A10]"},
             "resource.kubernetes.io/pciBusID": {"string": "0000:41:00.0"},
+            "resource.kubernetes.io/pcieRoot": {"string": "pci0000:40"},
+            "resource.kubernetes.io/numaNode": {"int": 0},
             "numaNode": {"int": 0},
             "iommuGroup": {"int": 21},
             "functions": {"int": 1},

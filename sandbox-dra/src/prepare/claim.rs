@@ -61,6 +61,27 @@ pub fn allocated(
         .iter()
         .filter(|r| r.driver == config.driver && r.pool == config.node_name)
     {
+        // Both end up in host paths (the metadata directory, the CDI spec) and device names.
+        if !names::is_request_ref(&r.request) {
+            return Err(refused(
+                claim,
+                format!(
+                    "its allocation names request {}, which is not a request name (a DNS label, \
+                     or <request>/<subrequest>); nothing was changed",
+                    names::quoted(&r.request)
+                ),
+            ));
+        }
+        if !names::is_dns_label(&r.device) {
+            return Err(refused(
+                claim,
+                format!(
+                    "its allocation names device {}, which is not a device name (a DNS label); \
+                     nothing was changed",
+                    names::quoted(&r.device)
+                ),
+            ));
+        }
         let address = names::parse_gpu_device(&r.device)
             .or_else(|| names::parse_vgpu_device(&r.device).map(|(gpu, _, _)| gpu));
         let mdev = names::parse_mdev_device(&r.device, &config.mdev_parents).is_some();
@@ -94,13 +115,29 @@ pub fn allocated(
         ));
     }
     let annotations = rc.metadata.annotations.as_ref();
+    let pod_claim_name = annotations
+        .and_then(|a| a.get(cdi::POD_CLAIM_NAME_ANNOTATION))
+        .cloned();
+    // Anyone who may edit the claim may edit its annotations: it names a directory inside
+    // the container, so it must be what a pod's name for a claim is.
+    if let Some(p) = pod_claim_name.as_deref()
+        && !names::is_dns_label(p)
+    {
+        return Err(refused(
+            claim,
+            format!(
+                "its annotation {} is {}, which is not a pod's name for a claim (a DNS label); \
+                 nothing was changed",
+                cdi::POD_CLAIM_NAME_ANNOTATION,
+                names::quoted(p)
+            ),
+        ));
+    }
     let id = ClaimId {
         namespace: claim.namespace.clone(),
         name: claim.name.clone(),
         uid: claim.uid.clone(),
-        pod_claim_name: annotations
-            .and_then(|a| a.get(cdi::POD_CLAIM_NAME_ANNOTATION))
-            .cloned(),
+        pod_claim_name,
     };
     Ok((id, wanted))
 }
@@ -133,6 +170,8 @@ mod tests {
             timeout: Duration::from_secs(1),
             vgpu_pool: BTreeSet::new(),
             mdev_parents: BTreeSet::new(),
+            pci_ids: common::PciIds::embedded(),
+            api_timeout: Duration::from_secs(1),
         }
     }
 
@@ -254,6 +293,76 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn every_name_from_the_api_is_checked_before_a_path_is_built() {
+        use crate::names::{DNS_LABEL_MAX, DNS_SUBDOMAIN_MAX, tests::hostile};
+        let cfg = config();
+        let dev = "gpu-0000-41-00-0";
+        // Requests and devices of the allocation.
+        for bad in hostile(DNS_LABEL_MAX) {
+            // A request may have one `/`, before its subrequest: two are not a request.
+            let bad_request = if bad == "a/b" {
+                "a/b/c".into()
+            } else {
+                bad.clone()
+            };
+            let r = reason(allocated(
+                &cfg,
+                &claim_ref(),
+                &rc("u-1", &[(&bad_request, "gpu.example.io", "node-a", dev)]),
+            ));
+            assert!(
+                r.contains("request") && r.contains("nothing was changed"),
+                "{r}"
+            );
+            let r = reason(allocated(
+                &cfg,
+                &claim_ref(),
+                &rc("u-1", &[("gpu", "gpu.example.io", "node-a", &bad)]),
+            ));
+            assert!(
+                r.contains("device") && r.contains("not a device name"),
+                "{r}"
+            );
+            // The pod's name for the claim, from an annotation anyone who may edit the claim
+            // may edit.
+            let mut c = rc("u-1", &[("gpu", "gpu.example.io", "node-a", dev)]);
+            c.metadata.annotations =
+                Some([(cdi::POD_CLAIM_NAME_ANNOTATION.to_string(), bad.clone())].into());
+            let r = reason(allocated(&cfg, &claim_ref(), &c));
+            assert!(r.contains(cdi::POD_CLAIM_NAME_ANNOTATION), "{r}");
+            // The namespace kubelet names.
+            let ns = ClaimRef {
+                namespace: bad.clone(),
+                ..claim_ref()
+            };
+            match super::super::check_ref(&ns) {
+                Err(PrepareError::Refused { reason, .. }) => {
+                    assert!(reason.contains("namespace"), "{reason}")
+                }
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+        // The claim's name, a subdomain.
+        for bad in hostile(DNS_SUBDOMAIN_MAX) {
+            let name = ClaimRef {
+                name: bad.clone(),
+                ..claim_ref()
+            };
+            match super::super::check_ref(&name) {
+                Err(PrepareError::Refused { reason, .. }) => {
+                    assert!(reason.contains("claim name"), "{reason}")
+                }
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+        assert!(super::super::check_ref(&claim_ref()).is_ok());
+        // What an allocation may hold: a subrequest, a subdomain name.
+        let ok = rc("u-1", &[("gpu/a10", "gpu.example.io", "node-a", dev)]);
+        let (_, wanted) = allocated(&cfg, &claim_ref(), &ok).unwrap();
+        assert_eq!(wanted[0].requests, vec!["gpu/a10".to_string()]);
     }
 
     #[test]

@@ -87,7 +87,7 @@ impl Node {
             d.group = ready.group;
             d.nodes = vfio_nodes(&inv, ready.group, ready.cdev);
         }
-        self.finish(claim, rec, &rec_path)
+        self.finish(claim, &inv, rec, &rec_path)
     }
 
     /// Removes the claim's mdevs of parents that are not PCI functions that exist; one a

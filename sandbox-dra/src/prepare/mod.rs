@@ -45,7 +45,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::vfio::OpOptions;
-use common::{HostPaths, Inventory, PciAddress, error_chain, state};
+use common::{HostPaths, Inventory, PciAddress, PciIds, error_chain, state};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use crate::cdi::{self, ClaimDevice, ClaimId, Layout};
@@ -74,7 +74,8 @@ impl fmt::Display for ClaimRef {
 /// A device prepared for a claim, as kubelet is told about it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PreparedDevice {
-    /// The claim's requests it serves.
+    /// The claim's requests it serves, as allocated (`gpu/a10` for a `firstAvailable`
+    /// subrequest).
     pub requests: Vec<String>,
     /// Its pool (the node's).
     pub pool: String,
@@ -96,6 +97,17 @@ pub enum OnUnprepare {
 /// Why a claim was not prepared or unprepared. Every message names the claim.
 #[derive(Debug, thiserror::Error)]
 pub enum PrepareError {
+    /// The API server did not answer in time.
+    #[error(
+        "claim {claim}: the API server did not answer within {after:?}; nothing was changed \
+         (kubelet calls again)"
+    )]
+    ApiTimeout {
+        /// The claim.
+        claim: ClaimRef,
+        /// How long it waited.
+        after: Duration,
+    },
     /// The API server did not give the claim.
     #[error("claim {claim}: cannot read it from the API server")]
     Api {
@@ -143,6 +155,10 @@ pub struct PrepareConfig {
     pub vgpu_pool: BTreeSet<PciAddress>,
     /// The mdev parents that are not PCI functions whose types are published (`--vgpu mtty`).
     pub mdev_parents: BTreeSet<String>,
+    /// Product names, for the devices' attributes in the metadata file.
+    pub pci_ids: PciIds,
+    /// The most reading a claim from the API server may take.
+    pub api_timeout: Duration,
 }
 
 /// Prepares and unprepares the claims of this node, one at a time.
@@ -171,36 +187,42 @@ impl Preparer {
     }
 
     /// Prepares `claim`: idempotent, kubelet calls again after a failure or a restart.
+    ///
+    /// The claim is read from the API server before the lock is taken: a request that takes
+    /// its time holds up no other claim's prepare or unprepare.
     pub async fn prepare(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, PrepareError> {
+        check_ref(claim)?;
+        let read = match self.node.load(claim)? {
+            Some(_) => None,
+            None => Some(self.read_claim(claim).await?),
+        };
         let _one_at_a_time = self.lock.lock().await;
-        if !record::valid_uid(&claim.uid) {
-            return Err(refused(
-                claim,
-                format!("{:?} is not a claim UID", claim.uid),
-            ));
-        }
         let existing = self.node.load(claim)?;
-        let (id, wanted) = match &existing {
-            Some(r) => (
+        let (id, wanted) = match (&existing, read) {
+            (Some(r), _) => (
                 r.claim.clone(),
                 r.devices.iter().map(Wanted::from).collect(),
             ),
-            None => self.read_claim(claim).await?,
+            (None, Some(read)) => read,
+            (None, None) => {
+                return Err(refused(
+                    claim,
+                    "it was unprepared while this prepare waited; nothing was changed (kubelet \
+                     calls again)"
+                        .into(),
+                ));
+            }
         };
         let node = self.node.clone();
         let c = claim.clone();
         blocking(claim, move || node.prepare(&c, id, wanted, existing)).await
     }
 
-    /// Unprepares `claim`: idempotent, a claim never prepared is already unprepared.
+    /// Unprepares `claim`: idempotent, a claim never prepared is already unprepared. It asks
+    /// the API server nothing.
     pub async fn unprepare(&self, claim: &ClaimRef) -> Result<(), PrepareError> {
+        check_ref(claim)?;
         let _one_at_a_time = self.lock.lock().await;
-        if !record::valid_uid(&claim.uid) {
-            return Err(refused(
-                claim,
-                format!("{:?} is not a claim UID", claim.uid),
-            ));
-        }
         let node = self.node.clone();
         let c = claim.clone();
         blocking(claim, move || {
@@ -225,7 +247,14 @@ impl Preparer {
     async fn read_claim(&self, claim: &ClaimRef) -> Result<(ClaimId, Vec<Wanted>), PrepareError> {
         let api: kube::Api<ResourceClaim> =
             kube::Api::namespaced(self.client.clone(), &claim.namespace);
-        let rc = match api.get(&claim.name).await {
+        let timeout = self.node.config.api_timeout;
+        let got = tokio::time::timeout(timeout, api.get(&claim.name))
+            .await
+            .map_err(|_| PrepareError::ApiTimeout {
+                claim: claim.clone(),
+                after: timeout,
+            })?;
+        let rc = match got {
             Ok(rc) => rc,
             Err(kube::Error::Api(e)) if e.code == 404 => {
                 return Err(refused(
@@ -257,6 +286,74 @@ async fn blocking<T: Send + 'static>(
             source: Box::new(e),
         }),
     }
+}
+
+/// Refuses a claim kubelet names whose UID, namespace or name is not what the API allows:
+/// each becomes part of a host path (the record, the metadata directory) or an API request.
+fn check_ref(claim: &ClaimRef) -> Result<(), PrepareError> {
+    if !record::valid_uid(&claim.uid) {
+        return Err(refused(
+            claim,
+            format!("{} is not a claim UID", names::quoted(&claim.uid)),
+        ));
+    }
+    if !names::is_dns_label(&claim.namespace) {
+        return Err(refused(
+            claim,
+            format!(
+                "namespace {} is not a namespace name (a DNS label)",
+                names::quoted(&claim.namespace)
+            ),
+        ));
+    }
+    if !names::is_dns_subdomain(&claim.name) {
+        return Err(refused(
+            claim,
+            format!(
+                "{} is not a claim name (a DNS subdomain)",
+                names::quoted(&claim.name)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses a record whose names could not have come from the API (one written by hand, or by
+/// a version that did not check them) before any of its paths is built.
+fn check_id(claim: &ClaimRef, rec: &Record) -> Result<(), PrepareError> {
+    let id = &rec.claim;
+    check_ref(&ClaimRef {
+        namespace: id.namespace.clone(),
+        name: id.name.clone(),
+        uid: id.uid.clone(),
+    })
+    .map_err(|e| match e {
+        PrepareError::Refused { reason, .. } => refused(claim, format!("its record: {reason}")),
+        other => other,
+    })?;
+    if let Some(p) = id.pod_claim_name.as_deref()
+        && !names::is_dns_label(p)
+    {
+        return Err(refused(
+            claim,
+            format!(
+                "its record names the pod's claim {}, which is not a DNS label",
+                names::quoted(p)
+            ),
+        ));
+    }
+    for d in &rec.devices {
+        if let Some(r) = d.requests.iter().find(|r| !names::is_request_ref(r)) {
+            return Err(refused(
+                claim,
+                format!(
+                    "its record names request {}, which is not a request name",
+                    names::quoted(r)
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn refused(claim: &ClaimRef, reason: String) -> PrepareError {
@@ -360,9 +457,29 @@ impl Node {
     fn finish(
         &self,
         claim: &ClaimRef,
+        inv: &Inventory,
         mut rec: Record,
         rec_path: &Path,
     ) -> Result<Vec<PreparedDevice>, PrepareError> {
+        // What the slice says of each device, for the metadata file: taken once, at the first
+        // prepare (a GPU that has gone since keeps what it had).
+        if rec.devices.iter().any(|d| d.attributes.is_empty()) {
+            let aliases = common::vfio::load_aliases(&self.paths);
+            for d in rec.devices.iter_mut().filter(|d| d.attributes.is_empty()) {
+                let attrs = crate::slices::attributes_of(
+                    inv,
+                    &aliases,
+                    &self.config.pci_ids,
+                    &self.config.mdev_parents,
+                    &d.device,
+                );
+                d.attributes = attrs
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|(k, v)| Some((k, serde_json::to_value(v).ok()?)))
+                    .collect();
+            }
+        }
         self.write_files(claim, &rec)?;
         rec.state = ClaimState::Prepared;
         record::write_if_changed(rec_path, &rec.to_bytes())
@@ -372,6 +489,8 @@ impl Node {
             .devices
             .iter()
             .map(|d| PreparedDevice {
+                // As allocated (`gpu/a10`): the plugin answers kubelet with the top-level
+                // request.
                 requests: d.requests.clone(),
                 pool: d.pool.clone(),
                 device: d.device.clone(),
@@ -396,6 +515,7 @@ impl Node {
                     nodes: Vec::new(),
                     vgpu: None,
                     mdev: None,
+                    attributes: Default::default(),
                 })
                 .collect(),
             originals: BTreeMap::new(),
@@ -404,18 +524,21 @@ impl Node {
 
     /// The metadata files, then the CDI spec that mounts them.
     fn write_files(&self, claim: &ClaimRef, rec: &Record) -> Result<(), PrepareError> {
+        check_id(claim, rec)?;
         let layout = &self.config.layout;
+        let top = self.local(&layout.metadata_dir(&rec.claim));
         for r in cdi::requests_of(&rec.devices) {
             let host = layout.metadata_file(&rec.claim, &r);
             let json = layout.metadata_json(&rec.claim, &r, &rec.devices);
-            write_json(&self.local(&host), &json).map_err(Self::state_err(
+            write_json(&self.local(&host), Some(&top), &json).map_err(Self::state_err(
                 claim,
                 format!("cannot write its device metadata {}", host.display()),
             ))?;
         }
         let host = layout.cdi_spec(&claim.uid);
         let json = layout.cdi_spec_json(&rec.claim, &rec.devices);
-        write_json(&self.local(&host), &json).map_err(Self::state_err(
+        // The CDI directory is the runtime's: only the file's own mode is set.
+        write_json(&self.local(&host), None, &json).map_err(Self::state_err(
             claim,
             format!("cannot write its CDI spec {}", host.display()),
         ))?;
@@ -423,6 +546,9 @@ impl Node {
     }
 
     fn remove_files(&self, claim: &ClaimRef, rec: Option<&Record>) -> Result<(), PrepareError> {
+        if let Some(rec) = rec {
+            check_id(claim, rec)?;
+        }
         let layout = &self.config.layout;
         let spec = layout.cdi_spec(&claim.uid);
         state::remove_if_present(&self.local(&spec)).map_err(Self::state_err(
@@ -472,8 +598,42 @@ fn vfio_nodes(inv: &Inventory, group: u32, cdev: Option<String>) -> Vec<String> 
     nodes
 }
 
-fn write_json(p: &Path, v: &serde_json::Value) -> common::Result<bool> {
+/// The mode of the files the container runtime and the VM's pod read: the metadata file is
+/// read inside the container by virt-launcher, which runs as a user of its own (`qemu`).
+const SHARED_FILE_MODE: u32 = 0o644;
+
+/// The mode of the directories holding them.
+const SHARED_DIR_MODE: u32 = 0o755;
+
+/// Writes `v` to `p` with [`SHARED_FILE_MODE`] unless `p` holds exactly that already; the
+/// directories from `top` (the driver's own) down to `p`'s get [`SHARED_DIR_MODE`] (a umask of
+/// 077 would make them 0700).
+fn write_json(p: &Path, top: Option<&Path>, v: &serde_json::Value) -> common::Result<bool> {
+    use std::os::unix::fs::PermissionsExt as _;
     let mut bytes = serde_json::to_vec_pretty(v).unwrap_or_default();
     bytes.push(b'\n');
-    record::write_if_changed(p, &bytes)
+    let mode = |p: &Path| std::fs::metadata(p).map(|m| m.permissions().mode() & 0o7777);
+    if let Ok(Some(now)) = state::read_if_present(p)
+        && now.as_bytes() == bytes
+        && mode(p).ok() == Some(SHARED_FILE_MODE)
+    {
+        return Ok(false);
+    }
+    if let Some(dir) = p.parent() {
+        state::ensure_dir(dir)?;
+        let ours = dir
+            .ancestors()
+            .take_while(|d| top.is_some_and(|t| d.starts_with(t)));
+        for d in ours {
+            if mode(d).ok() != Some(SHARED_DIR_MODE) {
+                std::fs::set_permissions(d, std::fs::Permissions::from_mode(SHARED_DIR_MODE))
+                    .map_err(|source| common::Error::Save {
+                        path: d.to_path_buf(),
+                        source,
+                    })?;
+            }
+        }
+    }
+    state::write_atomic_mode(p, &bytes, SHARED_FILE_MODE)?;
+    Ok(true)
 }

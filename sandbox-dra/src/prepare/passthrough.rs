@@ -192,6 +192,7 @@ impl Node {
                     nodes: Vec::new(),
                     vgpu: None,
                     mdev: None,
+                    attributes: Default::default(),
                 })
                 .collect();
         }
@@ -218,7 +219,7 @@ impl Node {
             d.group = d.address.as_ref().and_then(group_of).unwrap_or(d.group);
             d.nodes = device_nodes(&after, d);
         }
-        self.finish(claim, rec, &rec_path)
+        self.finish(claim, &after, rec, &rec_path)
     }
 
     /// Gives every function of the record back to the driver it had, when that was not a

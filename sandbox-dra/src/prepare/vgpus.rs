@@ -51,6 +51,37 @@ impl Node {
         };
         let sysfs = Sysfs::new(self.paths.clone());
         let mut inv = self.inventory(claim)?;
+        // The type a device name carries is checked against the GPU's own list (its model's
+        // types, what the slice publishes) before anything is written for it.
+        for d in &rec.devices {
+            let Some((gpu, key, slot)) = names::parse_vgpu_device(&d.device) else {
+                return Err(refused(
+                    claim,
+                    format!("{} is not a vGPU device", names::quoted(&d.device)),
+                ));
+            };
+            let Some(g) = inv.device(&gpu) else {
+                continue; // refused below, naming the GPU that is gone
+            };
+            let model = common::vgpu::models::model(g.vendor, g.device);
+            let known = model.and_then(|m| {
+                m.types_before_vfs()
+                    .into_iter()
+                    .find(|(name, _)| names::type_key(name) == key)
+                    .map(|(_, size)| slot < m.equal_size_max(size))
+            });
+            if known != Some(true) {
+                return Err(refused(
+                    claim,
+                    format!(
+                        "device {}: GPU {gpu} publishes no such vGPU (type {}, slot {slot}); \
+                         nothing was changed",
+                        d.device,
+                        names::quoted(&key)
+                    ),
+                ));
+            }
+        }
         for i in 0..rec.devices.len() {
             if rec.devices[i]
                 .vgpu
@@ -130,7 +161,7 @@ impl Node {
             d.group = ready.group;
             d.nodes = vfio_nodes(&inv, ready.group, ready.cdev);
         }
-        self.finish(claim, rec, &rec_path)
+        self.finish(claim, &inv, rec, &rec_path)
     }
 
     /// Re-reads `gpu` (with its VFs) into `inv` until its VFs show vGPU types, at most

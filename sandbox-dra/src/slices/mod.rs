@@ -23,7 +23,8 @@
 //! | `vendorID`, `deviceID` | `10de`, `2236` |
 //! | `productName` (pci.ids; left out when unknown) | `GA102GL [A10]` |
 //! | `resource.kubernetes.io/pciBusID` (the standard attribute KubeVirt reads) | `0000:41:00.0` |
-//! | `numaNode` (left out when the kernel does not say) | `0` |
+//! | `numaNode`, and the standard `resource.kubernetes.io/numaNode` (left out when the kernel does not say) | `0` |
+//! | `resource.kubernetes.io/pcieRoot` (the standard attribute: the PCIe root complex) | `pci0000:40` |
 //! | `iommuGroup` | `21` |
 //! | `functions` (how many PCI functions go to the VM) | `2` |
 //! | `companions` (the other functions, comma-separated; left out when none) | `0000:41:00.1` |
@@ -33,7 +34,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use common::vfio::{Selection, Target};
+use common::vfio::{AliasTable, Selection, Selector, Target, select};
 use common::{Inventory, PciAddress, PciDevice, PciIds, is_vfio_driver};
 use k8s_openapi::api::resource::v1::{
     CounterSet, Device, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSlice,
@@ -51,6 +52,13 @@ use vgpus::vgpu_devices;
 
 /// The standard attribute naming a device's PCI address (KEP-5304), which KubeVirt reads.
 pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
+
+/// The standard attribute naming a device's PCIe root complex (`pci0000:40`), so a claim can
+/// keep a GPU and a NIC under one root (`matchAttribute`).
+pub const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
+
+/// The standard attribute naming a device's NUMA node, beside the driver's own `numaNode`.
+pub const NUMA_NODE: &str = "resource.kubernetes.io/numaNode";
 
 /// The `mode` attribute of a whole GPU given to a VM.
 pub const MODE_PASSTHROUGH: &str = "passthrough";
@@ -149,6 +157,37 @@ pub fn devices_with_vgpus(
     out
 }
 
+/// The attributes the slice publishes for device `name` of this node now (every one: the
+/// device-metadata file repeats them, as upstream's kubelet-plugin helper does); `None` for a
+/// name that is none of the node's devices. `aliases` names each GPU's VFIO driver, `ids` its
+/// product, `mdev_parents` the non-PCI parents of `--vgpu`.
+pub fn attributes_of(
+    inv: &Inventory,
+    aliases: &AliasTable,
+    ids: &PciIds,
+    mdev_parents: &BTreeSet<String>,
+    name: &str,
+) -> Option<BTreeMap<String, DeviceAttribute>> {
+    if let Some(addr) = names::parse_gpu_device(name) {
+        let sel = select(inv, &Selector::default(), None, aliases);
+        let (&group, targets) = sel
+            .groups
+            .iter()
+            .find(|(_, ts)| ts.iter().any(|t| t.primary && t.address == addr))?;
+        let first = targets.iter().find(|t| t.primary)?;
+        let gpu = inv.device(&first.address)?;
+        return device(gpu, first, group, targets, ids).attributes;
+    }
+    if let Some((addr, _, _)) = names::parse_vgpu_device(name) {
+        let gpu = inv.device(&addr)?;
+        let (_, devices) = vgpu_devices(inv, gpu, &mut Device::default(), ids)?;
+        return devices.into_iter().find(|d| d.name == name)?.attributes;
+    }
+    let (parent, _, _) = names::parse_mdev_device(name, mdev_parents)?;
+    let (_, devices) = mdev_parent_devices(inv, &parent)?;
+    devices.into_iter().find(|d| d.name == name)?.attributes
+}
+
 fn string(s: impl Into<String>) -> DeviceAttribute {
     DeviceAttribute {
         string: Some(s.into()),
@@ -164,7 +203,8 @@ fn int(i: impl Into<i64>) -> DeviceAttribute {
 }
 
 /// What a GPU is, for a device of it: `vendorID`, `deviceID`, `productName` (when pci.ids
-/// knows it), `numaNode` (when the kernel says).
+/// knows it), `numaNode` and the standard `resource.kubernetes.io/numaNode` (when the kernel
+/// says), the standard `resource.kubernetes.io/pcieRoot`.
 fn identity(gpu: &PciDevice, ids: &PciIds, attrs: &mut BTreeMap<String, DeviceAttribute>) {
     attrs.insert(
         "vendorID".to_string(),
@@ -179,6 +219,10 @@ fn identity(gpu: &PciDevice, ids: &PciIds, attrs: &mut BTreeMap<String, DeviceAt
     }
     if let Some(n) = gpu.numa_node {
         attrs.insert("numaNode".to_string(), int(n));
+        attrs.insert(NUMA_NODE.to_string(), int(n));
+    }
+    if let Some(root) = &gpu.pcie_root {
+        attrs.insert(PCIE_ROOT.to_string(), string(truncate(root)));
     }
 }
 

@@ -314,6 +314,95 @@ async fn an_a10_publishes_its_fractions_and_serves_whole_then_vgpus_then_whole()
     assert_eq!(pool, "0000:41:00.0\n0000:61:00.0\n");
 }
 
+/// A claim of request `gpu` allocated every device of `devices`.
+fn put_claim_of(api: &FakeApiServer, name: &str, uid: &str, devices: &[&str]) -> Claim {
+    api.put_claim(json!({
+        "metadata": {"namespace": NS, "name": name, "uid": uid},
+        "spec": {"devices": {"requests": [
+            {"name": "gpu", "exactly": {"deviceClassName": "vgpu.gpu-vm-node.io", "count": devices.len()}}
+        ]}},
+        "status": {"allocation": {"devices": {"results": devices.iter().map(|d| json!({
+            "request": "gpu", "driver": DRIVER, "pool": NODE, "device": d,
+        })).collect::<Vec<_>>()}}},
+    }));
+    Claim {
+        namespace: NS.into(),
+        name: name.into(),
+        uid: uid.into(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_of_two_vgpus_of_one_gpu_is_prepared_at_its_first_call() {
+    // mdevs on VFs (A10) and vGPU types on VFs (H100): each vGPU on a VF of its own.
+    for (topology, gpu, devices) in [
+        (
+            "2xA10",
+            "0000:41:00.0",
+            ["vgpu-0000-41-00-0-a10-4q-0", "vgpu-0000-41-00-0-a10-4q-1"],
+        ),
+        (
+            "8xH100-sriov",
+            "0000:13:00.0",
+            [
+                "vgpu-0000-13-00-0-h100xm-10c-0",
+                "vgpu-0000-13-00-0-h100xm-10c-1",
+            ],
+        ),
+    ] {
+        let Some(sim) = try_mount(topology) else {
+            return;
+        };
+        let root = sim.root();
+        let api = FakeApiServer::start(NODE, &[]).unwrap();
+        let d = start(root, &api, gpu);
+        let drv = register(root).await;
+        wait_for_pool(&api);
+        let c = put_claim_of(&api, "two", "uid-two", &devices);
+        let prepared = prepare(&drv, &c)
+            .await
+            .unwrap_or_else(|e| panic!("{topology}: the first prepare failed: {e}\n{}", d.log()));
+        assert_eq!(prepared.len(), 2, "{prepared:?}");
+        let spec = read_json(&root.join(format!("var/run/cdi/{DRIVER}_uid-two.json")));
+        let meta_host = spec["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find_map(|d| d["containerEdits"]["mounts"][0]["hostPath"].as_str())
+            .unwrap()
+            .to_string();
+        let meta = read_json(&under(root, &meta_host));
+        let handles: Vec<String> = meta["requests"][0]["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| {
+                let a = &d["attributes"];
+                a["mdevUUID"]["string"]
+                    .as_str()
+                    .or(a["resource.kubernetes.io/pciBusID"]["string"].as_str())
+                    .unwrap()
+                    .to_string()
+            })
+            .collect();
+        assert_eq!(handles.len(), 2, "{meta}");
+        assert_ne!(
+            handles[0], handles[1],
+            "{topology}: two vGPUs, not one twice"
+        );
+        if topology == "2xA10" {
+            let made = mdevs(root);
+            assert_eq!(made.len(), 2, "{made:?}");
+            assert_ne!(
+                made[0].2, made[1].2,
+                "each mdev on a VF of its own: {made:?}"
+            );
+        }
+        unprepare(&drv, &c).await.unwrap();
+        assert_eq!(mdevs(root), vec![]);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_h100_vgpu_is_a_vf_with_current_vgpu_type() {
     let Some(sim) = try_mount("8xH100-sriov") else {

@@ -141,6 +141,9 @@ impl Node {
                     fail(format!("cannot create {} on GPU {gpu}: {e}", v.type_name))
                 })?;
                 tracing::info!(%claim, gpu = %gpu, vgpu = %v.handle, type_name = %v.type_name, "created a vGPU");
+                // The next vGPU of the claim is placed by what the GPU shows now: the VF this
+                // one took offers nothing more.
+                inv.refresh_pci(&self.paths, gpu, &ReadOptions::default());
                 break;
             }
         }

@@ -75,6 +75,10 @@ pub const COUNTER_VFS: &str = "vfs";
 /// The most devices one slice holds when they consume counters (the API's limit).
 pub const MAX_DEVICES_WITH_COUNTERS: usize = 64;
 
+/// The most counter sets (`sharedCounters`) one slice holds (the API's limit since
+/// Kubernetes 1.35).
+pub const MAX_COUNTER_SETS: usize = 8;
+
 /// The most counters, in all its sets, one slice holds (the API's limit).
 pub const MAX_COUNTERS: usize = 32;
 
@@ -331,8 +335,9 @@ impl Pool {
 
     /// The node's slices: without counters the one [`Pool::slice`]; with counters (a vGPU
     /// pool) the counter sets in slices of their own, `<slice>-counters`, `<slice>-counters-1`,
-    /// … of at most [`MAX_COUNTERS`] counters (Kubernetes 1.35 and later take counters and
-    /// devices only in separate slices of one pool), and the devices in slices of at most
+    /// … of at most [`MAX_COUNTER_SETS`] sets and [`MAX_COUNTERS`] counters (Kubernetes 1.35
+    /// and later take counters and devices only in separate slices of one pool), and the
+    /// devices in slices of at most
     /// [`MAX_DEVICES_WITH_COUNTERS`], `<slice>`, `<slice>-1`, ….
     pub fn slices(
         &self,
@@ -356,7 +361,8 @@ impl Pool {
             let in_last: usize = counter_chunks
                 .last()
                 .map_or(0, |c| c.iter().map(|s| s.counters.len()).sum());
-            if in_last + set.counters.len() > MAX_COUNTERS {
+            let sets_in_last = counter_chunks.last().map_or(0, Vec::len);
+            if sets_in_last >= MAX_COUNTER_SETS || in_last + set.counters.len() > MAX_COUNTERS {
                 counter_chunks.push(Vec::new());
             }
             if let Some(last) = counter_chunks.last_mut() {

@@ -349,7 +349,8 @@ fn a_pooled_a10_has_a_counter_set_its_vgpus_and_its_whole_self_consume() {
     assert_eq!(plain.devices.len(), 1);
     assert_eq!(plain.devices[0].consumes_counters, None);
 
-    // The slices: devices 64 at most each, counters apart, one generation and count.
+    // The slices: devices 64 at most each, counter sets 8 at most each and apart, one
+    // generation and count.
     let pool = Pool {
         driver: "gpu.gpu-vm-node.io".into(),
         node_name: "n".into(),
@@ -373,11 +374,21 @@ fn a_pooled_a10_has_a_counter_set_its_vgpus_and_its_whole_self_consume() {
             "n-gpu.gpu-vm-node.io-1",
             "n-gpu.gpu-vm-node.io-2",
             "n-gpu.gpu-vm-node.io-counters",
-            "n-gpu.gpu-vm-node.io-counters-1"
+            "n-gpu.gpu-vm-node.io-counters-1",
+            "n-gpu.gpu-vm-node.io-counters-2"
         ]
     );
     for sl in &slices {
-        assert_eq!(sl.spec.pool.resource_slice_count, 5);
+        assert_eq!(sl.spec.pool.resource_slice_count, 6);
+        // Kubernetes 1.35 and later: at most 8 counter sets a slice, 2 consumptions a device.
+        assert!(sl.spec.shared_counters.as_ref().map_or(0, Vec::len) <= MAX_COUNTER_SETS);
+        assert!(
+            sl.spec.devices.iter().flatten().all(|d| d
+                .consumes_counters
+                .as_ref()
+                .map_or(0, Vec::len)
+                <= 2)
+        );
         assert_eq!(sl.spec.pool.generation, 4);
         assert!(sl.spec.devices.as_ref().map_or(0, Vec::len) <= MAX_DEVICES_WITH_COUNTERS);
         let counters: usize = sl

@@ -1,0 +1,194 @@
+//! sandbox-dra as a process against the real kube-apiserver (the cluster tier's etcd and API
+//! server, no kubelet): the ResourceSlices it publishes for a large vGPU pool are accepted as
+//! a whole. The API's limits on a pool's slices (Kubernetes 1.35 and later: at most 8 counter
+//! sets a slice, 2 counter consumptions a device, 64 devices a slice when any consumes
+//! counters, counters and devices never in one slice) are checked by the API server itself,
+//! which the fake one does not. Needs the tier's assets (`tests/cluster/prepare.sh`); skipped
+//! without them, a failure with `CLUSTER_TIER=required`.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use cluster_tier::assets::{self, Assets};
+use cluster_tier::control_plane::{ControlPlane, ControlPlaneOpts};
+use serde_json::Value;
+use testkit::sim::Topology;
+
+const BIN: &str = env!("CARGO_BIN_EXE_sandbox-dra");
+const DRIVER: &str = "gpu.gpu-vm-node.io";
+/// How long a whole pool may take to be written (hundreds of devices, one apply a slice).
+const PATIENCE: Duration = Duration::from_secs(90);
+
+/// `n` A10s, each behind its own root port, over two NUMA nodes.
+fn a10s(n: usize) -> Topology {
+    let mut s = format!("name = \"{n}xA10\"\n");
+    for i in 0..n {
+        let bus = 0x10 + 2 * i;
+        let _ = write!(
+            s,
+            "[[bridge]]\naddress = \"0000:{bus:02x}:01.0\"\nnuma = {}\n\n\
+             [[device]]\naddress = \"0000:{:02x}:00.0\"\nmodel = \"A10\"\nbridge = \"0000:{bus:02x}:01.0\"\n\n",
+            i * 2 / n,
+            bus + 1
+        );
+    }
+    Topology::parse(&s, &format!("{n}xA10")).unwrap()
+}
+
+/// A running `sandbox-dra serve`; killed on drop.
+struct Driver(Child, tempfile::TempDir);
+
+impl Driver {
+    fn start(root: &Path, kubeconfig: &Path, node: &str) -> Driver {
+        let dir = tempfile::tempdir().unwrap();
+        let child = Command::new(BIN)
+            .arg("serve")
+            .arg("--host-root")
+            .arg(root)
+            .args(["--node-name", node, "--vgpu", "all", "--kubeconfig"])
+            .arg(kubeconfig)
+            .env("RUST_LOG", "info")
+            .env_remove("HOST_ROOT")
+            .env_remove("KUBECONFIG")
+            .env_remove("VGPU")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("log")).unwrap())
+            .spawn()
+            .unwrap();
+        Driver(child, dir)
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.1.path().join("log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The node's slices of the driver, as the API server holds them.
+fn slices(cp: &ControlPlane, node: &str) -> Vec<Value> {
+    let out = cp
+        .kubectl(&[
+            "get",
+            "resourceslices",
+            "-o",
+            "json",
+            "--field-selector",
+            &format!("spec.nodeName={node},spec.driver={DRIVER}"),
+        ])
+        .unwrap();
+    let v: Value = serde_json::from_str(&out).unwrap();
+    v["items"].as_array().cloned().unwrap_or_default()
+}
+
+/// Whether `s` is a whole pool: as many slices as each says, all of one generation.
+fn complete(s: &[Value]) -> bool {
+    let pools: Vec<(i64, i64)> = s
+        .iter()
+        .map(|s| {
+            (
+                s["spec"]["pool"]["generation"].as_i64().unwrap_or(-1),
+                s["spec"]["pool"]["resourceSliceCount"]
+                    .as_i64()
+                    .unwrap_or(-1),
+            )
+        })
+        .collect();
+    !s.is_empty()
+        && pools
+            .iter()
+            .all(|&(g, n)| (g, n) == (pools[0].0, s.len() as i64))
+}
+
+fn len(v: &Value) -> usize {
+    v.as_array().map_or(0, Vec::len)
+}
+
+#[test]
+fn ten_and_sixteen_pooled_a10s_are_a_pool_the_api_server_accepts() {
+    if let Some(why) = assets::unavailable() {
+        assets::skip("sandbox-dra against kube-apiserver", &why);
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let cp = ControlPlane::start(
+        dir.path(),
+        &Assets::load().unwrap(),
+        ControlPlaneOpts::default(),
+    )
+    .unwrap();
+    for n in [10, 16] {
+        let node = format!("node-{n}");
+        let manifest = dir.path().join(format!("{node}.json"));
+        std::fs::write(
+            &manifest,
+            format!(r#"{{"apiVersion": "v1", "kind": "Node", "metadata": {{"name": "{node}"}}}}"#),
+        )
+        .unwrap();
+        cp.kubectl(&["create", "-f", manifest.to_str().unwrap()])
+            .unwrap();
+        let sim = testkit::sim::mount_topology(&a10s(n));
+        let d = Driver::start(sim.root(), cp.admin_kubeconfig(), &node);
+        let t = Instant::now();
+        let got = loop {
+            let s = slices(&cp, &node);
+            if complete(&s) {
+                break s;
+            }
+            if t.elapsed() > PATIENCE {
+                panic!(
+                    "{n} A10s: no whole pool after {PATIENCE:?}: {} slices {:?}\n{}",
+                    s.len(),
+                    s.iter()
+                        .map(|s| s["metadata"]["name"].as_str().unwrap_or_default())
+                        .collect::<Vec<_>>(),
+                    d.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        };
+        // Every GPU's counter set, read back: the API server kept what it accepted.
+        let sets: usize = got.iter().map(|s| len(&s["spec"]["sharedCounters"])).sum();
+        assert_eq!(sets, n, "{n} A10s: counter sets");
+        let devices: Vec<&Value> = got
+            .iter()
+            .filter_map(|s| s["spec"]["devices"].as_array())
+            .flatten()
+            .collect();
+        let whole = devices
+            .iter()
+            .filter(|d| d["name"].as_str().unwrap().starts_with("gpu-"))
+            .count();
+        assert_eq!(whole, n, "{n} A10s: whole GPUs");
+        let per_gpu = devices
+            .iter()
+            .filter(|d| {
+                d["name"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with("vgpu-0000-11-00-0-")
+            })
+            .count();
+        assert!(per_gpu > 0, "{n} A10s: no vGPU of the first GPU");
+        assert_eq!(devices.len(), n * (per_gpu + 1), "{n} A10s: devices");
+        for s in &got {
+            assert!(len(&s["spec"]["sharedCounters"]) <= 8);
+            assert!(len(&s["spec"]["devices"]) <= 64);
+            assert!(s["spec"]["devices"].is_null() || s["spec"]["sharedCounters"].is_null());
+        }
+        assert!(
+            !d.log().contains("cannot publish"),
+            "{n} A10s: a pass failed:\n{}",
+            d.log()
+        );
+    }
+}

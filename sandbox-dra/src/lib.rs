@@ -182,10 +182,9 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         daemon_kit::events::NodeEvents::start(client.clone(), &config.node_name, "sandbox-dra");
     let telemetry = Arc::new(telemetry::Telemetry::new(ops.clone(), events));
     let sel = config.vgpu.clone().unwrap_or_else(vgpu::Selector::none);
-    let common::state::pool::Members {
-        gpus: vgpu_pool,
-        parents: mdev_parents,
-    } = vgpu::claim_pool(&paths, &sel)?;
+    let members = vgpu::claim_pool(&paths, &sel)?;
+    let mdev_parents = members.parents.clone();
+    let vgpu_pool = vgpu::Pool::new(members);
     let prepare_config = PrepareConfig {
         driver: config.driver.clone(),
         node_name: config.node_name.clone(),
@@ -236,6 +235,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
             resync_interval: config.resync_interval,
             telemetry,
             runtime,
+            vgpu: sel,
             vgpu_pool,
             mdev_parents,
         },

@@ -31,7 +31,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use common::uevent::{Monitor, Uevent};
 use common::vfio::{self, Selector, select};
-use common::{HostPaths, Inventory, PciAddress, PciIds, ReadOptions};
+use common::{HostPaths, Inventory, PciIds, ReadOptions};
 use daemon_kit::reconcile::{Settings, Trigger};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{CounterSet, Device, ResourceSlice, ResourceSliceSpec};
@@ -43,6 +43,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::registration::Registered;
 use crate::slices::{self, LeftOut, NodeDevices, Pool};
+use crate::vgpu;
 
 /// The field manager of the driver's writes.
 pub const FIELD_MANAGER: &str = "sandbox-dra";
@@ -82,28 +83,32 @@ pub struct PublishConfig {
     /// Where the node's container runtime is recorded, for prepare to refuse what it could not
     /// hand to a pod.
     pub runtime: std::sync::Arc<crate::runtime::RuntimeCheck>,
-    /// The GPUs published with vGPU devices (`--vgpu`).
-    pub vgpu_pool: BTreeSet<PciAddress>,
+    /// Which GPUs are published with vGPU devices (`--vgpu`), for those that appear.
+    pub vgpu: vgpu::Selector,
+    /// The GPUs published with vGPU devices; a GPU `vgpu` selects that appears joins it.
+    pub vgpu_pool: vgpu::Pool,
     /// The mdev parents that are not PCI functions published with their types (`--vgpu mtty`).
     pub mdev_parents: BTreeSet<String>,
 }
 
 /// Reads the node's devices (on a blocking thread: sysfs reads): the display functions of
-/// `vendor`; the GPUs of `vgpu_pool` get their counter sets and vGPU devices, the
-/// `mdev_parents` theirs ([`slices::mdev_parent_devices`]).
+/// `vendor`; a GPU `vgpu` selects that is not in `vgpu_pool` yet (hot-plugged) joins it
+/// ([`vgpu::Pool::grow`]); the GPUs of `vgpu_pool` get their counter sets and vGPU devices,
+/// the `mdev_parents` theirs ([`slices::mdev_parent_devices`]).
 pub async fn read_devices(
     paths: &HostPaths,
     vendor: u16,
     ids: &PciIds,
-    vgpu_pool: &BTreeSet<PciAddress>,
+    vgpu: &vgpu::Selector,
+    vgpu_pool: &vgpu::Pool,
     mdev_parents: &BTreeSet<String>,
 ) -> anyhow::Result<NodeDevices> {
-    let (paths, ids, pool) = (paths.clone(), ids.clone(), vgpu_pool.clone());
+    let (paths, ids, sel, pool) = (paths.clone(), ids.clone(), vgpu.clone(), vgpu_pool.clone());
     let parents = mdev_parents.clone();
     tokio::task::spawn_blocking(move || {
         let opts = ReadOptions {
             // Type ids, for the vGPU devices' attributes.
-            mdev_types: !pool.is_empty() || !parents.is_empty(),
+            mdev_types: sel != vgpu::Selector::none() || !parents.is_empty(),
             vf_identity: false,
         };
         let inv = Inventory::read_with(&paths, &opts).with_context(|| {
@@ -115,6 +120,11 @@ pub async fn read_devices(
         for u in &inv.unreadable {
             tracing::debug!(path = %u.path.display(), reason = %u.reason, "unreadable device skipped");
         }
+        if let Err(e) = pool.grow(&paths, &inv, &sel) {
+            // Published for passthrough only until a later pass succeeds.
+            tracing::warn!(error = %format!("{e:#}"), "cannot add new GPUs to the vGPU pool");
+        }
+        let pool = pool.gpus();
         let aliases = vfio::load_aliases(&paths);
         let selector = Selector {
             vendors: vec![vendor],
@@ -341,6 +351,7 @@ pub async fn run(
             &paths,
             cfg.vendor,
             &cfg.pci_ids,
+            &cfg.vgpu,
             &cfg.vgpu_pool,
             &cfg.mdev_parents,
         )

@@ -12,6 +12,7 @@
 //! event.
 
 use std::collections::BTreeSet;
+use std::sync::{Arc, PoisonError, RwLock};
 
 use anyhow::Context as _;
 use common::vgpu::lifecycle::Handle;
@@ -59,13 +60,9 @@ pub fn mdev_parents(inv: &Inventory, sel: &Selector) -> BTreeSet<String> {
         .collect()
 }
 
-/// The GPUs and non-PCI mdev parents `sel` names on this node, written as sandbox-dra's pool
-/// ([`state::pool::write_dra`]), so that vgpu-device-manager leaves them alone; refused when
-/// sandbox-dp's on-demand pool holds one.
-pub fn claim_pool(paths: &HostPaths, sel: &Selector) -> anyhow::Result<state::pool::Members> {
-    let inv = Inventory::read(paths).context("cannot read the node's PCI devices")?;
-    let gpus: BTreeSet<PciAddress> = inv
-        .gpus(Some(0x10de))
+/// The GPUs of `inv` that `sel` names and whose vGPU model the table knows.
+fn selected_gpus(inv: &Inventory, sel: &Selector) -> BTreeSet<PciAddress> {
+    inv.gpus(Some(0x10de))
         .into_iter()
         .filter(|d| !d.is_vf())
         .filter(|d| common::vgpu::models::model(d.vendor, d.device).is_some())
@@ -74,7 +71,15 @@ pub fn claim_pool(paths: &HostPaths, sel: &Selector) -> anyhow::Result<state::po
             Selector::Listed { gpus, .. } => gpus.contains(&d.address),
         })
         .map(|d| d.address)
-        .collect();
+        .collect()
+}
+
+/// The GPUs and non-PCI mdev parents `sel` names on this node, written as sandbox-dra's pool
+/// ([`state::pool::write_dra`]), so that vgpu-device-manager leaves them alone; refused when
+/// sandbox-dp's on-demand pool holds one.
+pub fn claim_pool(paths: &HostPaths, sel: &Selector) -> anyhow::Result<state::pool::Members> {
+    let inv = Inventory::read(paths).context("cannot read the node's PCI devices")?;
+    let gpus = selected_gpus(&inv, sel);
     if let Selector::Listed { gpus: want, .. } = sel {
         for a in want.difference(&gpus) {
             tracing::warn!(gpu = %a, "--vgpu names a GPU this node does not have, or one whose vGPU model is unknown");
@@ -90,6 +95,96 @@ pub fn claim_pool(paths: &HostPaths, sel: &Selector) -> anyhow::Result<state::po
         tracing::info!(gpus = ?pool.gpus.iter().map(ToString::to_string).collect::<Vec<_>>(), parents = ?pool.parents, "vGPU pool");
     }
     Ok(pool)
+}
+
+/// The GPUs of the vGPU pool, shared by the publisher, which adds the GPUs `--vgpu` selects
+/// that appear while the driver runs ([`Pool::grow`]), and the preparer, which creates vGPUs
+/// only on them.
+#[derive(Clone, Debug, Default)]
+pub struct Pool {
+    inner: Arc<RwLock<PoolState>>,
+}
+
+#[derive(Debug, Default)]
+struct PoolState {
+    gpus: BTreeSet<PciAddress>,
+    parents: BTreeSet<String>,
+    /// GPUs that appeared and could not join (another owner holds them), said once each.
+    refused: BTreeSet<PciAddress>,
+}
+
+impl Pool {
+    /// The pool [`claim_pool`] wrote.
+    pub fn new(members: state::pool::Members) -> Pool {
+        Pool {
+            inner: Arc::new(RwLock::new(PoolState {
+                gpus: members.gpus,
+                parents: members.parents,
+                refused: BTreeSet::new(),
+            })),
+        }
+    }
+
+    /// Whether GPU `a` is in the pool.
+    pub fn contains(&self, a: &PciAddress) -> bool {
+        self.inner
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .gpus
+            .contains(a)
+    }
+
+    /// The GPUs in the pool.
+    pub fn gpus(&self) -> BTreeSet<PciAddress> {
+        self.inner
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .gpus
+            .clone()
+    }
+
+    /// Adds to the pool the GPUs of `inv` that `sel` selects and the pool does not hold yet (a
+    /// GPU hot-plugged under `--vgpu all`), and records them in sandbox-dra's pool file. A GPU
+    /// sandbox-dp's on-demand pool holds stays out (one owner per GPU), published for
+    /// passthrough only, which is logged once. GPUs that went stay in the pool: the slices
+    /// hold only GPUs the node has.
+    pub fn grow(&self, paths: &HostPaths, inv: &Inventory, sel: &Selector) -> anyhow::Result<()> {
+        let mut st = self.inner.write().unwrap_or_else(PoisonError::into_inner);
+        let new: BTreeSet<PciAddress> = selected_gpus(inv, sel)
+            .difference(&st.gpus)
+            .copied()
+            .filter(|a| !st.refused.contains(a))
+            .collect();
+        if new.is_empty() {
+            return Ok(());
+        }
+        let on_demand = state::pool::load(paths)?.gpus;
+        for a in new.intersection(&on_demand) {
+            tracing::warn!(
+                gpu = %a,
+                owner = state::pool::ON_DEMAND_OWNER,
+                "a new GPU is owned by another daemon: published for passthrough only"
+            );
+            st.refused.insert(*a);
+        }
+        let joining: BTreeSet<PciAddress> = new.difference(&on_demand).copied().collect();
+        if joining.is_empty() {
+            return Ok(());
+        }
+        let members = state::pool::Members {
+            gpus: st.gpus.union(&joining).copied().collect(),
+            parents: st.parents.clone(),
+        };
+        state::pool::write_dra(paths, &members).with_context(
+            || "cannot record the GPUs and mdev parents of --vgpu as sandbox-dra's",
+        )?;
+        tracing::info!(
+            gpus = ?joining.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            "new GPUs joined the vGPU pool"
+        );
+        st.gpus = members.gpus;
+        Ok(())
+    }
 }
 
 /// A vGPU made for a claim, as its record holds it (written before the sysfs write).

@@ -678,3 +678,101 @@ async fn a_whole_gpu_claim_leaves_the_vfs_of_a_gpu_in_use_enabled() {
     assert_eq!(numvfs(), "0");
     assert_eq!(driver_of(root, "0000:61:00.0").as_deref(), Some("vfio-pci"));
 }
+
+/// The counter sets of `slices`, by name.
+fn counter_sets(slices: &[Value]) -> Vec<String> {
+    let mut out: Vec<String> = slices
+        .iter()
+        .filter_map(|s| s["spec"]["sharedCounters"].as_array())
+        .flatten()
+        .map(|c| c["name"].as_str().unwrap().to_string())
+        .collect();
+    out.sort();
+    out
+}
+
+/// Every device name of `slices`.
+fn device_names(slices: &[Value]) -> Vec<String> {
+    slices
+        .iter()
+        .filter_map(|s| s["spec"]["devices"].as_array())
+        .flatten()
+        .map(|d| d["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_gpu_hot_plugged_under_vgpu_all_joins_the_pool_unless_another_daemon_owns_it() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    // sandbox-dp's on-demand pool already holds a GPU that is not there yet.
+    let run = root.join("run/gpu-vm-node");
+    std::fs::create_dir_all(&run).unwrap();
+    std::fs::write(run.join("on-demand-pool"), "0000:a1:00.0\n").unwrap();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let d = start(root, &api, "all");
+    let drv = register(root).await;
+    wait_for_pool(&api);
+
+    sim.control("hotplug 0000:81:00.0 A10 group=50 numa=1")
+        .unwrap();
+    let slices = api
+        .wait_for_slices(PATIENCE, |s| {
+            counter_sets(s).contains(&"gpu-0000-81-00-0".to_string())
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "the hot-plugged GPU has no counter set: {:#?}\n{}",
+                api.slices(),
+                d.log()
+            )
+        });
+    // Its counter set and its vGPUs, as the GPUs there at start have them.
+    assert_eq!(
+        counter_sets(&slices),
+        ["gpu-0000-41-00-0", "gpu-0000-61-00-0", "gpu-0000-81-00-0"]
+    );
+    let names = device_names(&slices);
+    let of = |gpu: &str| names.iter().filter(|n| n.contains(gpu)).count();
+    assert_eq!(of("0000-81-00-0"), of("0000-41-00-0"), "{names:?}");
+    assert!(names.contains(&"vgpu-0000-81-00-0-a10-4q-5".to_string()));
+    // Recorded as sandbox-dra's, so vgpu-device-manager leaves it alone.
+    let pool = std::fs::read_to_string(run.join("dra-pool")).unwrap();
+    assert_eq!(pool, "0000:41:00.0\n0000:61:00.0\n0000:81:00.0\n");
+    // And prepared as any vGPU of the pool.
+    let c = put_claim(&api, "hot", "uid-hot", "vgpu-0000-81-00-0-a10-4q-0");
+    prepare(&drv, &c)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    let made = mdevs(root);
+    assert_eq!(made.len(), 1, "{made:?}");
+    assert_eq!(made[0].1, "NVIDIA A10-4Q");
+    unprepare(&drv, &c).await.unwrap();
+
+    // A GPU the on-demand pool owns: a whole GPU only, and not sandbox-dra's.
+    sim.control("hotplug 0000:a1:00.0 A10 group=60 numa=1")
+        .unwrap();
+    let slices = api
+        .wait_for_slices(PATIENCE, |s| {
+            device_names(s).contains(&"gpu-0000-a1-00-0".to_string())
+        })
+        .unwrap_or_else(|| panic!("the second GPU never published\n{}", d.log()));
+    assert!(!counter_sets(&slices).contains(&"gpu-0000-a1-00-0".to_string()));
+    assert!(
+        !device_names(&slices)
+            .iter()
+            .any(|n| n.starts_with("vgpu-0000-a1-00-0"))
+    );
+    let pool = std::fs::read_to_string(run.join("dra-pool")).unwrap();
+    assert_eq!(pool, "0000:41:00.0\n0000:61:00.0\n0000:81:00.0\n");
+    assert!(
+        d.log().contains("owned by another daemon"),
+        "nothing says why: {}",
+        d.log()
+    );
+    let c = put_claim(&api, "owned", "uid-owned", "vgpu-0000-a1-00-0-a10-4q-0");
+    let err = prepare(&drv, &c).await.unwrap_err();
+    assert!(err.contains("not in this driver's vGPU pool"), "{err}");
+}

@@ -168,7 +168,7 @@ mod tests {
             },
             on_unprepare: OnUnprepare::Keep,
             timeout: Duration::from_secs(1),
-            vgpu_pool: BTreeSet::new(),
+            vgpu_pool: Default::default(),
             mdev_parents: BTreeSet::new(),
             pci_ids: common::PciIds::embedded(),
             api_timeout: Duration::from_secs(1),

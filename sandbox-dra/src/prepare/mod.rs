@@ -45,7 +45,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::vfio::OpOptions;
-use common::{HostPaths, Inventory, PciAddress, PciIds, error_chain, state};
+use common::{HostPaths, Inventory, PciIds, error_chain, state};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use crate::cdi::{self, ClaimDevice, ClaimId, Layout};
@@ -152,7 +152,7 @@ pub struct PrepareConfig {
     /// The most one function's bind or unbind may take.
     pub timeout: Duration,
     /// The GPUs whose vGPUs are published (`--vgpu`).
-    pub vgpu_pool: BTreeSet<PciAddress>,
+    pub vgpu_pool: crate::vgpu::Pool,
     /// The mdev parents that are not PCI functions whose types are published (`--vgpu mtty`).
     pub mdev_parents: BTreeSet<String>,
     /// Product names, for the devices' attributes in the metadata file.

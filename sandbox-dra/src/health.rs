@@ -12,8 +12,9 @@
 //! list, as kubelet expects. A device is:
 //!
 //! - **Unhealthy** when a prepared claim holds it and it cannot serve the claim's VM: a whole GPU
-//!   no longer on a VFIO driver (`vfio-pci` or a variant), or gone from the node; a vGPU whose
-//!   mdev or vendor-path VF vGPU is gone; any device whose `/dev/vfio/<group>` node is gone;
+//!   no longer on a VFIO driver (`vfio-pci` or a variant), or gone from the node, or another
+//!   function of its IOMMU group (its audio function) taken by a host driver; a vGPU whose mdev
+//!   or vendor-path VF vGPU is gone; any device whose `/dev/vfio/<group>` node is gone;
 //! - **Unhealthy** when it was published and is not any more (hot-removed, or left out of the
 //!   slice, the reason in the message), until it comes back; at most [`MAX_GONE`] are kept;
 //! - **Healthy** otherwise: every device the slice publishes.
@@ -125,6 +126,18 @@ pub fn prepared_fault(inv: &Inventory, d: &ClaimDevice) -> Option<String> {
             Some(drv) => return Some(format!("{a} is on {drv}, not on its VFIO driver")),
             None => return Some(format!("{a} is on no driver, not on its VFIO driver")),
         }
+        // The group goes to the VM whole: the kernel refuses it while a member other than a
+        // bridge is on a host driver.
+        for m in inv.group_members(d.group) {
+            let Some(f) = inv.device(&m).filter(|f| f.address != a && !f.is_bridge()) else {
+                continue;
+            };
+            if let Some(drv) = f.driver.as_deref().filter(|x| !group_safe_driver(x)) {
+                return Some(format!(
+                    "{m}, in the IOMMU group of {a}, is on {drv}: the group cannot go to a VM"
+                ));
+            }
+        }
     }
     if !inv.vfio_nodes.contains(&d.group) {
         let of = match (&d.mdev, &d.vgpu, d.address) {
@@ -139,6 +152,12 @@ pub fn prepared_fault(inv: &Inventory, d: &ClaimDevice) -> Option<String> {
         ));
     }
     None
+}
+
+/// Whether a function on `driver` leaves its IOMMU group usable by VFIO (the kernel's own
+/// list: VFIO drivers and `pci-stub`).
+fn group_safe_driver(driver: &str) -> bool {
+    is_vfio_driver(driver) || driver == "pci-stub"
 }
 
 /// The health of every device the node answers for: the published ones, those prepared claims

@@ -45,8 +45,8 @@ impl Driver {
     }
 }
 
-/// Starts `sandbox-dra serve` with `--vgpu vgpu` and waits for its registration socket.
-fn start(root: &Path, api: &FakeApiServer, vgpu: &str) -> Driver {
+/// Starts `sandbox-dra serve` (with `--vgpu vgpu`) and waits for its registration socket.
+fn start(root: &Path, api: &FakeApiServer, vgpu: Option<&str>) -> Driver {
     let reg = root.join(format!(
         "var/lib/kubelet/plugins_registry/{DRIVER}-reg.sock"
     ));
@@ -55,8 +55,9 @@ fn start(root: &Path, api: &FakeApiServer, vgpu: &str) -> Driver {
     let child = Command::new(BIN)
         .arg("--host-root")
         .arg(root)
-        .args(["--node-name", NODE, "--vgpu", vgpu, "--kubeconfig"])
+        .args(["--node-name", NODE, "--kubeconfig"])
         .arg(api.kubeconfig())
+        .args(vgpu.map(|v| ["--vgpu", v]).into_iter().flatten())
         .arg("serve")
         .env("RUST_LOG", "info")
         .env_remove("HOST_ROOT")
@@ -195,7 +196,7 @@ async fn kubelet_hears_exactly_the_device_that_can_no_longer_serve_its_vm() {
     };
     let root = sim.root();
     let api = FakeApiServer::start(NODE, &[]).unwrap();
-    let d = start(root, &api, "0000:61:00.0");
+    let d = start(root, &api, Some("0000:61:00.0"));
     let drv = register(root).await;
     assert!(
         drv.info
@@ -283,4 +284,43 @@ async fn kubelet_hears_exactly_the_device_that_can_no_longer_serve_its_vm() {
     })
     .await;
     assert_eq!(unhealthy(&r), vec![plugged, vgpu], "{r:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_prepared_gpu_whose_audio_function_a_host_driver_takes_is_unhealthy() {
+    let Some(sim) = try_mount("rtx-workstation") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let d = start(root, &api, None);
+    let drv = register(root).await;
+    let mut s = watch(root).await;
+    let gpu = "gpu-0000-01-00-0";
+    until(&mut s, &d, "the GPU healthy", |r| {
+        is(r, gpu, HealthStatus::Healthy)
+    })
+    .await;
+    let c = put_claim(&api, "ws", "uid-ws", "vfio.gpu.gpu-vm-node.io", gpu);
+    prepare(&drv, &c).await;
+
+    // The audio function, bound with the GPU, given back to the host's sound driver.
+    let audio = root.join("sys/bus/pci/devices/0000:01:00.1");
+    std::fs::write(audio.join("driver_override"), "\n").unwrap();
+    std::fs::write(audio.join("driver/unbind"), "0000:01:00.1").unwrap();
+    std::fs::write(
+        root.join("sys/bus/pci/drivers/snd_hda_intel/bind"),
+        "0000:01:00.1",
+    )
+    .unwrap();
+    let r = until(&mut s, &d, "the GPU unhealthy", |r| {
+        is(r, gpu, HealthStatus::Unhealthy)
+    })
+    .await;
+    assert_eq!(unhealthy(&r), vec![gpu], "{r:#?}");
+    let why = &r[gpu].1;
+    assert!(
+        why.contains("0000:01:00.1") && why.contains("snd_hda_intel"),
+        "{why}"
+    );
 }

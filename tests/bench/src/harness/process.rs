@@ -14,6 +14,8 @@ pub struct Finished {
     pub wall: Duration,
     pub code: i32,
     pub max_rss_kib: u64,
+    /// The largest anonymous resident memory (`RssAnon`) sampled.
+    pub max_anon_kib: u64,
     pub stderr: String,
 }
 
@@ -51,10 +53,11 @@ pub fn run(cmd: &mut Command) -> Result<Finished> {
         let _ = tx.send(());
         (status, end)
     });
-    let mut max_rss_kib = 0;
+    let (mut max_rss_kib, mut max_anon_kib) = (0, 0);
     loop {
         if let Some(s) = procstat::sample_as(pid, &program) {
             max_rss_kib = max_rss_kib.max(s.hwm_kib);
+            max_anon_kib = max_anon_kib.max(s.anon_kib);
         }
         // Every 2 ms: VmHWM is a high-water mark, so a late sample still sees an earlier peak,
         // and the bench's own polling must not compete for the CPU with the process measured.
@@ -73,6 +76,7 @@ pub fn run(cmd: &mut Command) -> Result<Finished> {
         wall,
         code: status.code().unwrap_or(-1),
         max_rss_kib,
+        max_anon_kib,
         stderr,
     })
 }

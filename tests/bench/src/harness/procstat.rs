@@ -1,5 +1,5 @@
-//! What a process costs, read from `/proc/<pid>`: resident memory, peak resident memory,
-//! threads and CPU time.
+//! What a process costs, read from `/proc/<pid>`: resident memory (and how much of it is
+//! anonymous), peak resident memory, threads and CPU time.
 
 use std::fs;
 
@@ -10,6 +10,9 @@ pub struct ProcSample {
     pub rss_kib: u64,
     /// Peak resident set size, KiB (`VmHWM`).
     pub hwm_kib: u64,
+    /// Anonymous resident memory, KiB (`RssAnon`): heap and stacks, what only this process
+    /// holds (the rest of the RSS is pages of files: its binary and the C library).
+    pub anon_kib: u64,
     /// Threads.
     pub threads: u64,
     /// User + system CPU seconds so far.
@@ -57,6 +60,7 @@ fn sample_named(pid: u32, want: Option<&[u8]>) -> Option<ProcSample> {
         match key {
             "VmRSS:" => s.rss_kib = v,
             "VmHWM:" => s.hwm_kib = v,
+            "RssAnon:" => s.anon_kib = v,
             "Threads:" => s.threads = v,
             _ => {}
         }
@@ -83,6 +87,7 @@ mod tests {
     fn reads_this_process() {
         let s = sample(std::process::id()).unwrap();
         assert!(s.rss_kib > 0 && s.hwm_kib >= s.rss_kib && s.threads >= 1);
+        assert!(s.anon_kib > 0 && s.anon_kib <= s.rss_kib);
     }
 
     #[test]

@@ -7,12 +7,22 @@ use anyhow::{Context, Result, anyhow};
 
 use super::stats::Summary;
 
+/// One reading of a daemon's memory.
+struct Memory {
+    daemon: &'static str,
+    /// What was read ("peak of bind, bind again, unbind").
+    what: &'static str,
+    node: String,
+    rss_kib: u64,
+    anon_kib: u64,
+}
+
 /// The Markdown report.
 #[derive(Default)]
 pub struct Report {
     text: String,
-    /// Each daemon's memory as the sections read it: daemon, when, KiB.
-    memory: Vec<(&'static str, String, u64)>,
+    /// Each daemon's memory as the sections read it.
+    memory: Vec<Memory>,
 }
 
 impl Report {
@@ -42,25 +52,76 @@ impl Report {
         self.line(format!("| {} |", cells.join(" | ")));
     }
 
-    /// Notes a daemon's memory for the closing table: `daemon`, `when` it was read (the node
-    /// and the moment: "bind, 16xA10-gen"), resident KiB.
-    pub fn memory(&mut self, daemon: &'static str, when: impl Into<String>, kib: u64) {
-        self.memory.push((daemon, when.into(), kib));
+    /// Notes a daemon's memory for the closing table: `daemon`, `what` was read ("peak of
+    /// bind, bind again, unbind"), on which `node`: its resident and its anonymous memory, KiB.
+    pub fn memory(
+        &mut self,
+        daemon: &'static str,
+        what: &'static str,
+        node: &str,
+        rss_kib: u64,
+        anon_kib: u64,
+    ) {
+        self.memory.push(Memory {
+            daemon,
+            what,
+            node: node.to_string(),
+            rss_kib,
+            anon_kib,
+        });
     }
 
-    /// The memory every section noted, one row per daemon and moment, in the order noted.
+    /// The memory every section noted: one row per daemon and reading, its smallest and
+    /// largest over the nodes.
     pub fn memory_table(&mut self) {
-        if self.memory.is_empty() {
+        let mut rows: Vec<Vec<Memory>> = Vec::new();
+        for m in std::mem::take(&mut self.memory) {
+            match rows
+                .iter_mut()
+                .find(|r| r[0].daemon == m.daemon && r[0].what == m.what)
+            {
+                Some(r) => r.push(m),
+                None => rows.push(vec![m]),
+            }
+        }
+        if rows.is_empty() {
             return;
         }
-        let rows = std::mem::take(&mut self.memory);
         self.line("## Memory");
         self.line("");
-        self.line("Each daemon's resident memory as the sections above read it: a one-shot command's peak (`VmHWM`, sampled every 2 ms until it exits), a long-running daemon's `VmRSS` (and peak where the row says so) at the moment named; the largest over the runs.");
+        self.line("Each daemon's resident memory (RSS) as the sections above read it, the largest over the runs, smallest and largest over the nodes measured; and how much of it is anonymous (heap and stacks: what only that process holds; the rest is pages of its binary and of the C library, which the kernel can drop and read again).");
         self.line("");
-        self.table(&["daemon", "when", "RSS"]);
-        for (daemon, when, kib) in rows {
-            self.row(&[daemon.to_string(), when, mib(kib)]);
+        self.table(&["daemon", "reading", "RSS", "anonymous"]);
+        for r in rows {
+            let range = |f: fn(&Memory) -> u64, named: bool| {
+                let lo = r.iter().min_by_key(|m| f(m));
+                let hi = r.iter().max_by_key(|m| f(m));
+                match (lo, hi) {
+                    (Some(lo), Some(hi)) if f(lo) == f(hi) || r.len() == 1 => {
+                        if named {
+                            format!("{} ({})", mib(f(hi)), hi.node)
+                        } else {
+                            mib(f(hi))
+                        }
+                    }
+                    (Some(lo), Some(hi)) if named => format!(
+                        "{} ({}) – {} ({})",
+                        mib(f(lo)),
+                        lo.node,
+                        mib(f(hi)),
+                        hi.node
+                    ),
+                    (Some(lo), Some(hi)) => format!("{} – {}", mib(f(lo)), mib(f(hi))),
+                    _ => String::new(),
+                }
+            };
+            let cells = [
+                r[0].daemon.to_string(),
+                r[0].what.to_string(),
+                range(|m| m.rss_kib, true),
+                range(|m| m.anon_kib, false),
+            ];
+            self.row(&cells);
         }
         self.line("");
     }
@@ -94,4 +155,31 @@ pub fn write_out(path: &Path, body: &str) -> Result<()> {
         _ => format!("{old}{BEGIN}\n{body}{END}\n"),
     };
     std::fs::write(path, new).with_context(|| format!("writing {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_is_one_row_per_daemon_and_reading_with_its_extremes() {
+        let mut r = Report::default();
+        r.memory("vfio-manager", "peak", "2xA10", 2048, 512);
+        r.memory("sandbox-dp", "idle", "2xA10", 4096, 1024);
+        r.memory("vfio-manager", "peak", "16xA10", 3072, 1024);
+        r.memory("vfio-manager", "peak", "8xA100", 1024, 256);
+        r.memory_table();
+        let rows: Vec<&str> = r.text().lines().filter(|l| l.starts_with("| ")).collect();
+        assert_eq!(
+            rows,
+            [
+                "| daemon | reading | RSS | anonymous |",
+                "| vfio-manager | peak | 1.0 MiB (8xA100) – 3.0 MiB (16xA10) | 0.2 MiB – 1.0 MiB |",
+                "| sandbox-dp | idle | 4.0 MiB (2xA10) | 1.0 MiB |",
+            ]
+        );
+        let mut empty = Report::default();
+        empty.memory_table();
+        assert_eq!(empty.text(), "");
+    }
 }

@@ -94,6 +94,7 @@ pub struct DpRun {
     /// kubelet restarted (its plugin directory cleared) → every resource registered again.
     pub reregister: Duration,
     pub rss_kib: u64,
+    pub anon_kib: u64,
     pub threads: u64,
     pub idle_cpu: Option<f64>,
 }
@@ -194,6 +195,7 @@ pub async fn dp_once(
                 change_restore: Some(restored),
                 reregister,
                 rss_kib: s0.rss_kib,
+                anon_kib: s0.anon_kib,
                 threads: s0.threads,
                 idle_cpu,
             });
@@ -233,6 +235,7 @@ pub async fn dp_once(
         change_restore,
         reregister,
         rss_kib: s0.rss_kib,
+        anon_kib: s0.anon_kib,
         threads: s0.threads,
         idle_cpu,
     })
@@ -446,6 +449,7 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
         let rem: Vec<Duration> = runs.iter().filter_map(|x| x.change_remove).collect();
         let res: Vec<Duration> = runs.iter().filter_map(|x| x.change_restore).collect();
         let rss = runs.iter().map(|x| x.rss_kib).max().unwrap_or(0);
+        let anon = runs.iter().map(|x| x.anon_kib).max().unwrap_or(0);
         let threads = runs.iter().map(|x| x.threads).max().unwrap_or(0);
         if let Some(cpu) = runs.iter().find_map(|x| x.idle_cpu) {
             idle_line = Some(format!(
@@ -471,11 +475,7 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
             mib(rss),
             threads.to_string(),
         ]);
-        r.memory(
-            "sandbox-dp",
-            format!("registered, idle: {}", case.label),
-            rss,
-        );
+        r.memory("sandbox-dp", "registered, idle", &case.label, rss, anon);
     }
     r.line("");
     if let Some(l) = idle_line {

@@ -35,6 +35,7 @@ struct DraRun {
     unprepare: Vec<Duration>,
     rss_kib: u64,
     hwm_kib: u64,
+    anon_kib: u64,
 }
 
 fn prepared_ok(out: Vec<(String, Result<Vec<dra::PreparedDevice>, String>)>) -> Result<()> {
@@ -96,6 +97,7 @@ async fn dra_once(b: &Bins, topology: &str, cycles: usize) -> Result<DraRun> {
         unprepare: Vec::with_capacity(cycles),
         rss_kib: 0,
         hwm_kib: 0,
+        anon_kib: 0,
     };
     for _ in 0..cycles {
         let t = Instant::now();
@@ -116,6 +118,7 @@ async fn dra_once(b: &Bins, topology: &str, cycles: usize) -> Result<DraRun> {
     let s = procstat::sample(daemon.pid).ok_or_else(|| anyhow!("sandbox-dra died"))?;
     run.rss_kib = s.rss_kib;
     run.hwm_kib = s.hwm_kib;
+    run.anon_kib = s.anon_kib;
     daemon.stop().await;
     Ok(run)
 }
@@ -326,6 +329,7 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
             .ok_or_else(|| anyhow!("no runs"))?;
         let rss = runs.iter().map(|x| x.rss_kib).max().unwrap_or(0);
         let hwm = runs.iter().map(|x| x.hwm_kib).max().unwrap_or(0);
+        let anon = runs.iter().map(|x| x.anon_kib).max().unwrap_or(0);
         r.row(&[
             topology.to_string(),
             fmt_summary(&reg),
@@ -338,14 +342,7 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
             mib(rss),
             mib(hwm),
         ]);
-        r.memory(
-            "sandbox-dra",
-            format!(
-                "after {cycles} claims prepared and unprepared, {topology} (peak {})",
-                mib(hwm)
-            ),
-            rss,
-        );
+        r.memory("sandbox-dra", "after the claims", topology, rss, anon);
     }
     r.line("");
     bench_vgpu(cli, b, r).await

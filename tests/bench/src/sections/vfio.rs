@@ -34,7 +34,7 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     ]);
     let topos = [builtin("2xA10")?, builtin("8xA100")?, generated("A10", 16)?];
     for t in &topos {
-        let (mut binds, mut again, mut unbinds, mut rss) = (vec![], vec![], vec![], 0);
+        let (mut binds, mut again, mut unbinds, mut rss, mut anon) = (vec![], vec![], vec![], 0, 0);
         for _ in 0..cli.runs {
             let sim = mount(t);
             for (what, sub, samples) in [
@@ -45,6 +45,7 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
                 let f = ok(run(&mut vfio(b, sub, sim.root(), &[]))?, what)?;
                 samples.push(f.wall);
                 rss = rss.max(f.max_rss_kib);
+                anon = anon.max(f.max_anon_kib);
             }
         }
         r.row(&[
@@ -55,7 +56,13 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
             fmt_summary(&need(summarize(&unbinds))?),
             mib(rss),
         ]);
-        r.memory("vfio-manager", format!("bind, {}", t.name), rss);
+        r.memory(
+            "vfio-manager",
+            "peak of bind, bind again, unbind",
+            &t.name,
+            rss,
+            anon,
+        );
     }
     r.line("");
 

@@ -308,12 +308,16 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         on_file,
     )?;
 
-    if let Some(pool) = config.discover.pool.clone() {
-        tokio::task::spawn_blocking(move || pool.start())
-            .await
-            .context("on-demand pool task")?
-            .context("starting the on-demand pool")?;
-    }
+    // The on-demand pool is this process's while it runs: the hold goes when it ends.
+    let _pool_hold = match config.discover.pool.clone() {
+        Some(pool) => Some(
+            tokio::task::spawn_blocking(move || pool.start())
+                .await
+                .context("on-demand pool task")?
+                .context("starting the on-demand pool")?,
+        ),
+        None => None,
+    };
     // The first read runs here: nothing is served yet that it could hold up, and a thread of
     // the blocking pool would only add its start to the registration.
     let mut view = NodeView::read(&paths, &read_options(&config.discover))?;

@@ -182,6 +182,21 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         daemon_kit::events::NodeEvents::start(client.clone(), &config.node_name, "sandbox-dra");
     let telemetry = Arc::new(telemetry::Telemetry::new(ops.clone(), events));
     let sel = config.vgpu.clone().unwrap_or_else(vgpu::Selector::none);
+    // The vGPU pool is this process's while it runs: the hold goes when it ends, and a pool
+    // file without it is one the other daemons know to be left over.
+    let _pool_hold = match &config.vgpu {
+        Some(_) => Some(
+            common::state::pool::hold_dra(&paths)
+                .map_err(anyhow::Error::from)?
+                .with_context(|| {
+                    format!(
+                        "another sandbox-dra --vgpu holds {}.lock: one owner per node",
+                        common::state::pool::dra_path(&paths).display()
+                    )
+                })?,
+        ),
+        None => None,
+    };
     let members = vgpu::claim_pool(&paths, &sel)?;
     let mdev_parents = members.parents.clone();
     let vgpu_pool = vgpu::Pool::new(members);

@@ -274,15 +274,30 @@ fn read_gpus(opts: &Options, record_names: bool) -> Result<Vec<Gpu>, ApplyError>
     let mut gpus = gpu::discover(&inv, opts.vendor, &usage, &names);
     // sandbox-dp's on-demand pool and sandbox-dra's own their GPUs and mdev parents: a pool
     // file that cannot be read stops here, since any of them might be in it.
+    // A pool whose owner is not running (its file left over, e.g. after a relabel) keeps only
+    // what has vGPUs, which are its pods'; its other members are the profile's again.
     let pool = common::state::pool::load_owned(&opts.paths).map_err(ApplyError::Read)?;
+    let running: Vec<bool> = pool
+        .iter()
+        .map(|(owner, _)| common::state::pool::owner_running(&opts.paths, owner))
+        .collect();
     for g in &mut gpus {
-        g.pooled = pool
-            .iter()
-            .find(|(_, m)| match g.pci {
-                Some(a) => m.gpus.contains(&a),
-                None => m.parents.contains(&g.name),
-            })
-            .map(|(owner, _)| *owner);
+        let found = pool.iter().zip(&running).find(|((_, m), _)| match g.pci {
+            Some(a) => m.gpus.contains(&a),
+            None => m.parents.contains(&g.name),
+        });
+        g.pooled = match found {
+            Some(((owner, _), true)) => Some(*owner),
+            Some(((owner, _), false)) if !g.vgpus.is_empty() => {
+                tracing::warn!(gpu = %g.label(), "in {owner}, which is not running; its vGPUs are left alone");
+                Some(*owner)
+            }
+            Some(((owner, _), false)) => {
+                tracing::warn!(gpu = %g.label(), "listed in {owner}, which is not running (its pool file is left over): the profile applies to it");
+                None
+            }
+            None => None,
+        };
     }
     for g in &gpus {
         tracing::debug!(

@@ -70,3 +70,41 @@ fn a_pooled_gpu_keeps_its_vgpus_and_gets_none_from_a_profile() {
     assert!(text(&o).contains("on-demand-pool"), "{}", text(&o));
     assert_eq!(mdev_counts(root), counts);
 }
+
+#[test]
+fn a_pool_left_over_by_an_owner_that_is_not_running_gives_back_its_empty_gpus() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    // sandbox-dp --on-demand ran here (a node relabelled since) and left its pool file.
+    std::fs::create_dir_all(root.join("run/gpu-vm-node")).unwrap();
+    std::fs::write(
+        root.join("run/gpu-vm-node/on-demand-pool"),
+        "0000:41:00.0\n0000:61:00.0\n",
+    )
+    .unwrap();
+    let cfg = config_file(CONFIG);
+    let f = cfg.path.to_str().unwrap();
+
+    // While sandbox-dp runs (it holds the pool), the profile leaves both GPUs alone.
+    let paths = common::HostPaths::new(root);
+    let owner = common::state::pool::hold(&paths).unwrap().unwrap();
+    let o = run(root, &["apply", "-f", f, "-c", "A10-8Q"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(mdev_counts(root).is_empty(), "{:?}", mdev_counts(root));
+
+    // Once it is gone, the left-over file takes nothing: the profile applies, and says why.
+    drop(owner);
+    let o = run(root, &["apply", "-f", f, "-c", "A10-8Q"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).contains("which is not running"), "{}", text(&o));
+    let counts = mdev_counts(root);
+    for gpu in ["0000:41:00.0", "0000:61:00.0"] {
+        assert_eq!(
+            counts.get(&(gpu.into(), "NVIDIA A10-8Q".into())),
+            Some(&3),
+            "{counts:?}"
+        );
+    }
+}

@@ -6,8 +6,12 @@
 //! after a reboot nothing is pooled until sandbox-dp starts again.
 //!
 //! sandbox-dra keeps its own pool the same way, `<root>/run/gpu-vm-node/dra-pool`: the members
-//! it creates vGPUs on at claim time ([`write_dra`] refuses one the on-demand pool holds, so two
-//! owners never share one). [`load_owned`] is every member some daemon owns.
+//! it creates vGPUs on at claim time. [`load_owned`] is every member some daemon owns.
+//!
+//! Each owner holds its pool ([`hold`], [`hold_dra`]: a `flock` on `<pool file>.lock`) while it
+//! runs; [`owner_running`] tells a live pool from one left over (a node relabelled, the owner's
+//! DaemonSet gone). A writer refuses a member the other pool holds while its owner runs
+//! ([`write`], [`write_dra`]); a left-over pool takes nothing from a running owner.
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -94,21 +98,111 @@ pub fn load_owned(paths: &HostPaths) -> Result<Vec<(&'static str, Members)>> {
     ])
 }
 
-/// Replaces sandbox-dra's pool with `members`. Refused, writing nothing, when the on-demand
-/// pool holds one of them: the error names it and the file.
-pub fn write_dra(paths: &HostPaths, members: &Members) -> Result<()> {
-    if let Some(m) = members.shared_with(&load(paths)?) {
-        return Err(Error::Parse {
-            path: path(paths),
-            reason: format!("{m} is in sandbox-dp's on-demand pool; it has one owner"),
-        });
+/// A pool owner's hold on its pool while it runs: an exclusive `flock` on `<pool file>.lock`,
+/// which the kernel drops when the process ends however it ends (a crash, `kill -9`, its
+/// DaemonSet removed by a relabel). A pool file whose lock nobody holds is left over from an
+/// owner that is not running ([`owner_running`]).
+#[derive(Debug)]
+pub struct Hold {
+    _lock: nix::fcntl::Flock<std::fs::File>,
+}
+
+fn lock_path(pool_file: PathBuf) -> PathBuf {
+    let mut s = pool_file.into_os_string();
+    s.push(".lock");
+    PathBuf::from(s)
+}
+
+fn take_lock(pool_file: PathBuf, arg: nix::fcntl::FlockArg) -> Result<Option<Hold>> {
+    let p = lock_path(pool_file);
+    if let Some(dir) = p.parent() {
+        super::ensure_dir(dir)?;
     }
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&p)
+        .map_err(|source| Error::Io {
+            path: p.clone(),
+            source,
+        })?;
+    match nix::fcntl::Flock::lock(file, arg) {
+        Ok(lock) => Ok(Some(Hold { _lock: lock })),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
+        Err((_, e)) => Err(Error::Io {
+            path: p,
+            source: e.into(),
+        }),
+    }
+}
+
+/// Takes the on-demand pool's hold for as long as the returned value lives; `Ok(None)` when
+/// another process holds it (another sandbox-dp `--on-demand` runs on this node).
+pub fn hold(paths: &HostPaths) -> Result<Option<Hold>> {
+    take_lock(path(paths), nix::fcntl::FlockArg::LockExclusiveNonblock)
+}
+
+/// [`hold`] for sandbox-dra's pool.
+pub fn hold_dra(paths: &HostPaths) -> Result<Option<Hold>> {
+    take_lock(dra_path(paths), nix::fcntl::FlockArg::LockExclusiveNonblock)
+}
+
+/// Whether the owner of the pool `owner` names ([`ON_DEMAND_OWNER`], [`DRA_OWNER`]) runs: it
+/// holds the pool's lock. Unknown (the lock file cannot be opened) counts as running.
+pub fn owner_running(paths: &HostPaths, owner: &str) -> bool {
+    let file = if owner == DRA_OWNER {
+        dra_path(paths)
+    } else {
+        path(paths)
+    };
+    if !lock_path(file.clone()).exists() {
+        return false;
+    }
+    // A shared lock taken (and dropped at once) means no owner holds the exclusive one.
+    !matches!(
+        take_lock(file, nix::fcntl::FlockArg::LockSharedNonblock),
+        Ok(Some(_))
+    )
+}
+
+/// Replaces sandbox-dra's pool with `members`. Refused, writing nothing, when the on-demand
+/// pool holds one of them and sandbox-dp runs: the error names it, the owner and the file. A
+/// pool left over by an owner that is not running takes nothing from the new one.
+pub fn write_dra(paths: &HostPaths, members: &Members) -> Result<()> {
+    one_owner(paths, members, ON_DEMAND_OWNER, path(paths), load(paths)?)?;
     write_file(dra_path(paths), members)
 }
 
+fn one_owner(
+    paths: &HostPaths,
+    members: &Members,
+    other: &str,
+    other_file: PathBuf,
+    theirs: Members,
+) -> Result<()> {
+    let Some(m) = members.shared_with(&theirs) else {
+        return Ok(());
+    };
+    if owner_running(paths, other) {
+        return Err(Error::Parse {
+            path: other_file,
+            reason: format!("{m} is in {other}, which is running; a GPU has one owner"),
+        });
+    }
+    tracing::warn!(
+        member = %m,
+        file = %other_file.display(),
+        "taken over from {other}, which is not running (its pool file is left over)"
+    );
+    Ok(())
+}
+
 /// Replaces the on-demand pool with `members` ([`super::write_atomic`]); an empty pool removes
-/// the file.
+/// the file. Refused as [`write_dra`] is when sandbox-dra's pool holds one of them and
+/// sandbox-dra runs.
 pub fn write(paths: &HostPaths, members: &Members) -> Result<()> {
+    one_owner(paths, members, DRA_OWNER, dra_path(paths), load_dra(paths)?)?;
     write_file(path(paths), members)
 }
 
@@ -188,6 +282,10 @@ mod tests {
     fn a_gpu_or_a_parent_has_one_owner() {
         let dir = tempfile::tempdir().unwrap();
         let paths = HostPaths::new(dir.path());
+        let on_demand = hold(&paths).unwrap().expect("the on-demand pool's hold");
+        assert!(hold(&paths).unwrap().is_none(), "a second holder");
+        assert!(owner_running(&paths, ON_DEMAND_OWNER));
+        assert!(!owner_running(&paths, DRA_OWNER));
         write(&paths, &members(&["0000:41:00.0"], &["mtty"])).unwrap();
         for (clash, named) in [
             (
@@ -211,6 +309,21 @@ mod tests {
                 (DRA_OWNER, dra)
             ]
         );
+        // Both ways: the on-demand pool cannot take what a running sandbox-dra holds.
+        let dra_hold = hold_dra(&paths)
+            .unwrap()
+            .expect("sandbox-dra's pool's hold");
+        let e = write(&paths, &members(&["0000:61:00.0"], &[]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("0000:61:00.0") && e.contains("dra-pool"), "{e}");
+        assert_eq!(load(&paths).unwrap(), members(&["0000:41:00.0"], &["mtty"]));
+        // A pool left over by an owner that is not running takes nothing from the new one.
+        drop(dra_hold);
+        assert!(!owner_running(&paths, DRA_OWNER));
+        write(&paths, &members(&["0000:61:00.0"], &[])).unwrap();
+        drop(on_demand);
+        write_dra(&paths, &members(&["0000:61:00.0"], &[])).unwrap();
         write_dra(&paths, &Members::default()).unwrap();
         assert!(!dra_path(&paths).exists());
     }

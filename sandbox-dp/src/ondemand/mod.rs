@@ -38,6 +38,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use anyhow::Context;
 use common::vgpu::lifecycle::{Handle, NoRoom};
 use common::vgpu::{Mode, capacity};
 use common::{HostPaths, Inventory, PciAddress, ReadOptions, Sysfs, state};
@@ -303,9 +304,17 @@ impl Pool {
             .collect()
     }
 
-    /// At start: writes the pool file (vgpu-device-manager leaves these GPUs alone) and enables
-    /// the VFs of pooled GPUs that need them to show their types.
-    pub fn start(&self) -> anyhow::Result<()> {
+    /// At start: takes the pool's hold (kept while the returned value lives: the pool is this
+    /// process's only while it runs), writes the pool file (vgpu-device-manager and sandbox-dra
+    /// leave these GPUs alone) and enables the VFs of pooled GPUs that need them to show their
+    /// types.
+    pub fn start(&self) -> anyhow::Result<state::pool::Hold> {
+        let hold = state::pool::hold(&self.paths)?.with_context(|| {
+            format!(
+                "another sandbox-dp --on-demand holds {}.lock: one owner per node",
+                state::pool::path(&self.paths).display()
+            )
+        })?;
         let inv = Inventory::read_with(&self.paths, &READ_OPTIONS)?;
         let gpus = self.gpus(&inv);
         if let Selector::Listed {
@@ -353,7 +362,7 @@ impl Pool {
             sysfs.set_sriov_numvfs(&a, total)?;
         }
         tracing::info!(gpus = ?gpus.iter().map(ToString::to_string).collect::<Vec<_>>(), parents = ?parents, "on-demand pool");
-        Ok(())
+        Ok(hold)
     }
 
     fn member_lock(&self, m: &Member) -> Arc<Mutex<()>> {
@@ -380,7 +389,7 @@ mod tests {
             Default::default(),
         )
         .unwrap();
-        pool.start().unwrap();
+        let _hold = pool.start().unwrap();
         assert_eq!(
             state::pool::load(&paths).unwrap(),
             state::pool::Members {

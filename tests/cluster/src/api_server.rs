@@ -41,6 +41,12 @@ impl ApiServer {
     /// Starts an API server, or returns `None` after [`assets::skip`] names `what` when the
     /// tier's assets are not prepared.
     pub fn start_or_skip(what: &str) -> Result<Option<ApiServer>> {
+        ApiServer::start_with_or_skip(what, false)
+    }
+
+    /// [`ApiServer::start_or_skip`], with kube-controller-manager and kube-scheduler too when
+    /// `controllers` (the garbage collector, for tests of what goes with a deleted owner).
+    pub fn start_with_or_skip(what: &str, controllers: bool) -> Result<Option<ApiServer>> {
         let assets = match Assets::load() {
             Ok(a) => a,
             Err(why) => {
@@ -52,7 +58,11 @@ impl ApiServer {
             .prefix("gpu-vm-apiserver-")
             .tempdir()
             .context("creating the API server's directory")?;
-        let cp = ControlPlane::start(dir.path(), &assets, ControlPlaneOpts::default())?;
+        let opts = ControlPlaneOpts {
+            controllers,
+            ..ControlPlaneOpts::default()
+        };
+        let cp = ControlPlane::start(dir.path(), &assets, opts)?;
         Ok(Some(ApiServer {
             cp,
             kubectl: assets.kubectl,

@@ -1,13 +1,17 @@
-//! sandbox-dra as a process against node-sim and the fake API server: the node's ResourceSlice
-//! as published, followed through hot-plug, stale slices and the Node's deletion.
+//! sandbox-dra as a process against node-sim and a real API server (etcd and kube-apiserver;
+//! kube-controller-manager too where the garbage collector takes a deleted Node's slices): the
+//! node's ResourceSlice as the API server validates and stores it, its generations, followed
+//! through hot-plug, stale slices, kubelet's wipe and the Node's deletion. Needs the cluster
+//! tier's assets (`tests/cluster/prepare.sh`); skipped without them, a failure with
+//! `CLUSTER_TIER=required`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use cluster_tier::ApiServer;
 use serde_json::{Value, json};
-use testkit::apiserver::{FakeApiServer, NODE_UID};
 
 /// A generous deadline for anything the driver should do "within a second".
 const DEADLINE: Duration = Duration::from_secs(15);
@@ -20,14 +24,14 @@ const SLICE: &str = "node-a-gpu.gpu-vm-node.io";
 struct Driver(Child);
 
 impl Driver {
-    fn start(root: &Path, api: &FakeApiServer, resync: &str) -> Driver {
+    fn start(root: &Path, api: &ApiServer, resync: &str) -> Driver {
         let child = Command::new(BIN)
             .arg("serve")
             .arg("--host-root")
             .arg(root)
             .args(["--node-name", NODE, "--resync-interval", resync])
             .arg("--kubeconfig")
-            .arg(api.kubeconfig())
+            .arg(api.admin_kubeconfig())
             .env("RUST_LOG", "sandbox_dra=debug")
             .stdin(Stdio::null())
             .spawn()
@@ -58,14 +62,96 @@ fn generation(slice: &Value) -> i64 {
     slice["spec"]["pool"]["generation"].as_i64().unwrap()
 }
 
+/// An API server with Node `NODE`, or `None` when the tier's assets are missing (skipped).
+fn api_server(controllers: bool) -> Option<ApiServer> {
+    let api =
+        ApiServer::start_with_or_skip("sandbox-dra's ResourceSlices", controllers).unwrap()?;
+    api.create_node(NODE, &[]).unwrap();
+    Some(api)
+}
+
+/// Every ResourceSlice, by name, as the API server stores it.
+fn slices(api: &ApiServer) -> Vec<Value> {
+    let v = api
+        .get_json(&["resourceslices", "--sort-by=.metadata.name"])
+        .unwrap();
+    v["items"].as_array().cloned().unwrap_or_default()
+}
+
+fn slice_names(api: &ApiServer) -> Vec<String> {
+    slices(api)
+        .iter()
+        .map(|s| s["metadata"]["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Polls the slices until `pred` holds, for at most `timeout`.
+fn wait_for_slices(
+    api: &ApiServer,
+    timeout: Duration,
+    pred: impl Fn(&[Value]) -> bool,
+) -> Option<Vec<Value>> {
+    let end = std::time::Instant::now() + timeout;
+    loop {
+        let s = slices(api);
+        if pred(&s) {
+            return Some(s);
+        }
+        if std::time::Instant::now() > end {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Creates a ResourceSlice as another client would (the API server validates it).
+fn put_slice(api: &ApiServer, slice: Value) {
+    api.apply(&slice.to_string()).unwrap();
+}
+
+fn delete_slice(api: &ApiServer, name: &str) {
+    api.kubectl(&["delete", "resourceslice", name]).unwrap();
+}
+
+/// Deletes the Node and waits for the garbage collector to take the slices its UID owns;
+/// returns the names of the slices that went.
+fn delete_node(api: &ApiServer) -> Vec<String> {
+    let before = slice_names(api);
+    api.kubectl(&["delete", "node", NODE]).unwrap();
+    // The garbage collector's first sync can take a while after it starts.
+    let owned = |s: &Value| s["metadata"]["ownerReferences"][0]["name"] == NODE;
+    let after = wait_for_slices(api, Duration::from_secs(90), |s| !s.iter().any(owned))
+        .unwrap_or_else(|| panic!("the Node's slices stayed: {:#?}", slices(api)));
+    let after: Vec<String> = after
+        .iter()
+        .map(|s| s["metadata"]["name"].as_str().unwrap().to_string())
+        .collect();
+    before.into_iter().filter(|n| !after.contains(n)).collect()
+}
+
+/// Requests to ResourceSlices the driver made (the audit log; kubectl's are the test's):
+/// `list`s of them, and writes (`patch`: server-side apply) of the node's slice.
+fn audited(api: &ApiServer, verb: &str) -> usize {
+    api.audited("resourceslices")
+        .iter()
+        .filter(|e| e["user"]["username"] == "admin")
+        .filter(|e| {
+            !e["userAgent"]
+                .as_str()
+                .is_some_and(|a| a.starts_with("kubectl"))
+        })
+        .filter(|e| e["verb"] == verb && (verb == "list" || e["objectRef"]["name"] == SLICE))
+        .count()
+}
+
 /// Waits until the node's slice holds exactly `want` devices; returns it.
-fn wait_for_devices(api: &FakeApiServer, want: &[&str]) -> Value {
-    let found = api.wait_for_slices(DEADLINE, |s| {
+fn wait_for_devices(api: &ApiServer, want: &[&str]) -> Value {
+    let found = wait_for_slices(api, DEADLINE, |s| {
         s.iter()
             .any(|s| s["metadata"]["name"] == SLICE && names(s) == want)
     });
     let Some(slices) = found else {
-        panic!("the slice never held {want:?}: {:#?}", api.slices());
+        panic!("the slice never held {want:?}: {:#?}", slices(api));
     };
     slices
         .into_iter()
@@ -78,7 +164,8 @@ fn a_2xa10_node_is_published_followed_through_hotplug_and_collected_with_its_nod
     let Some(sim) = testkit::sim::try_mount("2xA10") else {
         return;
     };
-    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let Some(api) = api_server(true) else { return };
+    let node_uid = api.node(NODE).unwrap()["metadata"]["uid"].clone();
     let _d = Driver::start(sim.root(), &api, "1h");
 
     let slice = wait_for_devices(&api, &["gpu-0000-41-00-0", "gpu-0000-61-00-0"]);
@@ -90,7 +177,7 @@ fn a_2xa10_node_is_published_followed_through_hotplug_and_collected_with_its_nod
     );
     assert_eq!(
         slice["metadata"]["ownerReferences"],
-        json!([{"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": NODE_UID, "controller": true}])
+        json!([{"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": node_uid, "controller": true}])
     );
     let dev = &slice["spec"]["devices"][0];
     assert_eq!(
@@ -133,8 +220,8 @@ fn a_2xa10_node_is_published_followed_through_hotplug_and_collected_with_its_nod
     assert_eq!(generation(&slice), 3);
 
     // The Node deleted: the garbage collector follows the owner reference.
-    assert_eq!(api.delete_node(), [SLICE]);
-    assert!(api.slices().is_empty());
+    assert_eq!(delete_node(&api), [SLICE]);
+    assert!(slices(&api).is_empty());
 }
 
 #[test]
@@ -142,7 +229,7 @@ fn stale_slices_go_at_start_and_a_wiped_slice_comes_back_with_a_higher_generatio
     let Some(sim) = testkit::sim::try_mount("2xA10") else {
         return;
     };
-    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let Some(api) = api_server(true) else { return };
     let slice = |name: &str, node: &str, driver: &str, generation: i64| {
         json!({
             "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
@@ -154,24 +241,24 @@ fn stale_slices_go_at_start_and_a_wiped_slice_comes_back_with_a_higher_generatio
     };
     // Ours from an earlier run (its devices since gone), one under an older name, another
     // node's and another driver's on this node.
-    api.put_slice(slice(SLICE, NODE, DRIVER, 7));
-    api.put_slice(slice("node-a-gpu.gpu-vm-node.io-x1z2", NODE, DRIVER, 2));
-    api.put_slice(slice("node-b-gpu.gpu-vm-node.io", "node-b", DRIVER, 1));
-    api.put_slice(slice(
-        "node-a-other.example.com",
-        NODE,
-        "other.example.com",
-        1,
-    ));
+    put_slice(&api, slice(SLICE, NODE, DRIVER, 7));
+    put_slice(
+        &api,
+        slice("node-a-gpu.gpu-vm-node.io-x1z2", NODE, DRIVER, 2),
+    );
+    put_slice(
+        &api,
+        slice("node-b-gpu.gpu-vm-node.io", "node-b", DRIVER, 1),
+    );
+    put_slice(
+        &api,
+        slice("node-a-other.example.com", NODE, "other.example.com", 1),
+    );
     let _d = Driver::start(sim.root(), &api, "1s");
 
     let slice = wait_for_devices(&api, &["gpu-0000-41-00-0", "gpu-0000-61-00-0"]);
     assert_eq!(generation(&slice), 8, "one above the generation it found");
-    let left: Vec<String> = api
-        .slices()
-        .iter()
-        .map(|s| s["metadata"]["name"].as_str().unwrap().to_string())
-        .collect();
+    let left = slice_names(&api);
     assert_eq!(
         left,
         [
@@ -183,44 +270,38 @@ fn stale_slices_go_at_start_and_a_wiped_slice_comes_back_with_a_higher_generatio
 
     // kubelet wipes the node's slices when it starts: the resync puts it back, with a
     // generation above any seen.
-    assert!(api.delete_slice(SLICE));
+    delete_slice(&api, SLICE);
     let slice = wait_for_devices(&api, &["gpu-0000-41-00-0", "gpu-0000-61-00-0"]);
     assert_eq!(generation(&slice), 9);
 
     // Nothing changed: resyncs read the node's slices (a list) and write nothing.
-    let count = |method: &str| {
-        let target = match method {
-            "GET" => "GET /apis/resource.k8s.io/v1/resourceslices?".to_string(),
-            _ => format!("{method} /apis/resource.k8s.io/v1/resourceslices/{SLICE}?"),
-        };
-        api.requests()
-            .iter()
-            .filter(|r| r.starts_with(&target))
-            .count()
-    };
-    let (reads, writes) = (count("GET"), count("PATCH"));
-    let deadline = std::time::Instant::now() + DEADLINE;
-    while count("GET") < reads + 2 {
+    let count = |verb: &str| audited(&api, verb);
+    let (reads, writes) = (count("list"), count("patch"));
+    // A resync a second, on a machine that may be busy: a generous deadline.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while count("list") < reads + 2 {
         assert!(
             std::time::Instant::now() < deadline,
-            "no resync read the slice"
+            "no resync read the slice: {:#?}",
+            api.audited("resourceslices")
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert_eq!(count("PATCH"), writes, "a resync wrote an unchanged slice");
-    assert_eq!(generation(&api.slice(SLICE).unwrap()), 9);
+    assert_eq!(count("patch"), writes, "a resync wrote an unchanged slice");
+    let stored = api.get_json(&["resourceslice", SLICE]).unwrap();
+    assert_eq!(generation(&stored), 9);
 
     // The Node deleted (its slice collected with it) and registered again: the slice comes
     // back owned by the new Node, not by the UID the driver saw first.
-    assert_eq!(api.delete_node(), [SLICE]);
-    api.recreate_node("uid-of-the-new-node");
-    let found = api.wait_for_slices(DEADLINE, |s| {
+    assert_eq!(delete_node(&api), [SLICE]);
+    api.create_node(NODE, &[]).unwrap();
+    let new_uid = api.node(NODE).unwrap()["metadata"]["uid"].clone();
+    let found = wait_for_slices(&api, DEADLINE, |s| {
         s.iter().any(|s| {
-            s["metadata"]["name"] == SLICE
-                && s["metadata"]["ownerReferences"][0]["uid"] == "uid-of-the-new-node"
+            s["metadata"]["name"] == SLICE && s["metadata"]["ownerReferences"][0]["uid"] == new_uid
         })
     });
-    assert!(found.is_some(), "{:#?}", api.slices());
+    assert!(found.is_some(), "{:#?}", slices(&api));
 }
 
 /// kubelet wipes a node's slices when it starts, then registers the driver again: the driver
@@ -233,7 +314,9 @@ async fn a_slice_wiped_by_kubelet_is_back_when_kubelet_registers_the_driver() {
     let Some(sim) = testkit::sim::try_mount("2xA10") else {
         return;
     };
-    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let Some(api) = tokio::task::block_in_place(|| api_server(false)) else {
+        return;
+    };
     let _d = Driver::start(sim.root(), &api, "1h");
     let api = std::sync::Arc::new(api);
     let wait = |want: &'static [&'static str]| {
@@ -244,7 +327,7 @@ async fn a_slice_wiped_by_kubelet_is_back_when_kubelet_registers_the_driver() {
     let slice = wait(both).await.unwrap();
     assert_eq!(generation(&slice), 1);
 
-    assert!(api.delete_slice(SLICE));
+    tokio::task::block_in_place(|| delete_slice(&api, SLICE));
     let socket = sim
         .root()
         .join("var/lib/kubelet/plugins_registry/gpu.gpu-vm-node.io-reg.sock");
@@ -267,7 +350,7 @@ fn a_gpu_travels_with_its_audio_function_and_a_new_group_member_changes_the_devi
     let Some(sim) = testkit::sim::try_mount("rtx-workstation") else {
         return;
     };
-    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let Some(api) = api_server(false) else { return };
     let _d = Driver::start(sim.root(), &api, "1h");
 
     let slice = wait_for_devices(&api, &["gpu-0000-01-00-0"]);
@@ -292,7 +375,7 @@ fn a_gpu_travels_with_its_audio_function_and_a_new_group_member_changes_the_devi
     // A second GPU hot-plugged into the same IOMMU group: still one device (the group goes to
     // a VM whole), which now carries it; the generation moves on.
     sim.control("hotplug 0000:01:00.2 A10 group=12").unwrap();
-    let found = api.wait_for_slices(DEADLINE, |s| {
+    let found = wait_for_slices(&api, DEADLINE, |s| {
         s.first().is_some_and(|s| {
             s["spec"]["devices"][0]["attributes"]["companions"]
                 == json!({"string": "0000:01:00.1,0000:01:00.2"})

@@ -1,5 +1,24 @@
-//! A fake Kubernetes API server holding one Node, for daemons that watch their node's labels
-//! and patch its state.
+//! A fake Kubernetes API server holding one Node, for the tests that need a fault the real one
+//! cannot be made to produce, and for the runs that have no real one.
+//!
+//! It validates nothing and has no server-side apply: tests of Kubernetes API semantics
+//! (ResourceSlices and their limits, server-side apply, generations, label updates under the
+//! GPU Operator's RBAC, Events as `kubectl get events` shows them) run against the real
+//! kube-apiserver and etcd (`cluster_tier::ApiServer`). What still uses this fake, and why:
+//!
+//! - `vgpu-device-manager/tests/daemon.rs`, `state_is_written_by_update_where_patch_is_forbidden`:
+//!   another client's write between the daemon's read and its replace, four times in a row
+//!   ([`FakeApiServer::race_puts`]) — a conflict at an exact moment, which a real API server
+//!   cannot be made to produce on cue;
+//! - `sandbox-dra/tests/node_sim.rs`,
+//!   `an_api_server_that_never_answers_fails_a_claim_in_time_and_holds_up_no_other`: an API
+//!   server that accepts and never answers ([`FakeApiServer::hang`], below);
+//! - tests not moved yet, which check a daemon's behaviour rather than the API's: the other
+//!   tests of `vgpu-device-manager/tests/daemon.rs` (a label followed), and sandbox-dra's
+//!   `node_sim.rs`, `vgpu.rs`, `in_use.rs` and `health.rs` (ResourceClaims the tests put, and
+//!   `node_sim.rs`'s ClaimPrepared and ClaimNotPrepared Events);
+//! - programs that run without a cluster: node-sim's demo, `tests/vm`'s `vm-dra-kubelet` and the
+//!   bench's DRA and vGPU sections.
 //!
 //! Plain HTTP/1.1 on `127.0.0.1`, a thread per connection. It serves what kube-rs's metadata
 //! watch of one node and a merge patch need:
@@ -16,8 +35,7 @@
 //! and ResourceSlices (`resource.k8s.io/v1`), as a DRA driver publishes them with kube-rs
 //! (see [`serve_slices`]): list (with a `fieldSelector` on `spec.nodeName` / `spec.driver`),
 //! get, create, replace, server-side apply (the applied object replaces the stored one) and
-//! delete. [`FakeApiServer::delete_node`] deletes the Node the way the garbage collector
-//! follows it: slices whose owner reference names the Node's UID go with it.
+//! delete.
 //!
 //! Tests change labels with [`FakeApiServer::set_label`] and read what the daemon wrote with
 //! [`FakeApiServer::label`], [`FakeApiServer::annotation`] and
@@ -58,15 +76,11 @@ struct Inner {
     slices: BTreeMap<String, Value>,
     /// The last resourceVersion given to a ResourceSlice.
     slice_version: u64,
-    /// Whether the Node exists.
-    node_exists: bool,
     /// Whether a PATCH of the Node is refused with 403, as under a ClusterRole granting
     /// `update` on nodes but not `patch` (the GPU Operator's).
     patch_forbidden: bool,
     /// How many more PUTs of the Node another client beats by a write of its own.
     puts_raced: u32,
-    /// The Node's UID ([`NODE_UID`] until [`FakeApiServer::recreate_node`]).
-    node_uid: String,
     /// Events, in the order they were created.
     events: Vec<Value>,
     /// Whether requests are read and never answered ([`FakeApiServer::hang`]).
@@ -91,7 +105,7 @@ impl Inner {
             "kind": "Node",
             "metadata": {
                 "name": self.name,
-                "uid": self.node_uid,
+                "uid": NODE_UID,
                 "resourceVersion": self.version.to_string(),
                 "labels": self.labels,
                 "annotations": self.annotations,
@@ -153,10 +167,8 @@ impl FakeApiServer {
                 requests: Vec::new(),
                 slices: BTreeMap::new(),
                 slice_version: 0,
-                node_exists: true,
                 patch_forbidden: false,
                 puts_raced: 0,
-                node_uid: NODE_UID.to_string(),
                 events: Vec::new(),
                 hang: false,
                 hung: 0,
@@ -336,44 +348,6 @@ impl FakeApiServer {
             .to_string();
         slice["metadata"]["resourceVersion"] = json!(i.slice_version.to_string());
         i.slices.insert(name, slice);
-    }
-
-    /// Deletes the ResourceSlice `name` as kubelet's wipe would; whether it existed.
-    pub fn delete_slice(&self, name: &str) -> bool {
-        self.shared.lock().slices.remove(name).is_some()
-    }
-
-    /// Deletes the Node; the garbage collector's part follows: every slice with an owner
-    /// reference to a Node of its UID goes too. Returns the names of the slices deleted.
-    pub fn delete_node(&self) -> Vec<String> {
-        let mut i = self.shared.lock();
-        i.node_exists = false;
-        let uid = i.node_uid.clone();
-        let owned: Vec<String> = i
-            .slices
-            .iter()
-            .filter(|(_, s)| {
-                s["metadata"]["ownerReferences"]
-                    .as_array()
-                    .is_some_and(|refs| refs.iter().any(|r| r["kind"] == "Node" && r["uid"] == uid))
-            })
-            .map(|(n, _)| n.clone())
-            .collect();
-        for n in &owned {
-            i.slices.remove(n);
-        }
-        owned
-    }
-
-    /// Registers the Node again (after [`FakeApiServer::delete_node`]) with a new `uid`, as
-    /// a node that rejoins the cluster.
-    pub fn recreate_node(&self, uid: &str) {
-        let mut i = self.shared.lock();
-        i.node_exists = true;
-        i.node_uid = uid.to_string();
-        i.version += 1;
-        drop(i);
-        self.shared.changed.notify_all();
     }
 
     /// Waits until `f` holds for the slices (polling), up to `timeout`; the slices then, or
@@ -561,14 +535,8 @@ fn serve(s: &Shared, conn: TcpStream) -> std::io::Result<()> {
                 respond(&mut w, 200, &list)?;
             }
             ("GET", p) if p == node_path => {
-                let i = s.lock();
-                let (code, body) = if i.node_exists {
-                    (200, i.node())
-                } else {
-                    (404, status(404, &format!("nodes \"{name}\" not found")))
-                };
-                drop(i);
-                respond(&mut w, code, &body)?;
+                let node = s.lock().node();
+                respond(&mut w, 200, &node)?;
             }
             (_, p) if p.starts_with(EVENTS_PREFIX) && p.contains("/events") => {
                 let (code, body) = serve_events(s, &req);

@@ -1,7 +1,7 @@
-//! The daemon's operational side against node-sim and a real API server (etcd and kube-apiserver): `/metrics` read by a
-//! real Prometheus parser, `/readyz` before and after the first successful apply, systemd's
-//! `READY=1`, Events on the Node for a refusal and for the apply (as `kubectl get events` shows them), and progress lines during a
-//! long apply.
+//! The daemon's operational side against node-sim and a real API server (etcd and
+//! kube-apiserver): `/metrics` read by a real Prometheus parser, `/readyz` before and after the
+//! first successful apply, systemd's `READY=1`, Events on the Node for a refusal and for the
+//! apply (as `kubectl get events` shows them), and progress lines during a long apply.
 
 #![allow(clippy::unwrap_used)]
 

@@ -71,6 +71,17 @@ pub enum Error {
         /// What was wrong with it.
         reason: String,
     },
+    /// A record of the daemons' own state was written by a newer version, in a format this one
+    /// does not know.
+    #[error("{path} was written in format v{version}; this version reads up to v{current}")]
+    Newer {
+        /// The file.
+        path: PathBuf,
+        /// The version it declares.
+        version: u32,
+        /// The newest this version reads.
+        current: u32,
+    },
     /// The device (PCI function, mdev, parent, type) does not exist on this node.
     #[error("{device}: no such device ({path} does not exist)")]
     NotFound {

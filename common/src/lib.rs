@@ -53,8 +53,9 @@
 //!
 //! # Node state
 //!
-//! What the daemons keep on the host themselves (readiness files, the vGPU type-name record)
-//! is read and written through [`state`], which replaces every file atomically.
+//! What the daemons keep on the host themselves (readiness files, pools, the records of vGPUs
+//! made, original drivers and claims) is read and written through [`state`], which replaces
+//! every file atomically and versions every record ([`state::FILES`] lists them).
 //!
 //! Writes block while drivers probe: call this crate from async code via `spawn_blocking`.
 #![warn(missing_docs)]

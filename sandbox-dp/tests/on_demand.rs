@@ -127,7 +127,7 @@ async fn a10s_create_a_4q_on_allocate_and_remove_it_when_the_pod_is_gone() {
     assert!(l4.iter().all(|d| d.health == "Healthy" && numa(d) == [0]));
     assert_eq!(
         read(root, "run/gpu-vm-node/on-demand-pool"),
-        format!("{GPU_A}\n{GPU_B}"),
+        format!("# gpu-vm-node on-demand-pool v1\n{GPU_A}\n{GPU_B}"),
         "the pool is written for vgpu-device-manager"
     );
     assert!(

@@ -311,7 +311,10 @@ async fn an_a10_publishes_its_fractions_and_serves_whole_then_vgpus_then_whole()
     unprepare(&drv, &whole2).await.unwrap();
     // The pool file tells vgpu-device-manager these GPUs are sandbox-dra's.
     let pool = std::fs::read_to_string(root.join("run/gpu-vm-node/dra-pool")).unwrap();
-    assert_eq!(pool, "0000:41:00.0\n0000:61:00.0\n");
+    assert_eq!(
+        pool,
+        "# gpu-vm-node dra-pool v1\n0000:41:00.0\n0000:61:00.0\n"
+    );
 }
 
 /// A claim of request `gpu` allocated every device of `devices`.
@@ -740,7 +743,10 @@ async fn a_gpu_hot_plugged_under_vgpu_all_joins_the_pool_unless_another_daemon_o
     assert!(names.contains(&"vgpu-0000-81-00-0-a10-4q-5".to_string()));
     // Recorded as sandbox-dra's, so vgpu-device-manager leaves it alone.
     let pool = std::fs::read_to_string(run.join("dra-pool")).unwrap();
-    assert_eq!(pool, "0000:41:00.0\n0000:61:00.0\n0000:81:00.0\n");
+    assert_eq!(
+        pool,
+        "# gpu-vm-node dra-pool v1\n0000:41:00.0\n0000:61:00.0\n0000:81:00.0\n"
+    );
     // And prepared as any vGPU of the pool.
     let c = put_claim(&api, "hot", "uid-hot", "vgpu-0000-81-00-0-a10-4q-0");
     prepare(&drv, &c)
@@ -766,7 +772,10 @@ async fn a_gpu_hot_plugged_under_vgpu_all_joins_the_pool_unless_another_daemon_o
             .any(|n| n.starts_with("vgpu-0000-a1-00-0"))
     );
     let pool = std::fs::read_to_string(run.join("dra-pool")).unwrap();
-    assert_eq!(pool, "0000:41:00.0\n0000:61:00.0\n0000:81:00.0\n");
+    assert_eq!(
+        pool,
+        "# gpu-vm-node dra-pool v1\n0000:41:00.0\n0000:61:00.0\n0000:81:00.0\n"
+    );
     assert!(
         d.log().contains("owned by another daemon"),
         "nothing says why: {}",

@@ -22,6 +22,7 @@ fn a_pooled_gpu_keeps_its_vgpus_and_gets_none_from_a_profile() {
         "sys/class/mdev_bus/0000:41:00.4/mdev_supported_types/nvidia-593/create",
         uuid,
     );
+    // In the format before pool files had a version header: read as it is.
     std::fs::create_dir_all(root.join("run/gpu-vm-node")).unwrap();
     std::fs::write(
         root.join("run/gpu-vm-node/on-demand-pool"),
@@ -52,8 +53,12 @@ fn a_pooled_gpu_keeps_its_vgpus_and_gets_none_from_a_profile() {
     );
     assert_eq!(counts.len(), 2, "nothing else: {counts:?}");
 
-    // GPU B in sandbox-dra's pool: plan names that pool.
-    std::fs::write(root.join("run/gpu-vm-node/dra-pool"), "0000:61:00.0\n").unwrap();
+    // GPU B in sandbox-dra's pool (as sandbox-dra writes it now): plan names that pool.
+    std::fs::write(
+        root.join("run/gpu-vm-node/dra-pool"),
+        "# gpu-vm-node dra-pool v1\n0000:61:00.0\n",
+    )
+    .unwrap();
     let o = run(root, &["plan", "-f", f, "-c", "A10-4Q"]);
     assert!(
         text(&o)
@@ -63,12 +68,18 @@ fn a_pooled_gpu_keeps_its_vgpus_and_gets_none_from_a_profile() {
     );
     std::fs::remove_file(root.join("run/gpu-vm-node/dra-pool")).unwrap();
 
-    // A pool file that cannot be read changes nothing and names the file.
-    std::fs::write(root.join("run/gpu-vm-node/on-demand-pool"), "0000:41:00\n").unwrap();
-    let o = run(root, &["apply", "-f", f, "-c", "A10-4Q"]);
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    assert!(text(&o).contains("on-demand-pool"), "{}", text(&o));
-    assert_eq!(mdev_counts(root), counts);
+    // A pool file that cannot be read, or of a newer format, changes nothing and names the
+    // file: its owner writes it again when it starts.
+    for bad in [
+        "0000:41:00\n",
+        "# gpu-vm-node on-demand-pool v2\n0000:41:00.0\n",
+    ] {
+        std::fs::write(root.join("run/gpu-vm-node/on-demand-pool"), bad).unwrap();
+        let o = run(root, &["apply", "-f", f, "-c", "A10-4Q"]);
+        assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+        assert!(text(&o).contains("on-demand-pool"), "{}", text(&o));
+        assert_eq!(mdev_counts(root), counts);
+    }
 }
 
 #[test]

@@ -58,8 +58,10 @@ fn read_only_commands_write_nothing_on_the_vendor_path() {
         text.lines().any(|l| l.ends_with("\tNVIDIA H100XM-8C")),
         "{text}"
     );
+    let (header, types) = text.split_once('\n').unwrap();
+    assert_eq!(header, "# gpu-vm-node vgpu-type-names v1");
     assert!(
-        text.lines().all(|l| l
+        types.lines().all(|l| l
             .split_once('\t')
             .is_some_and(|(id, name)| id.parse::<u32>().is_ok() && name.starts_with("NVIDIA "))),
         "{text}"

@@ -1,34 +1,36 @@
 //! The daemons' own node state: the files they keep on the host, and the one way they are
 //! written.
 //!
-//! | File under the host root | Written by | Read by |
-//! |---|---|---|
-//! | `run/nvidia/validations/vfio-pci-ready` | vfio-manager `daemon`, through [`readiness`] (daemon-kit writes it again when someone removes it); also the GPU Operator's validator | the deployment's init containers, the operator's |
-//! | `run/nvidia/validations/vgpu-devices-ready` | vgpu-device-manager `daemon`, through [`readiness`] (daemon-kit writes it again when someone removes it); also the GPU Operator's validator | the deployment's init containers, the operator's |
-//! | `run/gpu-vm-node/vgpu-type-names` | vgpu-device-manager `apply` only ([`vgpu_names::record`]) | [`crate::Inventory`] ([`vgpu_names::load`]) |
-//! | `run/gpu-vm-node/on-demand-pool` | sandbox-dp `--on-demand` ([`pool::write`]) | vgpu-device-manager ([`pool::load_owned`]) |
-//! | `run/gpu-vm-node/dra-pool` | sandbox-dra `--vgpu` ([`pool::write_dra`]) | vgpu-device-manager ([`pool::load_owned`]) |
-//! | `run/gpu-vm-node/on-demand-vgpus.json` | sandbox-dp `--on-demand` ([`write_atomic`]), before and after each vGPU it creates or removes | sandbox-dp, at start and after a crash |
-//! | `run/vfio-manager/original-drivers` | vfio-manager `bind`/`unbind`, sandbox-dra's prepare and unprepare ([`originals::update`]) | vfio-manager `unbind`, sandbox-dra's unprepare |
-//! | `<kubelet-root>/plugins/<driver>/claims/<uid>.json`, `…/metadata/`, `<cdi-root>/<driver>_<uid>.json` | sandbox-dra's prepare ([`write_atomic`]; the metadata and CDI spec with mode 0644, [`write_atomic_mode`]); removed by its unprepare | sandbox-dra; the container runtime (CDI spec, metadata); virt-launcher (metadata) |
-//! | sandbox-dp's sockets in kubelet's device-plugin directory | sandbox-dp (bound by its servers; [`remove_if_present`]; [`file_identity`] tells one replaced, as for `kubelet.sock`) | kubelet |
+//! [`FILES`] lists every one of them, where it lives, its format and who writes and reads it;
+//! docs/architecture.md shows the same table ([`markdown_table`], kept equal by a test).
 //!
-//! All but sandbox-dra's live in `/run`, emptied at boot with the bindings and vGPUs they
-//! describe; sandbox-dra's claim records follow kubelet's own record of prepared claims.
 //! Every file is replaced whole by [`write_atomic`]: a reader, or the next run after a crash,
-//! sees the old content or the new, never part of either.
+//! sees the old content or the new, never part of either. The temporary file has a random
+//! name, so a daemon that is PID 1 in its container after a crash never meets its own leftover.
+//!
+//! Every record carries its format's version: a `# gpu-vm-node <kind> v<N>` first line in the
+//! line-oriented files ([`header`], [`text_version`]), a `version` field in the JSON ones
+//! ([`json_version`]). A file without one is version 0, the format written before records
+//! carried versions: it is read, and the next write migrates it. A file of a newer version, or
+//! one that cannot be parsed, is an error naming the file ([`crate::Error::Newer`],
+//! [`crate::Error::Parse`]); a daemon that can go on without it moves it aside
+//! ([`set_aside`]), keeping it for an operator, and says so.
 
 pub mod originals;
 pub mod pool;
 pub mod readiness;
 pub mod vgpu_names;
 
+mod files;
+
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::error::{Error, Result};
+
+pub use files::{FILES, StateFile, markdown_table};
 
 /// Replaces `path` with `contents`, creating its directory when missing. The bytes go to a
 /// hidden temporary file in the same directory, are flushed to disk, and the file is renamed
@@ -78,16 +80,97 @@ fn write_atomic_with(path: &Path, fill: impl FnOnce(&mut File) -> io::Result<()>
     File::open(dir).and_then(|d| d.sync_all()).map_err(save)
 }
 
-/// `<dir>/.<name>.<pid>.<n>.tmp`: hidden, and distinct per process and per write, so two
-/// writers never share a temporary file.
+/// `<dir>/.<name>.<random>.tmp`: hidden, and distinct per write and across restarts, so two
+/// writers never share a temporary file and a daemon that is PID 1 in its container after a
+/// crash does not meet the leftover of its previous life.
 fn temp_path(path: &Path) -> PathBuf {
-    static NEXT: AtomicU32 = AtomicU32::new(0);
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    path.with_file_name(format!(".{name}.{}.{n}.tmp", std::process::id()))
+    let tag = uuid::Uuid::new_v4().simple();
+    path.with_file_name(format!(".{name}.{tag}.tmp"))
+}
+
+/// The first line of a line-oriented record of `kind` at `version`:
+/// `# gpu-vm-node <kind> v<version>`. Readers of these files skip `#` lines.
+pub fn header(kind: &str, version: u32) -> String {
+    format!("# gpu-vm-node {kind} v{version}\n")
+}
+
+/// The version a line-oriented record declares in its first line, and the text after that
+/// line: 0 and the whole text when it has no header (the format before records carried
+/// versions). A header of another kind, or a version above `current`, is an error naming the
+/// file.
+pub fn text_version<'a>(
+    path: &Path,
+    kind: &str,
+    current: u32,
+    text: &'a str,
+) -> Result<(u32, &'a str)> {
+    let (first, rest) = text.split_once('\n').unwrap_or((text, ""));
+    let Some(declared) = first.trim().strip_prefix("# gpu-vm-node ") else {
+        return Ok((0, text));
+    };
+    let parsed = declared
+        .rsplit_once(" v")
+        .filter(|(k, _)| *k == kind)
+        .and_then(|(_, v)| v.parse::<u32>().ok());
+    let Some(version) = parsed else {
+        return Err(Error::Parse {
+            path: path.to_path_buf(),
+            reason: format!("line 1: {first:?} is not a header of a {kind} record"),
+        });
+    };
+    check_version(path, version, current)?;
+    Ok((version, rest))
+}
+
+/// The `version` field of a JSON record (0 without one: the format before records carried
+/// versions); an error naming the file when it is above `current` or not a number.
+pub fn json_version(path: &Path, record: &serde_json::Value, current: u32) -> Result<u32> {
+    let version = match record.get("version") {
+        None => 0,
+        Some(v) => v
+            .as_u64()
+            .and_then(|v| u32::try_from(v).ok())
+            .ok_or_else(|| Error::Parse {
+                path: path.to_path_buf(),
+                reason: format!("its version {v} is not a number"),
+            })?,
+    };
+    check_version(path, version, current)?;
+    Ok(version)
+}
+
+fn check_version(path: &Path, version: u32, current: u32) -> Result<()> {
+    if version > current {
+        return Err(Error::Newer {
+            path: path.to_path_buf(),
+            version,
+            current,
+        });
+    }
+    Ok(())
+}
+
+/// Moves a record that cannot be used out of the way, to `<name>.unreadable-<seconds since the
+/// epoch>` beside it: the daemon goes on without it, and an operator can still look at it.
+/// Returns where it went.
+pub fn set_aside(path: &Path) -> Result<PathBuf> {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let aside = path.with_file_name(format!("{name}.unreadable-{secs}"));
+    std::fs::rename(path, &aside).map_err(|source| Error::Save {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    Ok(aside)
 }
 
 /// The file's text; `None` when it does not exist.
@@ -149,6 +232,75 @@ mod tests {
             .collect();
         v.sort();
         v
+    }
+
+    #[test]
+    fn temporary_files_are_named_at_random_and_a_leftover_does_not_block_a_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state");
+        let (a, b) = (temp_path(&path), temp_path(&path));
+        assert_ne!(a, b);
+        let name = a.file_name().unwrap().to_string_lossy().into_owned();
+        let tag = name
+            .strip_prefix(".state.")
+            .and_then(|n| n.strip_suffix(".tmp"))
+            .unwrap();
+        assert!(
+            tag.len() == 32 && tag.bytes().all(|c| c.is_ascii_hexdigit()),
+            "{name}"
+        );
+        // What a daemon that was PID 1 in its container left when it crashed mid-write.
+        std::fs::write(dir.path().join(".state.1.0.tmp"), "half").unwrap();
+        write_atomic(&path, b"whole").unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "whole");
+    }
+
+    #[test]
+    fn versions_are_read_from_a_header_or_a_field_and_none_is_version_0() {
+        let p = Path::new("/run/x/pool");
+        let h = header("pool", 1);
+        assert_eq!(h, "# gpu-vm-node pool v1\n");
+        assert_eq!(
+            text_version(p, "pool", 1, &(h + "a\n")).unwrap(),
+            (1, "a\n")
+        );
+        assert_eq!(text_version(p, "pool", 1, "a\nb\n").unwrap(), (0, "a\nb\n"));
+        assert_eq!(text_version(p, "pool", 1, "").unwrap(), (0, ""));
+        let newer = text_version(p, "pool", 1, "# gpu-vm-node pool v3\n").unwrap_err();
+        assert!(matches!(
+            newer,
+            Error::Newer {
+                version: 3,
+                current: 1,
+                ..
+            }
+        ));
+        assert_eq!(
+            newer.to_string(),
+            "/run/x/pool was written in format v3; this version reads up to v1"
+        );
+        let other = text_version(p, "pool", 1, "# gpu-vm-node other v1\n").unwrap_err();
+        assert!(other.to_string().contains("/run/x/pool: line 1"), "{other}");
+
+        let json = |s: &str| serde_json::from_str::<serde_json::Value>(s).unwrap();
+        assert_eq!(json_version(p, &json(r#"{"a": 1}"#), 1).unwrap(), 0);
+        assert_eq!(json_version(p, &json(r#"{"version": 1}"#), 1).unwrap(), 1);
+        assert!(json_version(p, &json(r#"{"version": 2}"#), 1).is_err());
+        assert!(json_version(p, &json(r#"{"version": "1"}"#), 1).is_err());
+    }
+
+    #[test]
+    fn a_record_set_aside_keeps_its_content_beside_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("claim.json");
+        std::fs::write(&path, "garbage").unwrap();
+        let aside = set_aside(&path).unwrap();
+        assert!(!path.exists());
+        assert_eq!(std::fs::read_to_string(&aside).unwrap(), "garbage");
+        let name = aside.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(name.starts_with("claim.json.unreadable-"), "{name}");
+        let e = set_aside(&path).unwrap_err();
+        assert!(e.to_string().contains("claim.json"), "{e}");
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The on-demand pool: the GPUs and non-PCI mdev parents (`mtty`) sandbox-dp creates vGPUs on
 //! when pods ask for them, written by sandbox-dp (`--on-demand`) as
-//! `<root>/run/gpu-vm-node/on-demand-pool`, one member a line: a GPU by its PCI address, a
-//! parent by its name under `class/mdev_bus/`. vgpu-device-manager reads it and leaves those
+//! `<root>/run/gpu-vm-node/on-demand-pool`, one member a line after the header
+//! `# gpu-vm-node on-demand-pool v1`: a GPU by its PCI address, a parent by its name under
+//! `class/mdev_bus/`. A file without the header (the format before it) reads the same. vgpu-device-manager reads it and leaves those
 //! members, and their vGPUs, alone: one owner per GPU or parent. The file lives in `/run`, so
 //! after a reboot nothing is pooled until sandbox-dp starts again.
 //!
@@ -43,12 +44,14 @@ impl Members {
             .or_else(|| parent.map(|p| format!("mdev parent {p}")))
     }
 
-    /// The file's text: addresses, then parents, one a line.
-    fn text(&self) -> String {
+    /// The file's text: its header, then addresses and parents, one a line.
+    fn text(&self, kind: &str) -> String {
         let gpus = self.gpus.iter().map(ToString::to_string);
-        gpus.chain(self.parents.iter().cloned())
+        let lines: String = gpus
+            .chain(self.parents.iter().cloned())
             .map(|l| l + "\n")
-            .collect()
+            .collect();
+        super::header(kind, VERSION) + &lines
     }
 }
 
@@ -60,6 +63,15 @@ impl From<BTreeSet<PciAddress>> for Members {
         }
     }
 }
+
+/// The format version the pool files are written in.
+pub const VERSION: u32 = 1;
+
+/// The record kind of the on-demand pool, as its header names it.
+const ON_DEMAND_KIND: &str = "on-demand-pool";
+
+/// The record kind of sandbox-dra's pool, as its header names it.
+const DRA_KIND: &str = "dra-pool";
 
 /// Who owns what the on-demand pool holds, for messages.
 pub const ON_DEMAND_OWNER: &str = "sandbox-dp's on-demand pool";
@@ -81,12 +93,12 @@ pub fn dra_path(paths: &HostPaths) -> PathBuf {
 /// a PCI address nor an mdev parent's name is an error naming the file and the line: a reader
 /// must not take a GPU it cannot tell is pooled.
 pub fn load(paths: &HostPaths) -> Result<Members> {
-    load_file(path(paths))
+    load_file(path(paths), ON_DEMAND_KIND)
 }
 
 /// sandbox-dra's pool, read as [`load`] reads the on-demand pool.
 pub fn load_dra(paths: &HostPaths) -> Result<Members> {
-    load_file(dra_path(paths))
+    load_file(dra_path(paths), DRA_KIND)
 }
 
 /// Everything a daemon creates vGPUs on by itself, with its owner ([`ON_DEMAND_OWNER`],
@@ -171,7 +183,7 @@ pub fn owner_running(paths: &HostPaths, owner: &str) -> bool {
 /// pool left over by an owner that is not running takes nothing from the new one.
 pub fn write_dra(paths: &HostPaths, members: &Members) -> Result<()> {
     one_owner(paths, members, ON_DEMAND_OWNER, path(paths), load(paths)?)?;
-    write_file(dra_path(paths), members)
+    write_file(dra_path(paths), DRA_KIND, members)
 }
 
 fn one_owner(
@@ -203,21 +215,23 @@ fn one_owner(
 /// sandbox-dra runs.
 pub fn write(paths: &HostPaths, members: &Members) -> Result<()> {
     one_owner(paths, members, DRA_OWNER, dra_path(paths), load_dra(paths)?)?;
-    write_file(path(paths), members)
+    write_file(path(paths), ON_DEMAND_KIND, members)
 }
 
-fn write_file(p: PathBuf, members: &Members) -> Result<()> {
+fn write_file(p: PathBuf, kind: &str, members: &Members) -> Result<()> {
     if members.is_empty() {
         super::remove_if_present(&p)?;
         return Ok(());
     }
-    super::write_atomic(&p, members.text().as_bytes())
+    super::write_atomic(&p, members.text(kind).as_bytes())
 }
 
-fn load_file(p: PathBuf) -> Result<Members> {
+fn load_file(p: PathBuf, kind: &str) -> Result<Members> {
     let Some(text) = super::read_if_present(&p)? else {
         return Ok(Members::default());
     };
+    // The header is checked (a newer format is refused); a file without one is the same list.
+    super::text_version(&p, kind, VERSION, &text)?;
     let mut out = Members::default();
     for (i, line) in text.lines().enumerate() {
         let line = line.trim();
@@ -265,9 +279,25 @@ mod tests {
         write(&paths, &m).unwrap();
         assert_eq!(
             std::fs::read_to_string(path(&paths)).unwrap(),
-            "0000:41:00.0\nmtty\n"
+            "# gpu-vm-node on-demand-pool v1\n0000:41:00.0\nmtty\n"
         );
         assert_eq!(load(&paths).unwrap(), m);
+        // The format before the header reads the same.
+        std::fs::write(path(&paths), "0000:41:00.0\nmtty\n").unwrap();
+        assert_eq!(load(&paths).unwrap(), m);
+        // A newer format is refused, naming the file: a reader must not take a GPU it cannot
+        // tell is pooled.
+        std::fs::write(
+            path(&paths),
+            "# gpu-vm-node on-demand-pool v2\n0000:41:00.0\n",
+        )
+        .unwrap();
+        let e = load(&paths).unwrap_err().to_string();
+        assert!(e.contains("on-demand-pool") && e.contains("v2"), "{e}");
+        // sandbox-dra's header in sandbox-dp's file is no header of it.
+        std::fs::write(path(&paths), "# gpu-vm-node dra-pool v1\n").unwrap();
+        let e = load(&paths).unwrap_err().to_string();
+        assert!(e.contains("line 1"), "{e}");
         std::fs::write(path(&paths), "0000:41:00.0\n0000:61:00\n").unwrap();
         let e = load(&paths).unwrap_err().to_string();
         assert!(

@@ -215,7 +215,12 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         pci_ids: config.pci_ids.clone(),
         api_timeout: config.api_timeout,
     };
-    let preparer = Arc::new(Preparer::new(prepare_config, paths.clone(), client.clone()));
+    let preparer = Arc::new(Preparer::new(
+        prepare_config,
+        paths.clone(),
+        client.clone(),
+        telemetry.clone(),
+    ));
     // Before kubelet can call: what a crash left half done is brought in line first.
     preparer.reconcile().await;
     // The node's container runtime, as the publisher reads it from the Node: prepare refuses

@@ -55,8 +55,13 @@ impl Plugin {
                 tracing::warn!(claim = %claim, error = %msg, "claim not prepared");
                 msg
             });
-            self.telemetry
-                .prepared(&claim, result.as_deref().map_err(String::as_str));
+            match &result {
+                Ok(devices) => {
+                    let names: Vec<&str> = devices.iter().map(|d| d.device.as_str()).collect();
+                    self.telemetry.prepared(&claim, Ok(&names));
+                }
+                Err(msg) => self.telemetry.prepared(&claim, Err(msg)),
+            }
             out.insert(claim.uid.clone(), result);
         }
         out

@@ -10,6 +10,11 @@
 //! drivers, `run/vfio-manager/original-drivers`, which preparing keeps up to date too). It lives under kubelet's
 //! root rather than `/run` because a claim stays prepared across a reboot of the driver's pod,
 //! as kubelet's own DRA checkpoint does.
+//!
+//! A record carries its format's version (`"version": 1`); one without (the format before) is
+//! read as it is and written back with it ([`load_path`] says which). A record that cannot be
+//! read, or of a newer format, is an error ([`RecordError`]): the driver sets it aside and goes
+//! on as if the claim had none, rather than refusing the claim's unprepare for ever.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -31,9 +36,15 @@ pub enum ClaimState {
     Unpreparing,
 }
 
+/// The format version records are written in.
+pub const VERSION: u32 = 1;
+
 /// One claim's record.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Record {
+    /// The format version it was written in (0: before records carried one).
+    #[serde(default)]
+    pub version: u32,
     /// The claim.
     pub claim: ClaimId,
     /// Where it is.
@@ -46,11 +57,14 @@ pub struct Record {
 }
 
 impl Record {
-    /// The record as written: pretty JSON, so an operator can read it.
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let mut v = serde_json::to_vec_pretty(self).unwrap_or_default();
+    /// The record as written, at [`VERSION`]: pretty JSON, so an operator can read it.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, serde_json::Error> {
+        let mut v = serde_json::to_vec_pretty(&Record {
+            version: VERSION,
+            ..self.clone()
+        })?;
         v.push(b'\n');
-        v
+        Ok(v)
     }
 }
 
@@ -73,34 +87,59 @@ pub fn path(driver_dir: &Path, uid: &str) -> PathBuf {
     dir(driver_dir).join(format!("{uid}.json"))
 }
 
-/// Why a record cannot be used.
+/// Why a record cannot be used or saved.
 #[derive(Debug, thiserror::Error)]
 pub enum RecordError {
-    /// It cannot be read.
+    /// It cannot be read (the file system refuses).
     #[error(transparent)]
-    Read(#[from] common::Error),
-    /// It is not a record.
-    #[error("{path} is not a claim record: {source}")]
-    Parse {
+    Read(common::Error),
+    /// It is not a record, or one of a newer format: set it aside and go on without it.
+    #[error("{path} is not a claim record this version reads")]
+    Unreadable {
         /// The file.
         path: PathBuf,
         /// Why.
         #[source]
-        source: serde_json::Error,
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// It cannot be written.
+    #[error("cannot save the claim record {path}")]
+    Save {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
 }
 
-/// Reads the record at `p`; `None` when there is none.
+/// Reads the record at `p`; `None` when there is none. A record of the format before versions
+/// comes back with `version` 0: the caller saves it again to migrate it.
 pub fn load_path(p: &Path) -> Result<Option<Record>, RecordError> {
-    let Some(text) = state::read_if_present(p)? else {
+    let Some(text) = state::read_if_present(p).map_err(RecordError::Read)? else {
         return Ok(None);
     };
-    serde_json::from_str(&text)
+    let unreadable = |source: Box<dyn std::error::Error + Send + Sync>| RecordError::Unreadable {
+        path: p.to_path_buf(),
+        source,
+    };
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| unreadable(Box::new(e)))?;
+    state::json_version(p, &value, VERSION).map_err(|e| unreadable(Box::new(e)))?;
+    serde_json::from_value(value)
         .map(Some)
-        .map_err(|source| RecordError::Parse {
-            path: p.to_path_buf(),
-            source,
-        })
+        .map_err(|e| unreadable(Box::new(e)))
+}
+
+/// Saves `rec` at `p` (at [`VERSION`]) unless the file holds exactly that already: a repeated
+/// prepare writes nothing. Returns whether it wrote.
+pub fn save(p: &Path, rec: &Record) -> Result<bool, RecordError> {
+    let save_err = |source: Box<dyn std::error::Error + Send + Sync>| RecordError::Save {
+        path: p.to_path_buf(),
+        source,
+    };
+    let bytes = rec.to_bytes().map_err(|e| save_err(Box::new(e)))?;
+    write_if_changed(p, &bytes).map_err(|e| save_err(Box::new(e)))
 }
 
 /// Every record file in the directory, in name order.
@@ -141,6 +180,7 @@ mod tests {
     fn a_record_survives_a_round_trip_and_is_not_rewritten_unchanged() {
         let dir = tempfile::tempdir().unwrap();
         let rec = Record {
+            version: VERSION,
             claim: ClaimId {
                 namespace: "ns".into(),
                 name: "c".into(),
@@ -156,11 +196,35 @@ mod tests {
             .into(),
         };
         let p = path(dir.path(), "u1");
-        assert!(write_if_changed(&p, &rec.to_bytes()).unwrap());
-        assert!(!write_if_changed(&p, &rec.to_bytes()).unwrap());
-        assert_eq!(load_path(&p).unwrap(), Some(rec));
-        assert_eq!(list(dir.path()), vec![p]);
+        assert!(save(&p, &rec).unwrap());
+        assert!(!save(&p, &rec).unwrap());
+        assert_eq!(load_path(&p).unwrap(), Some(rec.clone()));
+        assert!(
+            std::fs::read_to_string(&p)
+                .unwrap()
+                .contains("\"version\": 1")
+        );
+        assert_eq!(list(dir.path()), vec![p.clone()]);
         assert_eq!(load_path(&path(dir.path(), "u2")).unwrap(), None);
+
+        // The format before versions reads as version 0; saving it migrates it.
+        let old = std::fs::read_to_string(&p)
+            .unwrap()
+            .replace("  \"version\": 1,\n", "");
+        assert!(!old.contains("version"), "{old}");
+        std::fs::write(&p, &old).unwrap();
+        let read = load_path(&p).unwrap().unwrap();
+        assert_eq!((read.version, &read.claim), (0, &rec.claim));
+        assert!(save(&p, &read).unwrap());
+        assert_eq!(load_path(&p).unwrap(), Some(rec));
+
+        // Garbage, and a newer format, are unreadable (to be set aside), naming the file.
+        for bad in ["{\"claim\": 7", "{\"version\": 2, \"claim\": {}}"] {
+            std::fs::write(&p, bad).unwrap();
+            let e = load_path(&p).unwrap_err();
+            assert!(matches!(e, RecordError::Unreadable { .. }), "{e:?}");
+            assert!(common::error_chain(&e).contains("u1.json"), "{e}");
+        }
     }
 
     #[test]

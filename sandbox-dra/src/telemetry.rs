@@ -2,6 +2,7 @@
 //! `--metrics-addr`), its readiness (the first ResourceSlice published), and Events on the
 //! Node for every claim prepared or refused.
 
+use std::fmt::Display;
 use std::sync::Arc;
 
 use daemon_kit::events::NodeEvents;
@@ -10,8 +11,6 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-
-use crate::prepare::{ClaimRef, PreparedDevice};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabel {
@@ -27,6 +26,7 @@ pub struct Telemetry {
     unprepares: Family<ResultLabel, Counter>,
     published: Gauge,
     publish_failures: Counter,
+    unreadable_records: Counter,
 }
 
 fn result(ok: bool) -> ResultLabel {
@@ -45,6 +45,7 @@ impl Telemetry {
             unprepares: Family::default(),
             published: Gauge::default(),
             publish_failures: Counter::default(),
+            unreadable_records: Counter::default(),
         };
         t.ops.register(
             "sandbox_dra_prepares",
@@ -62,6 +63,11 @@ impl Telemetry {
             t.published.clone(),
         );
         t.ops.register(
+            "sandbox_dra_unreadable_records",
+            "Claim records that could not be read (garbage, or a newer format) and were set aside.",
+            t.unreadable_records.clone(),
+        );
+        t.ops.register(
             "sandbox_dra_publish_failures",
             "Passes that could not read the node or publish its ResourceSlice.",
             t.publish_failures.clone(),
@@ -69,12 +75,11 @@ impl Telemetry {
         t
     }
 
-    /// A claim prepared, or refused with `Err(message)`.
-    pub fn prepared(&self, claim: &ClaimRef, r: Result<&[PreparedDevice], &str>) {
+    /// A claim prepared with the devices named, or refused with `Err(message)`.
+    pub fn prepared(&self, claim: &dyn Display, r: Result<&[&str], &str>) {
         self.prepares.get_or_create(&result(r.is_ok())).inc();
         match r {
-            Ok(devices) => {
-                let names: Vec<&str> = devices.iter().map(|d| d.device.as_str()).collect();
+            Ok(names) => {
                 self.events.normal(
                     "ClaimPrepared",
                     "Prepare",
@@ -89,7 +94,7 @@ impl Telemetry {
     }
 
     /// A claim unprepared, or not with `Err(message)`.
-    pub fn unprepared(&self, claim: &ClaimRef, r: Result<(), &str>) {
+    pub fn unprepared(&self, claim: &dyn Display, r: Result<(), &str>) {
         self.unprepares.get_or_create(&result(r.is_ok())).inc();
         if let Err(e) = r {
             self.events.warning(
@@ -116,6 +121,14 @@ impl Telemetry {
                     .warning("ContainerRuntimeCDI", "Check", why.clone());
             }
         }
+    }
+
+    /// A claim record could not be read and was set aside: `note` says which and what became
+    /// of it.
+    pub fn record_unreadable(&self, note: &str) {
+        self.unreadable_records.inc();
+        self.events
+            .warning("ClaimRecordUnreadable", "Prepare", note.to_string());
     }
 
     /// The publisher's loop is alive.

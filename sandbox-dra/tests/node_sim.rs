@@ -728,6 +728,100 @@ async fn a_restart_prepares_a_finished_claim_again() {
     assert_eq!(prepare_one(&drv, Version::V1, &c).await.unwrap(), devices);
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_record_of_the_format_before_versions_is_read_and_written_back_in_the_current_one()
+{
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let d = start(root, &api, &[]);
+    let drv = register(root).await;
+    api.put_claim(claim_json("o", "uid-o", &["gpu-0000-41-00-0"]));
+    let c = claim("o", "uid-o");
+    let devices = prepare_one(&drv, Version::V1, &c).await.unwrap();
+    drop(d);
+    let rec = record_path(root, "uid-o");
+    let mut old = read_json(&rec);
+    assert_eq!(old["version"], 1, "{old}");
+    old.as_object_mut().unwrap().remove("version");
+    std::fs::write(&rec, serde_json::to_vec_pretty(&old).unwrap()).unwrap();
+    // At start the claim is prepared again from its record, which is written back with its
+    // version; kubelet's calls find it as before.
+    let d = start(root, &api, &[]);
+    let drv = register(root).await;
+    assert_eq!(read_json(&rec)["version"], 1);
+    assert_eq!(prepare_one(&drv, Version::V1, &c).await.unwrap(), devices);
+    unprepare_one(&drv, Version::V1, &c).await.unwrap();
+    assert!(!rec.exists());
+    assert!(d.log().contains("claim record migrated"), "{}", d.log());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_record_that_cannot_be_read_is_set_aside_and_reported_and_unprepare_succeeds() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let d = start(root, &api, &[]);
+    let drv = register(root).await;
+    api.put_claim(claim_json("x", "uid-x", &["gpu-0000-41-00-0"]));
+    let c = claim("x", "uid-x");
+    let spec = {
+        prepare_one(&drv, Version::V1, &c).await.unwrap();
+        read_json(&cdi_spec_path(root, "uid-x"))
+    };
+    let (metadata, _) = spec_metadata_mount(&spec);
+    drop(d);
+    let rec = record_path(root, "uid-x");
+    std::fs::write(&rec, "{\"claim\": ").unwrap();
+    let d = start(root, &api, &[]);
+    let drv = register(root).await;
+    // Set aside at start (kept beside it), and said so in an Event on the Node.
+    assert!(!rec.exists());
+    let aside: Vec<String> = std::fs::read_dir(rec.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("uid-x.json.unreadable-"))
+        .collect();
+    assert_eq!(aside.len(), 1, "{aside:?}");
+    let ev = tokio::task::spawn_blocking(move || {
+        api.wait_for_event("ClaimRecordUnreadable", PATIENCE)
+            .map(|e| (e, api))
+    })
+    .await
+    .unwrap();
+    let (ev, _api) = ev.expect("no ClaimRecordUnreadable event");
+    assert_eq!(ev["type"], "Warning");
+    let note = ev["note"].as_str().unwrap();
+    assert!(
+        note.contains("uid-x.json") && note.contains("set aside as"),
+        "{ev}"
+    );
+    // kubelet's unprepare is not refused for ever: it succeeds, and what the runtime would
+    // have found of the claim is gone; the GPU stays as it is.
+    unprepare_one(&drv, Version::V1, &c).await.unwrap();
+    assert!(!cdi_spec_path(root, "uid-x").exists());
+    assert!(!under(root, &metadata).exists(), "metadata removed");
+    assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    // Kubelet's call for a record gone bad while the driver runs: the same.
+    spoil_and_unprepare(&drv, root, &c).await;
+    drop(d);
+}
+
+/// Prepares `c` again, spoils its record while the driver runs, and unprepares it: set aside,
+/// and the unprepare succeeds.
+async fn spoil_and_unprepare(drv: &DraDriver, root: &Path, c: &Claim) {
+    prepare_one(drv, Version::V1, c).await.unwrap();
+    let rec = record_path(root, &c.uid);
+    std::fs::write(&rec, "{\"version\": 99}").unwrap();
+    unprepare_one(drv, Version::V1, c).await.unwrap();
+    assert!(!rec.exists());
+    assert!(!cdi_spec_path(root, &c.uid).exists());
+}
+
 /// What a crash test interrupts.
 #[derive(Clone, Copy, PartialEq)]
 enum Call {

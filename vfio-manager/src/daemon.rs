@@ -154,6 +154,13 @@ impl Telemetry {
         if !changes.is_empty() {
             self.events.normal("GpusBound", "Bind", changes.join("; "));
         }
+        if !report.warnings.is_empty() {
+            self.events.warning(
+                "OriginalDriversNotRecorded",
+                "Bind",
+                report.warnings.join("; "),
+            );
+        }
         let failures = report.failure_lines();
         if failures != self.told {
             let refused = report
@@ -224,7 +231,7 @@ pub fn print_report(report: &Report, quiet_when_unchanged: bool) {
     for l in &changes {
         println!("{l}");
     }
-    for l in &failures {
+    for l in failures.iter().chain(&report.warnings) {
         eprintln!("{l}");
     }
     if !(quiet_when_unchanged && changes.is_empty() && failures.is_empty()) {

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::state::originals;
 use common::vfio::{self, OpOptions};
-use common::{HostPaths, Inventory, Usage};
+use common::{HostPaths, Inventory, PciAddress, Usage, error_chain};
 
 pub use common::vfio::{DeviceId, DeviceResult, Outcome, Selection, Selector, Target};
 pub use daemon::{DaemonConfig, READY_FILE};
@@ -101,24 +101,78 @@ pub fn run_bind(cfg: &Config, paths: &HostPaths) -> Result<Report, NodeError> {
             .map(|u| u.describe(&inv))
             .collect()
     };
+    let (recorded, mut warnings) = record_intent(paths, &sel);
     let results = vfio::bind_all(paths, &sel, &cfg.op_options(), &in_use);
-    let moved: Vec<_> = results
-        .iter()
-        .filter_map(|r| match &r.outcome {
-            Outcome::Changed { from, .. }
-                if !from.as_deref().is_some_and(common::is_vfio_driver) =>
-            {
-                Some((r.address, from.clone()))
-            }
-            _ => None,
-        })
-        .collect();
-    originals::update(paths, &moved, &[]);
+    warnings.extend(forget_unmoved(paths, &recorded, &results));
     Ok(Report {
         action: Action::Bind,
         results,
         elapsed: start.elapsed(),
+        warnings,
     })
+}
+
+/// Records the driver of every function the bind is to move, before the bind: a crash between
+/// the record and the bind must not lose `nouveau` or "no driver". Returns the functions
+/// recorded now (not by an earlier run), and what went wrong with the record, one sentence each.
+fn record_intent(
+    paths: &HostPaths,
+    sel: &vfio::Selection,
+) -> (Vec<(PciAddress, Option<String>)>, Vec<String>) {
+    let moving: Vec<(PciAddress, Option<String>)> = sel
+        .targets()
+        .filter(|t| !t.is_bound() && !t.driver.as_deref().is_some_and(common::is_vfio_driver))
+        .map(|t| (t.address, t.driver.clone()))
+        .collect();
+    if moving.is_empty() {
+        return (Vec::new(), Vec::new());
+    }
+    let known = originals::load(paths).drivers;
+    let new: Vec<_> = moving
+        .iter()
+        .filter(|(a, _)| !known.contains_key(a))
+        .cloned()
+        .collect();
+    match originals::update(paths, &moving, &[]) {
+        Ok(problems) => (new, problems),
+        Err(e) => {
+            let why = format!(
+                "cannot record the original drivers ({}); unbind will give these functions to \
+                 their default driver",
+                error_chain(&e)
+            );
+            tracing::warn!("{why}");
+            (Vec::new(), vec![why])
+        }
+    }
+}
+
+/// Forgets what [`record_intent`] recorded of functions the bind did not move and that are on
+/// that driver still (refused, or given back after a failure).
+fn forget_unmoved(
+    paths: &HostPaths,
+    recorded: &[(PciAddress, Option<String>)],
+    results: &[vfio::DeviceResult],
+) -> Vec<String> {
+    let sysfs = common::Sysfs::new(paths.clone());
+    let unmoved: Vec<PciAddress> = recorded
+        .iter()
+        .filter(|(a, driver)| {
+            results.iter().any(|r| {
+                r.address == *a
+                    && !matches!(r.outcome, Outcome::Changed { .. })
+                    && sysfs.current_driver(a).ok().as_ref() == Some(driver)
+            })
+        })
+        .map(|(a, _)| *a)
+        .collect();
+    match originals::update(paths, &[], &unmoved) {
+        Ok(problems) => problems,
+        Err(e) => vec![format!(
+            "cannot update the record of original drivers: {}",
+            error_chain(&e)
+        )],
+    }
 }
 
 /// `vfio-manager unbind`: every selected function on a VFIO driver back to its default driver;
@@ -138,7 +192,10 @@ pub fn run_unbind(cfg: &Config, paths: &HostPaths) -> Result<Report, NodeError> 
     } else {
         Usage::default()
     };
-    let remembered = originals::load(paths);
+    let originals::Loaded {
+        drivers: remembered,
+        problems: mut warnings,
+    } = originals::load(paths);
     let in_use = |group: u32| -> Vec<String> {
         usage
             .of_group(&inv, group)
@@ -152,11 +209,18 @@ pub fn run_unbind(cfg: &Config, paths: &HostPaths) -> Result<Report, NodeError> 
         .filter(|r| matches!(r.outcome, Outcome::Changed { .. }))
         .map(|r| r.address)
         .collect();
-    originals::update(paths, &[], &released);
+    match originals::update(paths, &[], &released) {
+        Ok(problems) => warnings.extend(problems),
+        Err(e) => warnings.push(format!(
+            "cannot update the record of original drivers: {}",
+            error_chain(&e)
+        )),
+    }
     Ok(Report {
         action: Action::Unbind,
         results,
         elapsed: start.elapsed(),
+        warnings,
     })
 }
 

@@ -27,6 +27,10 @@ pub struct Report {
     /// Wall time of the run.
     #[serde(serialize_with = "secs")]
     pub elapsed: Duration,
+    /// What went wrong besides the functions themselves (the record of original drivers could
+    /// not be read or written), one sentence each.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
 }
 
 fn secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -163,6 +167,7 @@ mod tests {
                 ),
             ],
             elapsed: Duration::from_millis(1234),
+            warnings: Vec::new(),
         };
         assert_eq!(
             rep.change_lines(),
@@ -194,6 +199,7 @@ mod tests {
                 Outcome::Unchanged { driver: None },
             )],
             elapsed: Duration::ZERO,
+            warnings: Vec::new(),
         };
         assert_eq!(rep.exit_code(), 0);
         assert_eq!(

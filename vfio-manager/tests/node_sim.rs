@@ -346,6 +346,83 @@ fn ebusy_on_one_unbind_fails_that_gpu_only() {
     let ov = std::fs::read_to_string(dev_dir(root, "0000:41:00.0").join("driver_override"));
     assert_eq!(ov.unwrap().trim(), "(null)");
     assert!(text(&o.stdout).contains("1 failed"), "{}", show(&o));
+    // The record of original drivers, written before the binds, keeps only the GPU that moved.
+    assert_eq!(
+        original_drivers(root),
+        "# gpu-vm-node original-drivers v1\n0000:61:00.0 nvidia\n"
+    );
+}
+
+fn original_drivers(root: &Path) -> String {
+    std::fs::read_to_string(root.join("run/vfio-manager/original-drivers")).unwrap_or_default()
+}
+
+#[test]
+fn a_bind_killed_after_its_unbind_has_recorded_the_driver_the_gpu_goes_back_to() {
+    let Some(sim) = try_mount("mixed") else {
+        return;
+    };
+    let root = sim.root().to_path_buf();
+    assert_eq!(driver(&root, "0000:1b:00.0").as_deref(), Some("nouveau"));
+    // The unbind happens at once, but its answer is held: the bind is killed in between.
+    control(&root, "fault unbind 0000:1b:00.0 after=5000");
+    let mut child = cmd(&root, &["bind", "--address", "0000:1b:00.0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_until("the unbind", || driver(&root, "0000:1b:00.0").is_none());
+    child.kill().unwrap();
+    let _ = child.wait();
+    control(&root, "clear-faults");
+    assert_eq!(
+        original_drivers(&root),
+        "# gpu-vm-node original-drivers v1\n0000:1b:00.0 nouveau\n",
+        "written before the first write of the bind"
+    );
+    // Giving it back finishes the cut-off bind onto the driver it had, not the default one.
+    let o = run(&root, &["unbind", "--address", "0000:1b:00.0"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver(&root, "0000:1b:00.0").as_deref(), Some("nouveau"));
+    assert_eq!(
+        original_drivers(&root),
+        "# gpu-vm-node original-drivers v1\n"
+    );
+}
+
+#[test]
+fn an_unreadable_record_of_original_drivers_is_set_aside_and_said_so() {
+    let Some(sim) = try_mount("mixed") else {
+        return;
+    };
+    let root = sim.root();
+    let o = run(root, &["bind", "--address", "0000:1b:00.0"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    // A record a newer version wrote: not guessed at.
+    let file = root.join("run/vfio-manager/original-drivers");
+    std::fs::write(&file, "# gpu-vm-node original-drivers v9\n{}\n").unwrap();
+    let o = run(root, &["unbind", "--address", "0000:1b:00.0"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let err = text(&o.stderr);
+    assert!(
+        err.contains("v9") && err.contains("set aside as") && err.contains("default driver"),
+        "{}",
+        show(&o)
+    );
+    let aside: Vec<String> = std::fs::read_dir(file.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("original-drivers.unreadable-"))
+        .collect();
+    assert_eq!(aside.len(), 1, "kept for an operator");
+    // The format before versions is read as it is.
+    let o = run(root, &["bind", "--address", "0000:1b:00.0"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver(root, "0000:1b:00.0").as_deref(), Some("vfio-pci"));
+    std::fs::write(&file, "0000:1b:00.0 nouveau\n").unwrap();
+    let o = run(root, &["unbind", "--address", "0000:1b:00.0"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver(root, "0000:1b:00.0").as_deref(), Some("nouveau"));
 }
 
 #[test]

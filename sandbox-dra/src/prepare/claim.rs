@@ -286,6 +286,7 @@ mod tests {
         let node = Node {
             config: cfg,
             paths: HostPaths::new("/nonexistent-root"),
+            telemetry: None,
         };
         match node.prepare(&claim_ref(), id, wanted, None) {
             Err(PrepareError::Refused { reason, .. }) => {

@@ -27,11 +27,7 @@ impl Node {
         if rec.state != ClaimState::Prepared {
             rec.state = ClaimState::Preparing;
         }
-        let save = |rec: &Record| {
-            record::write_if_changed(&rec_path, &rec.to_bytes())
-                .map(|_| ())
-                .map_err(Self::state_err(claim, "cannot save its record".into()))
-        };
+        let save = |rec: &Record| self.save(claim, &rec_path, rec);
         let sysfs = Sysfs::new(self.paths.clone());
         let mut inv = self.inventory(claim)?;
         for i in 0..rec.devices.len() {

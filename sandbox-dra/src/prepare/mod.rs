@@ -51,6 +51,7 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use crate::cdi::{self, ClaimDevice, ClaimId, Layout};
 use crate::names;
 use crate::record::{self, ClaimState, Record};
+use crate::telemetry::Telemetry;
 
 pub use claim::{Wanted, allocated};
 
@@ -63,6 +64,18 @@ pub struct ClaimRef {
     pub name: String,
     /// The claim's UID.
     pub uid: String,
+}
+
+impl ClaimRef {
+    /// Its identity as the claim's files name it (no pod claim name: that is the API server's).
+    pub fn id(&self) -> ClaimId {
+        ClaimId {
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
+            uid: self.uid.clone(),
+            pod_claim_name: None,
+        }
+    }
 }
 
 impl fmt::Display for ClaimRef {
@@ -177,10 +190,19 @@ impl fmt::Debug for Preparer {
 }
 
 impl Preparer {
-    /// A preparer reading claims through `client`.
-    pub fn new(config: PrepareConfig, paths: HostPaths, client: kube::Client) -> Self {
+    /// A preparer reading claims through `client`, reporting through `telemetry`.
+    pub fn new(
+        config: PrepareConfig,
+        paths: HostPaths,
+        client: kube::Client,
+        telemetry: Arc<Telemetry>,
+    ) -> Self {
         Preparer {
-            node: Arc::new(Node { config, paths }),
+            node: Arc::new(Node {
+                config,
+                paths,
+                telemetry: Some(telemetry),
+            }),
             client,
             lock: tokio::sync::Mutex::new(()),
         }
@@ -368,6 +390,8 @@ fn refused(claim: &ClaimRef, reason: String) -> PrepareError {
 struct Node {
     config: PrepareConfig,
     paths: HostPaths,
+    /// Where unreadable records are reported (none in unit tests).
+    telemetry: Option<Arc<Telemetry>>,
 }
 
 impl Node {
@@ -382,24 +406,76 @@ impl Node {
         self.local(&self.config.layout.driver_dir)
     }
 
-    fn state_err(
+    fn state_err<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
         claim: &ClaimRef,
         what: String,
-    ) -> impl FnOnce(common::Error) -> PrepareError + '_ {
+    ) -> impl FnOnce(E) -> PrepareError + '_ {
         move |e| PrepareError::State {
             claim: claim.clone(),
             what,
-            source: Box::new(e),
+            source: e.into(),
         }
     }
 
+    /// The claim's record: `None` when there is none, or it could not be read (set aside
+    /// and reported: the claim is then handled as one without a record, never refused for
+    /// ever). A record of the format before versions is written back in the current one.
     fn load(&self, claim: &ClaimRef) -> Result<Option<Record>, PrepareError> {
         let p = record::path(&self.driver_dir(), &claim.uid);
-        record::load_path(&p).map_err(|e| PrepareError::State {
-            claim: claim.clone(),
-            what: format!("cannot read its record {}", p.display()),
-            source: Box::new(e),
-        })
+        match record::load_path(&p) {
+            Ok(Some(rec)) => {
+                self.migrate(claim, &p, &rec)?;
+                Ok(Some(rec))
+            }
+            Ok(None) => Ok(None),
+            Err(e @ record::RecordError::Unreadable { .. }) => {
+                self.set_aside(&p, &e);
+                Ok(None)
+            }
+            Err(e) => Err(PrepareError::State {
+                claim: claim.clone(),
+                what: format!("cannot read its record {}", p.display()),
+                source: Box::new(e),
+            }),
+        }
+    }
+
+    /// Writes a record of the format before versions back in the current one.
+    fn migrate(&self, claim: &ClaimRef, p: &Path, rec: &Record) -> Result<(), PrepareError> {
+        if rec.version < record::VERSION {
+            self.save(claim, p, rec)?;
+            tracing::info!(%claim, record = %p.display(), from = rec.version, "claim record migrated");
+        }
+        Ok(())
+    }
+
+    /// Saves the claim's record at `p`, unless it holds that already.
+    fn save(&self, claim: &ClaimRef, p: &Path, rec: &Record) -> Result<(), PrepareError> {
+        record::save(p, rec)
+            .map(|_| ())
+            .map_err(|e| PrepareError::State {
+                claim: claim.clone(),
+                what: "cannot save its record".into(),
+                source: Box::new(e),
+            })
+    }
+
+    /// Moves a record that cannot be read out of the way (kept beside it for an operator),
+    /// and says so in the log, the metrics and an Event.
+    fn set_aside(&self, p: &Path, e: &record::RecordError) {
+        let what = match state::set_aside(p) {
+            Ok(aside) => format!("set aside as {}", aside.display()),
+            Err(e2) => format!("and cannot be set aside: {}", error_chain(&e2)),
+        };
+        let note = format!(
+            "{}; {what}: its claim is handled as one this driver has no record of, its GPUs \
+             and vGPUs left as they are",
+            error_chain(e)
+        );
+        tracing::warn!("{note}");
+        if let Some(t) = &self.telemetry {
+            t.record_unreadable(&note);
+        }
     }
 
     fn inventory(&self, claim: &ClaimRef) -> Result<Inventory, PrepareError> {
@@ -482,8 +558,7 @@ impl Node {
         }
         self.write_files(claim, &rec)?;
         rec.state = ClaimState::Prepared;
-        record::write_if_changed(rec_path, &rec.to_bytes())
-            .map_err(Self::state_err(claim, "cannot save its record".into()))?;
+        self.save(claim, rec_path, &rec)?;
         let layout = &self.config.layout;
         Ok(rec
             .devices
@@ -502,6 +577,7 @@ impl Node {
     /// The record of a claim of vGPUs or mdevs before anything is made for it.
     fn new_record(&self, id: ClaimId, wanted: &[Wanted]) -> Record {
         Record {
+            version: record::VERSION,
             claim: id,
             state: ClaimState::Preparing,
             devices: wanted
@@ -545,6 +621,9 @@ impl Node {
         Ok(())
     }
 
+    /// Removes the claim's CDI spec and device metadata, where they are: the metadata named
+    /// by its record, or by the claim kubelet names when it has none (never prepared, or its
+    /// record could not be read and was set aside).
     fn remove_files(&self, claim: &ClaimRef, rec: Option<&Record>) -> Result<(), PrepareError> {
         if let Some(rec) = rec {
             check_id(claim, rec)?;
@@ -555,18 +634,17 @@ impl Node {
             claim,
             format!("cannot remove its CDI spec {}", spec.display()),
         ))?;
-        if let Some(rec) = rec {
-            let dir = layout.metadata_dir(&rec.claim);
-            match std::fs::remove_dir_all(self.local(&dir)) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    return Err(PrepareError::State {
-                        claim: claim.clone(),
-                        what: format!("cannot remove its device metadata {}", dir.display()),
-                        source: Box::new(e),
-                    });
-                }
+        let id = rec.map_or_else(|| claim.id(), |r| r.claim.clone());
+        let dir = layout.metadata_dir(&id);
+        match std::fs::remove_dir_all(self.local(&dir)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(PrepareError::State {
+                    claim: claim.clone(),
+                    what: format!("cannot remove its device metadata {}", dir.display()),
+                    source: Box::new(e),
+                });
             }
         }
         Ok(())
@@ -608,9 +686,13 @@ const SHARED_DIR_MODE: u32 = 0o755;
 /// Writes `v` to `p` with [`SHARED_FILE_MODE`] unless `p` holds exactly that already; the
 /// directories from `top` (the driver's own) down to `p`'s get [`SHARED_DIR_MODE`] (a umask of
 /// 077 would make them 0700).
-fn write_json(p: &Path, top: Option<&Path>, v: &serde_json::Value) -> common::Result<bool> {
+fn write_json(
+    p: &Path,
+    top: Option<&Path>,
+    v: &serde_json::Value,
+) -> Result<bool, Box<dyn std::error::Error + Send + Sync>> {
     use std::os::unix::fs::PermissionsExt as _;
-    let mut bytes = serde_json::to_vec_pretty(v).unwrap_or_default();
+    let mut bytes = serde_json::to_vec_pretty(v)?;
     bytes.push(b'\n');
     let mode = |p: &Path| std::fs::metadata(p).map(|m| m.permissions().mode() & 0o7777);
     if let Ok(Some(now)) = state::read_if_present(p)

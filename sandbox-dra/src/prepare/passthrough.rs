@@ -13,6 +13,16 @@ use crate::cdi::{ClaimDevice, ClaimId};
 use crate::names;
 use crate::record::{self, ClaimState, Record};
 
+/// A GPU a whole-GPU claim left on VFIO that could not go back to its vGPU driver.
+#[derive(Debug, thiserror::Error)]
+#[error("GPU {gpu} is on VFIO and cannot go back to its vGPU driver: {failures}")]
+pub(super) struct GiveBack {
+    /// The GPU.
+    gpu: PciAddress,
+    /// Each function's failure, naming it.
+    failures: String,
+}
+
 impl Node {
     /// Selects the GPUs and the rest of their groups, refusing a missing GPU or a group with a
     /// foreign member.
@@ -158,6 +168,7 @@ impl Node {
 
         let group_of = |a: &PciAddress| sel.targets().find(|t| t.address == *a).map(|t| t.group);
         let mut rec = existing.unwrap_or_else(|| Record {
+            version: record::VERSION,
             claim: id.clone(),
             state: ClaimState::Preparing,
             devices: Vec::new(),
@@ -166,7 +177,7 @@ impl Node {
         // A function on VFIO already (a claim before this one left it there) goes back, on
         // restore, to the driver it had before anything moved it: vfio-manager's record of
         // original drivers, shared with it, says which.
-        let remembered = originals::load(&self.paths);
+        let remembered = originals::load(&self.paths).drivers;
         for t in sel.targets() {
             let on_vfio = t.driver.as_deref().is_some_and(is_vfio_driver) || t.is_bound();
             let original = match remembered.get(&t.address) {
@@ -199,10 +210,13 @@ impl Node {
         let rec_path = record::path(&self.driver_dir(), &claim.uid);
         if rec.state != ClaimState::Prepared {
             rec.state = ClaimState::Preparing;
-            record::write_if_changed(&rec_path, &rec.to_bytes())
-                .map_err(Self::state_err(claim, "cannot save its record".into()))?;
+            self.save(claim, &rec_path, &rec)?;
         }
-        originals::update(&self.paths, &moving, &[]);
+        // The node-wide record of original drivers too, shared with vfio-manager: before the
+        // bind, as the claim's own record.
+        if let Err(e) = originals::update(&self.paths, &moving, &[]) {
+            tracing::warn!(%claim, error = %error_chain(&e), "cannot record the original drivers node-wide; the claim's record keeps them");
+        }
 
         let results = vfio::bind_all(&self.paths, &sel, &self.op_options(), &in_use);
         let failures: Vec<String> = results.iter().filter_map(DeviceResult::failure).collect();
@@ -271,7 +285,7 @@ impl Node {
     /// Gives a GPU a whole-GPU claim left on VFIO back to the driver it had before (its vGPU
     /// driver, `nvidia` when no record says), with the rest of its group; refused while
     /// anything holds the group.
-    pub(super) fn give_back(&self, inv: &Inventory, gpu: PciAddress) -> Result<(), String> {
+    pub(super) fn give_back(&self, inv: &Inventory, gpu: PciAddress) -> Result<(), GiveBack> {
         let selector = Selector {
             addresses: vec![gpu],
             allow_foreign_in_group: true,
@@ -280,7 +294,7 @@ impl Node {
         let aliases = vfio::load_aliases(&self.paths);
         let mut sel = vfio::select(inv, &selector, None, &aliases);
         sel.refused.clear();
-        let mut originals = originals::load(&self.paths);
+        let mut originals = originals::load(&self.paths).drivers;
         originals
             .entry(gpu)
             .or_insert_with(|| Some("nvidia".to_string()));
@@ -288,10 +302,10 @@ impl Node {
         if failures.is_empty() {
             Ok(())
         } else {
-            Err(format!(
-                "GPU {gpu} is on VFIO and cannot go back to its vGPU driver: {}",
-                failures.into_iter().collect::<Vec<_>>().join("; ")
-            ))
+            Err(GiveBack {
+                gpu,
+                failures: failures.into_iter().collect::<Vec<_>>().join("; "),
+            })
         }
     }
 
@@ -318,7 +332,9 @@ impl Node {
             .filter(|r| matches!(r.outcome, Outcome::Changed { .. }))
             .map(|r| r.address)
             .collect();
-        originals::update(&self.paths, &[], &released);
+        if let Err(e) = originals::update(&self.paths, &[], &released) {
+            tracing::warn!(error = %error_chain(&e), "cannot forget the original drivers of the functions given back");
+        }
         results.iter().filter_map(DeviceResult::failure).collect()
     }
 }

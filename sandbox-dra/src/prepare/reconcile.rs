@@ -11,8 +11,12 @@ impl Node {
             let rec = match record::load_path(&p) {
                 Ok(Some(r)) => r,
                 Ok(None) => continue,
+                Err(e @ record::RecordError::Unreadable { .. }) => {
+                    self.set_aside(&p, &e);
+                    continue;
+                }
                 Err(e) => {
-                    tracing::warn!(error = %error_chain(&e), "skipping a record that cannot be read");
+                    tracing::warn!(error = %error_chain(&e), "skipping a record that cannot be read now");
                     continue;
                 }
             };
@@ -23,6 +27,10 @@ impl Node {
             };
             if p != record::path(&self.driver_dir(), &claim.uid) {
                 tracing::warn!(path = %p.display(), "skipping a record whose name is not its claim's UID");
+                continue;
+            }
+            if let Err(e) = self.migrate(&claim, &p, &rec) {
+                tracing::warn!(%claim, error = %error_chain(&e), "claim left for kubelet's next call");
                 continue;
             }
             let outcome = match rec.state {

@@ -14,8 +14,9 @@ impl Node {
         policy: OnUnprepare,
     ) -> Result<(), PrepareError> {
         let Some(mut rec) = rec else {
-            // Nothing was prepared: at most a spec a crash left (none does: the record is the
-            // first thing written and the last removed).
+            // Nothing was prepared, or its record could not be read (set aside): the files a
+            // prepare writes are removed all the same, so the container runtime is left
+            // nothing that names the claim.
             self.remove_files(claim, None)?;
             tracing::debug!(%claim, "not prepared here; nothing to do");
             return Ok(());
@@ -24,8 +25,7 @@ impl Node {
         let p = record::path(&self.driver_dir(), &claim.uid);
         if rec.state == ClaimState::Prepared {
             rec.state = ClaimState::Unpreparing;
-            record::write_if_changed(&p, &rec.to_bytes())
-                .map_err(Self::state_err(claim, "cannot save its record".into()))?;
+            self.save(claim, &p, &rec)?;
         }
         self.remove_files(claim, Some(&rec))?;
         self.destroy_vgpus(claim, &rec)?;

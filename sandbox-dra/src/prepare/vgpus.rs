@@ -44,11 +44,7 @@ impl Node {
         if rec.state != ClaimState::Prepared {
             rec.state = ClaimState::Preparing;
         }
-        let save = |rec: &Record| {
-            record::write_if_changed(&rec_path, &rec.to_bytes())
-                .map(|_| ())
-                .map_err(Self::state_err(claim, "cannot save its record".into()))
-        };
+        let save = |rec: &Record| self.save(claim, &rec_path, rec);
         let sysfs = Sysfs::new(self.paths.clone());
         let mut inv = self.inventory(claim)?;
         // The type a device name carries is checked against the GPU's own list (its model's
@@ -101,7 +97,7 @@ impl Node {
                 .is_some_and(is_vfio_driver)
             {
                 save(&rec)?;
-                self.give_back(&inv, gpu).map_err(fail)?;
+                self.give_back(&inv, gpu).map_err(|e| fail(e.to_string()))?;
                 inv = self.inventory(claim)?;
             }
             let mut enabled = false;
@@ -200,7 +196,8 @@ impl Node {
         let inv = self.inventory(claim)?;
         for gpu in &gpus {
             if inv.device(gpu).is_some_and(|d| d.driver.is_none()) {
-                self.give_back(&inv, *gpu).map_err(|e| refused(claim, e))?;
+                self.give_back(&inv, *gpu)
+                    .map_err(|e| refused(claim, e.to_string()))?;
             }
         }
         let sysfs = Sysfs::new(self.paths.clone());

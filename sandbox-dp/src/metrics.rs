@@ -33,6 +33,7 @@ pub struct Metrics {
     on_demand_destroyed: Counter,
     on_demand_failures: Counter,
     on_demand_ready_seconds: Counter<f64, AtomicU64>,
+    on_demand_records_unreadable: Counter,
     /// Woken at every registration.
     registered: Notify,
 }
@@ -86,6 +87,11 @@ impl Metrics {
             "Time from Allocate to a ready vGPU, summed over the created ones.",
             self.on_demand_ready_seconds.clone(),
         );
+        ops.register(
+            "sandbox_dp_on_demand_records_unreadable",
+            "Files of on-demand vGPU records that could not be read (garbage, or a newer format) and were set aside.",
+            self.on_demand_records_unreadable.clone(),
+        );
     }
 
     /// Sets a resource's device counts (its counters show from now on, at 0 until counted).
@@ -131,6 +137,11 @@ impl Metrics {
     pub fn on_demand_created(&self, took: std::time::Duration) {
         self.on_demand_created.inc();
         self.on_demand_ready_seconds.inc_by(took.as_secs_f64());
+    }
+
+    /// Counts a file of on-demand records set aside because it could not be read.
+    pub fn on_demand_records_unreadable(&self) {
+        self.on_demand_records_unreadable.inc();
     }
 
     /// Counts an on-demand vGPU removed once no pod held it.

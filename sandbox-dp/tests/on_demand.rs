@@ -1036,6 +1036,80 @@ async fn vfs_are_not_enabled_at_start_on_a_gpu_in_use() {
     );
 }
 
+/// A records file that cannot be read does not stop the daemon or hold a pod: it is set aside
+/// (kept beside it for an operator), an Event on the Node says so, and the pool serves with no
+/// records. One of the format before versions is read as it is and written with its version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreadable_records_are_set_aside_and_told_and_old_ones_are_read() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let file = root.join("run/gpu-vm-node/on-demand-vgpus.json");
+    std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+    std::fs::write(&file, "{\"vgpus\": [{\"device\": ").unwrap();
+    let api = testkit::apiserver::FakeApiServer::start("node-od", &[]).unwrap();
+    let kubeconfig = api.kubeconfig().to_str().unwrap().to_string();
+    let mut pool = a10_pool(
+        root,
+        &[
+            "--on-demand",
+            GPU_A,
+            "--node-name",
+            "node-od",
+            "--kubeconfig",
+            &kubeconfig,
+        ],
+    )
+    .await;
+    let ev = block(|| api.wait_for_event("OnDemandRecordsUnreadable", DEADLINE))
+        .expect("an OnDemandRecordsUnreadable event on the Node");
+    assert_eq!(ev["type"], "Warning");
+    let note = ev["note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains("on-demand-vgpus.json") && note.contains("set aside as"),
+        "{ev}"
+    );
+    let aside: Vec<String> = std::fs::read_dir(file.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("on-demand-vgpus.json.unreadable-"))
+        .collect();
+    assert_eq!(aside.len(), 1, "{aside:?}");
+    // The pool works: an Allocate makes a vGPU, recorded with the format's version.
+    let slot = format!("{GPU_A}-A10-4Q-0");
+    pool.p4.allocate(&[&[slot.as_str()]]).await.unwrap();
+    assert!(
+        records(root).contains("\"version\": 1"),
+        "{}",
+        records(root)
+    );
+    drop(pool);
+
+    // The format before versions (this record, without its version) is read as it is: the
+    // restarted daemon gives the same device the same vGPU.
+    let old = records(root).replace("  \"version\": 1,\n", "");
+    assert!(!old.contains("version"), "{old}");
+    std::fs::write(&file, &old).unwrap();
+    let uuid = |r: &AllocateResponse| {
+        r.container_responses[0].envs["MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q"].clone()
+    };
+    let made: serde_json::Value = serde_json::from_str(&old).unwrap();
+    let handle = made["vgpus"][0]["handle"].as_str().unwrap().to_string();
+    // GPU A holds a 4Q: only 4Q slots are offered now.
+    let (_k, kdir, mut kubelet, _pods) = kubelet_with_pods().await;
+    let _d = Daemon::start(root, &kdir, &["--on-demand", GPU_A]);
+    let regs = kubelet.wait_for(&[A10_4Q], DEADLINE).await.unwrap();
+    let mut p4 = kubelet.plugin(&regs[A10_4Q].endpoint).await.unwrap();
+    let again = p4.allocate(&[&[slot.as_str()]]).await.unwrap();
+    assert_eq!(uuid(&again), handle);
+    assert!(
+        records(root).contains("\"version\": 1"),
+        "{}",
+        records(root)
+    );
+}
+
 /// What the pool changes and refuses is told on the Node, as `kubectl get events` shows it from
 /// a real API server: the vGPU created (type, UUID, GPU, device), the Allocate refused (naming
 /// the GPU and the type), the vGPU kept while a process holds it, then removed.

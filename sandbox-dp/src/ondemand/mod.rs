@@ -108,13 +108,13 @@ pub enum Error {
     #[error("cannot keep the on-demand records")]
     Records(#[source] Box<common::Error>),
     /// The records file is not what this version writes.
-    #[error("{path} is not a record of on-demand vGPUs")]
+    #[error("{path} is not a record of on-demand vGPUs this version reads")]
     Corrupt {
         /// The file.
         path: PathBuf,
-        /// Why.
+        /// Why: not JSON, not records, or a newer format.
         #[source]
-        source: serde_json::Error,
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// The records could not be turned into the file's text.
     #[error("cannot write the on-demand records {path}")]
@@ -192,6 +192,8 @@ pub struct Pool {
     events: std::sync::OnceLock<NodeEvents>,
     /// Devices whose vGPU is kept because a process holds it, told once each.
     kept_told: Mutex<BTreeSet<String>>,
+    /// What became of a records file that could not be read at start, until it is told.
+    unreadable: Mutex<Option<String>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -219,7 +221,10 @@ impl Pool {
         grace: Duration,
         metrics: Arc<Metrics>,
     ) -> anyhow::Result<Pool> {
-        let records = records::load(&paths)?;
+        let (records, unreadable) = records::load_or_set_aside(&paths)?;
+        if unreadable.is_some() {
+            metrics.on_demand_records_unreadable();
+        }
         Ok(Pool {
             paths,
             selector,
@@ -230,12 +235,17 @@ impl Pool {
             metrics,
             events: std::sync::OnceLock::new(),
             kept_told: Mutex::new(BTreeSet::new()),
+            unreadable: Mutex::new(unreadable),
         })
     }
 
-    /// Records its creations, removals and refusals as Events on the Node from now on.
+    /// Records its creations, removals and refusals as Events on the Node from now on (and
+    /// that its records were set aside at start, when they were).
     pub fn set_events(&self, events: NodeEvents) {
         let _ = self.events.set(events);
+        if let Some(note) = lock(&self.unreadable).take() {
+            self.event_warning("OnDemandRecordsUnreadable", "Start", note);
+        }
     }
 
     fn event_normal(&self, reason: &str, action: &str, note: String) {

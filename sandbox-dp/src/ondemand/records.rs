@@ -2,6 +2,11 @@
 //! replaced whole before each vGPU's creation (phase `creating`), after it (`ready`) and before
 //! its removal (`removing`), so that a crash at any point leaves a record of every vGPU this
 //! daemon may have made.
+//!
+//! The file carries its format's version (`"version": 1`); one without (the format before) is
+//! read as it is and written with it next time. One that cannot be read, or of a newer
+//! format, is set aside (kept beside it for an operator) and reported: the pool starts with
+//! no records, and the vGPUs that file named are left as they are.
 
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -48,8 +53,14 @@ pub struct Record {
     pub seen: bool,
 }
 
+/// The format version the file is written in.
+pub const VERSION: u32 = 1;
+
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub(super) struct Records {
+    /// The format version (0: the format before records carried one).
+    #[serde(default)]
+    pub(super) version: u32,
     pub(super) vgpus: Vec<Record>,
 }
 
@@ -82,15 +93,45 @@ pub(super) fn load(paths: &HostPaths) -> Result<Vec<Record>, Error> {
     let Some(text) = state::read_if_present(&path).map_err(|e| Error::Records(Box::new(e)))? else {
         return Ok(Vec::new());
     };
-    serde_json::from_str::<Records>(&text)
+    let corrupt = |source: Box<dyn std::error::Error + Send + Sync>| Error::Corrupt {
+        path: path.clone(),
+        source,
+    };
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| corrupt(Box::new(e)))?;
+    state::json_version(&path, &value, VERSION).map_err(|e| corrupt(Box::new(e)))?;
+    serde_json::from_value::<Records>(value)
         .map(|r| r.vgpus)
-        .map_err(|source| Error::Corrupt { path, source })
+        .map_err(|e| corrupt(Box::new(e)))
+}
+
+/// The records a previous run left, as [`load`] reads them; a file that cannot be read is set
+/// aside instead, and the sentence to report says so.
+pub(super) fn load_or_set_aside(paths: &HostPaths) -> Result<(Vec<Record>, Option<String>), Error> {
+    match load(paths) {
+        Ok(r) => Ok((r, None)),
+        Err(e @ Error::Corrupt { .. }) => {
+            let path = records_path(paths);
+            let what = match state::set_aside(&path) {
+                Ok(aside) => format!("set aside as {}", aside.display()),
+                Err(e2) => format!("and cannot be set aside: {}", common::error_chain(&e2)),
+            };
+            let note = format!(
+                "{}; {what}: the pool starts with no records, and the vGPUs they named are left \
+                 as they are",
+                common::error_chain(&e)
+            );
+            tracing::warn!("{note}");
+            Ok((Vec::new(), Some(note)))
+        }
+        Err(e) => Err(e),
+    }
 }
 
 impl Pool {
     fn save(&self, records: &[Record]) -> Result<(), Error> {
         let path = records_path(&self.paths);
         let text = serde_json::to_string_pretty(&Records {
+            version: VERSION,
             vgpus: records.to_vec(),
         })
         .map_err(|source| Error::Serialize {
@@ -133,6 +174,30 @@ mod tests {
         assert!(past_grace(100, 101, Duration::ZERO));
         // A clock set back keeps the vGPU.
         assert!(!past_grace(100, 50, s(1)));
+    }
+
+    #[test]
+    fn an_old_file_is_read_and_a_corrupt_or_newer_one_is_set_aside_with_a_note() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = HostPaths::new(dir.path());
+        let file = records_path(&paths);
+        std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+        let old = r#"{"vgpus": [{"device":"d","resource":"r","parent":"mtty","type_name":"t","handle":"h","vendor":false,"phase":"ready","since":0,"seen":false}]}"#;
+        std::fs::write(&file, old).unwrap();
+        let (records, note) = load_or_set_aside(&paths).unwrap();
+        assert_eq!((records.len(), note), (1, None));
+        for bad in ["{\"vgpus\": [", r#"{"version": 2, "vgpus": []}"#] {
+            std::fs::write(&file, bad).unwrap();
+            let (records, note) = load_or_set_aside(&paths).unwrap();
+            assert!(records.is_empty());
+            let note = note.expect("a note to report");
+            assert!(
+                note.contains("on-demand-vgpus.json") && note.contains("set aside as"),
+                "{note}"
+            );
+            assert!(!file.exists(), "set aside");
+        }
+        assert_eq!(load_or_set_aside(&paths).unwrap(), (Vec::new(), None));
     }
 
     #[test]

@@ -114,13 +114,25 @@ pub fn need_node_name(node_name: Option<&str>, command: &str) -> exit::Result<St
 /// `--vendor` for the binaries that bind a whole GPU to VFIO: the shared syntax (a hex PCI
 /// vendor id, `10de` or `0x10DE`), but not `any`, which would take every vendor's display
 /// functions, the host's own console GPU among them.
-pub fn pci_vendor(s: &str) -> Result<u16, String> {
-    match s.parse::<VendorSelector>().map_err(|e| e.to_string())? {
+pub fn pci_vendor(s: &str) -> Result<u16, BadVendor> {
+    match s.parse::<VendorSelector>()? {
         VendorSelector::Pci(v) => Ok(v),
-        VendorSelector::Any => Err(
-            "\"any\" is refused here: every vendor's display functions would include the host's own console GPU; name a vendor id (e.g. 10de)".into(),
-        ),
+        VendorSelector::Any => Err(BadVendor::Any),
     }
+}
+
+/// A `--vendor` a daemon that binds whole GPUs does not take.
+#[derive(Debug, thiserror::Error)]
+pub enum BadVendor {
+    /// Not a vendor id.
+    #[error(transparent)]
+    Syntax(#[from] common::pci::ParseVendorError),
+    /// `any`.
+    #[error(
+        "\"any\" is refused here: every vendor's display functions would include the host's own \
+         console GPU; name a vendor id (e.g. 10de)"
+    )]
+    Any,
 }
 
 /// `--metrics-addr`, for the daemons' long-running mode.

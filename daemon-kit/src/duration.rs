@@ -12,28 +12,48 @@ use std::time::Duration;
 /// the timers they set.
 pub const MAX: Duration = Duration::from_secs(30 * 24 * 3600);
 
+/// A duration flag's value that is not one.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BadDuration {
+    /// Not a duration at all.
+    #[error("not a duration ({reason}): {value:?}; write it like 500ms, 30s, 2m or 1h30m")]
+    Syntax {
+        /// The value given.
+        value: String,
+        /// What humantime says of it.
+        reason: String,
+    },
+    /// Zero, negative, or longer than [`MAX`].
+    #[error("must be more than 0 and at most 30 days: {0:?}")]
+    OutOfRange(String),
+    /// Not a whole number of milliseconds (the deprecated `--…-ms` flags).
+    #[error("not a whole number of milliseconds: {0:?}")]
+    NotMillis(String),
+}
+
 /// Parses a duration flag: humantime's syntax (`500ms`, `30s`, `2m`, `1h 30m`) or a bare number
 /// of seconds (`30`, `1.5`). It must be more than zero and at most [`MAX`].
-pub fn parse(s: &str) -> Result<Duration, String> {
+pub fn parse(s: &str) -> Result<Duration, BadDuration> {
     let t = s.trim();
     let d = match t.parse::<f64>() {
         Ok(secs) if secs.is_finite() && secs > 0.0 && secs <= MAX.as_secs_f64() => {
             Duration::from_secs_f64(secs)
         }
-        Ok(_) => return Err(out_of_range(s)),
-        Err(_) => humantime::parse_duration(t).map_err(|e| {
-            format!("not a duration ({e}): {s:?}; write it like 500ms, 30s, 2m or 1h30m")
+        Ok(_) => return Err(BadDuration::OutOfRange(s.to_string())),
+        Err(_) => humantime::parse_duration(t).map_err(|e| BadDuration::Syntax {
+            value: s.to_string(),
+            reason: e.to_string(),
         })?,
     };
     in_range(d, s)
 }
 
 /// Parses a whole number of milliseconds: the value of the deprecated `--…-ms` flags.
-pub fn parse_millis(s: &str) -> Result<Duration, String> {
+pub fn parse_millis(s: &str) -> Result<Duration, BadDuration> {
     let ms: u64 = s
         .trim()
         .parse()
-        .map_err(|_| format!("not a whole number of milliseconds: {s:?}"))?;
+        .map_err(|_| BadDuration::NotMillis(s.to_string()))?;
     in_range(Duration::from_millis(ms), s)
 }
 
@@ -42,15 +62,11 @@ pub fn format(d: Duration) -> String {
     humantime::format_duration(d).to_string()
 }
 
-fn in_range(d: Duration, s: &str) -> Result<Duration, String> {
+fn in_range(d: Duration, s: &str) -> Result<Duration, BadDuration> {
     if d.is_zero() || d > MAX {
-        return Err(out_of_range(s));
+        return Err(BadDuration::OutOfRange(s.to_string()));
     }
     Ok(d)
-}
-
-fn out_of_range(s: &str) -> String {
-    format!("must be more than 0 and at most 30 days: {s:?}")
 }
 
 #[cfg(test)]
@@ -82,11 +98,11 @@ mod tests {
         for bad in [
             "0", "0s", "0ms", "-1", "-1s", "nan", "inf", "31days", "3000000",
         ] {
-            let e = parse(bad).unwrap_err();
+            let e = parse(bad).unwrap_err().to_string();
             assert!(e.contains(bad), "{bad:?}: {e}");
         }
         for bad in ["", "abc", "30 parsecs", "1.5.2", "s"] {
-            let e = parse(bad).unwrap_err();
+            let e = parse(bad).unwrap_err().to_string();
             assert!(e.contains("write it like 500ms, 30s, 2m"), "{bad:?}: {e}");
         }
     }
@@ -96,7 +112,12 @@ mod tests {
         assert_eq!(parse_millis("2000"), Ok(MS(2000)));
         assert_eq!(parse_millis("300000"), Ok(MS(300_000)));
         assert!(parse_millis("0").is_err());
-        assert!(parse_millis("2s").unwrap_err().contains("milliseconds"));
+        assert!(
+            parse_millis("2s")
+                .unwrap_err()
+                .to_string()
+                .contains("milliseconds")
+        );
         assert!(parse_millis("1.5").is_err());
     }
 

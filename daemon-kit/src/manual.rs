@@ -26,17 +26,29 @@ pub enum Output {
     Man,
 }
 
+/// What `--generate` was asked that it cannot do.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BadRequest {
+    /// A shell clap_complete does not know.
+    #[error("unknown shell {0:?}; {USAGE}")]
+    Shell(String),
+    /// Neither `man` nor `completions SHELL`.
+    #[error("{USAGE}")]
+    Usage,
+}
+
+const USAGE: &str =
+    "usage: --generate completions bash|zsh|fish|elvish|powershell, or --generate man";
+
 /// Parses the words after `--generate`.
-pub fn parse(words: &[String]) -> Result<Output, String> {
-    const USAGE: &str =
-        "usage: --generate completions bash|zsh|fish|elvish|powershell, or --generate man";
+pub fn parse(words: &[String]) -> Result<Output, BadRequest> {
     match words {
         [what] if what == "man" => Ok(Output::Man),
         [what, shell] if what == "completions" => shell
             .parse::<Shell>()
             .map(Output::Completions)
-            .map_err(|_| format!("unknown shell {shell:?}; {USAGE}")),
-        _ => Err(USAGE.into()),
+            .map_err(|_| BadRequest::Shell(shell.clone())),
+        _ => Err(BadRequest::Usage),
     }
 }
 
@@ -96,6 +108,7 @@ mod tests {
         assert!(
             parse(&words("completions tcsh"))
                 .unwrap_err()
+                .to_string()
                 .contains("tcsh")
         );
         assert!(parse(&words("")).is_err());

@@ -462,14 +462,18 @@ fn selector(d: &PciDevice) -> String {
     format!("{:04X}:{:04X}", d.vendor, d.device)
 }
 
+/// A `--resource-alias` that is not `OLD=NEW`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("expected OLD=NEW, got {0:?}")]
+pub struct BadAlias(pub String);
+
 /// Parses one `--resource-alias OLD=NEW`.
-pub fn parse_alias(s: &str) -> Result<(String, String), String> {
-    let (old, new) = s
-        .split_once('=')
-        .ok_or_else(|| format!("expected OLD=NEW, got {s:?}"))?;
+pub fn parse_alias(s: &str) -> Result<(String, String), BadAlias> {
+    let bad = || BadAlias(s.to_string());
+    let (old, new) = s.split_once('=').ok_or_else(bad)?;
     let (old, new) = (old.trim(), new.trim());
     if old.is_empty() || new.is_empty() {
-        return Err(format!("expected OLD=NEW, got {s:?}"));
+        return Err(bad());
     }
     // A `VVVV:DDDD` key is matched in lower case, like PciDevice::id_string.
     let old = if old.len() == 9 && old.as_bytes()[4] == b':' {

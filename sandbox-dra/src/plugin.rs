@@ -11,7 +11,7 @@ use std::sync::Arc;
 use kubelet_api::dra::{v1, v1beta1};
 use tonic::{Request, Response, Status};
 
-use crate::prepare::{ClaimRef, PreparedDevice, Preparer};
+use crate::prepare::{ClaimRef, PrepareError, PreparedDevice, Preparer};
 use crate::runtime::RuntimeCheck;
 use crate::telemetry::Telemetry;
 
@@ -41,42 +41,44 @@ impl Plugin {
     async fn prepare(
         &self,
         claims: Vec<ClaimRef>,
-    ) -> HashMap<String, Result<Vec<PreparedDevice>, String>> {
+    ) -> HashMap<String, Result<Vec<PreparedDevice>, PrepareError>> {
         let mut out = HashMap::new();
         for claim in claims {
-            if let Some(why) = self.runtime.refusal() {
-                tracing::warn!(claim = %claim, error = %why, "claim not prepared");
-                self.telemetry.prepared(&claim, Err(&why));
-                out.insert(claim.uid.clone(), Err(why));
-                continue;
-            }
-            let result = self.preparer.prepare(&claim).await.map_err(|e| {
-                let msg = common::error_chain(&e);
-                tracing::warn!(claim = %claim, error = %msg, "claim not prepared");
-                msg
-            });
+            let result = match self.runtime.refusal() {
+                Some(reason) => Err(PrepareError::Refused {
+                    claim: claim.clone(),
+                    reason,
+                }),
+                None => self.preparer.prepare(&claim).await,
+            };
             match &result {
                 Ok(devices) => {
                     let names: Vec<&str> = devices.iter().map(|d| d.device.as_str()).collect();
                     self.telemetry.prepared(&claim, Ok(&names));
                 }
-                Err(msg) => self.telemetry.prepared(&claim, Err(msg)),
+                Err(e) => {
+                    let msg = common::error_chain(e);
+                    tracing::warn!(claim = %claim, error = %msg, "claim not prepared");
+                    self.telemetry.prepared(&claim, Err(&msg));
+                }
             }
             out.insert(claim.uid.clone(), result);
         }
         out
     }
 
-    async fn unprepare(&self, claims: Vec<ClaimRef>) -> HashMap<String, Result<(), String>> {
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> HashMap<String, Result<(), PrepareError>> {
         let mut out = HashMap::new();
         for claim in claims {
-            let result = self.preparer.unprepare(&claim).await.map_err(|e| {
-                let msg = common::error_chain(&e);
-                tracing::warn!(claim = %claim, error = %msg, "claim not unprepared");
-                msg
-            });
-            self.telemetry
-                .unprepared(&claim, result.as_ref().map(|_| ()).map_err(String::as_str));
+            let result = self.preparer.unprepare(&claim).await;
+            match &result {
+                Ok(()) => self.telemetry.unprepared(&claim, Ok(())),
+                Err(e) => {
+                    let msg = common::error_chain(e);
+                    tracing::warn!(claim = %claim, error = %msg, "claim not unprepared");
+                    self.telemetry.unprepared(&claim, Err(&msg));
+                }
+            }
             out.insert(claim.uid.clone(), result);
         }
         out
@@ -133,9 +135,9 @@ macro_rules! dra_version {
                                     .collect(),
                                 error: String::new(),
                             },
-                            Err(error) => $v::NodePrepareResourceResponse {
+                            Err(e) => $v::NodePrepareResourceResponse {
                                 devices: Vec::new(),
-                                error,
+                                error: common::error_chain(&e),
                             },
                         };
                         (uid, response)
@@ -158,7 +160,10 @@ macro_rules! dra_version {
                     .await
                     .into_iter()
                     .map(|(uid, result)| {
-                        let error = result.err().unwrap_or_default();
+                        let error = result
+                            .err()
+                            .map(|e| common::error_chain(&e))
+                            .unwrap_or_default();
                         (uid, $v::NodeUnprepareResourceResponse { error })
                     })
                     .collect();

@@ -16,6 +16,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 
 use anyhow::Context as _;
 use common::vgpu::lifecycle::Handle;
+use common::vgpu::selector::BadSelector;
 use common::{HostPaths, Inventory, PciAddress, state};
 use serde::{Deserialize, Serialize};
 
@@ -28,15 +29,16 @@ pub use common::vgpu::selector::Selector;
 /// Parses `--vgpu all|BDF,…|PARENT,…` ([`common::vgpu::selector::parse_selector`]); an mdev
 /// parent must also be fit to stand in a device name (lowercase letters, digits and `-`), which
 /// the ResourceSlice's device names are made of.
-pub fn parse_selector(s: &str) -> Result<Selector, String> {
+pub fn parse_selector(s: &str) -> Result<Selector, BadSelector> {
     let sel = common::vgpu::selector::parse_selector(s)?;
     if let Selector::Listed { parents, .. } = &sel
         && let Some(p) = parents.iter().find(|p| !names::is_name_part(p))
     {
-        return Err(format!(
-            "mdev parent {p:?} cannot name a device in a ResourceSlice: only lowercase letters, \
-             digits and - may"
-        ));
+        return Err(BadSelector::Parent {
+            name: p.clone(),
+            why: "cannot name a device in a ResourceSlice: only lowercase letters, digits and - \
+                  may",
+        });
     }
     Ok(sel)
 }
@@ -234,11 +236,16 @@ mod tests {
             })
         );
         // A kernel device name, but not a DNS label.
-        let e = parse_selector("mdev_1.0").unwrap_err();
+        let e = parse_selector("mdev_1.0").unwrap_err().to_string();
         assert!(
             e.contains("\"mdev_1.0\"") && e.contains("ResourceSlice"),
             "{e}"
         );
-        assert!(parse_selector("GPU 0").unwrap_err().contains("GPU 0"));
+        assert!(
+            parse_selector("GPU 0")
+                .unwrap_err()
+                .to_string()
+                .contains("GPU 0")
+        );
     }
 }

@@ -171,7 +171,7 @@ impl DeviceId {
                 .is_none_or(|(d, v)| d == sub_device && v == sub_vendor)
     }
 
-    fn parse(s: &str) -> Result<DeviceId, String> {
+    fn parse(s: &str) -> Result<DeviceId, BadValue> {
         fn word(w: &str) -> Option<(u16, u16)> {
             let h = w.strip_prefix("0x").or_else(|| w.strip_prefix("0X"))?;
             if h.len() != 8 {
@@ -180,12 +180,7 @@ impl DeviceId {
             let n = u32::from_str_radix(h, 16).ok()?;
             Some(((n >> 16) as u16, (n & 0xffff) as u16))
         }
-        let bad = || {
-            format!(
-                "device-filter {s:?} is not \"0xDDDDVVVV\" or \"0xDDDDVVVV:0xSSSSssss\" \
-                 (device and vendor id in hex, e.g. \"0x223610DE\" for an A10)"
-            )
-        };
+        let bad = || BadValue::DeviceFilter(s.to_string());
         let (main, sub) = match s.split_once(':') {
             Some((m, s)) => (m, Some(s)),
             None => (s, None),
@@ -262,6 +257,23 @@ impl<'de> Deserialize<'de> for DeviceFilter {
     }
 }
 
+/// A value of the config file that is not what its field takes.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BadValue {
+    /// A `device-filter` entry.
+    #[error(
+        "device-filter {0:?} is not \"0xDDDDVVVV\" or \"0xDDDDVVVV:0xSSSSssss\" (device and \
+         vendor id in hex, e.g. \"0x223610DE\" for an A10)"
+    )]
+    DeviceFilter(String),
+    /// A key of `vgpu-devices`.
+    #[error(
+        "{0:?} is not a vGPU type: expected a type name such as \"A10-4Q\" (the last word of the \
+         type's name) or a type id such as \"nvidia-558\""
+    )]
+    TypeKey(String),
+}
+
 /// A vGPU type key: the last word of a type's name (`A10-4Q` for `NVIDIA A10-4Q`), or a sysfs
 /// type id (`nvidia-558`, `mtty-2`, or the vendor path's numeric `1145`).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -271,7 +283,7 @@ pub struct TypeKey(pub String);
 impl TypeKey {
     /// Checks the syntax: letters, digits, `.`, `_` and `-`, with at least one `-` between
     /// non-empty parts (`A10-4Q`, `A100DX-1-10C`, `mtty-2`), or all digits (`1145`).
-    pub fn parse(s: &str) -> Result<TypeKey, String> {
+    pub fn parse(s: &str) -> Result<TypeKey, BadValue> {
         let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
         let digits = !s.is_empty() && s.chars().all(|c| c.is_ascii_digit());
         let named =
@@ -279,10 +291,7 @@ impl TypeKey {
         if digits || named {
             Ok(TypeKey(s.to_string()))
         } else {
-            Err(format!(
-                "{s:?} is not a vGPU type: expected a type name such as \"A10-4Q\" (the last word \
-                 of the type's name) or a type id such as \"nvidia-558\""
-            ))
+            Err(BadValue::TypeKey(s.to_string()))
         }
     }
 

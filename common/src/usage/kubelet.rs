@@ -25,7 +25,7 @@ use serde::Deserialize;
 
 use crate::error::error_chain;
 use crate::paths::HostPaths;
-use crate::usage::{Claim, Pod, PodSource};
+use crate::usage::{Claim, Pod, PodSource, Unreadable};
 
 /// Device ID (lower case) → the pods' containers that hold it.
 pub(crate) type Allocations = BTreeMap<String, Vec<Pod>>;
@@ -47,7 +47,7 @@ pub(crate) struct ListedClaim {
 #[derive(Debug)]
 pub(crate) struct PodsRead {
     /// The allocations, or why they cannot be known.
-    pub allocations: Result<Allocations, String>,
+    pub allocations: Result<Allocations, Unreadable>,
     /// The claims' devices the pods have (none from the checkpoint).
     pub claims: Vec<ListedClaim>,
     /// Where they come from, for logs and reports.
@@ -65,10 +65,10 @@ pub(crate) fn read(paths: &HostPaths, timeout: Duration) -> PodsRead {
             source: format!("kubelet's PodResources API ({})", socket.display()),
         },
         Err(ListError::Failed(why)) => PodsRead {
-            allocations: Err(format!(
-                "kubelet's PodResources API ({}) does not answer List: {why}",
-                socket.display()
-            )),
+            allocations: Err(Unreadable::PodResources {
+                socket: socket.clone(),
+                reason: why,
+            }),
             claims: Vec::new(),
             source: format!("kubelet's PodResources API ({})", socket.display()),
         },
@@ -90,17 +90,14 @@ pub(crate) fn read(paths: &HostPaths, timeout: Duration) -> PodsRead {
 /// The devices the pods kubelet runs now hold, from `List` on the PodResources socket alone:
 /// unlike [`read`], a kubelet that is down is an error here, never its checkpoint (which keeps
 /// a deleted pod's entry until kubelet next admits a pod).
-pub(crate) fn active(paths: &HostPaths, timeout: Duration) -> Result<Allocations, String> {
+pub(crate) fn active(paths: &HostPaths, timeout: Duration) -> Result<Allocations, Unreadable> {
     let socket = paths.pod_resources_socket();
     list(&socket, timeout).map(|l| l.devices).map_err(|e| {
-        let why = match e {
+        let reason = match e {
             ListError::Unreachable(w) => format!("nothing listens ({w})"),
             ListError::Failed(w) => w,
         };
-        format!(
-            "kubelet's PodResources API ({}) does not answer List: {why}",
-            socket.display()
-        )
+        Unreadable::PodResources { socket, reason }
     })
 }
 
@@ -287,23 +284,22 @@ impl DeviceIds {
 /// The allocations in the checkpoint at `path`. No file: kubelet has allocated nothing (it has
 /// never run, or runs no device plugin). A file that cannot be read or understood (truncated,
 /// corrupt) says nothing about which devices are free: that is an error.
-fn checkpoint(path: &Path) -> Result<Allocations, String> {
+fn checkpoint(path: &Path) -> Result<Allocations, Unreadable> {
     let text = match std::fs::read(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Allocations::new()),
         Err(e) => {
-            return Err(format!(
-                "cannot read kubelet's checkpoint {}: {e}",
-                path.display()
-            ));
+            return Err(Unreadable::CheckpointRead {
+                path: path.to_path_buf(),
+                reason: e.to_string(),
+            });
         }
     };
-    let cp: Checkpoint = serde_json::from_slice(&text).map_err(|e| {
-        format!(
-            "kubelet's checkpoint {} is truncated or corrupt ({e})",
-            path.display()
-        )
-    })?;
+    let cp: Checkpoint =
+        serde_json::from_slice(&text).map_err(|e| Unreadable::CheckpointCorrupt {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
     let mut out = Allocations::new();
     for e in cp.data.entries.unwrap_or_default() {
         for id in e
@@ -391,6 +387,8 @@ mod tests {
         ] {
             write(dir.path(), broken);
             let e = checkpoint(&path).unwrap_err();
+            assert!(matches!(e, Unreadable::CheckpointCorrupt { .. }), "{e:?}");
+            let e = e.to_string();
             assert!(e.contains("truncated or corrupt"), "{broken}: {e}");
             assert!(e.contains(&path.display().to_string()), "{e}");
         }
@@ -404,7 +402,12 @@ mod tests {
         write(paths.kubelet_dir(), "{");
         let r = read(&paths, Duration::from_secs(5));
         assert!(r.source.contains("kubelet's checkpoint"), "{}", r.source);
-        assert!(r.allocations.unwrap_err().contains("truncated or corrupt"));
+        assert!(
+            r.allocations
+                .unwrap_err()
+                .to_string()
+                .contains("truncated or corrupt")
+        );
 
         // A socket file nobody listens on (kubelet killed): refused, so the checkpoint again.
         let sock = paths.pod_resources_socket();
@@ -423,6 +426,7 @@ mod tests {
         let _silent = std::os::unix::net::UnixListener::bind(&sock).unwrap();
         let r = read(&paths, Duration::from_millis(300));
         let e = r.allocations.unwrap_err();
-        assert!(e.contains("does not answer List"), "{e}");
+        assert!(matches!(e, Unreadable::PodResources { .. }), "{e:?}");
+        assert!(e.to_string().contains("does not answer List"), "{e}");
     }
 }

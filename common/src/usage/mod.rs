@@ -33,6 +33,7 @@ mod procs;
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -145,6 +146,55 @@ pub enum Source {
     Processes,
     /// kubelet: its PodResources API or its checkpoint.
     Kubelet,
+}
+
+/// Why a source of "in use" could not be read: every device that depends on it is then used by
+/// someone unknown. Each names what it could not read; the reason is kept as text so that a
+/// reading of the sources ([`Usage`]) can be cloned.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Unreadable {
+    /// The processes' open files under `<root>/proc`.
+    #[error("cannot read the processes' open files: {reason}")]
+    Processes {
+        /// Why, with its causes.
+        reason: String,
+    },
+    /// The nvidia driver's table of GPUs (`<root>/proc/driver/nvidia/gpus`).
+    #[error("cannot read the nvidia driver's GPUs: {reason}")]
+    NvidiaGpus {
+        /// Why, with its causes.
+        reason: String,
+    },
+    /// One GPU's entry in that table.
+    #[error("{reason}")]
+    NvidiaMinor {
+        /// Why, naming the file.
+        reason: String,
+    },
+    /// kubelet's PodResources API answered nothing.
+    #[error("kubelet's PodResources API ({}) does not answer List: {reason}", .socket.display())]
+    PodResources {
+        /// Its socket.
+        socket: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// kubelet's checkpoint, where its API is not there, could not be read.
+    #[error("cannot read kubelet's checkpoint {}: {reason}", .path.display())]
+    CheckpointRead {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// kubelet's checkpoint is not one.
+    #[error("kubelet's checkpoint {} is truncated or corrupt ({reason})", .path.display())]
+    CheckpointCorrupt {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// A source that could not be read: whoever uses the device, if anyone, is unknown.
@@ -296,7 +346,7 @@ pub fn describe<T: fmt::Display>(items: &[T]) -> String {
 pub fn active_pods(
     paths: &HostPaths,
     timeout: Duration,
-) -> std::result::Result<BTreeMap<String, Vec<Pod>>, String> {
+) -> std::result::Result<BTreeMap<String, Vec<Pod>>, Unreadable> {
     kubelet::active(paths, timeout)
 }
 
@@ -306,13 +356,13 @@ pub fn active_pods(
 pub struct Usage {
     /// Open device nodes: host path (`/dev/vfio/42`) → the processes holding it; or why the
     /// processes could not be read.
-    pub processes: Result<BTreeMap<String, Vec<Process>>, String>,
+    pub processes: Result<BTreeMap<String, Vec<Process>>, Unreadable>,
     /// GPUs on the nvidia driver → their `/dev/nvidia<N>` minor (or why it is not known); or
     /// why the driver's table could not be read.
-    pub nvidia_minors: Result<BTreeMap<PciAddress, Result<u32, String>>, String>,
+    pub nvidia_minors: Result<BTreeMap<PciAddress, Result<u32, Unreadable>>, Unreadable>,
     /// Device ID in lower case (PCI address, mdev UUID) → the pods kubelet gave it to; or why
     /// that cannot be known.
-    pub pods: Result<BTreeMap<String, Vec<Pod>>, String>,
+    pub pods: Result<BTreeMap<String, Vec<Pod>>, Unreadable>,
     /// Device nodes, as host paths (`/dev/vfio/42`) → the pods a prepared ResourceClaim gave
     /// them to (each [`Pod`] names its claim).
     pub claims: BTreeMap<String, Vec<Pod>>,
@@ -343,12 +393,16 @@ impl Usage {
     /// every device that depends on it [`User::Unknown`].
     pub fn read(paths: &HostPaths) -> Usage {
         let processes = procs::scan(paths).map_err(|e| {
-            let e = format!("cannot read the processes' open files: {}", error_chain(&e));
+            let e = Unreadable::Processes {
+                reason: error_chain(&e),
+            };
             tracing::warn!("{e}");
             e
         });
         let nvidia_minors = procs::nvidia_minors(paths).map_err(|e| {
-            let e = format!("cannot read the nvidia driver's GPUs: {}", error_chain(&e));
+            let e = Unreadable::NvidiaGpus {
+                reason: error_chain(&e),
+            };
             tracing::warn!("{e}");
             e
         });
@@ -401,7 +455,7 @@ impl Usage {
         if let Err(e) = &self.processes {
             out.push(User::Unknown(Unknown {
                 source: Source::Processes,
-                reason: e.clone(),
+                reason: e.to_string(),
             }));
         }
     }
@@ -426,7 +480,7 @@ impl Usage {
             }
             Err(e) => out.push(User::Unknown(Unknown {
                 source: Source::Kubelet,
-                reason: e.clone(),
+                reason: e.to_string(),
             })),
         }
     }
@@ -489,7 +543,7 @@ impl Usage {
                 },
                 Err(e) => out.push(User::Unknown(Unknown {
                     source: Source::Processes,
-                    reason: e.clone(),
+                    reason: e.to_string(),
                 })),
             }
         }

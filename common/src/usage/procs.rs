@@ -69,7 +69,7 @@ pub(crate) fn scan(paths: &HostPaths) -> Result<BTreeMap<String, Vec<Process>>> 
 /// driver is not loaded; a GPU whose file cannot be understood maps to the reason.
 pub(crate) fn nvidia_minors(
     paths: &HostPaths,
-) -> Result<BTreeMap<PciAddress, Result<u32, String>>> {
+) -> Result<BTreeMap<PciAddress, Result<u32, super::Unreadable>>> {
     let dir = paths.proc().join("driver/nvidia/gpus");
     let rd = match fs::read_dir(&dir) {
         Ok(rd) => rd,
@@ -85,8 +85,11 @@ pub(crate) fn nvidia_minors(
         else {
             continue;
         };
-        let minor =
-            read_minor(&entry.path().join("information")).map_err(|e| crate::error_chain(&e));
+        let minor = read_minor(&entry.path().join("information")).map_err(|e| {
+            super::Unreadable::NvidiaMinor {
+                reason: crate::error_chain(&e),
+            }
+        });
         out.insert(address, minor);
     }
     Ok(out)
@@ -168,6 +171,6 @@ mod tests {
         assert_eq!(m[&a("0000:41:00.0")], Ok(1));
         assert_eq!(m[&a("0000:61:00.0")], Ok(0));
         let e = m[&a("0000:81:00.0")].as_ref().unwrap_err();
-        assert!(e.contains("0000:81:00.0/information"), "{e}");
+        assert!(e.to_string().contains("0000:81:00.0/information"), "{e}");
     }
 }

@@ -127,7 +127,10 @@ fn a_gpu_on_nvidia_is_in_use_while_its_nvidia_node_is_held() {
         "0000:41:00.0: pid 77 (python3) holds /dev/nvidia0"
     );
     // The minor the driver cannot name is not known to be free.
-    u.nvidia_minors = Ok([(a("0000:41:00.0"), Err("no Device Minor line".into()))].into());
+    let no_minor = Unreadable::NvidiaMinor {
+        reason: "no Device Minor line".into(),
+    };
+    u.nvidia_minors = Ok([(a("0000:41:00.0"), Err(no_minor))].into());
     let uses = u.of_gpu(&inv, &a("0000:41:00.0"));
     assert!(uses[0].user.is_unknown_from(Source::Processes), "{uses:?}");
 }
@@ -181,14 +184,19 @@ fn ids_match_whatever_their_case() {
 fn an_unreadable_source_is_an_unknown_user_named_once() {
     let inv = node();
     let mut u = usage();
-    u.processes = Err("cannot read the processes' open files: /proc".into());
-    u.pods = Err("kubelet's checkpoint /k is truncated or corrupt".into());
+    u.processes = Err(Unreadable::Processes {
+        reason: "/proc".into(),
+    });
+    u.pods = Err(Unreadable::CheckpointCorrupt {
+        path: "/k".into(),
+        reason: "EOF".into(),
+    });
     let uses = u.of_gpu(&inv, &a("0000:41:00.0"));
     assert_eq!(
         uses.iter().map(|u| u.to_string()).collect::<Vec<_>>(),
         vec![
             "unknown: cannot read the processes' open files: /proc",
-            "unknown: kubelet's checkpoint /k is truncated or corrupt",
+            "unknown: kubelet's checkpoint /k is truncated or corrupt (EOF)",
         ]
     );
     assert!(
@@ -248,7 +256,10 @@ fn moving_a_function_to_vfio_ignores_pods_given_that_function_only() {
         )
     );
     // Unknown pods still count for what is on the GPU...
-    u.pods = Err("kubelet's checkpoint /k is truncated or corrupt".into());
+    u.pods = Err(Unreadable::CheckpointCorrupt {
+        path: "/k".into(),
+        reason: "EOF".into(),
+    });
     let blocking = u.of_gpu_for_passthrough(&inv, &a("0000:41:00.0"));
     assert_eq!(blocking.len(), 1, "{blocking:?}");
     assert!(blocking[0].user.is_unknown_from(Source::Kubelet));

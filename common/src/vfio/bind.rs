@@ -61,16 +61,18 @@ where
             .collect();
         for (targets, h) in handles {
             let joined = match h {
-                Ok(h) => h.join().map_err(|_| "worker panicked".to_string()),
+                Ok(h) => h.join().ok(),
                 // No thread to be had: do the group here.
-                Err(_) => Ok(per_group(targets)),
+                Err(_) => Some(per_group(targets)),
             };
             match joined {
-                Ok(r) => results.extend(r),
-                Err(e) => results.extend(targets.iter().map(|t| DeviceResult {
+                Some(r) => results.extend(r),
+                None => results.extend(targets.iter().map(|t| DeviceResult {
                     address: t.address,
                     group: Some(t.group),
-                    outcome: Outcome::Failed { error: e.clone() },
+                    outcome: Outcome::Failed {
+                        error: format!("the worker of IOMMU group {} panicked", t.group),
+                    },
                 })),
             }
         }

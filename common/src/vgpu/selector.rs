@@ -32,9 +32,31 @@ impl Selector {
     }
 }
 
+/// A selector that is neither `all` nor a list of GPUs and mdev parents.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BadSelector {
+    /// An entry names neither.
+    #[error(
+        "{0:?} is neither a PCI address (0000:41:00.0) nor an mdev parent's name (mtty: \
+         letters, digits, -, _ and .); \"all\" stands alone"
+    )]
+    Entry(String),
+    /// Nothing is named.
+    #[error("expected \"all\" or a comma list of GPU PCI addresses and mdev parents")]
+    Empty,
+    /// A parent's name does not fit where the daemon uses it.
+    #[error("mdev parent {name:?} {why}")]
+    Parent {
+        /// The parent.
+        name: String,
+        /// What it cannot be.
+        why: &'static str,
+    },
+}
+
 /// Parses `all`, or a comma list of GPU PCI addresses (`0000:41:00.0`) and non-PCI mdev
 /// parents (`mtty`); spaces around entries and empty entries are ignored.
-pub fn parse_selector(s: &str) -> Result<Selector, String> {
+pub fn parse_selector(s: &str) -> Result<Selector, BadSelector> {
     if s.trim() == "all" {
         return Ok(Selector::All);
     }
@@ -45,16 +67,11 @@ pub fn parse_selector(s: &str) -> Result<Selector, String> {
         } else if part != "all" && is_parent_name(part) {
             parents.insert(part.to_string());
         } else {
-            return Err(format!(
-                "{part:?} is neither a PCI address (0000:41:00.0) nor an mdev parent's name \
-                 (mtty: letters, digits, -, _ and .); \"all\" stands alone"
-            ));
+            return Err(BadSelector::Entry(part.to_string()));
         }
     }
     if gpus.is_empty() && parents.is_empty() {
-        return Err(
-            "expected \"all\" or a comma list of GPU PCI addresses and mdev parents".into(),
-        );
+        return Err(BadSelector::Empty);
     }
     Ok(Selector::Listed { gpus, parents })
 }
@@ -89,13 +106,16 @@ mod tests {
     #[test]
     fn what_names_neither_is_refused_naming_the_entry() {
         for bad in ["0000:41:00", "../mtty", "GPU 0", "..", "mtty,all", "a/b"] {
-            let e = parse_selector(bad).expect_err(bad);
+            let e = parse_selector(bad).expect_err(bad).to_string();
             let entry = bad.split(',').next_back().unwrap_or(bad);
             assert!(e.contains(&format!("{entry:?}")), "{bad}: {e}");
         }
         for empty in ["", ",", " , "] {
             assert!(
-                parse_selector(empty).unwrap_err().contains("expected"),
+                parse_selector(empty)
+                    .unwrap_err()
+                    .to_string()
+                    .contains("expected"),
                 "{empty:?}"
             );
         }

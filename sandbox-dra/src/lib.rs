@@ -197,7 +197,11 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         ),
         None => None,
     };
-    let members = vgpu::claim_pool(&paths, &sel)?;
+    let claimed = vgpu::claim_pool(&paths, &sel)?;
+    if let Some(note) = &claimed.not_claimed {
+        telemetry.vgpu_pool_not_claimed(note);
+    }
+    let members = claimed.pool;
     let mdev_parents = members.parents.clone();
     let vgpu_pool = vgpu::Pool::new(members);
     let prepare_config = PrepareConfig {

@@ -131,6 +131,12 @@ impl Telemetry {
             .warning("ClaimRecordUnreadable", "Prepare", note.to_string());
     }
 
+    /// `--vgpu` claimed nothing at start: `note` says why.
+    pub fn vgpu_pool_not_claimed(&self, note: &str) {
+        self.events
+            .warning("VgpuPoolNotClaimed", "Start", note.to_string());
+    }
+
     /// The publisher's loop is alive.
     pub fn beat(&self) {
         self.ops.beat();

@@ -76,10 +76,24 @@ fn selected_gpus(inv: &Inventory, sel: &Selector) -> BTreeSet<PciAddress> {
         .collect()
 }
 
+/// What [`claim_pool`] claimed.
+#[derive(Debug, Default)]
+pub struct Claimed {
+    /// The GPUs and mdev parents published and prepared as vGPUs.
+    pub pool: state::pool::Members,
+    /// Why `--vgpu` claims nothing when it named something, for the log and an Event.
+    pub not_claimed: Option<String>,
+}
+
 /// The GPUs and non-PCI mdev parents `sel` names on this node, written as sandbox-dra's pool
 /// ([`state::pool::write_dra`]), so that vgpu-device-manager leaves them alone; refused when
 /// sandbox-dp's on-demand pool holds one.
-pub fn claim_pool(paths: &HostPaths, sel: &Selector) -> anyhow::Result<state::pool::Members> {
+///
+/// When sandbox-dp's on-demand pool cannot be read (damaged, or of a newer format), which GPUs
+/// are its is unknown: the driver then claims none (its pool file is left as it is, for
+/// vgpu-device-manager) and serves passthrough alone, rather than not starting; `not_claimed`
+/// says so. GPUs join later through [`Pool::grow`] once the file can be read.
+pub fn claim_pool(paths: &HostPaths, sel: &Selector) -> anyhow::Result<Claimed> {
     let inv = Inventory::read(paths).context("cannot read the node's PCI devices")?;
     let gpus = selected_gpus(&inv, sel);
     if let Selector::Listed { gpus: want, .. } = sel {
@@ -91,12 +105,30 @@ pub fn claim_pool(paths: &HostPaths, sel: &Selector) -> anyhow::Result<state::po
         gpus,
         parents: mdev_parents(&inv, sel),
     };
+    if !pool.is_empty()
+        && let Err(e) = state::pool::load(paths)
+    {
+        let note = format!(
+            "{}: sandbox-dp's on-demand GPUs are unknown, so no vGPU is offered (--vgpu) while \
+             that file cannot be read (GPUs join once sandbox-dp writes it again or it is \
+             removed; mdev parents at the next start); whole GPUs are served",
+            common::error_chain(&e)
+        );
+        tracing::warn!("{note}");
+        return Ok(Claimed {
+            pool: state::pool::Members::default(),
+            not_claimed: Some(note),
+        });
+    }
     state::pool::write_dra(paths, &pool)
         .with_context(|| "cannot record the GPUs and mdev parents of --vgpu as sandbox-dra's")?;
     if !pool.is_empty() {
         tracing::info!(gpus = ?pool.gpus.iter().map(ToString::to_string).collect::<Vec<_>>(), parents = ?pool.parents, "vGPU pool");
     }
-    Ok(pool)
+    Ok(Claimed {
+        pool,
+        not_claimed: None,
+    })
 }
 
 /// The GPUs of the vGPU pool, shared by the publisher, which adds the GPUs `--vgpu` selects

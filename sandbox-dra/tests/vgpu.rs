@@ -785,3 +785,74 @@ async fn a_gpu_hot_plugged_under_vgpu_all_joins_the_pool_unless_another_daemon_o
     let err = prepare(&drv, &c).await.unwrap_err();
     assert!(err.contains("not in this driver's vGPU pool"), "{err}");
 }
+
+/// sandbox-dp's on-demand pool cannot be read (here: written by a newer version): which GPUs
+/// are its is unknown, so `--vgpu` claims none, and says so in an Event on the Node; the driver
+/// starts all the same and serves whole GPUs.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unreadable_on_demand_pool_leaves_the_vgpus_unoffered_and_the_whole_gpus_served() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let on_demand = root.join("run/gpu-vm-node/on-demand-pool");
+    std::fs::create_dir_all(on_demand.parent().unwrap()).unwrap();
+    std::fs::write(
+        &on_demand,
+        "# gpu-vm-node on-demand-pool v9\n0000:41:00.0\n",
+    )
+    .unwrap();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let d = start(root, &api, "all");
+    let drv = register(root).await;
+    let ev = tokio::task::spawn_blocking(move || {
+        api.wait_for_event("VgpuPoolNotClaimed", PATIENCE)
+            .map(|e| (e, api))
+    })
+    .await
+    .unwrap();
+    let (ev, api) = ev.unwrap_or_else(|| panic!("no VgpuPoolNotClaimed event:\n{}", d.log()));
+    assert_eq!(ev["type"], "Warning");
+    let note = ev["note"].as_str().unwrap();
+    assert!(
+        note.contains("on-demand-pool") && note.contains("v9") && note.contains("no vGPU"),
+        "{ev}"
+    );
+    assert!(
+        !root.join("run/gpu-vm-node/dra-pool").exists(),
+        "no GPU claimed for vGPUs"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&on_demand).unwrap(),
+        "# gpu-vm-node on-demand-pool v9\n0000:41:00.0\n",
+        "sandbox-dp's file is left to it"
+    );
+    // Whole GPUs are published and prepared; no vGPU is.
+    let slices = api
+        .wait_for_slices(PATIENCE, |s| {
+            s.iter().any(|s| {
+                s["spec"]["devices"]
+                    .as_array()
+                    .is_some_and(|d| !d.is_empty())
+            })
+        })
+        .unwrap_or_else(|| panic!("nothing published: {:#?}", api.slices()));
+    let names: Vec<&str> = slices
+        .iter()
+        .flat_map(|s| s["spec"]["devices"].as_array().into_iter().flatten())
+        .filter_map(|d| d["name"].as_str())
+        .collect();
+    assert!(names.contains(&"gpu-0000-41-00-0"), "{names:?}");
+    assert!(!names.iter().any(|n| n.starts_with("vgpu-")), "{names:?}");
+    assert!(
+        slices.iter().all(|s| s["spec"]["sharedCounters"].is_null()),
+        "{slices:#?}"
+    );
+    let vgpu = put_claim(&api, "v", "uid-v", "vgpu-0000-61-00-0-a10-4q-0");
+    let err = prepare(&drv, &vgpu).await.unwrap_err();
+    assert!(err.contains("not in this driver's vGPU pool"), "{err}");
+    let whole = put_claim(&api, "w", "uid-w", "gpu-0000-41-00-0");
+    prepare(&drv, &whole).await.unwrap();
+    assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    unprepare(&drv, &whole).await.unwrap();
+}

@@ -2,8 +2,8 @@
 //! when pods ask for them, written by sandbox-dp (`--on-demand`) as
 //! `<root>/run/gpu-vm-node/on-demand-pool`, one member a line after the header
 //! `# gpu-vm-node on-demand-pool v1`: a GPU by its PCI address, a parent by its name under
-//! `class/mdev_bus/`. A file without the header (the format before it) reads the same. vgpu-device-manager reads it and leaves those
-//! members, and their vGPUs, alone: one owner per GPU or parent. The file lives in `/run`, so
+//! `class/mdev_bus/`. A file without the header (the format before it) reads the same.
+//! vgpu-device-manager reads it and leaves those members, and their vGPUs, alone: one owner per GPU or parent. The file lives in `/run`, so
 //! after a reboot nothing is pooled until sandbox-dp starts again.
 //!
 //! sandbox-dra keeps its own pool the same way, `<root>/run/gpu-vm-node/dra-pool`: the members
@@ -182,6 +182,11 @@ pub fn owner_running(paths: &HostPaths, owner: &str) -> bool {
 /// pool holds one of them and sandbox-dp runs: the error names it, the owner and the file. A
 /// pool left over by an owner that is not running takes nothing from the new one.
 pub fn write_dra(paths: &HostPaths, members: &Members) -> Result<()> {
+    // An empty pool shares nothing: written without reading the on-demand pool, which may be
+    // unreadable.
+    if members.is_empty() {
+        return write_file(dra_path(paths), DRA_KIND, members);
+    }
     one_owner(paths, members, ON_DEMAND_OWNER, path(paths), load(paths)?)?;
     write_file(dra_path(paths), DRA_KIND, members)
 }
@@ -214,6 +219,9 @@ fn one_owner(
 /// the file. Refused as [`write_dra`] is when sandbox-dra's pool holds one of them and
 /// sandbox-dra runs.
 pub fn write(paths: &HostPaths, members: &Members) -> Result<()> {
+    if members.is_empty() {
+        return write_file(path(paths), ON_DEMAND_KIND, members);
+    }
     one_owner(paths, members, DRA_OWNER, dra_path(paths), load_dra(paths)?)?;
     write_file(path(paths), ON_DEMAND_KIND, members)
 }
@@ -354,6 +362,36 @@ mod tests {
         write(&paths, &members(&["0000:61:00.0"], &[])).unwrap();
         drop(on_demand);
         write_dra(&paths, &members(&["0000:61:00.0"], &[])).unwrap();
+        write_dra(&paths, &Members::default()).unwrap();
+        assert!(!dra_path(&paths).exists());
+    }
+
+    #[test]
+    fn sandbox_dras_pool_is_versioned_and_an_unreadable_on_demand_pool_is_never_guessed_at() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = HostPaths::new(dir.path());
+        let dra = members(&["0000:61:00.0"], &[]);
+        write_dra(&paths, &dra).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dra_path(&paths)).unwrap(),
+            "# gpu-vm-node dra-pool v1\n0000:61:00.0\n"
+        );
+        // The format before the header reads the same; a newer one is refused, naming the file.
+        std::fs::write(dra_path(&paths), "0000:61:00.0\n").unwrap();
+        assert_eq!(load_dra(&paths).unwrap(), dra);
+        std::fs::write(dra_path(&paths), "# gpu-vm-node dra-pool v5\n").unwrap();
+        let e = load_owned(&paths).unwrap_err().to_string();
+        assert!(e.contains("dra-pool") && e.contains("v5"), "{e}");
+
+        // An on-demand pool that cannot be read: sandbox-dra cannot tell which GPUs are
+        // sandbox-dp's, so it is refused a pool (nothing written), naming the file...
+        std::fs::write(path(&paths), "# gpu-vm-node on-demand-pool v2\n").unwrap();
+        std::fs::remove_file(dra_path(&paths)).unwrap();
+        let e = write_dra(&paths, &dra).unwrap_err().to_string();
+        assert!(e.contains("on-demand-pool") && e.contains("v2"), "{e}");
+        assert!(!dra_path(&paths).exists(), "nothing written");
+        // ...but one without vGPUs shares nothing and is not held up by it.
+        std::fs::write(dra_path(&paths), "0000:61:00.0\n").unwrap();
         write_dra(&paths, &Members::default()).unwrap();
         assert!(!dra_path(&paths).exists());
     }

@@ -194,12 +194,26 @@ fn is_spec_file(p: &Path) -> bool {
     !hidden && matches!(ext, Some("json" | "yaml"))
 }
 
-fn parse(p: &Path) -> Result<Spec, String> {
-    let text = std::fs::read_to_string(p).map_err(|e| e.to_string())?;
+/// Why a spec file could not be used; the caller names the file.
+#[derive(Debug, thiserror::Error)]
+enum SpecError {
+    /// It cannot be read.
+    #[error(transparent)]
+    Read(#[from] std::io::Error),
+    /// It is not JSON, or not a spec.
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    /// It is not YAML, or not a spec.
+    #[error(transparent)]
+    Yaml(#[from] yaml_serde::Error),
+}
+
+fn parse(p: &Path) -> Result<Spec, SpecError> {
+    let text = std::fs::read_to_string(p)?;
     if p.extension().is_some_and(|e| e == "json") {
-        serde_json::from_str(&text).map_err(|e| e.to_string())
+        Ok(serde_json::from_str(&text)?)
     } else {
-        yaml_serde::from_str(&text).map_err(|e| e.to_string())
+        Ok(yaml_serde::from_str(&text)?)
     }
 }
 

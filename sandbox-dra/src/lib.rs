@@ -166,10 +166,14 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     );
     // Every request is bounded: an API server that accepts and never answers makes a claim
     // fail (kubelet calls again) and a publishing pass fail (retried), never stalls them.
+    // The client's own limits are a second longer than --api-timeout: a claim's read is cut
+    // off by the driver's timeout, whose error says what happened, not by the client's, which
+    // would otherwise win a tie half the time.
     let mut kube_config = daemon_kit::kube::config(config.kubeconfig.as_deref()).await?;
-    kube_config.connect_timeout = Some(config.api_timeout);
-    kube_config.write_timeout = Some(config.api_timeout);
-    kube_config.read_timeout = Some(config.api_timeout);
+    let backstop = config.api_timeout + Duration::from_secs(1);
+    kube_config.connect_timeout = Some(backstop);
+    kube_config.write_timeout = Some(backstop);
+    kube_config.read_timeout = Some(backstop);
     kube_config.reset_reader_on_write = true;
     let client = kube::Client::try_from(kube_config).context("cannot make a Kubernetes client")?;
     let ops = daemon_kit::ops::Ops::new();

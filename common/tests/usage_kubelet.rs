@@ -215,6 +215,18 @@ fn a_claim_kubelet_lists_holds_the_groups_its_cdi_devices_name() {
         )),
         "{uses:?}"
     );
+    // The claim's own driver unpreparing it does not count the claim's pod, which kubelet
+    // still lists until the unprepare succeeds.
+    assert_eq!(
+        Usage::read_excluding_claim(&paths, Some(("vms", "vm1-gpu"))).of_group(&inv, 21),
+        vec![]
+    );
+    assert_eq!(
+        Usage::read_excluding_claim(&paths, Some(("vms", "other")))
+            .of_group(&inv, 21)
+            .len(),
+        1
+    );
     // kubelet no longer lists the pod: free.
     fake.set_pods(vec![]);
     assert_eq!(Usage::read(&paths).of_group(&inv, 21), vec![]);

@@ -392,6 +392,14 @@ impl Usage {
     /// PodResources API (or its checkpoint). Never fails: a source that cannot be read makes
     /// every device that depends on it [`User::Unknown`].
     pub fn read(paths: &HostPaths) -> Usage {
+        Usage::read_excluding_claim(paths, None)
+    }
+
+    /// [`Usage::read`] for a DRA driver preparing or unpreparing the claim `namespace/name`:
+    /// that claim's own pod is not a user of its devices (kubelet unprepares a claim once the
+    /// pod's containers have stopped, while PodResources may still list it, with CDI devices
+    /// the driver has already removed).
+    pub fn read_excluding_claim(paths: &HostPaths, claim: Option<(&str, &str)>) -> Usage {
         let processes = procs::scan(paths).map_err(|e| {
             let e = Unreadable::Processes {
                 reason: error_chain(&e),
@@ -411,6 +419,17 @@ impl Usage {
             claims,
             source,
         } = kubelet::read(paths, POD_RESOURCES_TIMEOUT);
+        let claims: Vec<_> = claims
+            .into_iter()
+            .filter(|c| {
+                !claim.is_some_and(|(ns, name)| {
+                    c.pod
+                        .claim
+                        .as_ref()
+                        .is_some_and(|own| own.namespace == ns && own.name == name)
+                })
+            })
+            .collect();
         match &allocations {
             Ok(a) => {
                 tracing::debug!(source = %source, devices = a.len(), claims = claims.len(), "pods' devices read")

@@ -100,7 +100,9 @@ impl Node {
             if !m.handle().exists(&inv) {
                 continue;
             }
-            let usage = usage.get_or_init(|| Usage::read(&self.paths));
+            let usage = usage.get_or_init(|| {
+                Usage::read_excluding_claim(&self.paths, Some((&claim.namespace, &claim.name)))
+            });
             let users: Vec<String> = m
                 .handle()
                 .users(usage, &inv)

@@ -110,7 +110,8 @@ impl Node {
         if !vfs_off.is_empty() {
             // Disabling VFs takes them from whoever holds them: asked first, for every GPU,
             // before the first write.
-            let usage = Usage::read(&self.paths);
+            let usage =
+                Usage::read_excluding_claim(&self.paths, Some((&claim.namespace, &claim.name)));
             for a in &vfs_off {
                 let users = usage.of_gpu_for_passthrough(&inv, a);
                 if !users.is_empty() {
@@ -141,7 +142,9 @@ impl Node {
         // first write, so that a claim refused for one GPU changes none.
         let usage: OnceLock<Usage> = OnceLock::new();
         let in_use = |t: &Target| -> Vec<String> {
-            let usage = usage.get_or_init(|| Usage::read(&self.paths));
+            let usage = usage.get_or_init(|| {
+                Usage::read_excluding_claim(&self.paths, Some((&claim.namespace, &claim.name)))
+            });
             vfio::bind_blockers(usage, &inv, t)
                 .iter()
                 .map(|u| u.describe(&inv))
@@ -268,7 +271,7 @@ impl Node {
         }
         sel.groups.retain(|_, t| !t.is_empty());
         sel.refused.clear();
-        let failures = self.unbind_groups(&inv, &sel, &rec.originals);
+        let failures = self.unbind_groups(&inv, &sel, &rec.originals, Some(claim));
         if failures.is_empty() {
             Ok(())
         } else {
@@ -298,7 +301,7 @@ impl Node {
         originals
             .entry(gpu)
             .or_insert_with(|| Some("nvidia".to_string()));
-        let failures = self.unbind_groups(inv, &sel, &originals);
+        let failures = self.unbind_groups(inv, &sel, &originals, None);
         if failures.is_empty() {
             Ok(())
         } else {
@@ -310,15 +313,19 @@ impl Node {
     }
 
     /// Gives the functions of `sel` back to their `originals` (refused while their group is in
-    /// use) and forgets those released in vfio-manager's record; the failures, each naming
-    /// the function.
+    /// use, the pod of `claim` itself not counting) and forgets those released in vfio-manager's
+    /// record; the failures, each naming the function.
     fn unbind_groups(
         &self,
         inv: &Inventory,
         sel: &Selection,
         originals: &Originals,
+        claim: Option<&ClaimRef>,
     ) -> BTreeSet<String> {
-        let usage = Usage::read(&self.paths);
+        let usage = Usage::read_excluding_claim(
+            &self.paths,
+            claim.map(|c| (c.namespace.as_str(), c.name.as_str())),
+        );
         let in_use = |group: u32| -> Vec<String> {
             usage
                 .of_group(inv, group)

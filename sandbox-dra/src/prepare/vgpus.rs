@@ -207,7 +207,9 @@ impl Node {
             if !v.handle.exists(&inv) {
                 continue;
             }
-            let usage = usage.get_or_init(|| Usage::read(&self.paths));
+            let usage = usage.get_or_init(|| {
+                Usage::read_excluding_claim(&self.paths, Some((&claim.namespace, &claim.name)))
+            });
             let users: Vec<String> = v
                 .handle
                 .users(usage, &inv)

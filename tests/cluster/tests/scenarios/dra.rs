@@ -1,8 +1,10 @@
 //! The DRA driver (`draDriver.enabled`, nodes labelled `vm-dra`) through the real scheduler and
 //! kubelet: GPUs published as a ResourceSlice, claimed by pods (a stand-in for virt-launcher)
 //! that see their `/dev/vfio` nodes and the metadata file KubeVirt reads, a `firstAvailable`
-//! claim, device health in the pod's status, and faults: sandbox-dra killed (-9), and away while
-//! a pod is deleted.
+//! claim, device health in the pod's status; with `draDriver.vgpu=all`, vGPUs fitted on a GPU's
+//! counters and created by prepare (two of one GPU in one claim, at the first prepare), a GPU
+//! hot-plugged into the pool; pools of 10 and 16 GPUs (more counter sets than one slice may
+//! hold); and faults: sandbox-dra killed (-9), and away while a pod is deleted.
 
 use std::time::Duration;
 
@@ -16,6 +18,7 @@ use super::{
 };
 
 const DRIVER: &str = "gpu.gpu-vm-node.io";
+const VGPU_CLASS: &str = "vgpu.gpu-vm-node.io";
 const GPU_CLASS: &str = "vfio-gpu.gpu-vm-node.io";
 const METADATA_DIR: &str = "/var/run/kubernetes.io/dra-device-attributes";
 
@@ -376,4 +379,191 @@ fn which_gpu(vfio: &[String], metadata: &str) -> Result<&'static str> {
         "/dev/vfio in the container holds {vfio:?}, not {group} and vfio ({addr})"
     );
     Ok(addr)
+}
+
+fn mdevs(c: &Cluster) -> Result<Vec<String>> {
+    c.with_sim(|s| {
+        std::fs::read_dir(s.root().join("sys/bus/mdev/devices"))
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    })
+}
+
+/// vGPUs: two in one claim on one GPU (prepared at the first call), a whole GPU beside them,
+/// sandbox-dra killed while they run, and a GPU hot-plugged into the pool.
+pub fn vgpu(c: &Cluster) -> Result<()> {
+    install(c, "2xA10", true)?;
+    wait_pool(
+        c,
+        "the A10s' vGPUs published",
+        Duration::from_secs(60),
+        |d| {
+            let (whole, vgpus) = count_modes(d);
+            whole == 2 && vgpus.len() == 2
+        },
+    )?;
+    for example in ["vgpu-claims.yaml", "resourceclaimtemplate.yaml"] {
+        let example = cluster_tier::assets::repo()
+            .join("deploy/examples/dra")
+            .join(example);
+        let example = example.to_string_lossy().into_owned();
+        c.kubectl(&["apply", "-n", TEST_NS, "-f", &example])?;
+    }
+    c.apply(&template(
+        "two-4q",
+        &format!(
+            "- name: gpu\n  exactly:\n    deviceClassName: {VGPU_CLASS}\n    allocationMode: ExactCount\n    \
+             count: 2\n    selectors:\n    - cel:\n        expression: device.attributes[\"{DRIVER}\"].vgpuType == \"NVIDIA A10-4Q\""
+        ),
+        &format!("- requests: [gpu]\n  matchAttribute: {DRIVER}/parentGPU"),
+    ))?;
+
+    c.apply(&claim_pod(c, "vm-two", "two-4q"))?;
+    let (vfio, meta) = pod_view(c, "vm-two")?;
+    prepared_first_time(c, "vm-two")?;
+    let groups: Vec<&String> = vfio.iter().filter(|n| n.as_str() != "vfio").collect();
+    ensure!(
+        groups.len() == 2,
+        "vm-two's /dev/vfio holds {vfio:?}: not two vGPU groups"
+    );
+    let created = mdevs(c)?;
+    ensure!(
+        created.len() == 2,
+        "the node's vGPUs are {created:?}, not two"
+    );
+    for uuid in &created {
+        ensure!(
+            meta.contains(uuid.as_str()),
+            "vm-two's metadata does not name its vGPU {uuid}:\n{meta}"
+        );
+    }
+
+    // A whole GPU beside them: the other A10.
+    c.apply(&claim_pod(c, "vm-whole", "a10-passthrough"))?;
+    let (vfio, meta_whole) = pod_view(c, "vm-whole")?;
+    let whole = which_gpu(&vfio, &meta_whole)?;
+    ensure!(
+        driver_of(c, whole)? == "vfio-pci",
+        "{whole} is not on vfio-pci"
+    );
+
+    kill_daemon(c, "sandbox-dra")?;
+    ensure!(
+        mdevs(c)? == created,
+        "vGPUs changed after sandbox-dra was killed: {:?}",
+        mdevs(c)?
+    );
+
+    // A GPU hot-plugged under `--vgpu all` joins the pool with its vGPUs.
+    c.with_sim(|s| s.control("hotplug 0000:81:00.0 A10 group=45"))??;
+    wait_pool(
+        c,
+        "the hot-plugged A10 published with its vGPUs",
+        Duration::from_secs(60),
+        |d| {
+            let (whole, vgpus) = count_modes(d);
+            whole == 3 && vgpus.contains_key("0000:81:00.0")
+        },
+    )?;
+    let pool = std::fs::read_to_string(c.sim_root().join("run/gpu-vm-node/dra-pool"))
+        .context("reading sandbox-dra's pool file")?;
+    ensure!(
+        pool.contains("0000:81:00.0"),
+        "the hot-plugged GPU is not in sandbox-dra's pool:\n{pool}"
+    );
+    // And it serves a claim.
+    c.apply(&template(
+        "on-new-gpu",
+        &format!(
+            "- name: gpu\n  exactly:\n    deviceClassName: {VGPU_CLASS}\n    selectors:\n    - cel:\n        \
+             expression: device.attributes[\"{DRIVER}\"].parentGPU == \"0000:81:00.0\""
+        ),
+        "",
+    ))?;
+    c.apply(&claim_pod(c, "vm-new", "on-new-gpu"))?;
+    let (_, meta_new) = pod_view(c, "vm-new")?;
+    ensure!(
+        meta_new.contains("mdevUUID"),
+        "vm-new's metadata carries no vGPU:\n{meta_new}"
+    );
+
+    for pod in ["vm-two", "vm-whole", "vm-new"] {
+        c.kubectl(&["delete", "pod", "-n", TEST_NS, pod, "--wait=true"])?;
+    }
+    c.wait("the vGPUs removed", Duration::from_secs(60), || {
+        Ok(mdevs(c)?.is_empty().then_some(()))
+    })?;
+    Ok(())
+}
+
+/// A topology of `n` A10s, each behind its own root port and in its own group.
+fn many_a10s(c: &Cluster, n: usize) -> Result<String> {
+    let mut t = format!("name = \"{n}xA10\"\n");
+    for i in 0..n {
+        let bus = 0x10 + i * 0x08;
+        t.push_str(&format!(
+            "\n[[bridge]]\naddress = \"0000:{:02x}:01.1\"\nnuma = {}\n\n[[device]]\naddress = \"0000:{:02x}:00.0\"\n\
+             model = \"A10\"\nbridge = \"0000:{:02x}:01.1\"\ngroup = {}\n",
+            bus - 1,
+            i % 2,
+            bus,
+            bus - 1,
+            100 + i
+        ));
+    }
+    let path = c.dir().join(format!("{n}xA10.toml"));
+    std::fs::write(&path, t).with_context(|| format!("writing {}", path.display()))?;
+    Ok(path.to_string_lossy().into_owned())
+}
+
+/// Pools of 10 and 16 A10s, each GPU a counter set: more than one slice holds. The pool is
+/// published whole, and a whole GPU and a vGPU are placed on it.
+pub fn large_pools(c: &Cluster) -> Result<()> {
+    for n in [10, 16] {
+        let topology = many_a10s(c, n)?;
+        if n > 10 {
+            super::reset(c)?;
+        }
+        install(c, &topology, true)?;
+        wait_pool(
+            c,
+            &format!("{n} A10s and their vGPUs published"),
+            Duration::from_secs(90),
+            |d| {
+                let (whole, vgpus) = count_modes(d);
+                whole == n && vgpus.len() == n
+            },
+        )?;
+        // A vGPU of the last GPU: its counter set is in the pool's second counters slice.
+        let last = format!("0000:{:02x}:00.0", 0x10 + (n - 1) * 0x08);
+        c.apply(&template(
+            "a10-4q",
+            &format!(
+                "- name: gpu\n  exactly:\n    deviceClassName: {VGPU_CLASS}\n    selectors:\n    - cel:\n        \
+                 expression: device.attributes[\"{DRIVER}\"].vgpuType == \"NVIDIA A10-4Q\" && \
+                 device.attributes[\"{DRIVER}\"].parentGPU == \"{last}\""
+            ),
+            "",
+        ))?;
+        c.apply(&template(
+            "whole",
+            &format!("- name: gpu\n  exactly:\n    deviceClassName: {GPU_CLASS}"),
+            "",
+        ))?;
+        c.apply(&claim_pod(c, "vm-vgpu", "a10-4q"))?;
+        c.apply(&claim_pod(c, "vm-whole", "whole"))?;
+        for pod in ["vm-vgpu", "vm-whole"] {
+            let (vfio, _) = pod_view(c, pod)?;
+            ensure!(
+                vfio.iter().any(|n| n == "vfio"),
+                "{pod} on the {n}-GPU node has no /dev/vfio/vfio: {vfio:?}"
+            );
+        }
+        c.kubectl(&["delete", "namespace", TEST_NS, "--wait=true"])?;
+    }
+    Ok(())
 }

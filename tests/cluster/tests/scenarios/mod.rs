@@ -42,6 +42,14 @@ pub const ALL: &[Scenario] = &[
         run: dra::passthrough,
     },
     Scenario {
+        name: "dra-vgpu",
+        run: dra::vgpu,
+    },
+    Scenario {
+        name: "dra-large-pools",
+        run: dra::large_pools,
+    },
+    Scenario {
         name: "gpu-operator-daemonsets",
         run: operator::run,
     },

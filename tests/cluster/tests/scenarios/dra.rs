@@ -13,8 +13,8 @@ use cluster_tier::{Cluster, NAMESPACE};
 use serde_json::Value;
 
 use super::{
-    TEST_NS, WORKLOAD, kill_daemon, pod_yaml, test_namespace, wait_daemonset_ready, wait_log,
-    wait_phase,
+    TEST_NS, WORKLOAD, kill_daemon, mdevs, pod_yaml, test_namespace, wait_daemonset_ready,
+    wait_log, wait_phase,
 };
 
 const DRIVER: &str = "gpu.gpu-vm-node.io";
@@ -379,18 +379,6 @@ fn which_gpu(vfio: &[String], metadata: &str) -> Result<&'static str> {
         "/dev/vfio in the container holds {vfio:?}, not {group} and vfio ({addr})"
     );
     Ok(addr)
-}
-
-fn mdevs(c: &Cluster) -> Result<Vec<String>> {
-    c.with_sim(|s| {
-        std::fs::read_dir(s.root().join("sys/bus/mdev/devices"))
-            .map(|d| {
-                d.flatten()
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default()
-    })
 }
 
 /// vGPUs: two in one claim on one GPU (prepared at the first call), a whole GPU beside them,

@@ -182,6 +182,19 @@ spec:
     y
 }
 
+/// The node's mdevs (node-sim's `sys/bus/mdev/devices`), by UUID.
+pub fn mdevs(c: &Cluster) -> Result<Vec<String>> {
+    c.with_sim(|s| {
+        std::fs::read_dir(s.root().join("sys/bus/mdev/devices"))
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    })
+}
+
 /// Waits for a pod's phase to be one of `phases`; the pod.
 pub fn wait_phase(c: &Cluster, pod: &str, phases: &[&str], timeout: Duration) -> Result<Value> {
     c.wait(&format!("pod {pod} in {phases:?}"), timeout, || {

@@ -9,24 +9,12 @@ use anyhow::{Context, Result, ensure};
 use cluster_tier::Cluster;
 
 use super::{
-    ENV_OF_PID1, TEST_NS, WORKLOAD, kill_daemon, pod_yaml, test_namespace, wait_allocatable,
+    ENV_OF_PID1, TEST_NS, WORKLOAD, kill_daemon, mdevs, pod_yaml, test_namespace, wait_allocatable,
     wait_log, wait_phase,
 };
 
 const A10_4Q: &str = "nvidia.com/NVIDIA_A10-4Q";
 const A10_8Q: &str = "nvidia.com/NVIDIA_A10-8Q";
-
-fn mdevs(c: &Cluster) -> Result<Vec<String>> {
-    c.with_sim(|s| {
-        std::fs::read_dir(s.root().join("sys/bus/mdev/devices"))
-            .map(|d| {
-                d.flatten()
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default()
-    })
-}
 
 pub fn run(c: &Cluster) -> Result<()> {
     c.mount_sim("2xA10")?;

@@ -1280,3 +1280,49 @@ fn an_mtty_parent_offers_what_sysfs_says_it_can_still_create() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// One owner per GPU, checked by whoever claims second: while sandbox-dra runs with GPU A in
+/// its vGPU pool (it holds `dra-pool.lock`; here this test holds it as sandbox-dra would),
+/// sandbox-dp --on-demand refuses to start, naming the GPU and the owner, and writes no pool.
+/// Once the holder is gone, its left-over pool file takes nothing: sandbox-dp pools both GPUs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_in_a_running_sandbox_dra_pool_is_refused_and_a_left_over_pool_is_not() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let paths = common::HostPaths::new(root);
+    let dra = common::state::pool::hold_dra(&paths).unwrap().unwrap();
+    let a: common::PciAddress = GPU_A.parse().unwrap();
+    common::state::pool::write_dra(&paths, &std::collections::BTreeSet::from([a]).into()).unwrap();
+    let (_k, kdir, mut kubelet, _pods) = kubelet_with_pods().await;
+    let run = || {
+        let mut c = std::process::Command::new(BIN);
+        c.arg("serve")
+            .arg("--host-root")
+            .arg(root)
+            .arg("--kubelet-dir")
+            .arg(&kdir)
+            .args(["--on-demand", "all"])
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1");
+        c
+    };
+    let out = block(|| run().output().unwrap());
+    let err = String::from_utf8_lossy(&out.stderr).into_owned()
+        + &String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "sandbox-dp started ({}): {err}", out.status);
+    assert!(
+        err.contains(&format!("GPU {GPU_A}")) && err.contains("sandbox-dra's vGPU pool"),
+        "{err}"
+    );
+    assert!(!root.join("run/gpu-vm-node/on-demand-pool").exists());
+
+    drop(dra);
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let child = run().stderr(log.reopen().unwrap()).spawn().unwrap();
+    let _d = Daemon { child };
+    kubelet.wait_for(&[A10_4Q], DEADLINE).await.unwrap();
+    let pool = read(root, "run/gpu-vm-node/on-demand-pool");
+    assert!(pool.contains(GPU_A) && pool.contains(GPU_B), "{pool}");
+}

@@ -1309,9 +1309,13 @@ async fn a_gpu_in_a_running_sandbox_dra_pool_is_refused_and_a_left_over_pool_is_
         c
     };
     let out = block(|| run().output().unwrap());
-    let err = String::from_utf8_lossy(&out.stderr).into_owned()
-        + &String::from_utf8_lossy(&out.stdout);
-    assert!(!out.status.success(), "sandbox-dp started ({}): {err}", out.status);
+    let err =
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !out.status.success(),
+        "sandbox-dp started ({}): {err}",
+        out.status
+    );
     assert!(
         err.contains(&format!("GPU {GPU_A}")) && err.contains("sandbox-dra's vGPU pool"),
         "{err}"

@@ -88,6 +88,9 @@ pub struct DaemonConfig {
 /// runs inside the loop, and one of thousands of vGPUs on a slow node takes minutes.
 const BEAT: Duration = Duration::from_secs(30);
 const LIVENESS_WINDOW: Duration = Duration::from_secs(600);
+/// The most one write of the node's state (and its read) may take: an API server that accepts
+/// and never answers must not stall the apply loop, which is what keeps the node's vGPUs right.
+const API_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What the daemon counts, and tells: metrics, Node events, systemd status.
 #[derive(Debug)]
@@ -261,12 +264,20 @@ impl Reporter {
             change.annotations.insert(REASON_ANNOTATION.into(), reason);
         }
         for attempt in 0..3 {
-            match node.apply(&change).await {
-                Ok(()) => {
+            match tokio::time::timeout(API_TIMEOUT, node.apply(&change)).await {
+                Ok(Ok(())) => {
                     self.shown = Some(state.clone());
                     return;
                 }
-                Err(e) => {
+                Err(_) => {
+                    // Not answering: the next state written tries again; the apply goes on.
+                    tracing::warn!(
+                        node = node.node(),
+                        "cannot set {STATE_LABEL}={value}: the API server did not answer within {API_TIMEOUT:?}"
+                    );
+                    return;
+                }
+                Ok(Err(e)) => {
                     tracing::warn!(
                         node = node.node(),
                         attempt,
@@ -320,7 +331,15 @@ async fn keep_applied(
             default_config,
         } => {
             let client = daemon_kit::kube::client(kubeconfig.as_deref()).await?;
-            telemetry.events = NodeEvents::start(client.clone(), node_name, "vgpu-device-manager");
+            // Writes go through a client whose every request is bounded; the watch keeps the
+            // plain one (a quiet watch is not a hung server).
+            let mut bounded = daemon_kit::kube::config(kubeconfig.as_deref()).await?;
+            bounded.connect_timeout = Some(API_TIMEOUT);
+            bounded.read_timeout = Some(API_TIMEOUT);
+            bounded.write_timeout = Some(API_TIMEOUT);
+            let writer =
+                kube::Client::try_from(bounded).context("cannot make a Kubernetes client")?;
+            telemetry.events = NodeEvents::start(writer.clone(), node_name, "vgpu-device-manager");
             let meta: Api<PartialObjectMeta<Node>> = Api::all(client.clone());
             let (node, default) = (node_name.clone(), default_config.clone());
             let stop = shutdown.clone();
@@ -361,7 +380,7 @@ async fn keep_applied(
                 }
             });
             Reporter {
-                node: Some(NodeMeta::new(Api::all(client), node_name.clone())),
+                node: Some(NodeMeta::new(Api::all(writer), node_name.clone())),
                 shown: None,
             }
         }

@@ -203,6 +203,43 @@ fn daemon_follows_the_label_and_the_config_file() {
     assert_eq!(d.stop(), Some(0));
 }
 
+/// An API server that accepts and never answers does not stall the daemon: a config change is
+/// applied (the node's vGPUs and readiness file follow it) while every state write goes
+/// unanswered, and SIGTERM still ends it. A fake, since a real API server cannot be made to hang.
+#[test]
+fn a_hung_api_server_does_not_stall_the_apply_loop() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start("node-hang", &[(CONFIG_LABEL, "A10-4Q")]).unwrap();
+    let mut cm = ConfigMapDir::new(CONFIG);
+    let kc = api.kubeconfig().to_str().unwrap().to_string();
+    let file = cm.path();
+    let d = daemon(
+        root,
+        &[
+            "--node-name",
+            "node-hang",
+            "--kubeconfig",
+            &kc,
+            "-f",
+            file.to_str().unwrap(),
+        ],
+    );
+    assert!(api.wait_for(STATE, WAIT, |v| v == Some("success")));
+    assert_eq!(counts(root), each("NVIDIA A10-4Q", 6));
+
+    api.hang();
+    cm.update(&CONFIG.replace("{\"A10-4Q\": 6}", "{\"A10-4Q\": 2}"));
+    wait_until(
+        "the edited profile applied while the API server hangs",
+        || counts(root) == each("NVIDIA A10-4Q", 2) && ready_file(root).exists(),
+    );
+    wait_until("a state write left unanswered", || api.hung_requests() > 0);
+    assert_eq!(d.stop(), Some(0));
+}
+
 #[test]
 fn node_without_label_gets_the_default_profile() {
     let Some(sim) = testkit::sim::try_mount("2xA10") else {

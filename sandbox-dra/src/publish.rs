@@ -61,6 +61,8 @@ const RETRY_MAX: Duration = Duration::from_secs(30);
 enum Change {
     /// A uevent that can change what is published.
     Uevent(Uevent),
+    /// A claim was prepared or unprepared: its vGPUs change what their GPU may offer.
+    Claims,
     /// kubelet registered the driver: it deletes the node's slices when it starts.
     Registered,
 }
@@ -321,6 +323,9 @@ pub async fn run(
         })
         .ok();
     let mut registration_open = true;
+    // A prepare or unprepare changes which sizes a GPU may offer: the scheduler should see it
+    // before the next claim, without waiting for the vGPU's uevent.
+    let claims_changed = cfg.telemetry.claims_changed();
     loop {
         cfg.telemetry.beat();
         let wake = tokio::select! {
@@ -328,6 +333,10 @@ pub async fn run(
                 Some(w) => w,
                 None => break,
             },
+            () = claims_changed.notified() => {
+                changes.send(Change::Claims);
+                continue;
+            }
             changed = registered.changed(), if registration_open => {
                 if changed.is_err() {
                     registration_open = false;
@@ -344,6 +353,9 @@ pub async fn run(
                 }
                 Change::Registered => {
                     tracing::debug!("kubelet registered the driver; checking the slice")
+                }
+                Change::Claims => {
+                    tracing::debug!("a claim was prepared or unprepared; checking the slice")
                 }
             }
         }

@@ -1,6 +1,7 @@
 //! What the driver counts and tells: its metrics (in the daemon's [`Ops`] registry, served with
 //! `--metrics-addr`), its readiness (the first ResourceSlice published), and Events on the
-//! Node for every claim prepared or refused.
+//! Node for every claim prepared or refused; and the publisher's wake-up after each claim
+//! prepared or unprepared (a GPU's vGPUs decide which sizes it offers).
 
 use std::fmt::Display;
 use std::sync::Arc;
@@ -27,6 +28,7 @@ pub struct Telemetry {
     published: Gauge,
     publish_failures: Counter,
     unreadable_records: Counter,
+    claims_changed: Arc<tokio::sync::Notify>,
 }
 
 fn result(ok: bool) -> ResultLabel {
@@ -46,6 +48,7 @@ impl Telemetry {
             published: Gauge::default(),
             publish_failures: Counter::default(),
             unreadable_records: Counter::default(),
+            claims_changed: Arc::default(),
         };
         t.ops.register(
             "sandbox_dra_prepares",
@@ -77,6 +80,7 @@ impl Telemetry {
 
     /// A claim prepared with the devices named, or refused with `Err(message)`.
     pub fn prepared(&self, claim: &dyn Display, r: Result<&[&str], &str>) {
+        self.claims_changed.notify_one();
         self.prepares.get_or_create(&result(r.is_ok())).inc();
         match r {
             Ok(names) => {
@@ -95,6 +99,7 @@ impl Telemetry {
 
     /// A claim unprepared, or not with `Err(message)`.
     pub fn unprepared(&self, claim: &dyn Display, r: Result<(), &str>) {
+        self.claims_changed.notify_one();
         self.unprepares.get_or_create(&result(r.is_ok())).inc();
         if let Err(e) = r {
             self.events.warning(
@@ -135,6 +140,11 @@ impl Telemetry {
     pub fn vgpu_pool_not_claimed(&self, note: &str) {
         self.events
             .warning("VgpuPoolNotClaimed", "Start", note.to_string());
+    }
+
+    /// Notified after every claim prepared or unprepared, for the publisher.
+    pub fn claims_changed(&self) -> Arc<tokio::sync::Notify> {
+        self.claims_changed.clone()
     }
 
     /// The publisher's loop is alive.

@@ -856,3 +856,61 @@ async fn an_unreadable_on_demand_pool_leaves_the_vgpus_unoffered_and_the_whole_g
     assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
     unprepare(&drv, &whole).await.unwrap();
 }
+
+/// The vGPUs of one A10 all have one size: once it hosts an A10-4Q, its other sizes leave the
+/// slice (the scheduler then places an 8 GiB claim on the other GPU) and they come back when
+/// its last vGPU is gone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_gpu_hosting_a_vgpu_offers_only_sizes_that_may_join_it() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let _d = start(root, &api, "all");
+    let drv = register(root).await;
+    let types_on = |slices: &[Value], gpu: &str| -> std::collections::BTreeSet<String> {
+        let alloc = Allocator::from_slices(slices, NODE);
+        alloc
+            .names()
+            .iter()
+            .filter_map(|n| n.strip_prefix(&format!("vgpu-{gpu}-")))
+            .filter_map(|rest| rest.rsplit_once('-').map(|(t, _)| t.to_string()))
+            .collect()
+    };
+    // Both GPUs offer every A10 type; the 4 GiB ones are what may join an A10-4Q.
+    let every: std::collections::BTreeSet<String> = [
+        "1q", "2q", "3q", "4q", "6q", "8q", "12q", "24q", "1a", "2a", "3a", "4a", "6a", "8a",
+        "12a", "24a", "4c", "6c", "8c", "12c", "24c",
+    ]
+    .iter()
+    .map(|t| format!("a10-{t}"))
+    .collect();
+    let four: std::collections::BTreeSet<String> = every
+        .iter()
+        .filter(|t| t.starts_with("a10-4"))
+        .cloned()
+        .collect();
+    let offers = |a: &std::collections::BTreeSet<String>| {
+        let (a, b) = (a.clone(), every.clone());
+        move |s: &[Value]| types_on(s, "0000-41-00-0") == a && types_on(s, "0000-61-00-0") == b
+    };
+    api.wait_for_slices(PATIENCE, offers(&every))
+        .unwrap_or_else(|| panic!("not every type offered: {:#?}", api.slices()));
+
+    let claim = put_claim(&api, "small", "uid-s1", "vgpu-0000-41-00-0-a10-4q-0");
+    prepare(&drv, &claim).await.unwrap();
+    api.wait_for_slices(PATIENCE, offers(&four))
+        .unwrap_or_else(|| {
+            let s = api.slices();
+            panic!(
+                "GPU A offers {:?} beside its A10-4Q, GPU B {:?}",
+                types_on(&s, "0000-41-00-0"),
+                types_on(&s, "0000-61-00-0")
+            )
+        });
+
+    unprepare(&drv, &claim).await.unwrap();
+    api.wait_for_slices(PATIENCE, offers(&every))
+        .unwrap_or_else(|| panic!("the sizes did not come back: {:#?}", api.slices()));
+}

@@ -14,6 +14,13 @@ use crate::names;
 
 /// One pooled GPU's counter set and vGPU devices; `whole` (its passthrough device) is made to
 /// consume the whole set. `None` for a model the table does not know.
+///
+/// NVIDIA's time-sliced vGPUs of one GPU all have one framebuffer size (and a GPU that hosts
+/// them itself, without SR-IOV, one type), which counters cannot say: a 4 GiB and an 8 GiB vGPU
+/// both fit a 24 GiB counter. So once a GPU hosts vGPUs, only the types that may join them are
+/// published; the others come back when its last vGPU is gone. A claim the scheduler allocated
+/// from the slice before the change (the window between one claim's allocation and its
+/// prepare's uevent) is still refused by prepare.
 pub(super) fn vgpu_devices(
     inv: &Inventory,
     gpu: &PciDevice,
@@ -43,8 +50,30 @@ pub(super) fn vgpu_devices(
     }]);
     // Type ids where sysfs shows them (the VFs enabled, or the GPU its own parent).
     let cap = common::vgpu::capacity(inv, &gpu.address);
+    let hosted_sizes: std::collections::BTreeSet<u64> = cap
+        .existing
+        .iter()
+        .filter_map(|(_, mb)| mb.map(|mb| (mb + 512) / 1024))
+        .collect();
+    let hosted_types: Vec<&str> = cap
+        .existing
+        .iter()
+        .map(|(id, _)| cap.get(id).map_or(id.as_str(), |t| t.name.as_str()))
+        .collect();
+    let may_join = |name: &str, size_gib: u32| -> bool {
+        if cap.existing.is_empty() {
+            return true;
+        }
+        if matches!(cap.mode, common::vgpu::Mode::MdevPf) {
+            return hosted_types.contains(&name);
+        }
+        hosted_sizes.is_empty() || hosted_sizes.contains(&u64::from(size_gib))
+    };
     let mut out = Vec::new();
     for (name, size) in model.types_before_vfs() {
+        if !may_join(&name, size) {
+            continue;
+        }
         let max = vfs.map_or(model.equal_size_max(size), |n| {
             model.equal_size_max(size).min(n)
         });

@@ -430,6 +430,41 @@ pub fn vgpu(c: &Cluster) -> Result<()> {
         );
     }
 
+    // Their GPU now offers only 4 GiB sizes (an A10's vGPUs all have one size): an 8 GiB vGPU
+    // is placed on the other GPU by the real scheduler and starts at its first prepare.
+    let two_gpu = if meta.contains("\"0000:41:00.0\"") {
+        "0000:41:00.0"
+    } else {
+        "0000:61:00.0"
+    };
+    let t0 = std::time::Instant::now();
+    wait_pool(
+        c,
+        "the other sizes of vm-two's GPU withdrawn",
+        Duration::from_secs(60),
+        |d| {
+            d.iter().all(|(_, a)| {
+                attr(a, "parentGPU")["string"] != two_gpu
+                    || attr(a, "framebufferMiB")["int"] == 4096
+            })
+        },
+    )?;
+    eprintln!(
+        "  dra-vgpu: other sizes withdrawn from the slice {:.1} s after vm-two ran",
+        t0.elapsed().as_secs_f64()
+    );
+    c.apply(&claim_pod(c, "vm-8g", "vgpu-8gi"))?;
+    let (_, meta_8g) = pod_view(c, "vm-8g")?;
+    prepared_first_time(c, "vm-8g")?;
+    ensure!(
+        !meta_8g.contains(&format!("\"{two_gpu}\"")),
+        "the 8 GiB vGPU went to {two_gpu}, beside 4 GiB ones:\n{meta_8g}"
+    );
+    c.kubectl(&["delete", "pod", "-n", TEST_NS, "vm-8g", "--wait=true"])?;
+    c.wait("vm-8g's vGPU removed", Duration::from_secs(60), || {
+        Ok((mdevs(c)?.len() == 2).then_some(()))
+    })?;
+
     // A whole GPU beside them: the other A10.
     c.apply(&claim_pod(c, "vm-whole", "a10-passthrough"))?;
     let (vfio, meta_whole) = pod_view(c, "vm-whole")?;

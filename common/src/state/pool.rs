@@ -127,13 +127,18 @@ fn lock_path(pool_file: PathBuf) -> PathBuf {
 
 fn take_lock(pool_file: PathBuf, arg: nix::fcntl::FlockArg) -> Result<Option<Hold>> {
     let p = lock_path(pool_file);
-    if let Some(dir) = p.parent() {
+    if let Some(dir) = p.parent()
+        && matches!(arg, nix::fcntl::FlockArg::LockExclusiveNonblock)
+    {
         super::ensure_dir(dir)?;
     }
+    // The owner creates the lock file; a reader only opens it (a read-only mount will do).
+    let owner = matches!(arg, nix::fcntl::FlockArg::LockExclusiveNonblock);
     let file = std::fs::OpenOptions::new()
-        .create(true)
+        .create(owner)
         .truncate(false)
-        .write(true)
+        .write(owner)
+        .read(!owner)
         .open(&p)
         .map_err(|source| Error::Io {
             path: p.clone(),

@@ -4,7 +4,9 @@
 //! Node reports a runtime that reads CDI, the same claim is prepared.
 //!
 //! Against a real kube-apiserver (the cluster tier's assets): the Node, its status and the
-//! claim's allocation are written as kubelet and the scheduler write them. The driver runs on a
+//! claim's allocation are written as kubelet and the scheduler write them, and the driver's
+//! Events (`ClaimNotPrepared`, `ContainerRuntimeCDI`, `ClaimPrepared`) are read as
+//! `kubectl get events` shows them. The driver runs on a
 //! node-sim 2xA10 and is called the way kubelet calls it.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on setup failures
@@ -196,22 +198,34 @@ async fn a_runtime_without_cdi_refuses_claims_and_says_so() {
             .ends_with("nvidia"),
         "the GPU was moved for a claim that was refused"
     );
-    let events = wait_for("the Warning Event on the Node", || {
-        let out = cp
-            .kubectl(&[
-                "get",
-                "events",
-                "-A",
-                "--field-selector",
-                "reason=ContainerRuntimeCDI",
-                "-o",
-                "json",
-            ])
-            .unwrap();
-        let v: Value = serde_json::from_str(&out).unwrap();
-        let items = v["items"].as_array().cloned().unwrap_or_default();
-        (!items.is_empty()).then_some(items)
-    });
+    // Events as `kubectl get events` shows them, by reason.
+    let events = |reason: &str| {
+        wait_for(&format!("an Event {reason}"), || {
+            let out = cp
+                .kubectl(&[
+                    "get",
+                    "events",
+                    "-A",
+                    "--field-selector",
+                    &format!("reason={reason}"),
+                    "-o",
+                    "json",
+                ])
+                .unwrap();
+            let v: Value = serde_json::from_str(&out).unwrap();
+            let items = v["items"].as_array().cloned().unwrap_or_default();
+            (!items.is_empty()).then_some(items)
+        })
+    };
+    let refused = events("ClaimNotPrepared");
+    assert_eq!(refused[0]["type"], "Warning", "{refused:?}");
+    assert!(
+        refused[0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("default/vm1-gpu") && m.contains("ignores CDI")),
+        "{refused:?}"
+    );
+    let events = events("ContainerRuntimeCDI");
     assert_eq!(events[0]["type"], "Warning", "{events:?}");
     assert!(
         events[0]["message"]
@@ -236,6 +250,29 @@ async fn a_runtime_without_cdi_refuses_claims_and_says_so() {
         std::fs::read_link(&driver_link)
             .unwrap()
             .ends_with("vfio-pci")
+    );
+    let prepared = wait_for("an Event ClaimPrepared", || {
+        let out = cp
+            .kubectl(&[
+                "get",
+                "events",
+                "-A",
+                "--field-selector",
+                "reason=ClaimPrepared",
+                "-o",
+                "json",
+            ])
+            .unwrap();
+        let v: Value = serde_json::from_str(&out).unwrap();
+        let items = v["items"].as_array().cloned().unwrap_or_default();
+        (!items.is_empty()).then_some(items)
+    });
+    assert_eq!(prepared[0]["type"], "Normal", "{prepared:?}");
+    assert!(
+        prepared[0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("default/vm1-gpu") && m.contains("gpu-0000-41-00-0")),
+        "{prepared:?}"
     );
     let log = std::fs::read_to_string(&log).unwrap();
     assert!(log.contains("ignores CDI"), "{log}");

@@ -125,6 +125,22 @@ fn each(name: &str, n: usize) -> Vec<((String, String), usize)> {
     ]
 }
 
+/// The daemon following node `node`'s label on `api`, with its config file at `file`.
+fn daemon_for(root: &Path, api: &FakeApiServer, node: &str, file: &Path) -> Daemon {
+    let kc = api.kubeconfig().to_str().unwrap().to_string();
+    daemon(
+        root,
+        &[
+            "--node-name",
+            node,
+            "--kubeconfig",
+            &kc,
+            "-f",
+            file.to_str().unwrap(),
+        ],
+    )
+}
+
 #[test]
 fn daemon_follows_the_label_and_the_config_file() {
     let Some(sim) = testkit::sim::try_mount("2xA10") else {
@@ -133,19 +149,7 @@ fn daemon_follows_the_label_and_the_config_file() {
     let root = sim.root();
     let api = FakeApiServer::start("node-a", &[(CONFIG_LABEL, "A10-4Q")]).unwrap();
     let mut cm = ConfigMapDir::new(CONFIG);
-    let kc = api.kubeconfig().to_str().unwrap().to_string();
-    let file = cm.path();
-    let d = daemon(
-        root,
-        &[
-            "--node-name",
-            "node-a",
-            "--kubeconfig",
-            &kc,
-            "-f",
-            file.to_str().unwrap(),
-        ],
-    );
+    let d = daemon_for(root, &api, "node-a", &cm.path());
 
     // Label set at start: pending, then success, with the vGPUs and the readiness file.
     assert!(
@@ -214,19 +218,7 @@ fn a_hung_api_server_does_not_stall_the_apply_loop() {
     let root = sim.root();
     let api = FakeApiServer::start("node-hang", &[(CONFIG_LABEL, "A10-4Q")]).unwrap();
     let mut cm = ConfigMapDir::new(CONFIG);
-    let kc = api.kubeconfig().to_str().unwrap().to_string();
-    let file = cm.path();
-    let d = daemon(
-        root,
-        &[
-            "--node-name",
-            "node-hang",
-            "--kubeconfig",
-            &kc,
-            "-f",
-            file.to_str().unwrap(),
-        ],
-    );
+    let d = daemon_for(root, &api, "node-hang", &cm.path());
     assert!(api.wait_for(STATE, WAIT, |v| v == Some("success")));
     assert_eq!(counts(root), each("NVIDIA A10-4Q", 6));
 

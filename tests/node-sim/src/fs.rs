@@ -152,9 +152,7 @@ impl Shared {
             (r, events, invalidations(tree, changes))
         };
         if let Some(s) = &self.uevents {
-            for e in &events {
-                s.send(e);
-            }
+            s.send(&events);
         }
         // Without the lock: the kernel waits for requests in flight in a directory before it
         // invalidates a name there, and those requests need the lock.

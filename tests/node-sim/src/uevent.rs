@@ -2,8 +2,15 @@
 //! "udev" multicast group (2): the group `udev::MonitorBuilder::new()` listens on, where udevd
 //! re-broadcasts the kernel's events after processing them.
 
+use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::MetadataExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use nix::sched::{CloneFlags, setns};
 
 use nix::sys::socket::{
     AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, bind, sendto, socket,
@@ -70,51 +77,137 @@ const MAGIC: u32 = 0xfeed_cafe;
 /// Size of libudev's `monitor_netlink_header`.
 const HEADER_SIZE: usize = 40;
 
-/// Broadcasts uevents.
+/// Broadcasts uevents: in node-sim's own network namespace and, as the kernel does, in every
+/// other one on the machine ([`Namespaces`]), so a daemon in a pod without `hostNetwork` (the
+/// cluster tier's) hears the simulated node as it would hear a real one.
 #[derive(Debug)]
 pub(crate) struct UeventSender {
     fd: OwnedFd,
     seq: AtomicU64,
+    others: Mutex<Namespaces>,
+}
+
+/// A sending socket in each network namespace other than node-sim's, found under `/proc`.
+///
+/// The kernel broadcasts a uevent to the netlink sockets of every network namespace owned by
+/// the initial user namespace (lib/kobject_uevent.c); a message node-sim sends reaches its own
+/// namespace only. It therefore also sends from a socket opened inside each other namespace
+/// (`setns` on a thread of its own; needs CAP_SYS_ADMIN, else only its own namespace hears it).
+/// The list is read again before a batch of events once [`RESCAN`] has passed, and a namespace
+/// gone from `/proc` is let go (its socket would keep it alive).
+#[derive(Debug, Default)]
+struct Namespaces {
+    sockets: HashMap<u64, OwnedFd>,
+    scanned: Option<Instant>,
+}
+
+/// How long a list of network namespaces is trusted before a batch of events.
+const RESCAN: Duration = Duration::from_millis(250);
+
+impl Namespaces {
+    fn rescan(&mut self) {
+        if self.scanned.is_some_and(|t| t.elapsed() < RESCAN) {
+            return;
+        }
+        self.scanned = Some(Instant::now());
+        let own = std::fs::metadata("/proc/self/ns/net").map(|m| m.ino()).ok();
+        let mut found: HashMap<u64, PathBuf> = HashMap::new();
+        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let name = e.file_name();
+            if !name.to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
+                continue;
+            }
+            let ns = e.path().join("ns/net");
+            if let Ok(m) = std::fs::metadata(&ns)
+                && Some(m.ino()) != own
+            {
+                found.entry(m.ino()).or_insert(ns);
+            }
+        }
+        self.sockets.retain(|ino, _| found.contains_key(ino));
+        for (ino, ns) in found {
+            if let std::collections::hash_map::Entry::Vacant(v) = self.sockets.entry(ino) {
+                match socket_in(&ns) {
+                    Ok(fd) => {
+                        v.insert(fd);
+                    }
+                    Err(e) => tracing::debug!(ns = %ns.display(), "no uevents there: {e}"),
+                }
+            }
+        }
+    }
+}
+
+/// A netlink uevent socket opened inside the network namespace `ns` (`/proc/<pid>/ns/net`).
+fn socket_in(ns: &Path) -> std::io::Result<OwnedFd> {
+    let file = std::fs::File::open(ns)?;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            setns(&file, CloneFlags::CLONE_NEWNET)?;
+            let fd = netlink_socket()?;
+            Ok(fd)
+        })
+        .join()
+        .unwrap_or_else(|_| {
+            Err(std::io::Error::other(
+                "the thread opening the socket panicked",
+            ))
+        })
+    })
+}
+
+/// A `NETLINK_KOBJECT_UEVENT` socket that can send, bound to no group.
+fn netlink_socket() -> nix::Result<OwnedFd> {
+    let fd = socket(
+        AddressFamily::Netlink,
+        SockType::Raw,
+        SockFlag::SOCK_CLOEXEC,
+        SockProtocol::NetlinkKObjectUEvent,
+    )?;
+    bind(fd.as_raw_fd(), &NetlinkAddr::new(0, 0))?;
+    Ok(fd)
 }
 
 impl UeventSender {
     /// A socket that can send to the udev group, or `None` (with a log line) when this process
     /// may not (it needs CAP_NET_ADMIN).
     pub fn new() -> Option<UeventSender> {
-        let fd = match socket(
-            AddressFamily::Netlink,
-            SockType::Raw,
-            SockFlag::SOCK_CLOEXEC,
-            SockProtocol::NetlinkKObjectUEvent,
-        ) {
+        let fd = match netlink_socket() {
             Ok(fd) => fd,
             Err(e) => {
                 tracing::warn!("no uevents: cannot open a NETLINK_KOBJECT_UEVENT socket: {e}");
                 return None;
             }
         };
-        if let Err(e) = bind(fd.as_raw_fd(), &NetlinkAddr::new(0, 0)) {
-            tracing::warn!("no uevents: cannot bind the netlink socket: {e}");
-            return None;
-        }
         Some(UeventSender {
             fd,
             seq: AtomicU64::new(1),
+            others: Mutex::new(Namespaces::default()),
         })
     }
 
-    /// Sends one event; failures are logged, never fatal (nobody may be listening).
-    pub fn send(&self, e: &Uevent) {
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let msg = encode(e, seq);
-        if let Err(err) = sendto(
-            self.fd.as_raw_fd(),
-            &msg,
-            &NetlinkAddr::new(0, UDEV_GROUP),
-            MsgFlags::empty(),
-        ) {
-            // ECONNREFUSED/ESRCH: no listener in the group.
-            tracing::debug!(devpath = %e.devpath, "uevent not sent: {err}");
+    /// Sends `events` in order, in every network namespace; failures are logged, never fatal
+    /// (nobody may be listening).
+    pub fn send(&self, events: &[Uevent]) {
+        if events.is_empty() {
+            return;
+        }
+        let mut others = self.others.lock().unwrap_or_else(|p| p.into_inner());
+        others.rescan();
+        for e in events {
+            let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+            let msg = encode(e, seq);
+            for fd in std::iter::once(&self.fd).chain(others.sockets.values()) {
+                if let Err(err) = sendto(
+                    fd.as_raw_fd(),
+                    &msg,
+                    &NetlinkAddr::new(0, UDEV_GROUP),
+                    MsgFlags::empty(),
+                ) {
+                    // ECONNREFUSED/ESRCH: no listener in the group.
+                    tracing::trace!(devpath = %e.devpath, "uevent not sent: {err}");
+                }
+            }
         }
     }
 }

@@ -347,7 +347,9 @@ async fn keep_applied(
             tasks.spawn(async move {
                 let mut selected: Option<String> = None;
                 let wc = watcher::Config::default().fields(&format!("metadata.name={node}"));
-                let mut stream = watcher(meta, wc).default_backoff().boxed();
+                let mut stream = watcher(meta, wc)
+                    .backoff(daemon_kit::kube::watch_backoff())
+                    .boxed();
                 loop {
                     let ev = tokio::select! {
                         _ = stop.cancelled() => return Ok(()),

@@ -125,10 +125,20 @@ pub fn tail(path: &Path, n: usize) -> String {
 
 /// Runs a command to completion; its stdout, or an error carrying its stderr.
 pub fn run(cmd: &mut Command) -> Result<String> {
+    let t0 = std::time::Instant::now();
     let out = cmd
         .stdin(Stdio::null())
         .output()
         .with_context(|| format!("running {:?}", cmd.get_program()))?;
+    if timings() && t0.elapsed() > std::time::Duration::from_millis(500) {
+        let args: Vec<_> = cmd.get_args().map(|a| a.to_string_lossy()).collect();
+        eprintln!(
+            "  {:.1} s: {} {}",
+            t0.elapsed().as_secs_f64(),
+            cmd.get_program().to_string_lossy(),
+            args.join(" ")
+        );
+    }
     if !out.status.success() {
         anyhow::bail!(
             "{:?} {:?} failed ({}): {}",
@@ -193,4 +203,10 @@ pub fn kill_tree(pid: i32) {
     for p in doomed {
         let _ = kill(Pid::from_raw(p), Signal::SIGKILL);
     }
+}
+
+/// Whether `CLUSTER_TIMINGS` asks for every wait and every command over half a second to be
+/// printed with its time (without it: waits over 10 s only).
+pub fn timings() -> bool {
+    std::env::var_os("CLUSTER_TIMINGS").is_some()
 }

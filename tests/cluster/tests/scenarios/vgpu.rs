@@ -87,9 +87,9 @@ pub fn run(c: &Cluster) -> Result<()> {
     // Relabel while the vGPU is in use: the other GPU switches, this one is left, and the
     // operator is told where they look.
     c.label_node(CONFIG, Some("A10-8Q"))?;
-    // After an outage the label watch comes back on its backoff (client-go's: up to 30 s
-    // between tries, each failure while the API server warms up costing one).
-    wait_state(c, "failed", Duration::from_secs(180))?;
+    // After an outage the label watch comes back on its backoff (daemon_kit::kube::watch_backoff:
+    // up to 16 s between tries, each failure while the API server warms up costing one).
+    wait_state(c, "failed", Duration::from_secs(90))?;
     let event = c.wait(
         "the Event saying why the switch is blocked",
         Duration::from_secs(30),

@@ -481,7 +481,8 @@ fn a_write_that_hangs_is_cut_off_by_the_timeout() {
     // inode lock), so a hang in the shared drivers/nvidia/unbind would stall the other GPU too,
     // which real sysfs does not do.
     control(root, "fault driver_override 0000:41:00.0 delay=10000");
-    let o = run(root, &["bind", "--timeout", "0.5"]);
+    // Long enough for the other GPU's bind on a loaded machine, far shorter than the hang.
+    let o = run(root, &["bind", "--timeout", "3"]);
     assert_eq!(o.status.code(), Some(1), "{}", show(&o));
     let err = text(&o.stderr);
     assert!(err.contains("0000:41:00.0 failed"), "{}", show(&o));

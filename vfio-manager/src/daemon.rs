@@ -81,6 +81,8 @@ struct Telemetry {
     bound: Gauge,
     /// The last pass's failure lines: the same refusal is told once, not at every retry.
     told: Vec<String>,
+    /// The last pass's warnings, told once the same way.
+    told_warnings: Vec<String>,
 }
 
 impl Telemetry {
@@ -95,6 +97,7 @@ impl Telemetry {
             selected: Gauge::default(),
             bound: Gauge::default(),
             told: Vec::new(),
+            told_warnings: Vec::new(),
         };
         let o = &t.ops;
         o.register(
@@ -154,12 +157,15 @@ impl Telemetry {
         if !changes.is_empty() {
             self.events.normal("GpusBound", "Bind", changes.join("; "));
         }
-        if !report.warnings.is_empty() {
-            self.events.warning(
-                "OriginalDriversNotRecorded",
-                "Bind",
-                report.warnings.join("; "),
-            );
+        if report.warnings != self.told_warnings {
+            if !report.warnings.is_empty() {
+                self.events.warning(
+                    "OriginalDriversNotRecorded",
+                    "Bind",
+                    report.warnings.join("; "),
+                );
+            }
+            self.told_warnings = report.warnings.clone();
         }
         let failures = report.failure_lines();
         if failures != self.told {

@@ -1,7 +1,9 @@
 //! `vfio-manager daemon`'s operational side against node-sim and a real API server (etcd and
 //! kube-apiserver): Events on the Node for a refusal and for the binds, as `kubectl get events`
-//! shows them, `/readyz` before and after every selected GPU is
-//! bound, systemd's `READY=1`, and `/metrics` read by a real Prometheus parser.
+//! shows them, no request at all at rest while it refuses at every pass (counted in the API
+//! server's audit log; `AT_REST_SECS` keeps it at rest longer, for BENCHMARKS.md), `/readyz`
+//! before and after every selected GPU is bound, systemd's `READY=1`, and `/metrics` read by a
+//! real Prometheus parser.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -33,6 +35,9 @@ fn a_refusal_then_the_binds_are_told_counted_and_make_it_ready() {
         return;
     };
     api.create_node("node-v", &[]).unwrap();
+    // Its own user, for its requests in the audit log.
+    let user = "vfio-manager";
+    let kubeconfig = api.kubeconfig_for(user, user, &["system:masters"]).unwrap();
     let notify = NotifySocket::new().unwrap();
     let addr = free_addr();
     let mut child = Command::new(BIN)
@@ -40,7 +45,7 @@ fn a_refusal_then_the_binds_are_told_counted_and_make_it_ready() {
         .arg(root)
         .args(["daemon", "--resync-interval", "1", "--metrics-addr", &addr])
         .args(["--node-name", "node-v", "--kubeconfig"])
-        .arg(api.admin_kubeconfig())
+        .arg(&kubeconfig)
         .env("NOTIFY_SOCKET", notify.path())
         .env("RUST_LOG", "info")
         .env_remove("KUBELET_DIR")
@@ -86,6 +91,23 @@ fn a_refusal_then_the_binds_are_told_counted_and_make_it_ready() {
         refusals[0]["series"].is_null() && cluster_tier::quantity(&refusals[0]["count"]) <= 1,
         "{events:?}"
     );
+    // At rest, refusing at every pass, it asks the API server nothing: its passes run (the
+    // refusals counter counts each), its requests in the audit log do not grow.
+    let asked = api.requests_of(user).len();
+    let refused = || testkit::ops::metric(&addr, "vfio_manager_refusals_total").unwrap_or(0.0);
+    let before = refused();
+    let start = std::time::Instant::now();
+    while refused() < before + 3.0 || start.elapsed() < testkit::ops::at_rest() {
+        assert!(
+            start.elapsed() < WAIT + testkit::ops::at_rest(),
+            "no passes: {} refusals",
+            refused()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let later: Vec<_> = api.requests_of(user).split_off(asked);
+    testkit::ops::report_at_rest("vfio-manager", &later, start.elapsed());
+    assert!(later.is_empty(), "at rest it asked: {later:?}");
 
     drop(held);
     let lines = notify

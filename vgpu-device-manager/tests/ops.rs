@@ -1,7 +1,9 @@
 //! The daemon's operational side against node-sim and a real API server (etcd and
 //! kube-apiserver): `/metrics` read by a real Prometheus parser, `/readyz` before and after the
 //! first successful apply, systemd's `READY=1`, Events on the Node for a refusal and for the
-//! apply (as `kubectl get events` shows them), and progress lines during a long apply.
+//! apply (as `kubectl get events` shows them), no request at rest but its watch of the node
+//! (refused at every retry, and applied; counted in the API server's audit log; `AT_REST_SECS`
+//! keeps it at rest longer, for BENCHMARKS.md), and progress lines during a long apply.
 
 #![allow(clippy::unwrap_used)]
 
@@ -34,11 +36,14 @@ fn metrics_readiness_notify_and_events_follow_the_applies() {
     };
     api.create_node("node-m", &[("nvidia.com/vgpu.config", "A10-8Q")])
         .unwrap();
+    // Its own user, for its requests in the audit log.
+    let user = "vgpu-device-manager";
+    let kubeconfig = api.kubeconfig_for(user, user, &["system:masters"]).unwrap();
     let notify = NotifySocket::new().unwrap();
     let addr = free_addr();
     let mut child = Command::new(BIN)
         .args(["daemon", "--node-name", "node-m", "--kubeconfig"])
-        .arg(api.admin_kubeconfig())
+        .arg(&kubeconfig)
         .args(["-f", f, "--retry-min", "200ms", "--retry-max", "1s"])
         .args(["--metrics-addr", &addr, "--host-root"])
         .arg(root)
@@ -63,6 +68,39 @@ fn metrics_readiness_notify_and_events_follow_the_applies() {
     // Failing: alive, not ready.
     assert_eq!(http_get(&addr, "/readyz").unwrap().0, 503);
     assert_eq!(http_get(&addr, "/healthz").unwrap().0, 200);
+    assert!(
+        api.wait_for_label("node-m", "nvidia.com/vgpu.config.state", WAIT, |v| {
+            v == Some("failed")
+        })
+    );
+
+    // Refused at every retry, it asks the API server nothing but its watch of the node: its
+    // passes run (each counted a failed apply), the state label and the Event are not written
+    // again.
+    let asked = api.requests_of(user).len();
+    let failed = || {
+        testkit::ops::metric(
+            &addr,
+            r#"vgpu_device_manager_applies_total{result="failed"}"#,
+        )
+        .unwrap_or(0.0)
+    };
+    let before = failed();
+    let start = std::time::Instant::now();
+    while failed() < before + 3.0 || start.elapsed() < testkit::ops::at_rest() {
+        assert!(
+            start.elapsed() < WAIT + testkit::ops::at_rest(),
+            "no passes: {} failed applies",
+            failed()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let later = api.requests_of(user).split_off(asked);
+    testkit::ops::report_at_rest("vgpu-device-manager, refused", &later, start.elapsed());
+    assert!(
+        later.iter().all(|r| r["verb"] == "watch"),
+        "at rest it asked: {later:?}"
+    );
 
     sim.control(&format!("release {group}")).unwrap();
     let lines = notify.wait_for_line("READY=1", WAIT);
@@ -83,6 +121,29 @@ fn metrics_readiness_notify_and_events_follow_the_applies() {
     assert_eq!(
         note,
         "vGPU profile A10-8Q applied: 3 vGPUs created, 6 removed, 3 kept"
+    );
+    assert!(
+        api.wait_for_label("node-m", "nvidia.com/vgpu.config.state", WAIT, |v| {
+            v == Some("success")
+        })
+    );
+
+    // Applied, at rest while others change the Node (kubelet's status, an administrator's
+    // labels) and the config file is written again unchanged: nothing but the watch.
+    let asked = api.requests_of(user).len();
+    let start = std::time::Instant::now();
+    for i in 0..3 {
+        api.set_label("node-m", "example.com/other", Some(&i.to_string()))
+            .unwrap();
+        std::fs::write(&cfg.path, CONFIG).unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    std::thread::sleep(testkit::ops::at_rest().saturating_sub(start.elapsed()));
+    let later = api.requests_of(user).split_off(asked);
+    testkit::ops::report_at_rest("vgpu-device-manager, applied", &later, start.elapsed());
+    assert!(
+        later.iter().all(|r| r["verb"] == "watch"),
+        "at rest it asked: {later:?}"
     );
 
     let (code, body) = http_get(&addr, "/metrics").unwrap();

@@ -358,6 +358,18 @@ impl ControlPlane {
         self.dir.join("logs").join("audit.log")
     }
 
+    /// The requests user `user` made, in order, as the audit log has them: one entry each, its
+    /// first (a watch shows when it started, long before it completes).
+    pub fn requests_of(&self, user: &str) -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(self.audit_log()).unwrap_or_default();
+        let mut seen = std::collections::HashSet::new();
+        text.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|e| e["user"]["username"] == user)
+            .filter(|e| seen.insert(e["auditID"].as_str().unwrap_or_default().to_string()))
+            .collect()
+    }
+
     /// The processes, for logs on failure.
     pub fn procs(&self) -> Vec<&Proc> {
         [

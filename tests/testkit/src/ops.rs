@@ -54,6 +54,42 @@ pub fn wait_for_status(addr: &str, path: &str, code: u16, timeout: Duration) -> 
     }
 }
 
+/// Sample `sample` (a name, with its labels as the text shows them: `x_total{result="failed"}`)
+/// read from `addr`'s `/metrics` as plain text; `None` when it is not there. For a test that
+/// only follows a counter (the parser below checks the format).
+pub fn metric(addr: &str, sample: &str) -> Option<f64> {
+    let (_, body) = http_get(addr, "/metrics")?;
+    body.lines()
+        .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' '))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+}
+
+/// How long a test counting a daemon's API requests at rest keeps it at rest besides the
+/// passes it waits for: `AT_REST_SECS` (the figures in BENCHMARKS.md: 600), else nothing more.
+pub fn at_rest() -> Duration {
+    let secs = std::env::var("AT_REST_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok());
+    Duration::from_secs(secs.unwrap_or(0))
+}
+
+/// One line for the figures: `requests` (audit entries) made by `daemon` in `took` at rest,
+/// by verb, and per hour.
+pub fn report_at_rest(daemon: &str, requests: &[Value], took: Duration) {
+    let mut verbs = std::collections::BTreeMap::<String, usize>::new();
+    for r in requests {
+        *verbs
+            .entry(r["verb"].as_str().unwrap_or("?").to_string())
+            .or_default() += 1;
+    }
+    let per_hour = requests.len() as f64 * 3600.0 / took.as_secs_f64().max(0.001);
+    eprintln!(
+        "at rest: {daemon}: {} requests in {:.0} s ({verbs:?}): {per_hour:.1} per hour",
+        requests.len(),
+        took.as_secs_f64()
+    );
+}
+
 /// The `prometheus_client` release the parser is pinned to.
 const PARSER_VERSION: &str = "prometheus_client==0.26.0";
 

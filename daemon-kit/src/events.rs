@@ -1,108 +1,182 @@
 //! Kubernetes Events (`events.k8s.io/v1`) on this node's Node object: every change a daemon
 //! makes and every refusal, for `kubectl describe node` and `kubectl events`.
 //!
-//! Best effort: events are sent in order by a task of their own, and one the API server
-//! refuses (a network error) is logged and dropped; the daemon never waits for one. When RBAC
-//! forbids Events (403: a service account whose roles do not grant them, as the GPU Operator's
-//! do not), that is said once, with what to grant, and Events are dropped unsent, one tried
-//! again every [`FORBIDDEN_RETRY`] in case the grant came since.
+//! # One Event per thing said, with a count
+//!
+//! Events aggregate as client-go's recorder aggregates identical events: the same type, reason,
+//! action and note (about the same Node, from the same daemon) are **one** Event whose count
+//! (its `series`: `kubectl describe node` shows `(x5 over 10m)`, `kubectl get events` the last
+//! time seen) rises with every repeat. A different note is an Event of its own, even under the
+//! same reason: relabelling a node from A10-4Q to A10-8Q shows two `ProfileApplied` Events, each
+//! with its own note, count and times, and an operator never reads the A10-4Q note counted for
+//! the A10-8Q apply. The older Events stay as they were, as history, until the API server
+//! expires them (`--event-ttl`, an hour after their last write by default); a repeat after that
+//! makes a new Event carrying the whole count.
+//!
+//! kube-runtime's `Recorder` (kube 5) keys its series on reason, action, type and object but not
+//! the note, and writes every repeat; hence this module keeps its own series.
+//!
+//! # What the API server sees
+//!
+//! An Event is created at its first occurrence; repeats are counted and written as one patch
+//! of the count, at most once every [`Tuning::write_gap`] per Event (30 s): a refusal repeated
+//! at every pass is one Event whose count is at most that late, not a stream of requests.
+//!
+//! # Never in the daemon's way, bounded when the API server is away
+//!
+//! [`NodeEvents::normal`] and [`NodeEvents::warning`] only note the Event (a short lock, no
+//! await); a task of its own writes them, oldest first. While the API server cannot be reached
+//! (or answers 5xx or 429), Events wait and are tried again with backoff, 1 s doubling to
+//! 1 minute; repeats meanwhile only raise a count. At most [`Tuning::capacity`] distinct Events
+//! (256) are held: beyond, the least recently said that is already written is forgotten (its
+//! next repeat starts a new Event), else the least recently said unsent one is dropped, and the
+//! number dropped is logged before the next write is tried. An Event the API server refuses as
+//! invalid (another 4xx) is logged and dropped.
+//!
+//! When RBAC forbids Events (403: a service account whose roles do not grant them, as the GPU
+//! Operator's do not), that is said once, with what to grant, and nothing is written for
+//! [`FORBIDDEN_RETRY`], then the next Event is tried in case the grant came since.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ObjectReference;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use tokio::sync::mpsc;
+use k8s_openapi::api::events::v1::{Event as K8sEvent, EventSeries};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
-/// How long Events are dropped unsent after the API server forbade one.
-pub const FORBIDDEN_RETRY: std::time::Duration = std::time::Duration::from_secs(600);
+/// How long Events are not written after the API server forbade one.
+pub const FORBIDDEN_RETRY: Duration = Duration::from_secs(600);
+
+/// Where cluster-scoped objects' Events go, as kubelet's for its Node do.
+const NAMESPACE: &str = "default";
+
+/// The API server refuses a note over 1 kB.
+const MAX_NOTE: usize = 1024;
+
+/// How the recorder paces its writes and how much it holds; [`Tuning::default`] is what the
+/// daemons use.
+#[derive(Clone, Copy, Debug)]
+pub struct Tuning {
+    /// The most distinct Events held, written or not.
+    pub capacity: usize,
+    /// The least time between two writes of one Event: repeats within it are written together.
+    pub write_gap: Duration,
+    /// The first wait after a write could not reach the API server; it doubles up to
+    /// `retry_max`.
+    pub retry_min: Duration,
+    /// The longest wait between tries while the API server cannot be reached.
+    pub retry_max: Duration,
+    /// The most one write may take.
+    pub timeout: Duration,
+}
+
+impl Default for Tuning {
+    fn default() -> Tuning {
+        Tuning {
+            capacity: 256,
+            write_gap: Duration::from_secs(30),
+            retry_min: Duration::from_secs(1),
+            retry_max: Duration::from_secs(60),
+            timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What the recorder holds now, and what it dropped so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Backlog {
+    /// Distinct Events held (at most [`Tuning::capacity`]).
+    pub held: usize,
+    /// Occurrences noted and not yet written (a new Event, or a repeat not yet counted).
+    pub unsent: u64,
+    /// Occurrences dropped unsent since the start, because more distinct Events waited than
+    /// are held.
+    pub dropped: u64,
+}
 
 /// Where a daemon sends its Node events; [`NodeEvents::disabled`] without Kubernetes.
 #[derive(Clone, Debug)]
 pub struct NodeEvents {
-    tx: Option<mpsc::UnboundedSender<Event>>,
+    inner: Option<Arc<Handle>>,
 }
 
 impl NodeEvents {
     /// Events go nowhere.
     pub fn disabled() -> NodeEvents {
-        NodeEvents { tx: None }
+        NodeEvents { inner: None }
     }
 
     /// Sends events about Node `node` as `controller` (`gpu-vm-node/<daemon>`). Call inside a
     /// tokio runtime: the sending task runs on it until every clone is dropped.
     pub fn start(client: kube::Client, node: &str, daemon: &str) -> NodeEvents {
-        let controller = format!("gpu-vm-node/{daemon}");
-        let reporter = Reporter {
-            controller: controller.clone(),
-            instance: Some(format!("{daemon}-{node}")),
-        };
-        let recorder = Recorder::new(client, reporter);
-        // Like kubelet's: a Node's events name it by name, also as its UID, in "default".
-        let regarding = ObjectReference {
-            api_version: Some("v1".into()),
-            kind: Some("Node".into()),
-            name: Some(node.to_string()),
-            uid: Some(node.to_string()),
-            ..Default::default()
-        };
-        let (tx, mut rx) = mpsc::unbounded_channel::<Event>();
-        let node = node.to_string();
-        tokio::spawn(async move {
-            // After a 403, Events are dropped until this instant, then one is tried again (RBAC
-            // may have been granted since); the refusal is logged the first time only.
-            let mut forbidden_until: Option<tokio::time::Instant> = None;
-            let mut told = false;
-            while let Some(ev) = rx.recv().await {
-                if forbidden_until.is_some_and(|t| tokio::time::Instant::now() < t) {
-                    continue;
-                }
-                match recorder.publish(&ev, &regarding).await {
-                    Ok(()) => {
-                        if forbidden_until.take().is_some() {
-                            tracing::info!(node, "Events are allowed again: recording them");
-                        }
-                    }
-                    Err(kube::Error::Api(ae)) if ae.code == 403 => {
-                        if !told {
-                            tracing::warn!(
-                                node,
-                                reason = ev.reason,
-                                error = %ae.message,
-                                "Events are forbidden to this daemon's service account: none are recorded \
-                                 (grant create and patch on events, in events.k8s.io and the core group; under \
-                                 the GPU Operator: deploy/operator/events-rbac.yaml); trying again every 10 minutes"
-                            );
-                            told = true;
-                        }
-                        forbidden_until = Some(tokio::time::Instant::now() + FORBIDDEN_RETRY);
-                    }
-                    Err(e) => {
-                        tracing::warn!(node, reason = ev.reason, error = %e, "cannot record an event on the node")
-                    }
-                }
-            }
+        NodeEvents::start_tuned(client, node, daemon, Tuning::default())
+    }
+
+    /// [`NodeEvents::start`], paced and bounded by `tuning`.
+    pub fn start_tuned(
+        client: kube::Client,
+        node: &str,
+        daemon: &str,
+        tuning: Tuning,
+    ) -> NodeEvents {
+        let shared = Arc::new(Shared {
+            book: Mutex::new(Book::new(tuning.capacity)),
+            wake: Notify::new(),
         });
-        NodeEvents { tx: Some(tx) }
+        let closed = CancellationToken::new();
+        let sink = Sink {
+            api: Api::namespaced(client, NAMESPACE),
+            node: node.to_string(),
+            controller: format!("gpu-vm-node/{daemon}"),
+            instance: format!("{daemon}-{node}"),
+            // Like kubelet's: a Node's events name it by name, also as its UID.
+            regarding: ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Node".into()),
+                name: Some(node.to_string()),
+                uid: Some(node.to_string()),
+                ..Default::default()
+            },
+        };
+        tokio::spawn(send_loop(shared.clone(), sink, tuning, closed.clone()));
+        NodeEvents {
+            inner: Some(Arc::new(Handle { shared, closed })),
+        }
     }
 
     /// Whether events are sent anywhere.
     pub fn enabled(&self) -> bool {
-        self.tx.is_some()
+        self.inner.is_some()
     }
 
     /// A change: `reason` (CamelCase, e.g. `GpuBound`), `action` (what was done, e.g. `Bind`),
     /// `note` (for people, naming the devices).
     pub fn normal(&self, reason: &str, action: &str, note: impl Into<String>) {
-        self.send(EventType::Normal, reason, action, note.into());
+        self.send(Type::Normal, reason, action, note.into());
     }
 
     /// A refusal or failure.
     pub fn warning(&self, reason: &str, action: &str, note: impl Into<String>) {
-        self.send(EventType::Warning, reason, action, note.into());
+        self.send(Type::Warning, reason, action, note.into());
     }
 
-    fn send(&self, type_: EventType, reason: &str, action: &str, mut note: String) {
-        let Some(tx) = &self.tx else { return };
-        // The API server refuses a note over 1 kB.
-        if note.len() > 1024 {
+    /// What is held and what was dropped (all zero when disabled).
+    pub fn backlog(&self) -> Backlog {
+        match &self.inner {
+            Some(h) => h.shared.book().backlog(),
+            None => Backlog::default(),
+        }
+    }
+
+    fn send(&self, type_: Type, reason: &str, action: &str, mut note: String) {
+        let Some(h) = &self.inner else { return };
+        if note.len() > MAX_NOTE {
             let mut end = 1000;
             while !note.is_char_boundary(end) {
                 end -= 1;
@@ -110,13 +184,14 @@ impl NodeEvents {
             note.truncate(end);
             note.push_str(" …");
         }
-        let _ = tx.send(Event {
+        let key = Key {
             type_,
             reason: reason.into(),
-            note: Some(note),
             action: action.into(),
-            secondary: None,
-        });
+            note,
+        };
+        h.shared.book().record(key, Timestamp::now());
+        h.shared.wake.notify_one();
     }
 }
 
@@ -140,5 +215,595 @@ pub async fn for_node(
             );
             NodeEvents::disabled()
         }
+    }
+}
+
+/// Held by every clone of a [`NodeEvents`]; the last one dropped ends the sending task.
+#[derive(Debug)]
+struct Handle {
+    shared: Arc<Shared>,
+    closed: CancellationToken,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.closed.cancel();
+    }
+}
+
+#[derive(Debug)]
+struct Shared {
+    book: Mutex<Book>,
+    /// Told after every Event noted.
+    wake: Notify,
+}
+
+impl Shared {
+    fn book(&self) -> MutexGuard<'_, Book> {
+        // Nothing in the book is left half-changed by a panic: go on with it.
+        self.book.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Type {
+    Normal,
+    Warning,
+}
+
+impl Type {
+    fn as_str(self) -> &'static str {
+        match self {
+            Type::Normal => "Normal",
+            Type::Warning => "Warning",
+        }
+    }
+}
+
+/// What makes two Events the same one (the object and the reporter are the recorder's own).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Key {
+    type_: Type,
+    reason: String,
+    action: String,
+    note: String,
+}
+
+/// One Event as the recorder knows it: how often it was said, and how much of that the API
+/// server has.
+#[derive(Debug)]
+struct Series {
+    /// Told apart from a later series of the same key (after this one was forgotten).
+    id: u64,
+    /// The Event's name once created.
+    name: Option<String>,
+    count: u64,
+    /// The count the API server has (0: not created).
+    written: u64,
+    first: Timestamp,
+    last: Timestamp,
+    /// When last said, as a sequence number: the least recent goes first when full.
+    seen: u64,
+    /// When its oldest unwritten occurrence was said: the oldest is written first.
+    waiting_since: u64,
+    written_at: Option<Instant>,
+}
+
+impl Series {
+    fn unsent(&self) -> u64 {
+        self.count.saturating_sub(self.written)
+    }
+}
+
+/// A write to make: one Event's state when it was taken.
+#[derive(Clone, Debug)]
+struct Job {
+    key: Key,
+    id: u64,
+    name: Option<String>,
+    count: u64,
+    first: Timestamp,
+    last: Timestamp,
+}
+
+#[derive(Debug)]
+enum Next {
+    Write(Job),
+    /// Nothing due before this instant.
+    At(Instant),
+    /// Nothing to write.
+    Idle,
+}
+
+/// Every Event held, by key; bounded.
+#[derive(Debug)]
+struct Book {
+    series: HashMap<Key, Series>,
+    capacity: usize,
+    seq: u64,
+    dropped: u64,
+    /// Dropped since the last log line said so.
+    untold: u64,
+}
+
+impl Book {
+    fn new(capacity: usize) -> Book {
+        Book {
+            series: HashMap::new(),
+            capacity: capacity.max(1),
+            seq: 0,
+            dropped: 0,
+            untold: 0,
+        }
+    }
+
+    /// One occurrence of `key`, said at `at`.
+    fn record(&mut self, key: Key, at: Timestamp) {
+        self.seq += 1;
+        let seq = self.seq;
+        if let Some(s) = self.series.get_mut(&key) {
+            if s.unsent() == 0 {
+                s.waiting_since = seq;
+            }
+            s.count += 1;
+            s.last = at;
+            s.seen = seq;
+            return;
+        }
+        if self.series.len() >= self.capacity {
+            self.forget_one();
+        }
+        self.series.insert(
+            key,
+            Series {
+                id: seq,
+                name: None,
+                count: 1,
+                written: 0,
+                first: at,
+                last: at,
+                seen: seq,
+                waiting_since: seq,
+                written_at: None,
+            },
+        );
+    }
+
+    /// Makes room: the least recently said of the written Events (only its aggregation is
+    /// lost), else the least recently said of all, its unsent occurrences dropped.
+    fn forget_one(&mut self) {
+        let victim = self
+            .series
+            .iter()
+            .filter(|(_, s)| s.unsent() == 0)
+            .min_by_key(|(_, s)| s.seen)
+            .or_else(|| self.series.iter().min_by_key(|(_, s)| s.seen))
+            .map(|(k, _)| k.clone());
+        if let Some(s) = victim.and_then(|k| self.series.remove(&k)) {
+            self.dropped += s.unsent();
+            self.untold += s.unsent();
+        }
+    }
+
+    /// The write due first at `now`, each Event written at most once every `gap`.
+    fn next(&self, now: Instant, gap: Duration) -> Next {
+        let mut due: Option<(&Key, &Series)> = None;
+        let mut soonest: Option<Instant> = None;
+        for (k, s) in &self.series {
+            if s.unsent() == 0 {
+                continue;
+            }
+            let at = s.written_at.map_or(now, |t| t + gap);
+            if at <= now {
+                if due.is_none_or(|(_, d)| s.waiting_since < d.waiting_since) {
+                    due = Some((k, s));
+                }
+            } else if soonest.is_none_or(|t| at < t) {
+                soonest = Some(at);
+            }
+        }
+        match (due, soonest) {
+            (Some((k, s)), _) => Next::Write(Job {
+                key: k.clone(),
+                id: s.id,
+                name: s.name.clone(),
+                count: s.count,
+                first: s.first,
+                last: s.last,
+            }),
+            (None, Some(t)) => Next::At(t),
+            (None, None) => Next::Idle,
+        }
+    }
+
+    fn get(&mut self, job: &Job) -> Option<&mut Series> {
+        self.series.get_mut(&job.key).filter(|s| s.id == job.id)
+    }
+
+    /// `job` was written as Event `name`.
+    fn written(&mut self, job: &Job, name: String, now: Instant) {
+        if let Some(s) = self.get(job) {
+            s.name = Some(name);
+            s.written = s.written.max(job.count);
+            s.written_at = Some(now);
+        }
+    }
+
+    /// The Event of `job` is gone from the API server (expired): the next write creates it.
+    fn gone(&mut self, job: &Job) {
+        if let Some(s) = self.get(job) {
+            s.name = None;
+            s.written = 0;
+        }
+    }
+
+    /// `job` cannot be written: what it carried is given up.
+    fn give_up(&mut self, job: &Job) {
+        if let Some(s) = self.get(job) {
+            s.written = s.written.max(job.count);
+        }
+    }
+
+    /// The number dropped since the last call.
+    fn take_untold(&mut self) -> u64 {
+        std::mem::take(&mut self.untold)
+    }
+
+    fn backlog(&self) -> Backlog {
+        Backlog {
+            held: self.series.len(),
+            unsent: self.series.values().map(Series::unsent).sum(),
+            dropped: self.dropped,
+        }
+    }
+}
+
+/// The API side: who reports, about what, where.
+struct Sink {
+    api: Api<K8sEvent>,
+    node: String,
+    controller: String,
+    instance: String,
+    regarding: ObjectReference,
+}
+
+fn count_i32(n: u64) -> i32 {
+    i32::try_from(n).unwrap_or(i32::MAX)
+}
+
+impl Sink {
+    /// Creates `job`'s Event, or patches its count; the Event's name.
+    async fn write(&self, job: &Job) -> Result<String, kube::Error> {
+        let series = (job.count >= 2).then(|| EventSeries {
+            count: count_i32(job.count),
+            last_observed_time: MicroTime(job.last),
+        });
+        if let Some(name) = &job.name {
+            let patch = K8sEvent {
+                series,
+                ..Default::default()
+            };
+            self.api
+                .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await?;
+            return Ok(name.clone());
+        }
+        let name = format!(
+            "{}.{:x}",
+            self.node,
+            Timestamp::now().as_nanosecond().unsigned_abs()
+        );
+        let ev = K8sEvent {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                namespace: Some(NAMESPACE.into()),
+                ..Default::default()
+            },
+            event_time: Some(MicroTime(job.first)),
+            series,
+            action: Some(job.key.action.clone()),
+            reason: Some(job.key.reason.clone()),
+            note: Some(job.key.note.clone()),
+            type_: Some(job.key.type_.as_str().into()),
+            regarding: Some(self.regarding.clone()),
+            reporting_controller: Some(self.controller.clone()),
+            reporting_instance: Some(self.instance.clone()),
+            ..Default::default()
+        };
+        self.api.create(&PostParams::default(), &ev).await?;
+        Ok(name)
+    }
+}
+
+/// Writes what the book holds, oldest first, until the last [`NodeEvents`] clone is dropped.
+async fn send_loop(shared: Arc<Shared>, sink: Sink, tuning: Tuning, closed: CancellationToken) {
+    let node = sink.node.as_str();
+    // No write before this instant: backing off, or forbidden.
+    let mut hold: Option<Instant> = None;
+    let mut backoff = tuning.retry_min;
+    // Told once per outage, and once per refusal by RBAC.
+    let mut unreachable = false;
+    let mut forbidden = false;
+    loop {
+        if let Some(h) = hold.take() {
+            tokio::select! {
+                _ = closed.cancelled() => return,
+                _ = tokio::time::sleep_until(h) => {}
+            }
+        }
+        let next = shared.book().next(Instant::now(), tuning.write_gap);
+        let job = match next {
+            Next::Write(job) => job,
+            Next::At(t) => {
+                tokio::select! {
+                    _ = closed.cancelled() => return,
+                    _ = shared.wake.notified() => {}
+                    _ = tokio::time::sleep_until(t) => {}
+                }
+                continue;
+            }
+            Next::Idle => {
+                tokio::select! {
+                    _ = closed.cancelled() => return,
+                    _ = shared.wake.notified() => {}
+                }
+                continue;
+            }
+        };
+        let dropped = shared.book().take_untold();
+        if dropped > 0 {
+            tracing::warn!(
+                node,
+                dropped,
+                "{dropped} Events dropped unsent: more than {} distinct Events waited for the API server (the least recent go first)",
+                tuning.capacity
+            );
+        }
+        let result = tokio::time::timeout(tuning.timeout, sink.write(&job)).await;
+        let now = Instant::now();
+        let transient = match result {
+            Ok(Ok(name)) => {
+                shared.book().written(&job, name, now);
+                backoff = tuning.retry_min;
+                if std::mem::take(&mut unreachable) {
+                    tracing::info!(node, "the API server answers again: recording Events");
+                }
+                if std::mem::take(&mut forbidden) {
+                    tracing::info!(node, "Events are allowed again: recording them");
+                }
+                continue;
+            }
+            Ok(Err(kube::Error::Api(s))) if s.code == 404 && job.name.is_some() => {
+                shared.book().gone(&job);
+                continue;
+            }
+            Ok(Err(kube::Error::Api(s))) if s.code == 403 => {
+                if !forbidden {
+                    tracing::warn!(
+                        node,
+                        reason = job.key.reason,
+                        error = %s.message,
+                        "Events are forbidden to this daemon's service account: none are recorded \
+                         (grant create and patch on events, in events.k8s.io and the core group; under \
+                         the GPU Operator: deploy/operator/events-rbac.yaml); trying again every 10 minutes"
+                    );
+                    forbidden = true;
+                }
+                hold = Some(now + FORBIDDEN_RETRY);
+                continue;
+            }
+            // A name taken (two creates in one nanosecond): the next try makes another.
+            Ok(Err(kube::Error::Api(s))) if s.code == 409 && job.name.is_none() => {
+                hold = Some(now + tuning.retry_min);
+                continue;
+            }
+            Ok(Err(kube::Error::Api(s))) if s.code == 429 || s.code >= 500 => {
+                format!("{} ({})", s.message, s.code)
+            }
+            Ok(Err(kube::Error::Api(s))) => {
+                tracing::warn!(
+                    node,
+                    reason = job.key.reason,
+                    code = s.code,
+                    error = %s.message,
+                    "the API server refused an Event on the node; dropped"
+                );
+                shared.book().give_up(&job);
+                continue;
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {:?}", tuning.timeout),
+        };
+        if !unreachable {
+            tracing::warn!(
+                node,
+                reason = job.key.reason,
+                error = transient,
+                "cannot record Events on the node: they wait (up to {} distinct) and are tried again",
+                tuning.capacity
+            );
+            unreachable = true;
+        }
+        hold = Some(now + backoff);
+        backoff = (backoff * 2).min(tuning.retry_max);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(reason: &str, note: &str) -> Key {
+        Key {
+            type_: Type::Warning,
+            reason: reason.into(),
+            action: "Apply".into(),
+            note: note.into(),
+        }
+    }
+
+    fn job(book: &Book, now: Instant, gap: Duration) -> Option<Job> {
+        match book.next(now, gap) {
+            Next::Write(j) => Some(j),
+            _ => None,
+        }
+    }
+
+    const GAP: Duration = Duration::from_secs(30);
+
+    #[test]
+    fn the_same_note_is_one_event_with_a_count_and_another_note_its_own() {
+        let mut b = Book::new(16);
+        let now = Instant::now();
+        let t = Timestamp::now();
+        b.record(key("ProfileApplied", "A10-4Q applied"), t);
+        b.record(key("ProfileApplied", "A10-4Q applied"), t);
+        b.record(key("ProfileApplied", "A10-8Q applied"), t);
+        assert_eq!(b.backlog().held, 2);
+        // The oldest first, with both its occurrences.
+        let j = job(&b, now, GAP).unwrap();
+        assert_eq!((j.key.note.as_str(), j.count), ("A10-4Q applied", 2));
+        assert!(j.name.is_none(), "a first write creates");
+        b.written(&j, "n.1".into(), now);
+        let j = job(&b, now, GAP).unwrap();
+        assert_eq!((j.key.note.as_str(), j.count), ("A10-8Q applied", 1));
+        b.written(&j, "n.2".into(), now);
+        assert!(matches!(b.next(now, GAP), Next::Idle));
+        assert_eq!(b.backlog().unsent, 0);
+    }
+
+    #[test]
+    fn repeats_are_written_together_at_most_once_per_gap() {
+        let mut b = Book::new(16);
+        let now = Instant::now();
+        let k = key("BindRefused", "0000:41:00.0 in use by pid 7");
+        b.record(k.clone(), Timestamp::now());
+        let j = job(&b, now, GAP).unwrap();
+        b.written(&j, "n.1".into(), now);
+        for _ in 0..5 {
+            b.record(k.clone(), Timestamp::now());
+        }
+        match b.next(now, GAP) {
+            Next::At(t) => assert_eq!(t, now + GAP),
+            other => panic!("{other:?}"),
+        }
+        let j = job(&b, now + GAP, GAP).unwrap();
+        assert_eq!((j.name.as_deref(), j.count), (Some("n.1"), 6));
+        // A repeat while the write was on its way is written next time.
+        b.record(k.clone(), Timestamp::now());
+        b.written(&j, "n.1".into(), now + GAP);
+        assert_eq!(b.backlog().unsent, 1);
+    }
+
+    #[test]
+    fn a_full_book_forgets_written_events_first_then_drops_the_oldest_unsent() {
+        let mut b = Book::new(3);
+        let now = Instant::now();
+        let t = Timestamp::now();
+        b.record(key("A", "1"), t);
+        let j = job(&b, now, GAP).unwrap();
+        b.written(&j, "n.1".into(), now);
+        b.record(key("B", "2"), t);
+        b.record(key("C", "3"), t);
+        b.record(key("C", "3"), t);
+        // Full: the written one goes, nothing is dropped.
+        b.record(key("D", "4"), t);
+        assert_eq!(
+            b.backlog(),
+            Backlog {
+                held: 3,
+                unsent: 4,
+                dropped: 0
+            }
+        );
+        // Full of unsent: the least recently said goes (B), with what it carried.
+        b.record(key("E", "5"), t);
+        assert_eq!(b.backlog().dropped, 1);
+        assert!(!b.series.contains_key(&key("B", "2")));
+        // Many more while the API server is away: the book stays bounded.
+        for i in 0..10_000 {
+            b.record(key("F", &i.to_string()), t);
+        }
+        let bl = b.backlog();
+        assert_eq!(bl.held, 3);
+        // B, then C (twice said), D and E, then all but the last three F.
+        assert_eq!(bl.dropped, 1 + 2 + 1 + 1 + 9_997, "{bl:?}");
+        assert_eq!(b.take_untold(), bl.dropped);
+        assert_eq!(b.take_untold(), 0, "told once");
+    }
+
+    #[test]
+    fn a_write_for_a_forgotten_series_changes_nothing() {
+        let mut b = Book::new(1);
+        let now = Instant::now();
+        let t = Timestamp::now();
+        b.record(key("A", "1"), t);
+        let j = job(&b, now, GAP).unwrap();
+        // Forgotten while on its way, and said again: a new series.
+        b.record(key("B", "2"), t);
+        b.record(key("A", "1"), t);
+        b.written(&j, "n.1".into(), now);
+        let s = &b.series[&key("A", "1")];
+        assert_eq!((s.name.as_deref(), s.written), (None, 0));
+    }
+
+    #[test]
+    fn a_gone_event_is_created_again_with_its_whole_count() {
+        let mut b = Book::new(4);
+        let now = Instant::now();
+        let k = key("A", "1");
+        b.record(k.clone(), Timestamp::now());
+        let j = job(&b, now, GAP).unwrap();
+        b.written(&j, "n.1".into(), now);
+        b.record(k.clone(), Timestamp::now());
+        let j = job(&b, now + GAP, GAP).unwrap();
+        assert_eq!(j.name.as_deref(), Some("n.1"));
+        b.gone(&j);
+        let j = job(&b, now + GAP, GAP).unwrap();
+        assert_eq!((j.name, j.count), (None, 2));
+    }
+
+    #[tokio::test]
+    async fn sending_never_waits_and_disabled_events_hold_nothing() {
+        let off = NodeEvents::disabled();
+        off.warning("X", "Y", "z");
+        assert_eq!(off.backlog(), Backlog::default());
+        // A client to an address nobody answers: the sends return at once, bounded.
+        let config = kube::Config::new("https://127.0.0.1:9".parse().unwrap());
+        let client = kube::Client::try_from(config).unwrap();
+        let tuning = Tuning {
+            capacity: 8,
+            ..Tuning::default()
+        };
+        let ev = NodeEvents::start_tuned(client, "node-a", "test", tuning);
+        for i in 0..1000 {
+            ev.warning("Refused", "Bind", format!("refusal {i}"));
+        }
+        let bl = ev.backlog();
+        assert_eq!(bl.held, 8, "{bl:?}");
+        assert_eq!(bl.dropped, 992, "{bl:?}");
+    }
+
+    #[test]
+    fn a_long_note_is_cut_below_the_api_servers_limit() {
+        let h = Handle {
+            shared: Arc::new(Shared {
+                book: Mutex::new(Book::new(2)),
+                wake: Notify::new(),
+            }),
+            closed: CancellationToken::new(),
+        };
+        let ev = NodeEvents {
+            inner: Some(Arc::new(h)),
+        };
+        ev.normal("R", "A", "é".repeat(1000));
+        let inner = ev.inner.as_ref().unwrap();
+        let book = inner.shared.book();
+        let note = &book.series.keys().next().unwrap().note;
+        assert!(
+            note.len() <= MAX_NOTE && note.ends_with(" …"),
+            "{}",
+            note.len()
+        );
     }
 }

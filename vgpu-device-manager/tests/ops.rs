@@ -1,9 +1,10 @@
 //! The daemon's operational side against node-sim and a real API server (etcd and
 //! kube-apiserver): `/metrics` read by a real Prometheus parser, `/readyz` before and after the
 //! first successful apply, systemd's `READY=1`, Events on the Node for a refusal and for the
-//! apply (as `kubectl get events` shows them), no request at rest but its watch of the node
-//! (refused at every retry, and applied; counted in the API server's audit log; `AT_REST_SECS`
-//! keeps it at rest longer, for BENCHMARKS.md), and progress lines during a long apply.
+//! apply (as `kubectl get events` shows them; a relabel's apply an Event of its own), no
+//! request at rest but its watch of the node (refused at every retry, and applied; counted in
+//! the API server's audit log; `AT_REST_SECS` keeps it at rest longer, for BENCHMARKS.md), and
+//! progress lines during a long apply.
 
 #![allow(clippy::unwrap_used)]
 
@@ -182,6 +183,45 @@ fn metrics_readiness_notify_and_events_follow_the_applies() {
         );
         assert!(v("process_start_time_seconds", &[]) > Some(1.0e9), "{body}");
     }
+
+    // Relabelled back to A10-4Q: a ProfileApplied Event of its own, saying A10-4Q; the A10-8Q
+    // one stays as it was, not counted for this apply.
+    api.set_label("node-m", "nvidia.com/vgpu.config", Some("A10-4Q"))
+        .unwrap();
+    let applied = |events: &[serde_json::Value]| -> Vec<(String, i64)> {
+        let mut v: Vec<_> = events
+            .iter()
+            .filter(|e| e["reason"] == "ProfileApplied")
+            .map(|e| {
+                let count = cluster_tier::quantity(&e["series"]["count"])
+                    .max(cluster_tier::quantity(&e["count"]))
+                    .max(1);
+                (e["message"].as_str().unwrap_or_default().to_string(), count)
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let want = vec![
+        (
+            "vGPU profile A10-4Q applied: 12 vGPUs created, 6 removed, 0 kept".to_string(),
+            1,
+        ),
+        (
+            "vGPU profile A10-8Q applied: 3 vGPUs created, 6 removed, 3 kept".to_string(),
+            1,
+        ),
+    ];
+    let start = std::time::Instant::now();
+    let mut seen = Vec::new();
+    while start.elapsed() < WAIT {
+        seen = applied(&api.events("default").unwrap());
+        if seen == want {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(seen, want);
     assert_eq!(testkit::sigterm_and_wait(&mut child), Some(0));
 }
 

@@ -72,11 +72,11 @@ impl Plugin {
         for claim in claims {
             let result = self.preparer.unprepare(&claim).await;
             match &result {
-                Ok(()) => self.telemetry.unprepared(&claim, Ok(())),
+                Ok(()) => self.telemetry.unprepared(Ok(())),
                 Err(e) => {
                     let msg = common::error_chain(e);
                     tracing::warn!(claim = %claim, error = %msg, "claim not unprepared");
-                    self.telemetry.unprepared(&claim, Err(&msg));
+                    self.telemetry.unprepared(Err(&msg));
                 }
             }
             out.insert(claim.uid.clone(), result);

@@ -78,7 +78,8 @@ impl Telemetry {
         t
     }
 
-    /// A claim prepared with the devices named, or refused with `Err(message)`.
+    /// A claim prepared with the devices named, or refused with `Err(message)`: the error's
+    /// chain, which names the claim already (every [`crate::prepare::PrepareError`] does).
     pub fn prepared(&self, claim: &dyn Display, r: Result<&[&str], &str>) {
         self.claims_changed.notify_one();
         self.prepares.get_or_create(&result(r.is_ok())).inc();
@@ -90,23 +91,17 @@ impl Telemetry {
                     format!("claim {claim}: {}", names.join(", ")),
                 );
             }
-            Err(e) => {
-                self.events
-                    .warning("ClaimNotPrepared", "Prepare", format!("claim {claim}: {e}"))
-            }
+            Err(e) => self.events.warning("ClaimNotPrepared", "Prepare", e),
         }
     }
 
-    /// A claim unprepared, or not with `Err(message)`.
-    pub fn unprepared(&self, claim: &dyn Display, r: Result<(), &str>) {
+    /// A claim unprepared, or not with `Err(message)`, which names the claim (as in
+    /// [`Telemetry::prepared`]).
+    pub fn unprepared(&self, r: Result<(), &str>) {
         self.claims_changed.notify_one();
         self.unprepares.get_or_create(&result(r.is_ok())).inc();
         if let Err(e) = r {
-            self.events.warning(
-                "ClaimNotUnprepared",
-                "Unprepare",
-                format!("claim {claim}: {e}"),
-            );
+            self.events.warning("ClaimNotUnprepared", "Unprepare", e);
         }
     }
 

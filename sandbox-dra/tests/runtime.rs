@@ -225,6 +225,13 @@ async fn a_runtime_without_cdi_refuses_claims_and_says_so() {
             .is_some_and(|m| m.contains("default/vm1-gpu") && m.contains("ignores CDI")),
         "{refused:?}"
     );
+    // The claim named once, as kubelet reports the error on the pod.
+    let note = refused[0]["message"].as_str().unwrap_or_default();
+    assert!(
+        note.starts_with(&format!("claim default/vm1-gpu ({uid}): "))
+            && note.matches("vm1-gpu").count() == 1,
+        "{note}"
+    );
     let events = events("ContainerRuntimeCDI");
     assert_eq!(events[0]["type"], "Warning", "{events:?}");
     assert!(

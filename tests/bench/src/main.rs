@@ -8,6 +8,10 @@
 //! cargo build --release --bins && target/release/gpu-vm-bench --out BENCHMARKS.md
 //! ```
 //!
+//! `--only scheduler` measures instead what sandbox-dra's published pool costs a real
+//! kube-scheduler and kube-apiserver (the cluster tier's assets, `tests/cluster/prepare.sh`);
+//! it is not part of the default run and has its own place in BENCHMARKS.md.
+//!
 //! It needs root and /dev/fuse (node-sim). Every figure is the median of `--runs` runs with
 //! min–max beside it, or p50 and p99 over every call of every run; each run gets a freshly
 //! mounted node.
@@ -25,6 +29,9 @@ use harness::report::{Report, write_out};
 
 /// The report's sections, in order (`--only` takes these names).
 const SECTIONS: [&str; 5] = ["vfio", "vgpu", "dp", "on-demand", "dra"];
+
+/// Sections run only when `--only` names them, each reported between markers of its own.
+const OPT_IN: [&str; 1] = ["scheduler"];
 
 /// Benchmarks of vfio-manager, vgpu-device-manager, sandbox-dp and sandbox-dra on simulated
 /// nodes.
@@ -49,11 +56,18 @@ pub struct Cli {
     /// Simulated unbind delay (ms) for the parallel-bind figure.
     #[arg(long, default_value_t = 300)]
     pub unbind_delay_ms: u64,
+    /// scheduler: how many Nodes carry the copied slices (repeatable; default 1 and 100).
+    #[arg(long, value_name = "N", value_parser = at_least_one())]
+    pub sched_nodes: Vec<usize>,
+    /// scheduler: pods placed one after another per node count and published pool.
+    #[arg(long, default_value_t = 50, value_parser = at_least_one())]
+    pub sched_pods: usize,
     /// Also write the report to this file (BENCHMARKS.md: between its begin and end markers).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Only these sections: vfio, vgpu, dp, on-demand, dra (repeatable; default all).
-    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(SECTIONS))]
+    /// Only these sections: vfio, vgpu, dp, on-demand, dra (repeatable; default all), or
+    /// scheduler (the cluster tier's kube-scheduler and kube-apiserver; never by default).
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(SECTIONS.iter().chain(&OPT_IN)))]
     pub only: Vec<String>,
 }
 
@@ -71,6 +85,7 @@ async fn section(name: &str, cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> 
         "dp" => sections::dp::bench(cli, b, r).await,
         "on-demand" => sections::ondemand::bench(cli, b, r).await,
         "dra" => sections::dra::bench(cli, b, r).await,
+        "scheduler" => sections::scheduler::bench(cli, b, r),
         other => bail!("no section {other}"),
     }
 }
@@ -115,33 +130,49 @@ fn main() -> Result<()> {
     if let Some(why) = testkit::sim::unavailable() {
         bail!("gpu-vm-bench needs node-sim, which cannot run here: {why}");
     }
-    let b = harness::bins::bins()?;
-    let mut r = Report::default();
-    let start_load = load();
-    r.line(format!(
-        "Machine: {}. Commit: {}. Runs per figure: {} (median, min–max).",
-        machine(),
-        commit(),
-        cli.runs
-    ));
-    r.line("");
+    let b = harness::bins::bins();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    for name in SECTIONS {
-        if cli.only.is_empty() || cli.only.iter().any(|o| o == name) {
+    let chosen = |name: &str| cli.only.iter().any(|o| o == name);
+    let mut runs: Vec<(&str, Vec<&str>)> = Vec::new();
+    if cli.only.is_empty() || SECTIONS.iter().any(|s| chosen(s)) {
+        b.check()?;
+        let names = SECTIONS
+            .into_iter()
+            .filter(|s| cli.only.is_empty() || chosen(s))
+            .collect();
+        runs.push((harness::report::MAIN, names));
+    }
+    for name in OPT_IN.into_iter().filter(|s| chosen(s)) {
+        runs.push((name, vec![name]));
+    }
+    for (markers, names) in runs {
+        let mut r = Report::default();
+        let start_load = load();
+        let runs = match markers {
+            harness::report::MAIN => format!(" Runs per figure: {} (median, min–max).", cli.runs),
+            _ => String::new(),
+        };
+        r.line(format!(
+            "Machine: {}. Commit: {}.{runs}",
+            machine(),
+            commit()
+        ));
+        r.line("");
+        for name in names {
             rt.block_on(section(name, &cli, &b, &mut r))?;
         }
-    }
-    r.memory_table();
-    r.line(format!(
-        "Load average (1 min) at the start: {start_load}; at the end: {}.",
-        load()
-    ));
-    r.line("");
-    if let Some(out) = &cli.out {
-        write_out(out, r.text())?;
+        r.memory_table();
+        r.line(format!(
+            "Load average (1 min) at the start: {start_load}; at the end: {}.",
+            load()
+        ));
+        r.line("");
+        if let Some(out) = &cli.out {
+            write_out(out, markers, r.text())?;
+        }
     }
     Ok(())
 }
@@ -162,5 +193,7 @@ mod tests {
         let cli = Cli::try_parse_from(["gpu-vm-bench", "--only", "dp", "--only", "dra"]).unwrap();
         assert_eq!((cli.runs, cli.only.len()), (5, 2));
         assert!(Cli::try_parse_from(["gpu-vm-bench", "--only", "plain"]).is_err());
+        let cli = Cli::try_parse_from(["gpu-vm-bench", "--only", "scheduler"]).unwrap();
+        assert_eq!((cli.sched_nodes.len(), cli.sched_pods), (0, 50));
     }
 }

@@ -22,6 +22,9 @@ pub struct ControlPlaneOpts {
     pub service_cidr: String,
     /// Whether the controller-manager and the scheduler run too.
     pub controllers: bool,
+    /// The scheduler's HTTPS port, serving `/metrics` (and `/healthz`) to anyone on
+    /// 127.0.0.1 (a self-signed certificate); 0: none.
+    pub scheduler_port: u16,
 }
 
 impl Default for ControlPlaneOpts {
@@ -32,6 +35,7 @@ impl Default for ControlPlaneOpts {
             port: 0,
             service_cidr: "10.96.0.0/24".into(),
             controllers: false,
+            scheduler_port: 0,
         }
     }
 }
@@ -319,9 +323,12 @@ impl ControlPlane {
         }
         cmd.args([
             "--bind-address=127.0.0.1",
-            "--secure-port=0",
+            &format!("--secure-port={}", self.opts.scheduler_port),
             "--leader-elect=false",
         ]);
+        if self.opts.scheduler_port != 0 {
+            cmd.arg("--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics");
+        }
         self.sched = Some(Proc::spawn("kube-scheduler", &mut cmd, &logs, &pids)?);
         Ok(())
     }

@@ -116,6 +116,7 @@ impl Cluster {
                 port: 443,
                 service_cidr: SERVICE_CIDR.into(),
                 controllers: true,
+                ..ControlPlaneOpts::default()
             },
         )?;
         eprintln!(

@@ -145,14 +145,19 @@ pub fn need(s: Option<Summary>) -> Result<Summary> {
     s.ok_or_else(|| anyhow!("no samples"))
 }
 
-/// Replaces the generated part of BENCHMARKS.md (between the markers) or writes it whole.
-pub fn write_out(path: &Path, body: &str) -> Result<()> {
-    const BEGIN: &str = "<!-- gpu-vm-bench: begin -->";
-    const END: &str = "<!-- gpu-vm-bench: end -->";
+/// The markers of the default sections' report.
+pub const MAIN: &str = "gpu-vm-bench";
+
+/// Replaces the generated part of BENCHMARKS.md between the markers named `markers`
+/// (`<!-- gpu-vm-bench: begin -->` for [`MAIN`], `<!-- scheduler: begin -->` for the
+/// scheduler section) or appends it with them.
+pub fn write_out(path: &Path, markers: &str, body: &str) -> Result<()> {
+    let begin = format!("<!-- {markers}: begin -->");
+    let end = format!("<!-- {markers}: end -->");
     let old = std::fs::read_to_string(path).unwrap_or_default();
-    let new = match (old.find(BEGIN), old.find(END)) {
-        (Some(a), Some(z)) if a < z => format!("{}{BEGIN}\n{body}{}", &old[..a], &old[z..]),
-        _ => format!("{old}{BEGIN}\n{body}{END}\n"),
+    let new = match (old.find(&begin), old.find(&end)) {
+        (Some(a), Some(z)) if a < z => format!("{}{begin}\n{body}{}", &old[..a], &old[z..]),
+        _ => format!("{old}{begin}\n{body}{end}\n"),
     };
     std::fs::write(path, new).with_context(|| format!("writing {}", path.display()))
 }

@@ -4,5 +4,6 @@
 pub mod dp;
 pub mod dra;
 pub mod ondemand;
+pub mod scheduler;
 pub mod vfio;
 pub mod vgpu;

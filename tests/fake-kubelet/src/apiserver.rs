@@ -33,9 +33,10 @@
 //!   the body's `resourceVersion` is not the current one.
 //!
 //! and ResourceSlices (`resource.k8s.io/v1`), as a DRA driver publishes them with kube-rs
-//! (see [`serve_slices`]): list (with a `fieldSelector` on `spec.nodeName` / `spec.driver`),
-//! get, create, replace, server-side apply (the applied object replaces the stored one) and
-//! delete.
+//! (see [`serve_slices`]): list and watch (with a `fieldSelector` on `spec.nodeName` /
+//! `spec.driver`; a watch streams `ADDED`, `MODIFIED` and `DELETED` for every change after its
+//! `resourceVersion`), get, create, replace, server-side apply (the applied object replaces the
+//! stored one) and delete.
 //!
 //! Tests change labels with [`FakeApiServer::set_label`] and read what the daemon wrote with
 //! [`FakeApiServer::label`], [`FakeApiServer::annotation`] and
@@ -76,6 +77,9 @@ struct Inner {
     slices: BTreeMap<String, Value>,
     /// The last resourceVersion given to a ResourceSlice.
     slice_version: u64,
+    /// Every change to a ResourceSlice, in order: its resourceVersion, the watch event's type
+    /// and the object.
+    slice_events: Vec<(u64, &'static str, Value)>,
     /// Whether a PATCH of the Node is refused with 403, as under a ClusterRole granting
     /// `update` on nodes but not `patch` (the GPU Operator's).
     patch_forbidden: bool,
@@ -167,6 +171,7 @@ impl FakeApiServer {
                 requests: Vec::new(),
                 slices: BTreeMap::new(),
                 slice_version: 0,
+                slice_events: Vec::new(),
                 patch_forbidden: false,
                 puts_raced: 0,
                 events: Vec::new(),
@@ -347,7 +352,16 @@ impl FakeApiServer {
             .unwrap_or_default()
             .to_string();
         slice["metadata"]["resourceVersion"] = json!(i.slice_version.to_string());
+        let kind = if i.slices.contains_key(&name) {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
+        let rv = i.slice_version;
+        i.slice_events.push((rv, kind, slice.clone()));
         i.slices.insert(name, slice);
+        drop(i);
+        self.shared.changed.notify_all();
     }
 
     /// Waits until `f` holds for the slices (polling), up to `timeout`; the slices then, or
@@ -542,8 +556,22 @@ fn serve(s: &Shared, conn: TcpStream) -> std::io::Result<()> {
                 let (code, body) = serve_events(s, &req);
                 respond(&mut w, code, &body)?;
             }
+            ("GET", SLICES)
+                if req
+                    .query
+                    .get("watch")
+                    .is_some_and(|v| v == "true" || v == "1") =>
+            {
+                let from: u64 = req
+                    .query
+                    .get("resourceVersion")
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0);
+                return stream_slices(s, &mut w, from, req.query.get("fieldSelector"));
+            }
             (_, p) if p == SLICES || p.starts_with(&format!("{SLICES}/")) => {
                 let (code, body) = serve_slices(s, &req);
+                s.changed.notify_all();
                 respond(&mut w, code, &body)?;
             }
             ("PATCH", p) if p == node_path && s.lock().patch_forbidden => {
@@ -761,7 +789,13 @@ fn serve_slices(s: &Shared, req: &Request) -> (u16, Value) {
             None => (404, not_found(n)),
         },
         ("DELETE", Some(n)) => match i.slices.remove(n) {
-            Some(v) => (200, v),
+            Some(mut v) => {
+                i.slice_version += 1;
+                let rv = i.slice_version;
+                v["metadata"]["resourceVersion"] = json!(rv.to_string());
+                i.slice_events.push((rv, "DELETED", v.clone()));
+                (200, v)
+            }
             None => (404, not_found(n)),
         },
         (method @ ("POST" | "PUT" | "PATCH"), n) => {
@@ -807,6 +841,13 @@ fn serve_slices(s: &Shared, req: &Request) -> (u16, Value) {
             obj["metadata"]["resourceVersion"] = json!(i.slice_version.to_string());
             obj["apiVersion"] = json!("resource.k8s.io/v1");
             obj["kind"] = json!("ResourceSlice");
+            let kind = if existing.is_some() {
+                "MODIFIED"
+            } else {
+                "ADDED"
+            };
+            let rv = i.slice_version;
+            i.slice_events.push((rv, kind, obj.clone()));
             i.slices.insert(obj_name, obj.clone());
             (if existing.is_some() { 200 } else { 201 }, obj)
         }
@@ -817,6 +858,56 @@ fn serve_slices(s: &Shared, req: &Request) -> (u16, Value) {
 fn chunk(w: &mut TcpStream, data: &str) -> std::io::Result<()> {
     write!(w, "{:x}\r\n{data}\r\n", data.len())?;
     w.flush()
+}
+
+/// A watch of ResourceSlices: every change after `from` that `selector` selects, as it comes,
+/// until the server stops.
+fn stream_slices(
+    s: &Shared,
+    w: &mut TcpStream,
+    from: u64,
+    selector: Option<&String>,
+) -> std::io::Result<()> {
+    write!(
+        w,
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )?;
+    w.flush()?;
+    let mut sent = from;
+    let mut i = s.lock();
+    loop {
+        if s.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        let due: Vec<(u64, &'static str, Value)> = i
+            .slice_events
+            .iter()
+            .filter(|(rv, _, obj)| *rv > sent && slice_selected(obj, selector))
+            .cloned()
+            .collect();
+        if let Some(last) = i.slice_events.last() {
+            sent = sent.max(last.0);
+        }
+        if !due.is_empty() {
+            drop(i);
+            for (_, kind, obj) in due {
+                let mut line = json!({"type": kind, "object": obj}).to_string();
+                line.push('\n');
+                chunk(w, &line)?;
+            }
+            i = s.lock();
+            continue;
+        }
+        i = s
+            .changed
+            .wait_timeout(i, Duration::from_millis(200))
+            .map(|(g, _)| g)
+            .unwrap_or_else(|e| e.into_inner().0);
+    }
+    drop(i);
+    let _ = w.write_all(b"0\r\n\r\n");
+    let _ = w.shutdown(Shutdown::Both);
+    Ok(())
 }
 
 fn stream_watch(s: &Shared, w: &mut TcpStream, from: u64, selected: bool) -> std::io::Result<()> {

@@ -412,7 +412,7 @@ ALLOWED_RULES = {
         ({"resource.k8s.io"}, {"resourceslices"},
          {"get", "list", "watch", "create", "update", "patch", "delete"}),
         ({"resource.k8s.io"}, {"resourceclaims"}, {"get"}),
-        ({""}, {"nodes"}, {"get"}),
+        ({""}, {"nodes"}, {"list", "watch"}),
     ],
 }
 # Each daemon's metrics port (--metrics-addr; /metrics, /healthz, /readyz): not 9400, which is

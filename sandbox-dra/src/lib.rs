@@ -175,9 +175,16 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     kube_config.write_timeout = Some(backstop);
     kube_config.read_timeout = Some(backstop);
     kube_config.reset_reader_on_write = true;
+    // The publisher's watches have no read timeout: a quiet watch is not a hung server
+    // (kube-runtime's watcher ends one that has said nothing for longer than its own timeout).
+    let mut watch_config = kube_config.clone();
+    watch_config.read_timeout = None;
     let client = kube::Client::try_from(kube_config).context("cannot make a Kubernetes client")?;
+    let watch_client =
+        kube::Client::try_from(watch_config).context("cannot make a Kubernetes client")?;
     let ops = daemon_kit::ops::Ops::new();
-    // The publisher's loop wakes at least every resync.
+    // The publisher's loop wakes at least every resync, and beats while a pass waits on the
+    // API server: only a loop stuck on the node stops it.
     ops.expect_beats(daemon_kit::ops::liveness_window(config.resync_interval));
     if let Some(addr) = config.metrics_addr {
         ops.clone().listen(addr, shutdown.clone()).await?;
@@ -255,12 +262,14 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     let stop_publishing = shutdown.child_token();
     let publishing = tokio::spawn(publish::run(
         client,
+        watch_client,
         publish::PublishConfig {
             driver: config.driver.clone(),
             node_name: config.node_name.clone(),
             vendor: config.vendor,
             pci_ids: config.pci_ids.clone(),
             resync_interval: config.resync_interval,
+            api_timeout: config.api_timeout,
             telemetry,
             runtime,
             vgpu: sel,

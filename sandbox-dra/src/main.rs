@@ -99,10 +99,12 @@ struct Cli {
     #[arg(long, value_name = "FILE", global = true)]
     pci_ids: Option<PathBuf>,
 
-    /// Compare the published ResourceSlice with the node this often even without events, a
-    /// safety net; uevents and kubelet's registration drive updates (30s, 5m; a bare number is
-    /// seconds). Device health goes to kubelet at each pass too; kubelet shows a device Unknown
-    /// after three intervals (at least 30s) without news.
+    /// Compare the node with its ResourceSlices this often even without events, a safety net;
+    /// uevents, claims, kubelet's registration and the watch of the slices drive updates (30s,
+    /// 5m; a bare number is seconds). The comparison is with the watched copy: it asks the API
+    /// server nothing unless a slice must be written. Device health goes to kubelet at each
+    /// pass too; kubelet shows a device Unknown after three intervals (at least 30s) without
+    /// news.
     #[arg(
         long,
         value_name = "DURATION",

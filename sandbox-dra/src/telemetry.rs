@@ -18,6 +18,11 @@ struct ResultLabel {
     result: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct VerbLabel {
+    verb: String,
+}
+
 /// Shared by the plugin service and the publisher.
 #[derive(Debug)]
 pub struct Telemetry {
@@ -27,6 +32,8 @@ pub struct Telemetry {
     unprepares: Family<ResultLabel, Counter>,
     published: Gauge,
     publish_failures: Counter,
+    passes: Family<ResultLabel, Counter>,
+    slice_writes: Family<VerbLabel, Counter>,
     unreadable_records: Counter,
     claims_changed: Arc<tokio::sync::Notify>,
 }
@@ -47,6 +54,8 @@ impl Telemetry {
             unprepares: Family::default(),
             published: Gauge::default(),
             publish_failures: Counter::default(),
+            passes: Family::default(),
+            slice_writes: Family::default(),
             unreadable_records: Counter::default(),
             claims_changed: Arc::default(),
         };
@@ -74,6 +83,16 @@ impl Telemetry {
             "sandbox_dra_publish_failures",
             "Passes that could not read the node or publish its ResourceSlice.",
             t.publish_failures.clone(),
+        );
+        t.ops.register(
+            "sandbox_dra_publish_passes",
+            "Passes of the ResourceSlice publisher, by result: unchanged (the API server's slices, as the watch shows them, already said what the node has: no request), written, failed, waiting (the node's slices not listed yet).",
+            t.passes.clone(),
+        );
+        t.ops.register(
+            "sandbox_dra_slice_writes",
+            "Requests that wrote the node's ResourceSlices, by verb (apply, delete).",
+            t.slice_writes.clone(),
         );
         t
     }
@@ -158,5 +177,21 @@ impl Telemetry {
     /// A pass failed.
     pub fn publish_failed(&self) {
         self.publish_failures.inc();
+    }
+
+    /// A pass of the publisher ended with `result`.
+    pub fn pass(&self, result: &str) {
+        self.passes
+            .get_or_create(&ResultLabel {
+                result: result.into(),
+            })
+            .inc();
+    }
+
+    /// A request wrote one of the node's slices (`apply`, `delete`).
+    pub fn slice_written(&self, verb: &str) {
+        self.slice_writes
+            .get_or_create(&VerbLabel { verb: verb.into() })
+            .inc();
     }
 }

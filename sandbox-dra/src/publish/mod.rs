@@ -1,0 +1,594 @@
+//! Keeps the node's ResourceSlices ([`crate::slices`]) true in the API server: one slice, or
+//! with a vGPU pool (`--vgpu`) the counter sets in a slice of their own and the devices in
+//! slices of at most 64 ([`slices::Pool::slices`]).
+//!
+//! What the API server holds is known without asking ([`cache`]): a kube-runtime reflector
+//! follows this node's slices of this driver (field selector `spec.nodeName=<node>,
+//! spec.driver=<driver>`) and another the node's own Node (`metadata.name=<node>`: its UID,
+//! which the slices' owner reference names, and `status.nodeInfo.containerRuntimeVersion`,
+//! which [`crate::runtime::RuntimeCheck`] judges). Each is one list, then a watch, renewed
+//! when the API server ends it (every 290 s, kube-runtime's default) from where it was; a
+//! list again only when the API server can no longer resume it (410 Gone).
+//!
+//! A pass reads the node, builds the slices and compares them with the cache ([`plan`]): it
+//! writes only what differs, one server-side apply (field manager `sandbox-dra`, forced: this
+//! driver alone writes its node's slices) per slice that changed and a delete per slice of
+//! this node and driver it no longer publishes; when nothing differs it asks the API server
+//! nothing. Generations: a change moves every slice of the pool to one generation above the
+//! highest seen (found, or written by this process), so the scheduler takes them over any
+//! older copy and never mixes two generations; a generation a pass began and did not finish
+//! (its time ran out, a write failed), or slices another client deleted while the rest still
+//! say what the node has, are finished at that generation; a restarted driver that finds its
+//! slices right adopts their generation.
+//!
+//! A pass runs at start, on every uevent that can change what is published (a GPU hot-plugged
+//! or removed, a driver bound or unbound, a VFIO group node appearing or going), when a claim
+//! is prepared or unprepared (its vGPUs change which sizes a GPU offers), when kubelet
+//! (re)registers the driver, when the watch shows another client's change to the node's
+//! slices (one deleted or edited; kubelet deletes the node's slices when it starts and when a
+//! driver unregisters) or a new Node (a new UID, another container runtime), and every
+//! `--resync-interval` ([`daemon_kit::reconcile`]: a burst of events is one pass). At rest,
+//! the passes ask the API server nothing: the watches are all the driver's requests.
+//!
+//! A pass's requests are each bounded by `--api-timeout`, and the pass's time with the API
+//! server by the longer of `--resync-interval` and that timeout (what is written by then
+//! stays written; the next pass goes on from there). While a pass waits on the API server,
+//! the loop beats: `/healthz` fails when the process is stuck (a read of sysfs that never
+//! returns), not when the API server is slow or hangs. A pass that fails (the API server
+//! unreachable, a refusal, its time out) is retried after a backoff with jitter, 1 s
+//! doubling to 30 s.
+//!
+//! Cleaning up:
+//! - slices of this driver on this node other than those this process publishes (a renamed
+//!   node, an older naming, the vGPU pool's slices once `--vgpu` is gone) are deleted;
+//! - the slice carries an owner reference to its Node (with the Node's UID), so Kubernetes'
+//!   garbage collector deletes it when the Node object is deleted; a Node registered again has
+//!   a new UID, which the watch shows, and the slices are written again owned by it;
+//! - kubelet deletes the node's slices of a driver that unregistered (its registration socket
+//!   gone) and did not come back within its grace period, and all of the node's slices when it
+//!   starts; this process therefore leaves its slice in place when it stops (a rollout's
+//!   replacement finds it and keeps the generation).
+
+mod cache;
+mod plan;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use common::uevent::{Monitor, Uevent};
+use common::vfio::{self, Selector, select};
+use common::{HostPaths, Inventory, PciIds, ReadOptions};
+use daemon_kit::reconcile::{Settings, Trigger};
+use futures::StreamExt as _;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::{CounterSet, Device, ResourceSlice};
+use kube::Api;
+use kube::api::{DeleteParams, Patch, PatchParams};
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::{WatchStreamExt as _, reflector};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::registration::Registered;
+use crate::slices::{self, LeftOut, NodeDevices, Pool};
+use crate::vgpu;
+
+/// The field manager of the driver's writes.
+pub const FIELD_MANAGER: &str = "sandbox-dra";
+
+/// Uevent subsystems whose events can change the slice or a device's health (events without
+/// one count too): `mdev` for a prepared vGPU removed behind the driver's back.
+const SUBSYSTEMS: &[&str] = &["pci", "vfio", "iommu", "drivers", "mdev"];
+
+/// The first and the longest delay before a failed pass is tried again.
+const RETRY_MIN: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// How often a pass waiting on the API server tells liveness that it waits, not that it is
+/// stuck.
+const BEAT_WHILE_WAITING: Duration = Duration::from_secs(1);
+
+/// What asks the publisher to compare the slices with the node again.
+#[derive(Debug)]
+enum Change {
+    /// A uevent that can change what is published.
+    Uevent(Uevent),
+    /// A claim was prepared or unprepared: its vGPUs change what their GPU may offer.
+    Claims,
+    /// kubelet registered the driver: it deletes the node's slices when it starts.
+    Registered,
+    /// Another client changed the node's slices, or they were listed (again).
+    Slices,
+    /// The Node appeared, went, or has a new UID or container runtime.
+    Node,
+}
+
+/// What the publisher needs besides the clients and the host paths.
+#[derive(Clone, Debug)]
+pub struct PublishConfig {
+    /// The driver name.
+    pub driver: String,
+    /// This node's name.
+    pub node_name: String,
+    /// The PCI vendor whose display functions are published (`--vendor`).
+    pub vendor: u16,
+    /// Product names.
+    pub pci_ids: PciIds,
+    /// How often to compare with the cache without an event.
+    pub resync_interval: Duration,
+    /// The most one request to the API server may take (`--api-timeout`).
+    pub api_timeout: Duration,
+    /// Where passes are counted, and readiness told.
+    pub telemetry: std::sync::Arc<crate::telemetry::Telemetry>,
+    /// Where the node's container runtime is recorded, for prepare to refuse what it could not
+    /// hand to a pod.
+    pub runtime: std::sync::Arc<crate::runtime::RuntimeCheck>,
+    /// Which GPUs are published with vGPU devices (`--vgpu`), for those that appear.
+    pub vgpu: vgpu::Selector,
+    /// The GPUs published with vGPU devices; a GPU `vgpu` selects that appears joins it.
+    pub vgpu_pool: vgpu::Pool,
+    /// The mdev parents that are not PCI functions published with their types (`--vgpu mtty`).
+    pub mdev_parents: BTreeSet<String>,
+}
+
+impl PublishConfig {
+    /// The most a pass spends waiting on the API server: the longer of the resync interval
+    /// and one request's timeout (with the client's second of slack), so that kubelet hears
+    /// about the devices' health (sent at every pass) well within its three resync intervals.
+    pub fn pass_timeout(&self) -> Duration {
+        self.resync_interval
+            .max(self.api_timeout + Duration::from_secs(1))
+    }
+}
+
+/// Reads the node's devices (on a blocking thread: sysfs reads): the display functions of
+/// `vendor`; a GPU `vgpu` selects that is not in `vgpu_pool` yet (hot-plugged) joins it
+/// ([`vgpu::Pool::grow`]); the GPUs of `vgpu_pool` get their counter sets and vGPU devices,
+/// the `mdev_parents` theirs ([`slices::mdev_parent_devices`]).
+pub async fn read_devices(
+    paths: &HostPaths,
+    vendor: u16,
+    ids: &PciIds,
+    vgpu: &vgpu::Selector,
+    vgpu_pool: &vgpu::Pool,
+    mdev_parents: &BTreeSet<String>,
+) -> anyhow::Result<NodeDevices> {
+    let (paths, ids, sel, pool) = (paths.clone(), ids.clone(), vgpu.clone(), vgpu_pool.clone());
+    let parents = mdev_parents.clone();
+    tokio::task::spawn_blocking(move || {
+        let opts = ReadOptions {
+            // Type ids, for the vGPU devices' attributes.
+            mdev_types: sel != vgpu::Selector::none() || !parents.is_empty(),
+            vf_identity: false,
+        };
+        let inv = Inventory::read_with(&paths, &opts).with_context(|| {
+            format!(
+                "cannot read the node's PCI devices under {}",
+                paths.root().display()
+            )
+        })?;
+        for u in &inv.unreadable {
+            tracing::debug!(path = %u.path.display(), reason = %u.reason, "unreadable device skipped");
+        }
+        if let Err(e) = pool.grow(&paths, &inv, &sel) {
+            // Published for passthrough only until a later pass succeeds.
+            tracing::warn!(error = %format!("{e:#}"), "cannot add new GPUs to the vGPU pool");
+        }
+        let pool = pool.gpus();
+        let aliases = vfio::load_aliases(&paths);
+        let selector = Selector {
+            vendors: vec![vendor],
+            ..Selector::default()
+        };
+        let sel = select(&inv, &selector, None, &aliases);
+        let mut out = slices::devices_with_vgpus(&inv, &sel, &ids, &pool);
+        for p in &parents {
+            if let Some((set, devices)) = slices::mdev_parent_devices(&inv, p) {
+                out.counters.extend(set);
+                out.devices.extend(devices);
+            }
+        }
+        out.devices.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    })
+    .await
+    .context("the node reader failed")?
+}
+
+/// What a pass made of the API server's slices.
+#[derive(Debug, PartialEq, Eq)]
+enum Published {
+    /// The node's slices and Node are not listed yet: the list's end starts a pass.
+    Waiting,
+    /// They already said what the node has.
+    Unchanged,
+    /// Slices were written (applied or deleted).
+    Wrote,
+}
+
+/// The publisher's state between passes.
+#[derive(Debug)]
+struct Publisher {
+    /// Writes go through the client whose every request is bounded.
+    slices: Api<ResourceSlice>,
+    cache: cache::Cache,
+    runtime: std::sync::Arc<crate::runtime::RuntimeCheck>,
+    telemetry: std::sync::Arc<crate::telemetry::Telemetry>,
+    pool: Pool,
+    /// The pool generation last applied or adopted.
+    generation: i64,
+    /// The GPUs left out at the last pass, to log changes only.
+    left_out: Vec<LeftOut>,
+}
+
+impl Publisher {
+    /// Makes the API server's slices of this node and driver be the node's `devices` and
+    /// `counters`, writing only what the cache says differs ([`plan`]).
+    async fn publish(
+        &mut self,
+        devices: Vec<Device>,
+        counters: Vec<CounterSet>,
+    ) -> anyhow::Result<Published> {
+        if !self.cache.listed() {
+            return Ok(Published::Waiting);
+        }
+        // A Node deleted and registered again has a new UID: a slice owned by the old one would
+        // be deleted by the garbage collector each time it is put back.
+        let node = self.cache.node().with_context(|| {
+            format!(
+                "Node {} is not in the API server (its slices name it as their owner)",
+                self.pool.node_name
+            )
+        })?;
+        self.pool.node_uid = node.uid;
+        if !node.runtime.is_empty()
+            && let Some(cdi) = self.runtime.observe(&node.runtime)
+        {
+            self.telemetry.runtime(&cdi);
+        }
+        let current = self.cache.slices();
+        let wanted = self.pool.slices(devices, counters, 0);
+        let plan = plan::plan(&current, wanted, self.generation);
+        if plan.is_empty() {
+            self.generation = plan.generation;
+            return Ok(Published::Unchanged);
+        }
+        for (name, was) in &plan.delete {
+            match self.slices.delete(name, &DeleteParams::default()).await {
+                Ok(_) => {
+                    self.telemetry.slice_written("delete");
+                    tracing::info!(slice = %name, "deleted a stale ResourceSlice of this node");
+                }
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => {
+                    return Err(e).with_context(|| format!("cannot delete ResourceSlice {name}"));
+                }
+            }
+            self.cache.deleted(name, was.as_deref());
+        }
+        let mut names = Vec::new();
+        for slice in plan.apply {
+            let name = slice.metadata.name.clone().unwrap_or_default();
+            let stored = self
+                .slices
+                .patch(
+                    &name,
+                    &PatchParams::apply(FIELD_MANAGER).force(),
+                    &Patch::Apply(&slice),
+                )
+                .await
+                .with_context(|| format!("cannot apply ResourceSlice {name}"))?;
+            self.telemetry.slice_written("apply");
+            self.generation = plan.generation;
+            self.cache.applied(stored);
+            names.push(name);
+        }
+        if !names.is_empty() {
+            tracing::info!(
+                slices = ?names,
+                generation = plan.generation,
+                "published the node's devices"
+            );
+        }
+        self.generation = plan.generation;
+        Ok(Published::Wrote)
+    }
+
+    /// Logs the GPUs left out when that set changes.
+    fn note_left_out(&mut self, left_out: Vec<LeftOut>) {
+        if left_out != self.left_out {
+            for l in &left_out {
+                tracing::warn!(gpu = %l.address, reason = %l.reason, "GPU not published");
+            }
+            self.left_out = left_out;
+        }
+    }
+}
+
+/// How waiting on the API server ended.
+#[derive(Debug)]
+enum Waited<T> {
+    Done(T),
+    /// `bound` passed first.
+    TimedOut(Duration),
+    /// The process is stopping.
+    Stopped,
+}
+
+/// Awaits `work` (requests to the API server) for at most `bound`, beating `telemetry`'s
+/// liveness meanwhile: a loop that waits on the network with a bound is not stuck.
+async fn wait_on_api<T>(
+    work: impl std::future::Future<Output = T>,
+    bound: Duration,
+    telemetry: &crate::telemetry::Telemetry,
+    shutdown: &CancellationToken,
+) -> Waited<T> {
+    tokio::pin!(work);
+    let deadline = tokio::time::sleep(bound);
+    tokio::pin!(deadline);
+    let mut beats = tokio::time::interval(BEAT_WHILE_WAITING);
+    beats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            biased;
+            r = &mut work => return Waited::Done(r),
+            () = &mut deadline => return Waited::TimedOut(bound),
+            () = shutdown.cancelled() => return Waited::Stopped,
+            _ = beats.tick() => telemetry.beat(),
+        }
+    }
+}
+
+/// What the two watches deliver, in one stream.
+#[derive(Debug)]
+enum Watched {
+    Slices(Box<watcher::Result<Event<ResourceSlice>>>),
+    Node(Box<watcher::Result<Event<Node>>>),
+}
+
+/// Publishes the node's slices until `shutdown`; `registered` follows kubelet's registration.
+/// Writes go through `client` (every request bounded by `--api-timeout`), the watches through
+/// `watch_client` (a quiet watch is not a hung request: kube-runtime's watcher ends one that
+/// says nothing, not even a bookmark, for longer than its timeout). After each read of the
+/// node, `health` judges its devices for kubelet ([`crate::health`]), whether or not the API
+/// server then takes the slice. Failures are logged and retried, never fatal: the driver keeps
+/// serving prepared claims.
+pub async fn run(
+    client: kube::Client,
+    watch_client: kube::Client,
+    cfg: PublishConfig,
+    paths: HostPaths,
+    mut registered: watch::Receiver<Registered>,
+    mut health: crate::health::Reporter,
+    shutdown: CancellationToken,
+) {
+    let slice_fields = format!("spec.nodeName={},spec.driver={}", cfg.node_name, cfg.driver);
+    let node_fields = format!("metadata.name={}", cfg.node_name);
+    let (slice_store, slice_writer) = reflector::store::<ResourceSlice>();
+    let (node_store, node_writer) = reflector::store::<Node>();
+    let slice_watch = reflector::reflector(
+        slice_writer,
+        watcher::watcher(
+            Api::<ResourceSlice>::all(watch_client.clone()),
+            watcher::Config::default().fields(&slice_fields),
+        )
+        .default_backoff(),
+    )
+    .map(|ev| Watched::Slices(Box::new(ev)));
+    let node_watch = reflector::reflector(
+        node_writer,
+        watcher::watcher(
+            Api::<Node>::all(watch_client),
+            watcher::Config::default().fields(&node_fields),
+        )
+        .default_backoff(),
+    )
+    .map(|ev| Watched::Node(Box::new(ev)));
+    let mut watched = futures::stream::select(slice_watch.boxed(), node_watch.boxed());
+    let mut p = Publisher {
+        slices: Api::all(client),
+        cache: cache::Cache::new(slice_store, node_store, &cfg.node_name),
+        runtime: cfg.runtime.clone(),
+        telemetry: cfg.telemetry.clone(),
+        pool: Pool {
+            driver: cfg.driver.clone(),
+            node_name: cfg.node_name.clone(),
+            node_uid: None,
+        },
+        generation: 0,
+        left_out: Vec::new(),
+    };
+    let settings = Settings::new("sandbox-dra")
+        .with_resync(cfg.resync_interval)
+        .with_retry(RETRY_MIN, RETRY_MAX);
+    let (mut trigger, changes) = Trigger::<Change>::new(settings);
+    // Listens until dropped, at the end of this function.
+    let uevents = changes.clone();
+    let _monitor = Monitor::start(SUBSYSTEMS, move |ev| uevents.send(Change::Uevent(ev)))
+        .inspect_err(|e| {
+            tracing::warn!(error = %e, "no uevents: the slice follows the node at the resync interval only")
+        })
+        .ok();
+    let mut registration_open = true;
+    let mut watching = true;
+    // A prepare or unprepare changes which sizes a GPU may offer: the scheduler should see it
+    // before the next claim, without waiting for the vGPU's uevent.
+    let claims_changed = cfg.telemetry.claims_changed();
+    let pass_timeout = cfg.pass_timeout();
+    loop {
+        cfg.telemetry.beat();
+        let wake = tokio::select! {
+            w = trigger.wait(&shutdown) => match w {
+                Some(w) => w,
+                None => break,
+            },
+            () = claims_changed.notified() => {
+                changes.send(Change::Claims);
+                continue;
+            }
+            changed = registered.changed(), if registration_open => {
+                if changed.is_err() {
+                    registration_open = false;
+                } else if *registered.borrow_and_update() == Registered::Yes {
+                    changes.send(Change::Registered);
+                }
+                continue;
+            }
+            ev = watched.next(), if watching => {
+                match ev {
+                    Some(Watched::Slices(ev)) => match *ev {
+                        Ok(ev) => {
+                            if p.cache.slice_event(&ev) {
+                                changes.send(Change::Slices);
+                            }
+                        }
+                        Err(e) => tracing::warn!(
+                            error = %e,
+                            fields = %slice_fields,
+                            "cannot list or watch the node's ResourceSlices"
+                        ),
+                    },
+                    Some(Watched::Node(ev)) => match *ev {
+                        Ok(ev) => {
+                            if p.cache.node_event(&ev) {
+                                changes.send(Change::Node);
+                            }
+                        }
+                        Err(e) => tracing::warn!(
+                            error = %e,
+                            node = %cfg.node_name,
+                            "cannot list or watch the Node"
+                        ),
+                    },
+                    // kube-runtime's watchers do not end.
+                    None => watching = false,
+                }
+                continue;
+            }
+        };
+        for c in &wake.changes {
+            match c {
+                Change::Uevent(ev) => {
+                    tracing::debug!(action = %ev.action, subject = ?ev.subject, "change seen")
+                }
+                Change::Registered => {
+                    tracing::debug!("kubelet registered the driver; checking the slice")
+                }
+                Change::Claims => {
+                    tracing::debug!("a claim was prepared or unprepared; checking the slice")
+                }
+                Change::Slices => {
+                    tracing::debug!("the node's slices changed in the API server; checking them")
+                }
+                Change::Node => tracing::debug!("the Node changed; checking the slices"),
+            }
+        }
+        let outcome = match read_devices(
+            &paths,
+            cfg.vendor,
+            &cfg.pci_ids,
+            &cfg.vgpu,
+            &cfg.vgpu_pool,
+            &cfg.mdev_parents,
+        )
+        .await
+        {
+            Ok(nd) => {
+                let names = nd.devices.iter().map(|d| d.name.clone()).collect();
+                health.report(&paths, names, &nd.left_out).await;
+                p.note_left_out(nd.left_out);
+                let published = nd.devices.len();
+                let publishing = p.publish(nd.devices, nd.counters);
+                match wait_on_api(publishing, pass_timeout, &cfg.telemetry, &shutdown).await {
+                    Waited::Done(r) => r.map(|r| (published, r)),
+                    Waited::TimedOut(t) => Err(anyhow::anyhow!(
+                        "the API server did not take the node's slices within {t:?} (what it took stays; the next pass goes on)"
+                    )),
+                    Waited::Stopped => break,
+                }
+            }
+            Err(e) => Err(e),
+        };
+        match outcome {
+            Ok((_, Published::Waiting)) => {
+                cfg.telemetry.pass("waiting");
+                tracing::debug!(
+                    "the node's slices and Node are not listed yet; publishing once they are"
+                );
+                trigger.done();
+            }
+            Ok((published, done)) => {
+                cfg.telemetry.pass(if done == Published::Wrote {
+                    "written"
+                } else {
+                    "unchanged"
+                });
+                cfg.telemetry.published(published);
+                trigger.done();
+            }
+            Err(e) => {
+                cfg.telemetry.pass("failed");
+                cfg.telemetry.publish_failed();
+                let retry_in = trigger.retry();
+                tracing::error!(error = %format!("{e:#}"), ?retry_in, "cannot publish the node's ResourceSlice");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn telemetry() -> crate::telemetry::Telemetry {
+        crate::telemetry::Telemetry::new(
+            daemon_kit::ops::Ops::new(),
+            daemon_kit::events::NodeEvents::disabled(),
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pass_waits_on_the_api_server_at_most_its_bound() {
+        let t = telemetry();
+        let stop = CancellationToken::new();
+        let bound = Duration::from_secs(30);
+        let start = tokio::time::Instant::now();
+        let hung = wait_on_api(std::future::pending::<()>(), bound, &t, &stop).await;
+        assert!(
+            matches!(hung, Waited::TimedOut(b) if b == bound),
+            "{hung:?}"
+        );
+        assert_eq!(start.elapsed(), bound);
+        let slow = async {
+            tokio::time::sleep(Duration::from_secs(29)).await;
+            7
+        };
+        assert!(matches!(
+            wait_on_api(slow, bound, &t, &stop).await,
+            Waited::Done(7)
+        ));
+        stop.cancel();
+        let stopped = wait_on_api(std::future::pending::<()>(), bound, &t, &stop).await;
+        assert!(matches!(stopped, Waited::Stopped), "{stopped:?}");
+    }
+
+    #[test]
+    fn a_pass_waits_at_most_the_longer_of_the_resync_and_one_request() {
+        let cfg = |resync, api| PublishConfig {
+            driver: "d".into(),
+            node_name: "n".into(),
+            vendor: 0x10de,
+            pci_ids: PciIds::embedded(),
+            resync_interval: Duration::from_secs(resync),
+            api_timeout: Duration::from_secs(api),
+            telemetry: std::sync::Arc::new(telemetry()),
+            runtime: std::sync::Arc::default(),
+            vgpu: vgpu::Selector::none(),
+            vgpu_pool: vgpu::Pool::new(Default::default()),
+            mdev_parents: BTreeSet::new(),
+        };
+        assert_eq!(cfg(30, 10).pass_timeout(), Duration::from_secs(30));
+        assert_eq!(cfg(1, 10).pass_timeout(), Duration::from_secs(11));
+    }
+}

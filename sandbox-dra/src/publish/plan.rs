@@ -1,0 +1,205 @@
+//! What a pass writes: the node's slices as the API server holds them (the cache) against the
+//! slices the node's devices make, and the pool generation to write them at.
+//!
+//! - Nothing differs: nothing is written, and the generation found is adopted (a restarted
+//!   driver keeps its predecessor's).
+//! - The slices of the highest generation found all say what the node has now, and that
+//!   generation is not below the last one this process wrote: the rest of the pool is written
+//!   at that generation. This finishes a generation a pass began and could not end (its time
+//!   ran out, a write failed) and puts back what another client deleted, without rewriting the
+//!   slices that are already right.
+//! - Otherwise the pool changed: every slice is written at one generation above the highest
+//!   seen (found, or written by this process), so the scheduler takes the new slices over any
+//!   older copy and never mixes two generations of the pool.
+//!
+//! Either way, slices of this node and driver that are not among the node's are deleted.
+
+use k8s_openapi::api::resource::v1::{ResourceSlice, ResourceSliceSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+
+/// The writes that make the API server's slices the node's.
+#[derive(Debug, PartialEq)]
+pub struct Plan {
+    /// The pool generation the slices are at once the plan is carried out.
+    pub generation: i64,
+    /// The slices to apply, at `generation`.
+    pub apply: Vec<ResourceSlice>,
+    /// The names of the slices to delete, each with the resourceVersion it had in the cache.
+    pub delete: Vec<(String, Option<String>)>,
+}
+
+impl Plan {
+    /// Whether the API server already holds the node's slices.
+    pub fn is_empty(&self) -> bool {
+        self.apply.is_empty() && self.delete.is_empty()
+    }
+}
+
+/// What a slice says, the generation left out.
+fn content(
+    s: &ResourceSlice,
+) -> (
+    Option<&str>,
+    ResourceSliceSpec,
+    Option<&Vec<OwnerReference>>,
+) {
+    let mut spec = s.spec.clone();
+    spec.pool.generation = 0;
+    (
+        s.metadata.name.as_deref(),
+        spec,
+        s.metadata.owner_references.as_ref(),
+    )
+}
+
+fn generation(s: &ResourceSlice) -> i64 {
+    s.spec.pool.generation
+}
+
+/// The writes that make `current` (the node's slices of this driver in the cache) `wanted`
+/// (their generation ignored); `last` is the highest generation this process wrote or adopted.
+pub fn plan(current: &[ResourceSlice], mut wanted: Vec<ResourceSlice>, last: i64) -> Plan {
+    let named = |name: Option<&str>| current.iter().find(|c| c.metadata.name.as_deref() == name);
+    let top = current.iter().map(generation).max();
+    let resume = top.is_some_and(|top| {
+        top >= last
+            && current.iter().filter(|c| generation(c) == top).all(|c| {
+                wanted
+                    .iter()
+                    .any(|w| w.metadata.name == c.metadata.name && content(w) == content(c))
+            })
+    });
+    let generation_now = match top {
+        Some(top) if resume => top,
+        _ => top.unwrap_or(0).max(last) + 1,
+    };
+    for w in &mut wanted {
+        w.spec.pool.generation = generation_now;
+    }
+    let delete = current
+        .iter()
+        .filter(|c| !wanted.iter().any(|w| w.metadata.name == c.metadata.name))
+        .filter_map(|c| {
+            let name = c.metadata.name.clone()?;
+            Some((name, c.metadata.resource_version.clone()))
+        })
+        .collect();
+    let apply = wanted
+        .into_iter()
+        .filter(|w| {
+            !named(w.metadata.name.as_deref())
+                .is_some_and(|c| generation(c) == generation_now && content(c) == content(w))
+        })
+        .collect();
+    Plan {
+        generation: generation_now,
+        apply,
+        delete,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::resource::v1::{Device, ResourcePool};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+    /// Slice `name` at `generation` holding devices `devices`, of a pool of `count` slices.
+    fn slice(name: &str, generation: i64, count: i64, devices: &[&str]) -> ResourceSlice {
+        ResourceSlice {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                resource_version: Some(format!("{generation}0")),
+                ..Default::default()
+            },
+            spec: ResourceSliceSpec {
+                driver: "gpu.example.com".into(),
+                node_name: Some("node-a".into()),
+                pool: ResourcePool {
+                    name: "node-a".into(),
+                    generation,
+                    resource_slice_count: count,
+                },
+                devices: Some(
+                    devices
+                        .iter()
+                        .map(|d| Device {
+                            name: (*d).into(),
+                            ..Default::default()
+                        })
+                        .collect(),
+                ),
+                ..Default::default()
+            },
+        }
+    }
+
+    /// What the node has: slices `a` and `b` of `devices` each (generation 0: not chosen yet).
+    fn wanted(a: &[&str], b: &[&str]) -> Vec<ResourceSlice> {
+        let mut w = vec![slice("a", 0, 2, a), slice("b", 0, 2, b)];
+        for s in &mut w {
+            s.metadata.resource_version = None;
+        }
+        w
+    }
+
+    fn names(p: &Plan) -> Vec<(&str, i64)> {
+        p.apply
+            .iter()
+            .map(|s| (s.metadata.name.as_deref().unwrap_or(""), generation(s)))
+            .collect()
+    }
+
+    #[test]
+    fn nothing_differs_nothing_is_written_and_the_generation_is_adopted() {
+        let current = [slice("a", 7, 2, &["x"]), slice("b", 7, 2, &["y"])];
+        let p = plan(&current, wanted(&["x"], &["y"]), 0);
+        assert!(p.is_empty(), "{p:?}");
+        assert_eq!(p.generation, 7);
+    }
+
+    #[test]
+    fn a_change_rewrites_every_slice_one_generation_up() {
+        let current = [slice("a", 7, 2, &["x"]), slice("b", 7, 2, &["y"])];
+        let p = plan(&current, wanted(&["x", "z"], &["y"]), 7);
+        assert_eq!(names(&p), [("a", 8), ("b", 8)]);
+        assert!(p.delete.is_empty());
+    }
+
+    #[test]
+    fn a_generation_begun_and_not_finished_is_finished_at_that_generation() {
+        // A pass wrote `a` at 8 and ran out of time before `b`.
+        let current = [slice("a", 8, 2, &["x", "z"]), slice("b", 7, 2, &["y"])];
+        let p = plan(&current, wanted(&["x", "z"], &["y"]), 8);
+        assert_eq!(names(&p), [("b", 8)]);
+        // The node changed again meanwhile: the pool moves on.
+        let p = plan(&current, wanted(&["x"], &["y"]), 8);
+        assert_eq!(names(&p), [("a", 9), ("b", 9)]);
+    }
+
+    #[test]
+    fn slices_deleted_by_another_client_come_back_above_any_generation_seen() {
+        // Every slice gone (kubelet's wipe): one above the last written.
+        let p = plan(&[], wanted(&["x"], &["y"]), 8);
+        assert_eq!(names(&p), [("a", 9), ("b", 9)]);
+        // One of them gone: the other is still right, the missing one is put back beside it.
+        let p = plan(&[slice("a", 8, 2, &["x"])], wanted(&["x"], &["y"]), 8);
+        assert_eq!(names(&p), [("b", 8)]);
+        // What is left is older than what this process wrote: all of it, one above.
+        let p = plan(&[slice("a", 5, 2, &["x"])], wanted(&["x"], &["y"]), 8);
+        assert_eq!(names(&p), [("a", 9), ("b", 9)]);
+    }
+
+    #[test]
+    fn slices_not_published_any_more_are_deleted_and_the_rest_moves_on() {
+        let current = [
+            slice("a", 3, 3, &["x"]),
+            slice("b", 3, 3, &["y"]),
+            slice("c", 3, 3, &["w"]),
+        ];
+        let p = plan(&current, wanted(&["x"], &["y"]), 3);
+        assert_eq!(p.delete, [("c".to_string(), Some("30".to_string()))]);
+        // The count of the pool's slices changed: every slice says so.
+        assert_eq!(names(&p), [("a", 4), ("b", 4)]);
+    }
+}

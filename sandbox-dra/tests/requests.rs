@@ -1,0 +1,251 @@
+//! What sandbox-dra asks of a real API server (etcd and kube-apiserver, every request in its
+//! audit log), as a process on a simulated node (node-sim) with a vGPU pool of several slices:
+//!
+//! - at rest, nothing but its two watches (the node's slices, its Node): passes run every
+//!   second (`--resync-interval 1s`, counted by `sandbox_dra_publish_passes_total`), and none of
+//!   them sends a request;
+//! - a GPU hot-plugged costs one apply per slice of the pool (a change moves the whole pool to
+//!   the next generation), each slice once, and nothing else: no list, no get, no delete.
+//!
+//! Requests are counted, never timed. The driver runs as a user of its own, so the audit log's
+//! entries for that user are its requests. Watch requests (verb `watch`) are left out:
+//! kube-runtime opens one again every 290 s, from where the last one was (a list again only
+//! after a 410 Gone, which a watch resumed within minutes does not get); nothing else is.
+//! `AT_REST_SECS` keeps the driver at rest longer and prints its requests per hour, watches
+//! included (for BENCHMARKS.md). Needs the cluster tier's assets (`tests/cluster/prepare.sh`);
+//! skipped without them, a failure with `CLUSTER_TIER=required`.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use cluster_tier::ApiServer;
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_sandbox-dra");
+const NODE: &str = "node-a";
+const DRIVER: &str = "gpu.gpu-vm-node.io";
+/// The user the driver authenticates as.
+const USER: &str = "sandbox-dra";
+/// A generous deadline for what should happen within seconds on a busy machine.
+const PATIENCE: Duration = Duration::from_secs(90);
+
+/// A running `sandbox-dra serve`; killed on drop.
+struct Driver(Child, tempfile::TempDir);
+
+impl Driver {
+    fn start(root: &Path, kubeconfig: &Path, metrics: &str) -> Driver {
+        let dir = tempfile::tempdir().unwrap();
+        let child = Command::new(BIN)
+            .arg("serve")
+            .arg("--host-root")
+            .arg(root)
+            .args(["--node-name", NODE, "--vgpu", "all"])
+            .args(["--resync-interval", "1s", "--metrics-addr", metrics])
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .env("RUST_LOG", "sandbox_dra=debug")
+            .env_remove("HOST_ROOT")
+            .env_remove("KUBECONFIG")
+            .env_remove("VGPU")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("log")).unwrap())
+            .spawn()
+            .unwrap();
+        Driver(child, dir)
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.1.path().join("log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The driver's requests in the audit log, in order, watches left out. Each: verb, resource,
+/// name.
+fn requests(api: &ApiServer) -> Vec<(String, String, String)> {
+    api.requests_of(USER)
+        .iter()
+        .filter(|e| e["verb"] != "watch")
+        .map(|e| {
+            let s = |v: &Value| v.as_str().unwrap_or_default().to_string();
+            (
+                s(&e["verb"]),
+                s(&e["objectRef"]["resource"]),
+                s(&e["objectRef"]["name"]),
+            )
+        })
+        .collect()
+}
+
+/// `sandbox_dra_publish_passes_total{result}` now.
+fn passes(addr: &str, result: &str) -> u64 {
+    let sample = format!("sandbox_dra_publish_passes_total{{result=\"{result}\"}}");
+    testkit::ops::metric(addr, &sample).unwrap_or(0.0) as u64
+}
+
+/// Waits until `n` more passes found nothing to write.
+fn wait_for_passes(addr: &str, n: u64, d: &Driver) {
+    let from = passes(addr, "unchanged");
+    let t = Instant::now();
+    while passes(addr, "unchanged") < from + n {
+        assert!(
+            t.elapsed() < PATIENCE,
+            "not {n} passes in {PATIENCE:?}:\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The node's slices of the driver, as the API server holds them.
+fn slices(api: &ApiServer) -> Vec<Value> {
+    let v = api
+        .get_json(&[
+            "resourceslices",
+            "--field-selector",
+            &format!("spec.nodeName={NODE},spec.driver={DRIVER}"),
+        ])
+        .unwrap();
+    v["items"].as_array().cloned().unwrap_or_default()
+}
+
+/// The pool's slices once it is whole (as many as each says, one generation) and `f` holds.
+fn wait_for_pool(
+    api: &ApiServer,
+    d: &Driver,
+    what: &str,
+    f: impl Fn(&[Value]) -> bool,
+) -> Vec<Value> {
+    let t = Instant::now();
+    loop {
+        let s = slices(api);
+        let whole = !s.is_empty()
+            && s.iter().all(|x| {
+                x["spec"]["pool"]["generation"] == s[0]["spec"]["pool"]["generation"]
+                    && x["spec"]["pool"]["resourceSliceCount"].as_u64() == Some(s.len() as u64)
+            });
+        if whole && f(&s) {
+            return s;
+        }
+        assert!(t.elapsed() < PATIENCE, "{what}: {s:#?}\n{}", d.log());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn counter_sets(s: &[Value]) -> Vec<String> {
+    s.iter()
+        .filter_map(|s| s["spec"]["sharedCounters"].as_array())
+        .flatten()
+        .map(|c| c["name"].as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
+fn names(s: &[Value]) -> Vec<String> {
+    let mut n: Vec<String> = s
+        .iter()
+        .map(|s| {
+            s["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()
+        })
+        .collect();
+    n.sort();
+    n
+}
+
+#[test]
+fn at_rest_the_driver_asks_nothing_and_a_hotplug_costs_one_apply_per_slice() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let Some(api) = ApiServer::start_or_skip("sandbox-dra's requests").unwrap() else {
+        return;
+    };
+    api.create_node(NODE, &[]).unwrap();
+    let kubeconfig = api.kubeconfig_for(USER, USER, &["system:masters"]).unwrap();
+    let metrics = testkit::ops::free_addr();
+    let d = Driver::start(sim.root(), &kubeconfig, &metrics);
+
+    let before = wait_for_pool(&api, &d, "the pool never published", |s| {
+        counter_sets(s).len() == 2
+    });
+    assert!(
+        before.len() > 2,
+        "a pool of several slices: {}",
+        before.len()
+    );
+    let generation = before[0]["spec"]["pool"]["generation"].as_i64().unwrap();
+    // Its own writes seen back on the watch.
+    wait_for_passes(&metrics, 1, &d);
+
+    // The audit log shows the driver's requests: its two lists, and one apply per slice.
+    let start = requests(&api);
+    for (verb, resource) in [("list", "resourceslices"), ("list", "nodes")] {
+        assert_eq!(
+            start
+                .iter()
+                .filter(|(v, r, _)| (v.as_str(), r.as_str()) == (verb, resource))
+                .count(),
+            1,
+            "{verb} {resource}: {start:?}"
+        );
+    }
+    let applied = start.iter().filter(|(v, _, _)| v == "patch").count();
+    assert_eq!(applied, before.len(), "{start:?}");
+
+    // At rest: passes, and no request.
+    let asked = start.len();
+    let all_asked = api.requests_of(USER).len();
+    let rest = Instant::now();
+    wait_for_passes(&metrics, 5, &d);
+    std::thread::sleep(testkit::ops::at_rest().saturating_sub(rest.elapsed()));
+    testkit::ops::report_at_rest(
+        "sandbox-dra",
+        &api.requests_of(USER).split_off(all_asked),
+        rest.elapsed(),
+    );
+    let at_rest = requests(&api)[asked..].to_vec();
+    assert_eq!(
+        at_rest,
+        [],
+        "requests at rest besides the watches\n{}",
+        d.log()
+    );
+    assert_eq!(passes(&metrics, "failed"), 0, "{}", d.log());
+
+    // A GPU hot-plugged: it joins the pool, which moves to the next generation.
+    let asked = requests(&api).len();
+    sim.control("hotplug 0000:81:00.0 A10 group=50 numa=1")
+        .unwrap();
+    let after = wait_for_pool(&api, &d, "the hot-plugged GPU never joined the pool", |s| {
+        counter_sets(s).contains(&"gpu-0000-81-00-0".to_string())
+    });
+    assert_eq!(
+        after[0]["spec"]["pool"]["generation"].as_i64(),
+        Some(generation + 1)
+    );
+    // Settled: passes that found nothing more to write.
+    wait_for_passes(&metrics, 3, &d);
+    let mut written = requests(&api)[asked..].to_vec();
+    written.sort();
+    let want: Vec<(String, String, String)> = names(&after)
+        .into_iter()
+        .map(|n| ("patch".to_string(), "resourceslices".to_string(), n))
+        .collect();
+    assert_eq!(
+        written,
+        want,
+        "a hot-plug: one apply per slice of the pool, and nothing else\n{}",
+        d.log()
+    );
+}

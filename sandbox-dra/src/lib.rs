@@ -141,6 +141,9 @@ pub struct Config {
     /// The most one request to the API server may take, connecting, sending and waiting for
     /// the answer (`--api-timeout`).
     pub api_timeout: Duration,
+    /// How long the publisher's loop may go without coming round before `/healthz` fails;
+    /// `None`: [`daemon_kit::ops::liveness_window`] of the resync interval.
+    pub liveness_window: Option<Duration>,
 }
 
 /// Binds a Unix socket at `path`, replacing a stale one a killed run left.
@@ -185,7 +188,11 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     let ops = daemon_kit::ops::Ops::new();
     // The publisher's loop wakes at least every resync, and beats while a pass waits on the
     // API server: only a loop stuck on the node stops it.
-    ops.expect_beats(daemon_kit::ops::liveness_window(config.resync_interval));
+    ops.expect_beats(
+        config
+            .liveness_window
+            .unwrap_or_else(|| daemon_kit::ops::liveness_window(config.resync_interval)),
+    );
     if let Some(addr) = config.metrics_addr {
         ops.clone().listen(addr, shutdown.clone()).await?;
     }

@@ -137,6 +137,13 @@ struct Cli {
     )]
     api_timeout: Duration,
 
+    /// How long the ResourceSlice publisher's loop may go without coming round before /healthz
+    /// answers 503 (default: three --resync-interval, at least 2m). Waiting on the API server
+    /// counts as coming round. For tests that show a stuck loop, or a hung API server that is
+    /// not one, without waiting minutes.
+    #[arg(long, value_name = "DURATION", value_parser = duration::parse, hide = true, global = true)]
+    liveness_window: Option<Duration>,
+
     #[command(flatten)]
     events: EventsArgs,
 
@@ -220,6 +227,7 @@ fn run(cli: Cli) -> exit::Result {
                 metrics_addr: cli.metrics.metrics_addr,
                 vgpu: cli.vgpu,
                 api_timeout: cli.api_timeout,
+                liveness_window: cli.liveness_window,
             };
             daemon_kit::daemon::run(Threads::Current, |shutdown| {
                 sandbox_dra::run(config, paths, shutdown)

@@ -1133,3 +1133,104 @@ async fn an_api_server_that_never_answers_fails_a_claim_in_time_and_holds_up_no_
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
     assert!(cdi_spec_path(root, "uid-b").exists());
 }
+
+/// `/healthz` means "the process is stuck", not "the API server hangs": with an API server that
+/// accepts and never answers, the publisher's passes wait on it (a GPU hot-plugged meanwhile
+/// gives them a slice to write), each bounded, and the loop stays alive for many times its
+/// liveness window (shortened from its two minutes for the test); claims are still answered.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hung_api_server_leaves_the_driver_alive_and_answering() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let addr = testkit::ops::free_addr();
+    // One request may take longer than the window: a loop that only came round between
+    // requests would fail it at the first hung write.
+    let window = Duration::from_secs(5);
+    let d = start(
+        root,
+        &api,
+        &[
+            "--api-timeout",
+            "8s",
+            "--resync-interval",
+            "1s",
+            "--liveness-window",
+            "5s",
+            "--metrics-addr",
+            &addr,
+        ],
+    );
+    let drv = register(root).await;
+    api.put_claim(claim_json("vm1-gpu", "uid-a", &["gpu-0000-41-00-0"]));
+    let a = claim("vm1-gpu", "uid-a");
+    prepare_one(&drv, Version::V1, &a)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    api.put_claim(claim_json("vm2-gpu", "uid-b", &["gpu-0000-61-00-0"]));
+    let b = claim("vm2-gpu", "uid-b");
+    let a2 = addr.clone();
+    let ready = tokio::task::spawn_blocking(move || {
+        testkit::ops::wait_for_status(&a2, "/readyz", 200, PATIENCE)
+    });
+    assert!(ready.await.unwrap(), "never published\n{}", d.log());
+
+    api.hang();
+    let hung = api.hung_requests();
+    sim.control("hotplug 0000:81:00.0 A10 group=50 numa=1")
+        .unwrap();
+    // Four windows of /healthz, polled, while passes wait on the API server.
+    let a2 = addr.clone();
+    let health = tokio::task::spawn_blocking(move || {
+        let t = Instant::now();
+        let mut seen = Vec::new();
+        while t.elapsed() < window * 4 {
+            let code = testkit::ops::http_get(&a2, "/healthz").map(|(c, _)| c);
+            if code != Some(200) {
+                seen.push((t.elapsed(), code));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        seen
+    });
+    // Meanwhile a new claim fails in time (its read hangs), and claim a is unprepared.
+    let err = prepare_one(&drv, Version::V1, &b).await.unwrap_err();
+    assert!(err.contains("did not answer within"), "{err}");
+    unprepare_one(&drv, Version::V1, &a)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    let not_ok = health.await.unwrap();
+    assert_eq!(
+        not_ok,
+        [],
+        "/healthz failed while the API server hung\n{}",
+        d.log()
+    );
+    // The passes did wait on the API server: the hot-plugged GPU's slice write hung, and
+    // they failed and were retried.
+    assert!(
+        api.hung_requests() >= hung + 2,
+        "{} requests hung",
+        api.hung_requests() - hung
+    );
+    let (_, metrics) = testkit::ops::http_get(&addr, "/metrics").unwrap();
+    assert!(
+        !metrics.contains("sandbox_dra_publish_failures_total 0\n"),
+        "no pass failed:\n{metrics}"
+    );
+
+    // The API server back: the hot-plugged GPU is published.
+    api.answer();
+    let found = tokio::task::spawn_blocking(move || {
+        api.wait_for_slices(PATIENCE, |s| {
+            s.iter().any(|s| {
+                s["spec"]["devices"]
+                    .as_array()
+                    .is_some_and(|d| d.iter().any(|d| d["name"] == "gpu-0000-81-00-0"))
+            })
+        })
+    });
+    assert!(found.await.unwrap().is_some(), "{}", d.log());
+}

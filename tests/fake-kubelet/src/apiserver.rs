@@ -11,8 +11,9 @@
 //!   ([`FakeApiServer::race_puts`]) — a conflict at an exact moment, which a real API server
 //!   cannot be made to produce on cue;
 //! - `sandbox-dra/tests/node_sim.rs`,
-//!   `an_api_server_that_never_answers_fails_a_claim_in_time_and_holds_up_no_other`: an API
-//!   server that accepts and never answers ([`FakeApiServer::hang`], below);
+//!   `an_api_server_that_never_answers_fails_a_claim_in_time_and_holds_up_no_other` and
+//!   `a_hung_api_server_leaves_the_driver_alive_and_answering`: an API server that accepts and
+//!   never answers ([`FakeApiServer::hang`], below);
 //! - tests not moved yet, which check a daemon's behaviour rather than the API's: the other
 //!   tests of `vgpu-device-manager/tests/daemon.rs` (a label followed), and sandbox-dra's
 //!   `node_sim.rs`, `vgpu.rs`, `in_use.rs` and `health.rs` (ResourceClaims the tests put, and

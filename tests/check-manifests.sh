@@ -159,6 +159,15 @@ template --set image.repository=registry.example/gpu-vm-node --set image.tag=1.2
     --set nodeSelector.pool=gpu --set 'tolerations[0].operator=Exists' \
     --set 'nodeAffinityExpressions[0].key=node-role.kubernetes.io/gpu' \
     --set 'nodeAffinityExpressions[0].operator=Exists' --set logLevel=debug >"$scratch/opt-pod.yaml"
+template --set draDriver.enabled=true --set draDriver.vgpu=all \
+    --set-string 'draDriver.vgpuTypes=A10-4Q\,*-8Q' >"$scratch/opt-vgpu-types.yaml"
+if "$helm" template gpu-vm-node "$chart" --set draDriver.enabled=true \
+    --set draDriver.vgpuTypes=A10-4Q >/dev/null 2>"$scratch/helm.err"; then
+    die "$chart: draDriver.vgpuTypes without draDriver.vgpu was accepted"
+fi
+grep -q "set draDriver.vgpu too" "$scratch/helm.err" ||
+    { cat "$scratch/helm.err"; die "$chart: draDriver.vgpuTypes without draDriver.vgpu is refused without saying why"; }
+echo "ok: $chart: draDriver.vgpuTypes without draDriver.vgpu is refused, saying what is missing"
 "$py" - "$scratch" <<'PY'
 import os, sys, yaml
 d = sys.argv[1]
@@ -241,6 +250,10 @@ if env(vdm).get("DEFAULT_VGPU_CONFIG") != "A10-4Q":
     bad.append(f"DEFAULT_VGPU_CONFIG={env(vdm).get('DEFAULT_VGPU_CONFIG')}")
 expect(not bad, "image, pullPolicy, logLevel, nodeSelector, nodeAffinityExpressions, tolerations and "
        "vgpuDeviceManager.defaultConfig reach every DaemonSet" + (f": {bad}" if bad else ""))
+
+dra = env(daemonsets(load("vgpu-types"))["sandbox-dra"]["spec"]["template"]["spec"]["containers"][0])
+expect((dra.get("VGPU"), dra.get("VGPU_TYPES")) == ("all", "A10-4Q,*-8Q"),
+       f"draDriver.vgpu and vgpuTypes reach sandbox-dra: VGPU={dra.get('VGPU')} VGPU_TYPES={dra.get('VGPU_TYPES')}")
 sys.exit(1 if failed else 0)
 PY
 

@@ -26,6 +26,7 @@ pub mod runtime;
 pub mod slices;
 pub mod telemetry;
 pub mod vgpu;
+pub mod vgpu_types;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -138,6 +139,8 @@ pub struct Config {
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// The GPUs published and prepared as vGPUs too (`--vgpu`).
     pub vgpu: Option<vgpu::Selector>,
+    /// The vGPU types the GPUs of `vgpu` publish (`--vgpu-types`).
+    pub vgpu_types: vgpu_types::Types,
     /// The most one request to the API server may take, connecting, sending and waiting for
     /// the answer (`--api-timeout`).
     pub api_timeout: Duration,
@@ -156,6 +159,35 @@ fn bind_socket(path: &Path) -> anyhow::Result<UnixListener> {
     UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))
 }
 
+/// Refuses `--vgpu-types` entries that are no vGPU type (exit 2, before anything is changed),
+/// naming them and the types of the GPUs `sel` takes; warns of a GPU none of whose types is
+/// listed (it is published whole only).
+fn check_vgpu_types(
+    paths: &HostPaths,
+    sel: &vgpu::Selector,
+    types: &vgpu_types::Types,
+) -> exit::Result {
+    if *types == vgpu_types::Types::All {
+        return Ok(());
+    }
+    let inv = common::Inventory::read(paths).context("cannot read the node's PCI devices")?;
+    let gpus: Vec<common::PciAddress> = vgpu::selected_gpus(&inv, sel).into_iter().collect();
+    types
+        .check(&inv, &gpus)
+        .map_err(|e| exit::Failure::new(exit::USAGE, anyhow::anyhow!(e)))?;
+    for a in &gpus {
+        if let Some(m) = inv
+            .device(a)
+            .and_then(|d| common::vgpu::models::model(d.vendor, d.device))
+            && !types.publishes_any(m)
+        {
+            tracing::warn!(gpu = %a, vgpu_types = %types.describe(), "none of --vgpu-types is a type of this GPU: published whole only");
+        }
+    }
+    tracing::info!(vgpu_types = %types.describe(), "vGPU types published");
+    Ok(())
+}
+
 /// Serves the driver until `shutdown`: the `DRAPlugin` socket first, then the registration
 /// socket (kubelet dials the plugin as soon as it sees the registration); both are removed on
 /// the way out, which tells kubelet the driver is gone.
@@ -167,6 +199,9 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         kubelet_root = %config.kubelet_root.display(),
         "starting"
     );
+    if let Some(sel) = &config.vgpu {
+        check_vgpu_types(&paths, sel, &config.vgpu_types)?;
+    }
     // Every request is bounded: an API server that accepts and never answers makes a claim
     // fail (kubelet calls again) and a publishing pass fail (retried), never stalls them.
     // The client's own limits are a second longer than --api-timeout: a claim's read is cut
@@ -221,7 +256,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     }
     let members = claimed.pool;
     let mdev_parents = members.parents.clone();
-    let vgpu_pool = vgpu::Pool::new(members);
+    let vgpu_pool = vgpu::Pool::new(members, config.vgpu_types.clone());
     let prepare_config = PrepareConfig {
         driver: config.driver.clone(),
         node_name: config.node_name.clone(),

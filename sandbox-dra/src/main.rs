@@ -124,6 +124,24 @@ struct Cli {
     #[arg(long, env = "VGPU", value_name = "all|BDF|PARENT,...", value_parser = sandbox_dra::vgpu::parse_selector, global = true)]
     vgpu: Option<sandbox_dra::vgpu::Selector>,
 
+    /// The vGPU types the GPUs of --vgpu publish: `all` (every type the driver knows for the
+    /// GPU's model: 21 on an A10, 137 devices with their passthrough device), or a comma list
+    /// of type names (`A10-4Q,A10-8Q`) and patterns (`A10-*Q`, `*-8Q`), case ignored. Fewer
+    /// types are fewer devices for the scheduler to search and the API server to hold. An
+    /// entry that is no vGPU type is refused at start (exit 2, the GPUs' own types named);
+    /// another model's type matches nothing here, so one list serves several models. mdev
+    /// parents that are not GPUs (`mtty`) publish all their types.
+    #[arg(
+        long,
+        env = "VGPU_TYPES",
+        value_name = "all|TYPE,...",
+        default_value = "all",
+        value_parser = sandbox_dra::vgpu_types::parse,
+        requires = "vgpu",
+        global = true
+    )]
+    vgpu_types: sandbox_dra::vgpu_types::Types,
+
     /// The most one request to the API server may take (connecting, sending, waiting for the
     /// answer): a claim whose allocation cannot be read in that time fails and kubelet calls
     /// again; a ResourceSlice pass fails and is retried (500ms, 10s, 1m; a bare number is
@@ -163,7 +181,7 @@ const EXIT_STATUS: &str = "\
 Exit status:
   0  done (daemon: stopped by SIGTERM/SIGINT)
   1  failed: a socket cannot be served, --pci-ids cannot be read (the error is logged)
-  2  usage error (a bad flag or value)";
+  2  usage error (a bad flag or value, a --vgpu-types entry that is no vGPU type)";
 
 #[derive(Debug, Subcommand)]
 enum Command {
@@ -226,6 +244,7 @@ fn run(cli: Cli) -> exit::Result {
                 resync_interval: cli.resync_interval,
                 metrics_addr: cli.metrics.metrics_addr,
                 vgpu: cli.vgpu,
+                vgpu_types: cli.vgpu_types,
                 api_timeout: cli.api_timeout,
                 liveness_window: cli.liveness_window,
             };

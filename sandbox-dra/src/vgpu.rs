@@ -21,6 +21,7 @@ use common::{HostPaths, Inventory, PciAddress, state};
 use serde::{Deserialize, Serialize};
 
 use crate::names;
+use crate::vgpu_types::Types;
 
 /// Which GPUs are published as vGPUs (`--vgpu`): `all`, every NVIDIA GPU whose model the vGPU
 /// model table knows, or the GPUs and non-PCI mdev parents listed.
@@ -63,7 +64,7 @@ pub fn mdev_parents(inv: &Inventory, sel: &Selector) -> BTreeSet<String> {
 }
 
 /// The GPUs of `inv` that `sel` names and whose vGPU model the table knows.
-fn selected_gpus(inv: &Inventory, sel: &Selector) -> BTreeSet<PciAddress> {
+pub fn selected_gpus(inv: &Inventory, sel: &Selector) -> BTreeSet<PciAddress> {
     inv.gpus(Some(0x10de))
         .into_iter()
         .filter(|d| !d.is_vf())
@@ -133,26 +134,47 @@ pub fn claim_pool(paths: &HostPaths, sel: &Selector) -> anyhow::Result<Claimed> 
 
 /// The GPUs of the vGPU pool, shared by the publisher, which adds the GPUs `--vgpu` selects
 /// that appear while the driver runs ([`Pool::grow`]), and the preparer, which creates vGPUs
-/// only on them.
+/// only on them; and the vGPU types they publish (`--vgpu-types`).
 #[derive(Clone, Debug, Default)]
 pub struct Pool {
     inner: Arc<RwLock<PoolState>>,
 }
 
+/// The vGPU pool as one pass of the publisher reads it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Pooled {
+    /// Its GPUs.
+    pub gpus: BTreeSet<PciAddress>,
+    /// The vGPU types they publish.
+    pub types: Types,
+}
+
+impl From<BTreeSet<PciAddress>> for Pooled {
+    /// These GPUs, publishing every type.
+    fn from(gpus: BTreeSet<PciAddress>) -> Pooled {
+        Pooled {
+            gpus,
+            types: Types::All,
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct PoolState {
     gpus: BTreeSet<PciAddress>,
+    types: Types,
     parents: BTreeSet<String>,
     /// GPUs that appeared and could not join (another owner holds them), said once each.
     refused: BTreeSet<PciAddress>,
 }
 
 impl Pool {
-    /// The pool [`claim_pool`] wrote.
-    pub fn new(members: state::pool::Members) -> Pool {
+    /// The pool [`claim_pool`] wrote, its GPUs publishing `types`.
+    pub fn new(members: state::pool::Members, types: Types) -> Pool {
         Pool {
             inner: Arc::new(RwLock::new(PoolState {
                 gpus: members.gpus,
+                types,
                 parents: members.parents,
                 refused: BTreeSet::new(),
             })),
@@ -168,13 +190,22 @@ impl Pool {
             .contains(a)
     }
 
-    /// The GPUs in the pool.
-    pub fn gpus(&self) -> BTreeSet<PciAddress> {
+    /// The GPUs in the pool, with the vGPU types they publish.
+    pub fn gpus(&self) -> Pooled {
+        let st = self.inner.read().unwrap_or_else(PoisonError::into_inner);
+        Pooled {
+            gpus: st.gpus.clone(),
+            types: st.types.clone(),
+        }
+    }
+
+    /// Whether the pool's GPUs publish vGPU type `type_name` (`NVIDIA A10-4Q`).
+    pub fn publishes(&self, type_name: &str) -> bool {
         self.inner
             .read()
             .unwrap_or_else(PoisonError::into_inner)
-            .gpus
-            .clone()
+            .types
+            .publishes(type_name)
     }
 
     /// Adds to the pool the GPUs of `inv` that `sel` selects and the pool does not hold yet (a

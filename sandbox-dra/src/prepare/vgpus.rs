@@ -48,8 +48,11 @@ impl Node {
         let sysfs = Sysfs::new(self.paths.clone());
         let mut inv = self.inventory(claim)?;
         // The type a device name carries is checked against the GPU's own list (its model's
-        // types, what the slice publishes) before anything is written for it.
+        // types that --vgpu-types selects, what the slice publishes) before anything is
+        // written for it. A vGPU already made for the claim stays its, even if an earlier run
+        // published types this one does not.
         for d in &rec.devices {
+            let made = d.vgpu.as_ref().is_some_and(|v| v.handle.exists(&inv));
             let Some((gpu, key, slot)) = names::parse_vgpu_device(&d.device) else {
                 return Err(refused(
                     claim,
@@ -64,6 +67,7 @@ impl Node {
                 m.types_before_vfs()
                     .into_iter()
                     .find(|(name, _)| names::type_key(name) == key)
+                    .filter(|(name, _)| made || self.config.vgpu_pool.publishes(name))
                     .map(|(_, size)| slot < m.equal_size_max(size))
             });
             if known != Some(true) {

@@ -44,6 +44,8 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
 use crate::names;
+use crate::vgpu::Pooled;
+use crate::vgpu_types::Types;
 
 mod vgpus;
 
@@ -108,18 +110,19 @@ pub struct NodeDevices {
 /// The devices `inv` has for the slice, from vfio-manager's selection `sel` of it; product
 /// names from `ids`.
 pub fn devices(inv: &Inventory, sel: &Selection, ids: &PciIds) -> NodeDevices {
-    devices_with_vgpus(inv, sel, ids, &BTreeSet::new())
+    devices_with_vgpus(inv, sel, ids, &Pooled::default())
 }
 
 /// [`devices`], and for each GPU of `vgpu_pool` whose model the vGPU model table knows
 /// ([`common::vgpu::models`]): a counter set (its framebuffer; its VFs on an SR-IOV GPU), as
-/// many devices per vGPU type as the GPU could hold of it, each consuming its framebuffer and
-/// one VF, and its passthrough device consuming the whole set.
+/// many devices per vGPU type the pool publishes (`--vgpu-types`) as the GPU could hold of it,
+/// each consuming its framebuffer and one VF, and its passthrough device consuming the whole
+/// set.
 pub fn devices_with_vgpus(
     inv: &Inventory,
     sel: &Selection,
     ids: &PciIds,
-    vgpu_pool: &BTreeSet<PciAddress>,
+    vgpu_pool: &Pooled,
 ) -> NodeDevices {
     let mut out = NodeDevices::default();
     for r in &sel.refused {
@@ -148,8 +151,8 @@ pub fn devices_with_vgpus(
             continue;
         }
         let mut whole = device(gpu, first, group, targets, ids);
-        if vgpu_pool.contains(&gpu.address)
-            && let Some((set, vgpus)) = vgpu_devices(inv, gpu, &mut whole, ids)
+        if vgpu_pool.gpus.contains(&gpu.address)
+            && let Some((set, vgpus)) = vgpu_devices(inv, gpu, &mut whole, ids, &vgpu_pool.types)
         {
             out.counters.push(set);
             out.devices.extend(vgpus);
@@ -184,7 +187,7 @@ pub fn attributes_of(
     }
     if let Some((addr, _, _)) = names::parse_vgpu_device(name) {
         let gpu = inv.device(&addr)?;
-        let (_, devices) = vgpu_devices(inv, gpu, &mut Device::default(), ids)?;
+        let (_, devices) = vgpu_devices(inv, gpu, &mut Device::default(), ids, &Types::All)?;
         return devices.into_iter().find(|d| d.name == name)?.attributes;
     }
     let (parent, _, _) = names::parse_mdev_device(name, mdev_parents)?;

@@ -298,13 +298,36 @@ fn the_slice_is_the_nodes_pool_owned_by_its_node() {
 }
 
 #[test]
+fn a_pooled_a10_publishes_only_the_listed_types() {
+    let mut a10 = dev("0000:41:00.0", 0x2236, 0x030200, 21, "nvidia");
+    a10.sriov_totalvfs = Some(32);
+    let inv = inv(vec![a10], &[]);
+    let sel = select(&inv, &Selector::default(), None, &AliasTable::parse(""));
+    let pool = crate::vgpu::Pooled {
+        gpus: ["0000:41:00.0".parse().unwrap()].into(),
+        types: crate::vgpu_types::parse("A10-4Q,*-8Q,L40S-2Q").unwrap(),
+    };
+    let nd = devices_with_vgpus(&inv, &sel, &PciIds::embedded(), &pool);
+    let mut types: Vec<&str> = nd.devices.iter().filter_map(|d| s(d, "vgpuType")).collect();
+    types.dedup();
+    assert_eq!(types, ["NVIDIA A10-4Q", "NVIDIA A10-8Q"]);
+    assert_eq!(nd.devices.len(), 1 + 6 + 3);
+    // The counter set and the whole GPU's consumption of it are those of every type.
+    assert_eq!(nd.counters.len(), 1);
+    assert_eq!(
+        nd.counters[0].counters["memory"].value,
+        Quantity("24Gi".into())
+    );
+}
+
+#[test]
 fn a_pooled_a10_has_a_counter_set_its_vgpus_and_its_whole_self_consume() {
     let mut a10 = dev("0000:41:00.0", 0x2236, 0x030200, 21, "nvidia");
     a10.sriov_totalvfs = Some(32);
     let inv = inv(vec![a10], &[]);
     let sel = select(&inv, &Selector::default(), None, &AliasTable::parse(""));
     let pool: BTreeSet<PciAddress> = ["0000:41:00.0".parse().unwrap()].into();
-    let nd = devices_with_vgpus(&inv, &sel, &PciIds::embedded(), &pool);
+    let nd = devices_with_vgpus(&inv, &sel, &PciIds::embedded(), &pool.into());
     let [set] = &nd.counters[..] else {
         panic!("{:?}", nd.counters)
     };

@@ -11,9 +11,10 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use super::{COUNTER_MEMORY, COUNTER_VFS, MODE_VGPU, gib, identity, int, string, truncate};
 use crate::names;
+use crate::vgpu_types::Types;
 
-/// One pooled GPU's counter set and vGPU devices; `whole` (its passthrough device) is made to
-/// consume the whole set. `None` for a model the table does not know.
+/// One pooled GPU's counter set and its vGPU devices of `types`; `whole` (its passthrough
+/// device) is made to consume the whole set. `None` for a model the table does not know.
 ///
 /// NVIDIA's time-sliced vGPUs of one GPU all have one framebuffer size (and a GPU that hosts
 /// them itself, without SR-IOV, one type), which counters cannot say: a 4 GiB and an 8 GiB vGPU
@@ -26,6 +27,7 @@ pub(super) fn vgpu_devices(
     gpu: &PciDevice,
     whole: &mut Device,
     ids: &PciIds,
+    types: &Types,
 ) -> Option<(CounterSet, Vec<Device>)> {
     let model = common::vgpu::models::model(gpu.vendor, gpu.device)?;
     let set_name = names::gpu_device(&gpu.address);
@@ -71,7 +73,7 @@ pub(super) fn vgpu_devices(
     };
     let mut out = Vec::new();
     for (name, size) in model.types_before_vfs() {
-        if !may_join(&name, size) {
+        if !types.publishes(&name) || !may_join(&name, size) {
             continue;
         }
         let max = vfs.map_or(model.equal_size_max(size), |n| {

@@ -1,16 +1,16 @@
 //! What sandbox-dra's published pool costs the real kube-scheduler and kube-apiserver (the
 //! cluster tier's binaries, `cluster_tier::ControlPlane`; no kubelet: pods are bound, never run).
 //!
-//! The slices are sandbox-dra's own: it runs once on a simulated 8xA10 node against the API
-//! server (passthrough only, and `--vgpu all`), and its slices are copied to N Node objects
-//! (renamed, `nodeName`, pool and owner changed), with a third variant keeping only the vGPU
-//! devices of a few types. Then pods, one after another, each with a new claim from a
+//! The slices are sandbox-dra's own: it runs once per pool on a simulated 8xA10 node against the
+//! API server (passthrough only, `--vgpu all`, and `--vgpu all --vgpu-types A10-4Q,A10-8Q`),
+//! and its slices are copied to N Node objects (renamed, `nodeName`, pool and owner changed).
+//! Then pods, one after another, each with a new claim from a
 //! ResourceClaimTemplate (one A10-4Q, or one whole A10 when no vGPU is published), until the
 //! count asked; when the nodes are full the pods are deleted and the next ones start on empty
 //! nodes again. Timings come from the API server's audit log (microseconds): the pod's create,
 //! the claim's create by the controller-manager, the scheduler's binding (`spec.nodeName` set,
 //! after it wrote the claim's allocation); and from the scheduler's own histograms on its
-//! `/metrics`. Memory: RSS of kube-apiserver, kube-scheduler and etcd from `/proc`.
+//! `/metrics`. Memory and CPU time of kube-apiserver, kube-scheduler and etcd from `/proc`.
 
 use std::collections::BTreeMap;
 use std::io::{Read as _, Seek as _, SeekFrom};
@@ -35,10 +35,8 @@ const NS: &str = "bench";
 const GPUS: usize = 8;
 /// A10-4Q vGPUs one A10 holds (24 GiB / 4 GiB), what a node's vGPU claims can fill.
 const A10_4Q_PER_GPU: usize = 6;
-/// The vGPU types the third variant keeps.
-const FEW_TYPES: [&str; 2] = ["NVIDIA A10-4Q", "NVIDIA A10-8Q"];
-/// The most devices one slice holds when they consume counters (the API's limit).
-const MAX_DEVICES: usize = 64;
+/// The vGPU types the third pool publishes (`--vgpu-types`).
+const FEW_TYPES: &str = "A10-4Q,A10-8Q";
 /// How long one pod may wait to be bound.
 const PATIENCE: Duration = Duration::from_secs(120);
 
@@ -58,7 +56,7 @@ enum Pool {
     Passthrough,
     /// `--vgpu all`: every vGPU type of every size, and the whole GPUs.
     AllTypes,
-    /// `--vgpu all` with only [`FEW_TYPES`]' devices kept.
+    /// `--vgpu all --vgpu-types` [`FEW_TYPES`].
     FewTypes,
 }
 
@@ -67,7 +65,16 @@ impl Pool {
         match self {
             Pool::Passthrough => "(a) passthrough only",
             Pool::AllTypes => "(b) `--vgpu all`",
-            Pool::FewTypes => "(c) A10-4Q and A10-8Q only",
+            Pool::FewTypes => "(c) `--vgpu-types A10-4Q,A10-8Q`",
+        }
+    }
+
+    /// sandbox-dra's flags for it.
+    fn args(self) -> Vec<&'static str> {
+        match self {
+            Pool::Passthrough => vec![],
+            Pool::AllTypes => vec!["--vgpu", "all"],
+            Pool::FewTypes => vec!["--vgpu", "all", "--vgpu-types", FEW_TYPES],
         }
     }
 
@@ -91,55 +98,6 @@ impl Published {
             .iter()
             .map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len))
             .sum()
-    }
-
-    /// Only the whole GPUs and the vGPUs of `types`, in slices of at most [`MAX_DEVICES`].
-    fn keep_types(&self, types: &[&str]) -> Published {
-        let counters: Vec<Value> = self
-            .slices
-            .iter()
-            .filter(|s| !s["spec"]["sharedCounters"].is_null())
-            .cloned()
-            .collect();
-        let mut devices: Vec<Value> = self
-            .slices
-            .iter()
-            .filter_map(|s| s["spec"]["devices"].as_array())
-            .flatten()
-            .filter(|d| {
-                let a = &d["attributes"];
-                a["mode"]["string"] == "passthrough"
-                    || a["vgpuType"]["string"]
-                        .as_str()
-                        .is_some_and(|t| types.contains(&t))
-            })
-            .cloned()
-            .collect();
-        devices.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
-        let Some(first) = self.slices.iter().find(|s| !s["spec"]["devices"].is_null()) else {
-            return Published {
-                slices: self.slices.clone(),
-            };
-        };
-        let base = first["metadata"]["name"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
-        let mut slices = counters;
-        for (i, chunk) in devices.chunks(MAX_DEVICES).enumerate() {
-            let mut s = first.clone();
-            s["metadata"]["name"] = json!(match i {
-                0 => base.clone(),
-                i => format!("{base}-{i}"),
-            });
-            s["spec"]["devices"] = json!(chunk);
-            slices.push(s);
-        }
-        let n = slices.len();
-        for s in &mut slices {
-            s["spec"]["pool"]["resourceSliceCount"] = json!(n);
-        }
-        Published { slices }
     }
 
     /// The slices for node `node` (UID `uid`): names, `nodeName`, pool and owner changed.
@@ -198,8 +156,14 @@ fn create(cp: &ControlPlane, dir: &Path, name: &str, items: Vec<Value>) -> Resul
     Ok(())
 }
 
-/// The slices sandbox-dra publishes for a node of [`GPUS`] A10s, with `--vgpu all` or without.
-fn publish(b: &Bins, cp: &ControlPlane, dir: &Path, node: &str, vgpu: bool) -> Result<Published> {
+/// The slices sandbox-dra publishes for a node of [`GPUS`] A10s, started with `args`.
+fn publish(
+    b: &Bins,
+    cp: &ControlPlane,
+    dir: &Path,
+    node: &str,
+    args: &[&str],
+) -> Result<Published> {
     create(
         cp,
         dir,
@@ -217,12 +181,11 @@ fn publish(b: &Bins, cp: &ControlPlane, dir: &Path, node: &str, vgpu: bool) -> R
         .env_remove("HOST_ROOT")
         .env_remove("KUBECONFIG")
         .env_remove("VGPU")
+        .env_remove("VGPU_TYPES")
+        .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log)?);
-    if vgpu {
-        cmd.args(["--vgpu", "all"]);
-    }
     let _driver = Driver(
         cmd.spawn()
             .with_context(|| format!("starting {}", b.dra.display()))?,
@@ -461,13 +424,13 @@ fn scrape(port: u16) -> Result<Metrics> {
     })
 }
 
-/// RSS and peak RSS (KiB) of the control plane's processes by name.
-fn memory(cp: &ControlPlane) -> BTreeMap<String, (u64, u64)> {
+/// A reading of the control plane's processes, by name.
+fn usage(cp: &ControlPlane) -> BTreeMap<String, procstat::ProcSample> {
     cp.procs()
         .into_iter()
         .filter_map(|p| {
             let s = procstat::sample(u32::try_from(p.pid()).ok()?)?;
-            Some((p.name().to_string(), (s.rss_kib, s.hwm_kib)))
+            Some((p.name().to_string(), s))
         })
         .collect()
 }
@@ -484,9 +447,9 @@ struct Run {
     /// Claim created (by the controller-manager) → pod bound, per pod.
     claim_bound: Vec<Duration>,
     metrics: Metrics,
-    /// Memory once the slices are loaded, and after the pods.
-    loaded: BTreeMap<String, (u64, u64)>,
-    after: BTreeMap<String, (u64, u64)>,
+    /// The processes once the slices are loaded, and after the pods.
+    loaded: BTreeMap<String, procstat::ProcSample>,
+    after: BTreeMap<String, procstat::ProcSample>,
 }
 
 fn ready_node(name: &str) -> Value {
@@ -618,7 +581,7 @@ fn scenario(
         Ok(scrape(port).is_ok())
     })?;
     std::thread::sleep(Duration::from_secs(3));
-    let loaded = memory(&cp);
+    let loaded = usage(&cp);
     let before = scrape(port)?;
     let (template, _, per_node) = pool.claim();
     let capacity = per_node * nodes;
@@ -706,7 +669,7 @@ fn scenario(
         filter: after.filter.since(&before.filter),
         prefilter: after.prefilter.since(&before.prefilter),
     };
-    run.after = memory(&cp);
+    run.after = usage(&cp);
     // Every bound pod's claim is allocated.
     let claims = kubectl_json(&cp, &["get", "resourceclaims", "-n", NS, "-o", "json"])?;
     let allocated = claims["items"]
@@ -737,27 +700,25 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     let top = tempfile::Builder::new()
         .prefix("bench-scheduler")
         .tempdir()?;
-    let (passthrough, all) = {
+    let pools = [Pool::Passthrough, Pool::AllTypes, Pool::FewTypes];
+    let published = {
         let dir = top.path().join("source");
         std::fs::create_dir_all(&dir)?;
         let cp = ControlPlane::start(&dir, &assets, ControlPlaneOpts::default())?;
-        (
-            publish(b, &cp, &dir, "source-a", false)?,
-            publish(b, &cp, &dir, "source-b", true)?,
-        )
+        pools
+            .iter()
+            .enumerate()
+            .map(|(i, p)| publish(b, &cp, &dir, &format!("source-{i}"), &p.args()))
+            .collect::<Result<Vec<_>>>()?
     };
-    let few = all.keep_types(&FEW_TYPES);
     let counts = match &cli.sched_nodes[..] {
         [] => vec![1, 100],
         n => n.to_vec(),
     };
     let mut runs = Vec::new();
     for nodes in counts {
-        for (pool, published, from) in [
-            (Pool::Passthrough, &passthrough, "source-a"),
-            (Pool::AllTypes, &all, "source-b"),
-            (Pool::FewTypes, &few, "source-b"),
-        ] {
+        for (i, (&pool, published)) in pools.iter().zip(&published).enumerate() {
+            let from = format!("source-{i}");
             let dir = top.path().join(format!("{nodes}-{pool:?}"));
             std::fs::create_dir_all(&dir)?;
             eprintln!("scheduler: {nodes} nodes, {}", pool.label());
@@ -765,7 +726,7 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
                 &assets,
                 &dir,
                 published,
-                from,
+                &from,
                 nodes,
                 pool,
                 cli.sched_pods,
@@ -777,7 +738,7 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
 }
 
 fn report(cli: &Cli, runs: &[Run], r: &mut Report) {
-    r.line(format!("sandbox-dra's slices for an {GPUS}xA10 node (node-sim), copied to N Ready Node objects of a real kube-apiserver and kube-scheduler (no kubelet); then {} pods one after another, each with a new claim from a ResourceClaimTemplate (one whole A10 when only passthrough is published, else one A10-4Q), the nodes emptied when full. From the API server's audit log: pod created → bound (the controller-manager creating the claim included), claim created → bound (the scheduler's part: the allocation written, then the binding); p50 and p99 over the pods. From the scheduler's `/metrics`, over the same pods: a scheduling attempt (result `scheduled`) and its Filter and PreFilter extension points, mean and p50/p99 interpolated in the histograms' buckets.", cli.sched_pods));
+    r.line(format!("sandbox-dra's slices for an {GPUS}xA10 node (node-sim), copied to N Ready Node objects of a real kube-apiserver and kube-scheduler (no kubelet); then {} pods one after another, each with a new claim from a ResourceClaimTemplate (one whole A10 when only passthrough is published, else one A10-4Q), the nodes emptied when full. From the API server's audit log: pod created → bound (the controller-manager creating the claim included), claim created → bound (the scheduler's part: the allocation written, then the binding); p50 and p99 over the pods. From the scheduler's `/metrics`, over the same pods: a scheduling attempt (result `scheduled`), mean and p50/p99 interpolated in the histogram's buckets, and the mean of its Filter extension point (every node's filters, one observation per attempt) and PreFilter.", cli.sched_pods));
     r.line("");
     r.table(&[
         "nodes",
@@ -821,27 +782,44 @@ fn report(cli: &Cli, runs: &[Run], r: &mut Report) {
         ]);
     }
     r.line("");
-    r.line("Memory (RSS, and peak RSS) once the slices are loaded and after the pods:");
+    r.line("Memory (RSS once the slices are loaded → after the pods, and the peak), and CPU time per pod while the pods were placed (user and system, all threads: what the machine's load does not stretch as it stretches the times above):");
     r.line("");
     r.table(&[
         "nodes",
         "published",
+        "kube-apiserver RSS",
+        "kube-scheduler RSS",
+        "etcd RSS",
+        "CPU per pod: kube-scheduler",
         "kube-apiserver",
-        "kube-scheduler",
-        "etcd",
     ]);
     for x in runs {
-        let cell = |name: &str| {
-            let (l, _) = x.loaded.get(name).copied().unwrap_or_default();
-            let (a, h) = x.after.get(name).copied().unwrap_or_default();
-            format!("{} → {} (peak {})", mib(l), mib(a), mib(h))
+        let get = |m: &BTreeMap<String, procstat::ProcSample>, name: &str| {
+            m.get(name).copied().unwrap_or_default()
+        };
+        let rss = |name: &str| {
+            let (l, a) = (get(&x.loaded, name), get(&x.after, name));
+            format!(
+                "{} → {} (peak {})",
+                mib(l.rss_kib),
+                mib(a.rss_kib),
+                mib(a.hwm_kib)
+            )
+        };
+        let cpu = |name: &str| {
+            let s = get(&x.after, name).cpu_seconds - get(&x.loaded, name).cpu_seconds;
+            fmt_duration(Duration::from_secs_f64(
+                s.max(0.0) / x.pod_bound.len().max(1) as f64,
+            ))
         };
         r.row(&[
             x.nodes.to_string(),
             x.pool.label().to_string(),
-            cell("kube-apiserver"),
-            cell("kube-scheduler"),
-            cell("etcd"),
+            rss("kube-apiserver"),
+            rss("kube-scheduler"),
+            rss("etcd"),
+            cpu("kube-scheduler"),
+            cpu("kube-apiserver"),
         ]);
     }
     r.line("");

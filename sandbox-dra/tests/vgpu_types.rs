@@ -1,0 +1,312 @@
+//! `--vgpu-types`: only the listed vGPU types are published, on simulated nodes (node-sim) with
+//! the fake kubelet and the fake API server; the one-size-per-GPU rule works within them, a
+//! device of another type is refused at prepare, and an entry that is no vGPU type stops the
+//! driver at start (exit 2) before it changes anything.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use testkit::apiserver::FakeApiServer;
+use testkit::kubelet::dra::{self, Claim, DraDriver, Version};
+use testkit::sim::try_mount;
+
+const BIN: &str = env!("CARGO_BIN_EXE_sandbox-dra");
+const DRIVER: &str = "gpu.gpu-vm-node.io";
+const NODE: &str = "node-a";
+const NS: &str = "vms";
+const PATIENCE: Duration = Duration::from_secs(30);
+
+struct Driver(Child, tempfile::TempDir);
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Driver {
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.1.path().join("log")).unwrap_or_default()
+    }
+}
+
+fn command(root: &Path, api: &FakeApiServer, args: &[&str]) -> (Command, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new(BIN);
+    cmd.arg("--host-root")
+        .arg(root)
+        .args(["--node-name", NODE, "--kubeconfig"])
+        .arg(api.kubeconfig())
+        .args(args)
+        .arg("serve")
+        .env("RUST_LOG", "info")
+        .env_remove("HOST_ROOT")
+        .env_remove("KUBECONFIG")
+        .env_remove("VGPU")
+        .env_remove("VGPU_TYPES")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("log")).unwrap());
+    (cmd, dir)
+}
+
+/// sandbox-dra serving with `args`, once its registration socket is there.
+fn start(root: &Path, api: &FakeApiServer, args: &[&str]) -> Driver {
+    let reg = root.join(format!(
+        "var/lib/kubelet/plugins_registry/{DRIVER}-reg.sock"
+    ));
+    let _ = std::fs::remove_file(&reg); // a killed driver's
+    let (mut cmd, dir) = command(root, api, args);
+    let mut d = Driver(cmd.spawn().unwrap(), dir);
+    let t = Instant::now();
+    while !reg.exists() {
+        if let Some(st) = d.0.try_wait().unwrap() {
+            panic!("sandbox-dra exited ({st}):\n{}", d.log());
+        }
+        assert!(
+            t.elapsed() < PATIENCE,
+            "no registration socket:\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    d
+}
+
+/// sandbox-dra with `args` run to its end (it must stop by itself): its exit code and log.
+fn run_to_end(root: &Path, api: &FakeApiServer, args: &[&str]) -> (Option<i32>, String) {
+    let (mut cmd, dir) = command(root, api, args);
+    let mut child = cmd.spawn().unwrap();
+    let t = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if t.elapsed() > PATIENCE {
+            let _ = child.kill();
+            let log = std::fs::read_to_string(dir.path().join("log")).unwrap_or_default();
+            panic!("sandbox-dra {args:?} did not stop:\n{log}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let log = std::fs::read_to_string(dir.path().join("log")).unwrap_or_default();
+    (status.code(), log)
+}
+
+/// Per GPU (`0000-41-00-0`), its vGPU types in the slices (`a10-4q`) and how many devices each.
+fn vgpus(slices: &[Value]) -> BTreeMap<String, BTreeMap<String, usize>> {
+    let mut out: BTreeMap<String, BTreeMap<String, usize>> = BTreeMap::new();
+    for d in slices
+        .iter()
+        .filter_map(|s| s["spec"]["devices"].as_array())
+        .flatten()
+    {
+        let name = d["name"].as_str().unwrap();
+        let Some(rest) = name.strip_prefix("vgpu-") else {
+            continue;
+        };
+        let (gpu, tail) = rest.split_at(12);
+        let (key, _slot) = tail[1..].rsplit_once('-').unwrap();
+        *out.entry(gpu.to_string())
+            .or_default()
+            .entry(key.to_string())
+            .or_default() += 1;
+    }
+    out
+}
+
+fn device_names(slices: &[Value]) -> BTreeSet<String> {
+    slices
+        .iter()
+        .filter_map(|s| s["spec"]["devices"].as_array())
+        .flatten()
+        .map(|d| d["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+fn put_claim(api: &FakeApiServer, name: &str, uid: &str, device: &str) -> Claim {
+    api.put_claim(json!({
+        "metadata": {"namespace": NS, "name": name, "uid": uid},
+        "spec": {"devices": {"requests": [
+            {"name": "gpu", "exactly": {"deviceClassName": "vgpu.gpu-vm-node.io"}}
+        ]}},
+        "status": {"allocation": {"devices": {"results": [{
+            "request": "gpu", "driver": DRIVER, "pool": NODE, "device": device,
+        }]}}},
+    }));
+    Claim {
+        namespace: NS.into(),
+        name: name.into(),
+        uid: uid.into(),
+    }
+}
+
+async fn prepare(d: &DraDriver, c: &Claim) -> Result<Vec<dra::PreparedDevice>, String> {
+    d.prepare(Version::V1, std::slice::from_ref(c))
+        .await
+        .unwrap()
+        .remove(0)
+        .1
+}
+
+async fn unprepare(d: &DraDriver, c: &Claim) -> Result<(), String> {
+    d.unprepare(Version::V1, std::slice::from_ref(c))
+        .await
+        .unwrap()
+        .remove(0)
+        .1
+}
+
+fn mdev_count(root: &Path) -> usize {
+    std::fs::read_dir(root.join("sys/bus/mdev/devices"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+fn types(pairs: &[(&str, usize)]) -> BTreeMap<String, usize> {
+    pairs.iter().map(|(k, n)| (k.to_string(), *n)).collect()
+}
+
+/// `--vgpu-types A10-4Q,a10-8q` on 2xA10: each GPU publishes six A10-4Q and three A10-8Q
+/// devices beside its whole self and its counter set, nothing else; once GPU A hosts an
+/// A10-4Q it offers only that type (the one-size rule within the list), and the A10-8Q comes
+/// back when it is gone. A device of a type not listed is refused at prepare, nothing made.
+#[tokio::test(flavor = "multi_thread")]
+async fn only_the_listed_vgpu_types_are_published_and_prepared() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let d = start(
+        root,
+        &api,
+        &["--vgpu", "all", "--vgpu-types", "A10-4Q, a10-8q"],
+    );
+    let socks = dra::registration_sockets(root, Path::new("/var/lib/kubelet"));
+    let drv = dra::register(root, &socks[0], None).await.unwrap();
+    let both = types(&[("a10-4q", 6), ("a10-8q", 3)]);
+    let four = types(&[("a10-4q", 6)]);
+    let offers = |a: &BTreeMap<String, usize>, b: &BTreeMap<String, usize>| {
+        // A GPU offering no vGPU has no entry.
+        let want: BTreeMap<String, BTreeMap<String, usize>> = [
+            ("0000-41-00-0".to_string(), a.clone()),
+            ("0000-61-00-0".to_string(), b.clone()),
+        ]
+        .into_iter()
+        .filter(|(_, t)| !t.is_empty())
+        .collect();
+        move |s: &[Value]| {
+            vgpus(s) == want
+                && s.iter()
+                    .filter_map(|s| s["spec"]["pool"]["resourceSliceCount"].as_u64())
+                    .all(|n| n as usize == s.len())
+        }
+    };
+    let slices = api
+        .wait_for_slices(PATIENCE, offers(&both, &both))
+        .unwrap_or_else(|| panic!("{:?}\n{}", vgpus(&api.slices()), d.log()));
+    let names = device_names(&slices);
+    assert!(
+        names.contains("gpu-0000-41-00-0") && names.contains("gpu-0000-61-00-0"),
+        "{names:?}"
+    );
+    assert_eq!(names.len(), 2 + 2 * 9, "{names:?}");
+    let sets: usize = slices
+        .iter()
+        .filter_map(|s| s["spec"]["sharedCounters"].as_array())
+        .map(Vec::len)
+        .sum();
+    assert_eq!(sets, 2);
+    assert!(d.log().contains("vGPU types published"), "{}", d.log());
+
+    // A type the list leaves out is no device of this driver.
+    let other = put_claim(&api, "small", "uid-2q", "vgpu-0000-41-00-0-a10-2q-0");
+    let e = prepare(&drv, &other).await.unwrap_err();
+    assert!(
+        e.contains("publishes no such vGPU") && e.contains("a10-2q"),
+        "{e}"
+    );
+    assert_eq!(mdev_count(root), 0);
+
+    let claim = put_claim(&api, "four", "uid-4q", "vgpu-0000-41-00-0-a10-4q-0");
+    prepare(&drv, &claim).await.unwrap();
+    assert_eq!(mdev_count(root), 1);
+    api.wait_for_slices(PATIENCE, offers(&four, &both))
+        .unwrap_or_else(|| panic!("beside an A10-4Q: {:?}", vgpus(&api.slices())));
+    unprepare(&drv, &claim).await.unwrap();
+    api.wait_for_slices(PATIENCE, offers(&both, &both))
+        .unwrap_or_else(|| panic!("the A10-8Q did not come back: {:?}", vgpus(&api.slices())));
+
+    // An A10-8Q prepared, then the driver started again with A10-4Q only: kubelet's repeated
+    // prepare keeps the vGPU made, and unprepare removes it.
+    let eight = put_claim(&api, "eight", "uid-8q", "vgpu-0000-61-00-0-a10-8q-0");
+    prepare(&drv, &eight).await.unwrap();
+    drop(d);
+    let d = start(root, &api, &["--vgpu", "all", "--vgpu-types", "A10-4Q"]);
+    let socks = dra::registration_sockets(root, Path::new("/var/lib/kubelet"));
+    let drv = dra::register(root, &socks[0], None).await.unwrap();
+    // GPU B hosts an 8 GiB vGPU, and only a 4 GiB type is listed: it offers none.
+    api.wait_for_slices(PATIENCE, offers(&four, &BTreeMap::new()))
+        .unwrap_or_else(|| panic!("{:?}\n{}", vgpus(&api.slices()), d.log()));
+    prepare(&drv, &eight)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    assert_eq!(mdev_count(root), 1);
+    unprepare(&drv, &eight).await.unwrap();
+    assert_eq!(mdev_count(root), 0);
+}
+
+/// A type of no GPU model (a typo) stops the driver at start with exit 2, naming the entry and
+/// the node's GPUs with their own types; nothing is written (no pool file, no slice). A type
+/// of another model is accepted: it matches nothing here, and the GPUs are published whole.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_entry_that_is_no_vgpu_type_is_refused_at_start() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let (code, log) = run_to_end(
+        root,
+        &api,
+        &["--vgpu", "all", "--vgpu-types", "A10-4Q,A10-5Q"],
+    );
+    assert_eq!(code, Some(2), "{log}");
+    for want in [
+        "--vgpu-types",
+        "\"A10-5Q\" is no vGPU type",
+        "GPUs 0000:41:00.0, 0000:61:00.0 (A10) publish A10-1Q, A10-2Q, A10-3Q, A10-4Q",
+        "A10-24C",
+    ] {
+        assert!(log.contains(want), "{want:?} not in:\n{log}");
+    }
+    assert!(!root.join("run/gpu-vm-node/dra-pool").exists());
+    assert!(api.slices().is_empty(), "{:?}", api.slices());
+
+    // --vgpu-types alone selects types of nothing: a usage error.
+    let (code, log) = run_to_end(root, &api, &["--vgpu-types", "A10-4Q"]);
+    assert_eq!(code, Some(2), "{log}");
+    assert!(log.contains("--vgpu"), "{log}");
+
+    // Another model's type: started, and each A10 published whole only.
+    let d = start(root, &api, &["--vgpu", "all", "--vgpu-types", "L40S-8Q"]);
+    let slices = api
+        .wait_for_slices(PATIENCE, |s| {
+            device_names(s).contains("gpu-0000-61-00-0")
+                && s.iter().any(|s| s["spec"]["sharedCounters"].is_array())
+        })
+        .unwrap_or_else(|| panic!("{:#?}\n{}", api.slices(), d.log()));
+    assert!(vgpus(&slices).is_empty(), "{:?}", vgpus(&slices));
+    assert!(
+        d.log()
+            .contains("none of --vgpu-types is a type of this GPU"),
+        "{}",
+        d.log()
+    );
+}

@@ -40,13 +40,15 @@ const FEW_TYPES: &str = "A10-4Q,A10-8Q";
 /// How long one pod may wait to be bound.
 const PATIENCE: Duration = Duration::from_secs(120);
 
+/// The DeviceClasses as they ship, then the claim templates of the examples, in the checkout
+/// (read when the section runs: the image's build context holds no deploy/).
 const DEVICE_CLASSES: [&str; 2] = [
-    include_str!("../../../../deploy/components/dra/deviceclass.yaml"),
-    include_str!("../../../../deploy/components/dra-vgpu/deviceclass.yaml"),
+    "deploy/components/dra/deviceclass.yaml",
+    "deploy/components/dra-vgpu/deviceclass.yaml",
 ];
 const TEMPLATES: [&str; 2] = [
-    include_str!("../../../../deploy/examples/dra/resourceclaimtemplate.yaml"),
-    include_str!("../../../../deploy/examples/dra/vgpu-claims.yaml"),
+    "deploy/examples/dra/resourceclaimtemplate.yaml",
+    "deploy/examples/dra/vgpu-claims.yaml",
 ];
 
 /// What the nodes publish.
@@ -516,9 +518,8 @@ fn scenario(
             ..ControlPlaneOpts::default()
         },
     )?;
-    for (i, y) in DEVICE_CLASSES.iter().chain(&TEMPLATES).enumerate() {
-        let f = dir.join(format!("object-{i}.yaml"));
-        std::fs::write(&f, y)?;
+    for (i, file) in DEVICE_CLASSES.iter().chain(&TEMPLATES).enumerate() {
+        let f = cluster_tier::assets::repo().join(file);
         if i == DEVICE_CLASSES.len() {
             cp.kubectl(&["create", "namespace", NS])?;
         }

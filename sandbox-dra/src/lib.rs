@@ -256,7 +256,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     }
     let members = claimed.pool;
     let mdev_parents = members.parents.clone();
-    let vgpu_pool = vgpu::Pool::new(members, config.vgpu_types.clone());
+    let vgpu_pool = vgpu::Pool::with_types(members, config.vgpu_types.clone());
     let prepare_config = PrepareConfig {
         driver: config.driver.clone(),
         node_name: config.node_name.clone(),

@@ -169,8 +169,13 @@ struct PoolState {
 }
 
 impl Pool {
-    /// The pool [`claim_pool`] wrote, its GPUs publishing `types`.
-    pub fn new(members: state::pool::Members, types: Types) -> Pool {
+    /// The pool [`claim_pool`] wrote, its GPUs publishing every vGPU type.
+    pub fn new(members: state::pool::Members) -> Pool {
+        Pool::with_types(members, Types::All)
+    }
+
+    /// The pool [`claim_pool`] wrote, its GPUs publishing `types` (`--vgpu-types`).
+    pub fn with_types(members: state::pool::Members, types: Types) -> Pool {
         Pool {
             inner: Arc::new(RwLock::new(PoolState {
                 gpus: members.gpus,

@@ -701,9 +701,15 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     let top = tempfile::Builder::new()
         .prefix("bench-scheduler")
         .tempdir()?;
+    // Each control plane's etcd keeps its data in /dev/shm under its directory's name: unique.
+    let unique = top
+        .path()
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let pools = [Pool::Passthrough, Pool::AllTypes, Pool::FewTypes];
     let published = {
-        let dir = top.path().join("source");
+        let dir = top.path().join(format!("{unique}-source"));
         std::fs::create_dir_all(&dir)?;
         let cp = ControlPlane::start(&dir, &assets, ControlPlaneOpts::default())?;
         pools
@@ -720,7 +726,7 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     for nodes in counts {
         for (i, (&pool, published)) in pools.iter().zip(&published).enumerate() {
             let from = format!("source-{i}");
-            let dir = top.path().join(format!("{nodes}-{pool:?}"));
+            let dir = top.path().join(format!("{unique}-{nodes}-{pool:?}"));
             std::fs::create_dir_all(&dir)?;
             eprintln!("scheduler: {nodes} nodes, {}", pool.label());
             runs.push(scenario(

@@ -73,6 +73,7 @@ impl Default for DaemonConfig {
 struct Telemetry {
     ops: Arc<Ops>,
     events: NodeEvents,
+    passes: Counter,
     binds: Counter,
     unbinds: Counter,
     refusals: Counter,
@@ -90,6 +91,7 @@ impl Telemetry {
         let t = Telemetry {
             ops,
             events,
+            passes: Counter::default(),
             binds: Counter::default(),
             unbinds: Counter::default(),
             refusals: Counter::default(),
@@ -100,6 +102,11 @@ impl Telemetry {
             told_warnings: Vec::new(),
         };
         let o = &t.ops;
+        o.register(
+            "vfio_manager_passes",
+            "Passes that read the node and bound what was selected (at start, on udev events, at each resync, and retries).",
+            t.passes.clone(),
+        );
         o.register(
             "vfio_manager_binds",
             "Functions moved onto a VFIO driver.",
@@ -134,6 +141,7 @@ impl Telemetry {
     }
 
     fn pass(&mut self, report: &Report) {
+        self.passes.inc();
         let mut bound = 0i64;
         for r in &report.results {
             match &r.outcome {

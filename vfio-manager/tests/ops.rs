@@ -1,9 +1,9 @@
 //! `vfio-manager daemon`'s operational side against node-sim and a real API server (etcd and
 //! kube-apiserver): Events on the Node for a refusal and for the binds, as `kubectl get events`
-//! shows them, no request at all at rest while it refuses at every pass (counted in the API
-//! server's audit log; `AT_REST_SECS` keeps it at rest longer, for BENCHMARKS.md), `/readyz`
-//! before and after every selected GPU is bound, systemd's `READY=1`, and `/metrics` read by a
-//! real Prometheus parser.
+//! shows them, no request at all while it refuses at every pass nor at rest once every GPU is
+//! bound (counted in the API server's audit log; `AT_REST_SECS` keeps it at rest longer, for
+//! BENCHMARKS.md), `/readyz` before and after every selected GPU is bound, systemd's
+//! `READY=1`, and `/metrics` read by a real Prometheus parser.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -19,6 +19,18 @@ const WAIT: Duration = Duration::from_secs(30);
 fn driver(root: &Path, bdf: &str) -> Option<String> {
     let link = std::fs::read_link(root.join(format!("sys/bus/pci/devices/{bdf}/driver"))).ok()?;
     Some(link.file_name()?.to_string_lossy().into_owned())
+}
+
+/// Polls `f` until it holds, for at most [`WAIT`] (and as long as `AT_REST_SECS` besides).
+fn wait_until(what: &str, f: impl Fn() -> bool) {
+    let start = std::time::Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < WAIT + testkit::ops::at_rest(),
+            "not within {WAIT:?}: {what}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 #[test]
@@ -91,23 +103,17 @@ fn a_refusal_then_the_binds_are_told_counted_and_make_it_ready() {
         refusals[0]["series"].is_null() && cluster_tier::quantity(&refusals[0]["count"]) <= 1,
         "{events:?}"
     );
-    // At rest, refusing at every pass, it asks the API server nothing: its passes run (the
-    // refusals counter counts each), its requests in the audit log do not grow.
+    // Refusing at every pass, it asks the API server nothing: its passes run (the refusals
+    // counter counts each), its requests in the audit log do not grow.
     let asked = api.requests_of(user).len();
     let refused = || testkit::ops::metric(&addr, "vfio_manager_refusals_total").unwrap_or(0.0);
     let before = refused();
-    let start = std::time::Instant::now();
-    while refused() < before + 3.0 || start.elapsed() < testkit::ops::at_rest() {
-        assert!(
-            start.elapsed() < WAIT + testkit::ops::at_rest(),
-            "no passes: {} refusals",
-            refused()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_until("three refusing passes", || refused() >= before + 3.0);
     let later: Vec<_> = api.requests_of(user).split_off(asked);
-    testkit::ops::report_at_rest("vfio-manager", &later, start.elapsed());
-    assert!(later.is_empty(), "at rest it asked: {later:?}");
+    assert!(
+        later.is_empty(),
+        "refusing at every pass it asked: {later:?}"
+    );
 
     drop(held);
     let lines = notify
@@ -119,6 +125,27 @@ fn a_refusal_then_the_binds_are_told_counted_and_make_it_ready() {
     );
     assert!(wait_for_status(&addr, "/readyz", 200, WAIT));
     assert_eq!(driver(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+
+    // Its bind told (the Event is written beside the pass that bound it)...
+    wait_until("a GpusBound Event naming 0000:41:00.0", || {
+        api.events("default").unwrap().iter().any(|e| {
+            e["reason"] == "GpusBound"
+                && e["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("0000:41:00.0"))
+        })
+    });
+    // ...then at rest, every GPU bound, a pass every second: no request at all.
+    let asked = api.requests_of(user).len();
+    let passes = || testkit::ops::metric(&addr, "vfio_manager_passes_total").unwrap_or(0.0);
+    let before = passes();
+    let start = std::time::Instant::now();
+    wait_until("three passes at rest", || {
+        passes() >= before + 3.0 && start.elapsed() >= testkit::ops::at_rest()
+    });
+    let later: Vec<_> = api.requests_of(user).split_off(asked);
+    testkit::ops::report_at_rest("vfio-manager", &later, start.elapsed());
+    assert!(later.is_empty(), "at rest it asked: {later:?}");
 
     let (code, body) = http_get(&addr, "/metrics").unwrap();
     assert_eq!(code, 200);

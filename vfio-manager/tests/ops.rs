@@ -52,20 +52,22 @@ fn a_refusal_then_the_binds_are_told_counted_and_make_it_ready() {
     let kubeconfig = api.kubeconfig_for(user, user, &["system:masters"]).unwrap();
     let notify = NotifySocket::new().unwrap();
     let addr = free_addr();
-    let mut child = Command::new(BIN)
-        .arg("--host-root")
-        .arg(root)
-        .args(["daemon", "--resync-interval", "1", "--metrics-addr", &addr])
-        .args(["--node-name", "node-v", "--kubeconfig"])
-        .arg(&kubeconfig)
-        .env("NOTIFY_SOCKET", notify.path())
-        .env("RUST_LOG", "info")
-        .env_remove("KUBELET_DIR")
-        .env_remove("POD_RESOURCES_SOCKET")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = testkit::Reaped(
+        Command::new(BIN)
+            .arg("--host-root")
+            .arg(root)
+            .args(["daemon", "--resync-interval", "1", "--metrics-addr", &addr])
+            .args(["--node-name", "node-v", "--kubeconfig"])
+            .arg(&kubeconfig)
+            .env("NOTIFY_SOCKET", notify.path())
+            .env("RUST_LOG", "info")
+            .env_remove("KUBELET_DIR")
+            .env_remove("POD_RESOURCES_SOCKET")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
 
     // Node events go to "default", as kubelet's do.
     let refused = api
@@ -162,5 +164,5 @@ fn a_refusal_then_the_binds_are_told_counted_and_make_it_ready() {
         assert!(v("process_open_fds") > Some(0.0), "{body}");
         assert!(v("process_cpu_seconds_total") >= Some(0.0), "{body}");
     }
-    assert_eq!(testkit::sigterm_and_wait(&mut child), Some(0));
+    assert_eq!(testkit::sigterm_and_wait(&mut child.0), Some(0));
 }

@@ -42,18 +42,20 @@ fn metrics_readiness_notify_and_events_follow_the_applies() {
     let kubeconfig = api.kubeconfig_for(user, user, &["system:masters"]).unwrap();
     let notify = NotifySocket::new().unwrap();
     let addr = free_addr();
-    let mut child = Command::new(BIN)
-        .args(["daemon", "--node-name", "node-m", "--kubeconfig"])
-        .arg(&kubeconfig)
-        .args(["-f", f, "--retry-min", "200ms", "--retry-max", "1s"])
-        .args(["--metrics-addr", &addr, "--host-root"])
-        .arg(root)
-        .env("NOTIFY_SOCKET", notify.path())
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = testkit::Reaped(
+        Command::new(BIN)
+            .args(["daemon", "--node-name", "node-m", "--kubeconfig"])
+            .arg(&kubeconfig)
+            .args(["-f", f, "--retry-min", "200ms", "--retry-max", "1s"])
+            .args(["--metrics-addr", &addr, "--host-root"])
+            .arg(root)
+            .env("NOTIFY_SOCKET", notify.path())
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
 
     // Node events go to "default", as kubelet's do.
     let refused = api.wait_for_event("default", "ProfileBlocked", WAIT);
@@ -222,7 +224,7 @@ fn metrics_readiness_notify_and_events_follow_the_applies() {
         std::thread::sleep(Duration::from_millis(200));
     }
     assert_eq!(seen, want);
-    assert_eq!(testkit::sigterm_and_wait(&mut child), Some(0));
+    assert_eq!(testkit::sigterm_and_wait(&mut child.0), Some(0));
 }
 
 /// 16 L40S, each behind its own root port.

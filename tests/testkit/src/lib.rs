@@ -18,3 +18,15 @@ pub fn sigterm_and_wait(child: &mut std::process::Child) -> Option<i32> {
     let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
     child.wait().ok()?.code()
 }
+
+/// A daemon under test, killed (SIGKILL) and reaped when dropped: a test that fails halfway
+/// leaves no daemon behind. [`sigterm_and_wait`] on `.0` ends it as systemd would.
+#[derive(Debug)]
+pub struct Reaped(pub std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

@@ -11,8 +11,13 @@ use support::*;
 use testkit::kubelet::FakeKubelet;
 use testkit::ops::{MetricsParser, free_addr, http_get, value, wait_for_status};
 
+/// Held by the test that broadcasts an event naming no device (which makes every listening
+/// daemon read its whole node) and by the tests that check a change was not read that way.
+static NODE_WIDE_EVENTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn group_node_removed_is_unhealthy_and_back_is_healthy() {
+    let _alone = NODE_WIDE_EVENTS.lock().await;
     let t = one_a10();
     t.add(&a10("0000:e2:00.0", 22));
     std::fs::write(t.vfio_node(22), "").unwrap();
@@ -421,6 +426,7 @@ async fn a_uevent_reads_again_the_device_it_names_and_only_it() {
     if !may_send_uevents("uevent test of sandbox-dp") {
         return;
     }
+    let _alone = NODE_WIDE_EVENTS.lock().await;
     // e2:00.0 is advertised; e1:00.0 and e3:00.0 are on nvidia (their group nodes exist).
     let t = Tree::new();
     for (bdf, group, driver) in [

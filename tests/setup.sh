@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing gpu-vm-node needs on a Debian machine, when missing:
-# FUSE (node-sim), libudev (tests read node-sim's uevents with libudev's own parser), QEMU, busybox and systemd-analyze (VM tier, unit checks),
+# FUSE (node-sim), libudev's headers and pkg-config (the daemons hear uevents through libudev), QEMU,
+# busybox and systemd-analyze (VM tier, unit checks),
 # python3 with venv (the manifest checks install their validators from PyPI),
 # npm (the manifest checks install helm and kubectl from an npm package) unless an npm is there;
 # for the cluster tier, etcd, runc, the CNI plugins, openssl (its certificates), iproute2 and

@@ -45,6 +45,24 @@ put() {
     install -D -m "$mode" "$src" "$root$dst"
 }
 
+# Asks the image's own loader whether each daemon finds every library it needs in the image: it
+# looks first in the image's library directories only (no ld.so.cache), so a library the image
+# lacks resolves to the build machine's, outside the root, and is named.
+resolves_in_image() {
+    local libs=$1 loader dirs d out outside
+    loader=$(for d in "${DAEMONS[@]}"; do ldd "$bin_dir/$d"; done |
+        sed -n 's/^\s*\(\/\S\+\) (.*/\1/p' | sort -u)
+    [ "$(wc -w <<<"$loader")" -eq 1 ] || die "the daemons do not name one loader: ${loader:-none}"
+    dirs=$(for l in $libs; do dirname "$root$l"; done | sort -u | paste -sd:)
+    for d in "${DAEMONS[@]}"; do
+        out=$("$root$loader" --inhibit-cache --library-path "$dirs" --list "$root/usr/local/bin/$d") ||
+            die "$d: the image's loader $loader cannot load it: $out"
+        outside=$(sed -n -e 's/^\s*\(\S\+\) => not found.*/\1 (not found)/p' \
+            -e 's/^\s*\(\S\+\) => \(\S\+\) (0x.*/\1 \2/p' <<<"$out" | grep -vF " $root/" || true)
+        [ -z "$outside" ] || die "$d needs libraries the image does not hold: $(paste -sd, <<<"$outside")"
+    done
+}
+
 layout() {
     root=$1
     [ -d "$root" ] && [ -n "$(ls -A "$root")" ] && die "$root is not empty"
@@ -68,6 +86,7 @@ layout() {
     libs=$(for d in "${DAEMONS[@]}"; do ldd "$bin_dir/$d"; done |
         sed -n -e 's/^\s*\S\+ => \(\/\S\+\) .*/\1/p' -e 's/^\s*\(\/\S\+\) (.*/\1/p' | sort -u)
     for l in $libs; do put "$l" "$l" 0755; done
+    resolves_in_image "$libs"
     put "$ca_bundle" /etc/ssl/certs/ca-certificates.crt 0644
     printf 'root:x:0:0:root:/:/bin/sh\n' >"$root/etc/passwd"
     printf 'root:x:0:\n' >"$root/etc/group"

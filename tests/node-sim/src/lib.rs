@@ -31,6 +31,7 @@ use std::time::SystemTime;
 pub use catalogue::{Catalogue, GpuModel, VgpuTypeDef, catalogue};
 pub use ops::Op;
 pub use topology::{Topology, topology};
+pub use uevent::{UDEV_GROUP, udev_message};
 
 use fs::{Inner, Shared, SimFs};
 

@@ -1,6 +1,9 @@
-//! Uevents for kernel-like changes, sent as libudev-format messages on the NETLINK_KOBJECT_UEVENT
-//! "udev" multicast group (2): the group `udev::MonitorBuilder::new()` listens on, where udevd
-//! re-broadcasts the kernel's events after processing them.
+//! Uevents for kernel-like changes. In node-sim's own network namespace they are sent as
+//! libudev-format messages on the NETLINK_KOBJECT_UEVENT "udev" multicast group (2), the group
+//! `udev::MonitorBuilder::new()` listens on, where udevd re-broadcasts the kernel's events after
+//! processing them: the kernel's own group there would also reach the host's udevd, which would
+//! act on devices that do not exist. In every other network namespace they reach the kernel's
+//! group (1), as the kernel's own events do ([`Namespaces`]).
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -70,8 +73,8 @@ fn devpath(dir: &str) -> String {
     dir.strip_prefix("sys").unwrap_or(dir).to_string()
 }
 
-/// The udev multicast group.
-const UDEV_GROUP: u32 = 2;
+/// udevd's multicast group, where node-sim sends.
+pub const UDEV_GROUP: u32 = 2;
 /// `UDEV_MONITOR_MAGIC` of libudev/sd-device.
 const MAGIC: u32 = 0xfeed_cafe;
 /// Size of libudev's `monitor_netlink_header`.
@@ -90,11 +93,16 @@ pub(crate) struct UeventSender {
 /// A sending socket in each network namespace other than node-sim's, found under `/proc`.
 ///
 /// The kernel broadcasts a uevent to the netlink sockets of every network namespace owned by
-/// the initial user namespace (lib/kobject_uevent.c); a message node-sim sends reaches its own
-/// namespace only. It therefore also sends from a socket opened inside each other namespace
-/// (`setns` on a thread of its own; needs CAP_SYS_ADMIN, else only its own namespace hears it).
-/// The list is read again before a batch of events once [`RESCAN`] has passed, and a namespace
-/// gone from `/proc` is let go (its socket would keep it alive).
+/// the initial user namespace (lib/kobject_uevent.c), on its own group; udevd re-broadcasts it
+/// in its namespace only. A message node-sim sends reaches its own namespace only. It
+/// therefore also sends from a socket opened inside each other namespace (`setns` on a thread of
+/// its own; needs CAP_SYS_ADMIN, else only its own namespace hears it), and there hands the
+/// event to the kernel, which broadcasts it on its group from port 0 as one of its own (uevent
+/// injection, `uevent_net_rcv`, Linux 4.18): what a daemon in a pod hears of a real node, and
+/// all libudev lets it hear there (it leaves udevd's group unjoined where neither udevd's
+/// control socket nor a devtmpfs `/dev` is). The list is read again before a batch of events
+/// once [`RESCAN`] has passed, and a namespace gone from `/proc` is let go (its socket would
+/// keep it alive).
 #[derive(Debug, Default)]
 struct Namespaces {
     sockets: HashMap<u64, OwnedFd>,
@@ -196,14 +204,14 @@ impl UeventSender {
         others.rescan();
         for e in events {
             let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-            let msg = encode(e, seq);
-            for fd in std::iter::once(&self.fd).chain(others.sockets.values()) {
-                if let Err(err) = sendto(
-                    fd.as_raw_fd(),
-                    &msg,
-                    &NetlinkAddr::new(0, UDEV_GROUP),
-                    MsgFlags::empty(),
-                ) {
+            let udevd = (&self.fd, encode(e, seq), NetlinkAddr::new(0, UDEV_GROUP));
+            let injection = injection(e, seq);
+            let kernel = others
+                .sockets
+                .values()
+                .map(|fd| (fd, injection.clone(), NetlinkAddr::new(0, 0)));
+            for (fd, msg, to) in std::iter::once(udevd).chain(kernel) {
+                if let Err(err) = sendto(fd.as_raw_fd(), &msg, &to, MsgFlags::empty()) {
                     // ECONNREFUSED/ESRCH: no listener in the group.
                     tracing::trace!(devpath = %e.devpath, "uevent not sent: {err}");
                 }
@@ -227,26 +235,66 @@ pub(crate) fn properties(e: &Uevent, seq: u64) -> Vec<(String, String)> {
     p
 }
 
+/// A message that has the kernel broadcast `e` on its own group, in the sending socket's network
+/// namespace: a netlink header (a request of a type the kernel accepts; no acknowledgement
+/// asked), then the event as the kernel writes one, `ACTION@DEVPATH` and the properties but
+/// `SEQNUM`, which the kernel adds from its own count.
+fn injection(e: &Uevent, seq: u64) -> Vec<u8> {
+    /// `NLMSG_MIN_TYPE`: the lowest type that is not a netlink control message.
+    const TYPE: u16 = 0x10;
+    /// `NLM_F_REQUEST`.
+    const REQUEST: u16 = 1;
+    let mut body = format!("{}@{}\0", e.action, e.devpath).into_bytes();
+    for (k, v) in properties(e, seq).iter().filter(|(k, _)| k != "SEQNUM") {
+        body.extend_from_slice(format!("{k}={v}\0").as_bytes());
+    }
+    let len = u32::try_from(16 + body.len()).unwrap_or(u32::MAX);
+    let mut m = Vec::with_capacity(16 + body.len());
+    m.extend_from_slice(&len.to_ne_bytes());
+    m.extend_from_slice(&TYPE.to_ne_bytes());
+    m.extend_from_slice(&REQUEST.to_ne_bytes());
+    m.extend_from_slice(&(seq as u32).to_ne_bytes()); // the header's sequence number
+    m.extend_from_slice(&0u32.to_ne_bytes()); // port: the kernel fills it in
+    m.extend_from_slice(&body);
+    m
+}
+
 /// A libudev monitor message: the 40-byte header, then `KEY=VALUE\0` properties.
 pub(crate) fn encode(e: &Uevent, seq: u64) -> Vec<u8> {
-    let mut props = Vec::new();
-    for (k, v) in properties(e, seq) {
-        props.extend_from_slice(k.as_bytes());
-        props.push(b'=');
-        props.extend_from_slice(v.as_bytes());
-        props.push(0);
+    let props = properties(e, seq);
+    let props: Vec<(&str, &str)> = props
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    udev_message(&props)
+}
+
+/// A message as udevd broadcasts one on its group (libudev's format): the 40-byte header, with
+/// the hash of the `SUBSYSTEM` property that a monitor filtering by subsystem checks in the
+/// kernel, then the properties as `KEY=VALUE\0`, in order.
+pub fn udev_message(props: &[(&str, &str)]) -> Vec<u8> {
+    let mut body = Vec::new();
+    for (k, v) in props {
+        body.extend_from_slice(k.as_bytes());
+        body.push(b'=');
+        body.extend_from_slice(v.as_bytes());
+        body.push(0);
     }
-    let mut m = Vec::with_capacity(HEADER_SIZE + props.len());
+    let subsystem = props
+        .iter()
+        .find_map(|(k, v)| (*k == "SUBSYSTEM").then_some(*v))
+        .map_or(0, |s| murmur2(s.as_bytes()));
+    let mut m = Vec::with_capacity(HEADER_SIZE + body.len());
     m.extend_from_slice(b"libudev\0");
     m.extend_from_slice(&MAGIC.to_be_bytes());
     m.extend_from_slice(&(HEADER_SIZE as u32).to_ne_bytes());
     m.extend_from_slice(&(HEADER_SIZE as u32).to_ne_bytes()); // properties_off
-    m.extend_from_slice(&(props.len() as u32).to_ne_bytes()); // properties_len
-    m.extend_from_slice(&murmur2(e.subsystem.as_bytes()).to_be_bytes()); // subsystem hash
+    m.extend_from_slice(&(body.len() as u32).to_ne_bytes()); // properties_len
+    m.extend_from_slice(&subsystem.to_be_bytes()); // subsystem hash
     m.extend_from_slice(&0u32.to_be_bytes()); // devtype hash: no devtype
     m.extend_from_slice(&0u32.to_be_bytes()); // tag bloom hi
     m.extend_from_slice(&0u32.to_be_bytes()); // tag bloom lo
-    m.extend_from_slice(&props);
+    m.extend_from_slice(&body);
     m
 }
 
@@ -301,6 +349,28 @@ mod tests {
             props,
             "ACTION=bind\0DEVPATH=/devices/pci0000:40/0000:40:01.1/0000:41:00.0\0SUBSYSTEM=pci\0\
              DRIVER=vfio-pci\0PCI_SLOT_NAME=0000:41:00.0\0SEQNUM=7\0"
+        );
+    }
+
+    #[test]
+    fn an_injection_is_a_netlink_request_carrying_the_kernels_form_without_seqnum() {
+        let e = Uevent {
+            action: "remove",
+            devpath: "/devices/pci0000:60/0000:60:01.1/0000:61:00.4/u1".into(),
+            subsystem: "mdev",
+            driver: None,
+            extra: vec![("MDEV_TYPE".into(), "nvidia-593".into())],
+        };
+        let m = injection(&e, 9);
+        let word = |at: usize| u32::from_ne_bytes(m[at..at + 4].try_into().unwrap());
+        let half = |at: usize| u16::from_ne_bytes(m[at..at + 2].try_into().unwrap());
+        assert_eq!(word(0) as usize, m.len());
+        assert_eq!((half(4), half(6)), (0x10, 1));
+        assert_eq!(
+            std::str::from_utf8(&m[16..]).unwrap(),
+            "remove@/devices/pci0000:60/0000:60:01.1/0000:61:00.4/u1\0ACTION=remove\0\
+             DEVPATH=/devices/pci0000:60/0000:60:01.1/0000:61:00.4/u1\0SUBSYSTEM=mdev\0\
+             MDEV_TYPE=nvidia-593\0"
         );
     }
 }

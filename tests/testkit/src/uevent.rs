@@ -1,6 +1,6 @@
-//! Uevents sent as udevd re-broadcasts them (libudev's format, netlink group 2), for tests of
-//! daemons against plain trees, where no kernel announces the changes a test makes. Sending
-//! needs `CAP_NET_ADMIN` (root).
+//! Uevents sent as udevd re-broadcasts them (libudev's format, node-sim's encoding, on udevd's
+//! netlink group), for tests of daemons against plain trees, where no kernel announces the
+//! changes a test makes. Sending needs `CAP_NET_ADMIN` (root).
 
 use std::os::fd::AsRawFd as _;
 
@@ -12,14 +12,17 @@ use nix::sys::socket::{
 /// Broadcasts one event: `ACTION`, `DEVPATH` (below `/sys`: `/devices/pci0000:00/…`),
 /// `SUBSYSTEM`.
 pub fn send(action: &str, devpath: &str, subsystem: &str) -> anyhow::Result<()> {
-    let props = format!("ACTION={action}\0DEVPATH={devpath}\0SUBSYSTEM={subsystem}\0SEQNUM=1\0");
-    let mut msg = b"libudev\0".to_vec();
-    msg.extend_from_slice(&0xfeed_cafe_u32.to_be_bytes()); // magic
-    // Header size, properties offset and length, then filter hashes (none).
-    for v in [40u32, 40, props.len() as u32, 0, 0, 0, 0] {
-        msg.extend_from_slice(&v.to_ne_bytes());
-    }
-    msg.extend_from_slice(props.as_bytes());
+    let msg = node_sim::udev_message(&[
+        ("ACTION", action),
+        ("DEVPATH", devpath),
+        ("SUBSYSTEM", subsystem),
+        ("SEQNUM", "1"),
+    ]);
+    broadcast(&msg).with_context(|| format!("sending {action} {devpath}"))
+}
+
+/// Broadcasts one message, as it is, on udevd's group.
+pub fn broadcast(msg: &[u8]) -> anyhow::Result<()> {
     let fd = socket(
         AddressFamily::Netlink,
         SockType::Raw,
@@ -30,10 +33,10 @@ pub fn send(action: &str, devpath: &str, subsystem: &str) -> anyhow::Result<()> 
     bind(fd.as_raw_fd(), &NetlinkAddr::new(0, 0)).context("binding the netlink socket")?;
     sendto(
         fd.as_raw_fd(),
-        &msg,
-        &NetlinkAddr::new(0, 2),
+        msg,
+        &NetlinkAddr::new(0, node_sim::UDEV_GROUP),
         MsgFlags::empty(),
     )
-    .with_context(|| format!("sending {action} {devpath}"))?;
+    .context("sending to udevd's group")?;
     Ok(())
 }

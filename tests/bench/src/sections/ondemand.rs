@@ -2,7 +2,9 @@
 //! the call) → answered with the vGPU ready; the same Allocate → another size's ListAndWatch
 //! dropping what the GPU can no longer host; the pod gone from the fake PodResources `List` →
 //! the vGPU removed from sysfs, and → that size's list whole again. Both `--on-demand-poll`
-//! settings: the release waits for the next poll.
+//! settings: the release waits for the next poll. The floor: each Allocate's sysfs writes (the
+//! mdev `create`, the VF's `current_vgpu_type`) replayed bare on a fresh node brought to the
+//! same state by the daemon's other writes.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -13,9 +15,10 @@ use testkit::kubelet::{FakeKubelet, FakePodResources};
 
 use crate::Cli;
 use crate::harness::bins::Bins;
+use crate::harness::floor::{replay, writes};
 use crate::harness::process::Invocation;
-use crate::harness::report::Report;
-use crate::harness::stats::fmt_p50_p99;
+use crate::harness::report::{Report, ratio};
+use crate::harness::stats::{fmt_p50_p99, summarize};
 use crate::harness::topology::{builtin, mount};
 use crate::sections::dp::Daemon;
 
@@ -76,6 +79,8 @@ const CASES: [Case; 2] = [
 
 #[derive(Default)]
 struct Samples {
+    /// Each Allocate's writes replayed bare.
+    floor: Vec<Duration>,
     ready: Vec<Duration>,
     other_list: Vec<Duration>,
     removed: Vec<Duration>,
@@ -96,7 +101,8 @@ async fn until(what: &str, mut pred: impl FnMut() -> bool) -> Result<()> {
 }
 
 async fn once(b: &Bins, case: &Case, poll: &str, cycles: usize, s: &mut Samples) -> Result<()> {
-    let sim = mount(&builtin(case.topology)?);
+    let topology = builtin(case.topology)?;
+    let sim = mount(&topology);
     let root = sim.root();
     let kdir = root.join("var/lib/kubelet/device-plugins");
     let mut kubelet = FakeKubelet::start(&kdir).await?;
@@ -127,16 +133,27 @@ async fn once(b: &Bins, case: &Case, poll: &str, cycles: usize, s: &mut Samples)
     let records = root.join("run/gpu-vm-node/on-demand-vgpus.json");
     let one: &[&str] = &[case.slot];
     let request = [one];
+    // The node's writes in order, as (Allocate's or not, writes): the start's (VFs enabled),
+    // then each cycle's Allocate and release, replayed on a fresh node for the floor.
+    let mut ops = vec![(false, writes(&sim.ops()))];
+    sim.clear_ops();
     for _ in 0..cycles {
         let t = Instant::now();
-        let (resp, listed) = tokio::join!(client.allocate(&request), async {
-            let r = lw
-                .wait_until(PATIENCE, |l| l.len() == case.other_after)
-                .await;
-            (r, t.elapsed())
-        });
-        let ready = t.elapsed();
+        let ((resp, ready), listed) = tokio::join!(
+            async {
+                let r = client.allocate(&request).await;
+                (r, t.elapsed())
+            },
+            async {
+                let r = lw
+                    .wait_until(PATIENCE, |l| l.len() == case.other_after)
+                    .await;
+                (r, t.elapsed())
+            }
+        );
         let resp = resp.map_err(|e| anyhow!("Allocate: {e}: {}", daemon.stderr_tail()))?;
+        ops.push((true, writes(&sim.ops())));
+        sim.clear_ops();
         listed.0?;
         let handle = resp
             .container_responses
@@ -173,8 +190,18 @@ async fn once(b: &Bins, case: &Case, poll: &str, cycles: usize, s: &mut Samples)
         );
         s.removed.push(gone?);
         s.other_back.push(back?);
+        ops.push((false, writes(&sim.ops())));
+        sim.clear_ops();
     }
     daemon.stop().await;
+    drop(sim);
+    let fresh = mount(&topology);
+    for (allocate, w) in &ops {
+        let took = replay(fresh.root(), w)?;
+        if *allocate {
+            s.floor.push(took);
+        }
+    }
     Ok(())
 }
 
@@ -182,13 +209,16 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     let cycles = cli.on_demand_cycles;
     r.line("### sandbox-dp --on-demand");
     r.line("");
-    r.line(format!("A node with no vGPUs, sandbox-dp `serve --on-demand` with the fake kubelet and a fake PodResources service; {cycles} cycles per run of: Allocate of one slot (the vGPU is created inside the call: mdev `create` on a VF of the A10, `current_vgpu_type` on a free VF of the H100) → the answer, with the vGPU ready (`ready`); the same Allocate → the other size's ListAndWatch update (`other size listed`: A10-8Q 6 → 3, H100XM-4C 20 → 0); the pod listed by PodResources then gone → the vGPU removed from sysfs (`removed`) and → the other size listed whole again (`other size back`). The release is found by the next `--on-demand-poll`, so `removed` is about half the poll interval plus the removal. p50 and p99 over all cycles of all runs. The pre-created path's Allocate (nothing created in the call) is in the sandbox-dp table above."));
+    r.line(format!("A node with no vGPUs, sandbox-dp `serve --on-demand` with the fake kubelet and a fake PodResources service; {cycles} cycles per run of: Allocate of one slot (the vGPU is created inside the call: mdev `create` on a VF of the A10, `current_vgpu_type` on a free VF of the H100) → the answer, with the vGPU ready (`ready`); the same Allocate → the other size's ListAndWatch update (`other size listed`: A10-8Q 6 → 3, H100XM-4C 20 → 0); the pod listed by PodResources then gone → the vGPU removed from sysfs (`removed`) and → the other size listed whole again (`other size back`). The release is found by the next `--on-demand-poll`, so `removed` is about half the poll interval plus the removal. Floor: each Allocate's sysfs write replayed bare on a fresh node brought through the same states (the daemon's other writes replayed too, untimed); `ready p99 / floor` is against the floor's p50. Goal: ready p99 ≤ 3× floor. p50 and p99 over all cycles of all runs. The pre-created path's Allocate (nothing created in the call) is in the sandbox-dp table above."));
     r.line("");
     r.table(&[
         "node",
         "poll",
+        "floor p50",
+        "floor p99",
         "ready p50",
         "ready p99",
+        "ready p99 / floor",
         "other size listed p50",
         "other size listed p99",
         "removed p50",
@@ -205,7 +235,14 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
                     .with_context(|| format!("{} --on-demand-poll {poll}", case.label))?;
             }
             let mut row = vec![case.label.to_string(), poll.to_string()];
-            for v in [&s.ready, &s.other_list, &s.removed, &s.other_back] {
+            for v in [&s.floor, &s.ready] {
+                let (p50, p99) = fmt_p50_p99(v).ok_or_else(|| anyhow!("no samples"))?;
+                row.extend([p50, p99]);
+            }
+            let (floor, ready) = (summarize(&s.floor), summarize(&s.ready));
+            let (floor, ready) = floor.zip(ready).ok_or_else(|| anyhow!("no samples"))?;
+            row.push(ratio(ready.p99, floor.median));
+            for v in [&s.other_list, &s.removed, &s.other_back] {
                 let (p50, p99) = fmt_p50_p99(v).ok_or_else(|| anyhow!("no samples"))?;
                 row.extend([p50, p99]);
             }

@@ -63,7 +63,7 @@ pub const FILES: &[StateFile] = &[
     },
     StateFile {
         path: "run/gpu-vm-node/on-demand-vgpus.json",
-        owner: "state::write_atomic",
+        owner: "state::write_atomic_until_reboot",
         format: "JSON, `\"version\": 1`",
         writer: "sandbox-dp `--on-demand`, before and after each vGPU it creates or removes",
         reader: "sandbox-dp, at start and after a crash",

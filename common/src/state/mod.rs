@@ -7,6 +7,9 @@
 //! Every file is replaced whole by [`write_atomic`]: a reader, or the next run after a crash,
 //! sees the old content or the new, never part of either. The temporary file has a random
 //! name, so a daemon that is PID 1 in its container after a crash never meets its own leftover.
+//! A file whose subject a reboot undoes (the on-demand vGPUs' record) is replaced the same way
+//! but not flushed to disk ([`write_atomic_until_reboot`]): it is written on the path a VM
+//! waits on, and a crash of the machine takes its vGPUs with it.
 //!
 //! Every record carries its format's version: a `# gpu-vm-node <kind> v<N>` first line in the
 //! line-oriented files ([`header`], [`text_version`]), a `version` field in the JSON ones
@@ -37,21 +40,43 @@ pub use files::{FILES, StateFile, markdown_table};
 /// over `path`, so `path` holds the old content or the new at every moment, across a crash too.
 /// On failure the temporary file is removed and `path` is left as it was.
 pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<()> {
-    write_atomic_with(path, |f| f.write_all(contents))
+    write_atomic_with(path, Flush::ToDisk, |f| f.write_all(contents))
+}
+
+/// [`write_atomic`] for a file whose content matters only until the node boots again (under
+/// `/run`, naming vGPUs a reboot destroys): replaced the same way, whole or not at all for a
+/// reader and across a crash of the process, but not flushed to disk. The flush (an `fsync` of
+/// the file and one of its directory, milliseconds each on a busy disk) only keeps the file
+/// across a crash of the machine, which takes the file's subject with it.
+pub fn write_atomic_until_reboot(path: &Path, contents: &[u8]) -> Result<()> {
+    write_atomic_with(path, Flush::No, |f| f.write_all(contents))
 }
 
 /// [`write_atomic`], the file's permission bits `mode` whatever the process's umask (a file
 /// another user must read: sandbox-dra's device metadata, read by virt-launcher as `qemu`).
 pub fn write_atomic_mode(path: &Path, contents: &[u8], mode: u32) -> Result<()> {
     use std::os::unix::fs::PermissionsExt as _;
-    write_atomic_with(path, |f| {
+    write_atomic_with(path, Flush::ToDisk, |f| {
         f.set_permissions(std::fs::Permissions::from_mode(mode))?;
         f.write_all(contents)
     })
 }
 
+/// Whether a replaced file is flushed to disk before [`write_atomic_with`] returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Flush {
+    /// The file and the rename, so that the new content survives a power loss.
+    ToDisk,
+    /// Neither: the content survives a crash of the process, not of the machine.
+    No,
+}
+
 /// [`write_atomic`] with the content written by `fill`.
-fn write_atomic_with(path: &Path, fill: impl FnOnce(&mut File) -> io::Result<()>) -> Result<()> {
+fn write_atomic_with(
+    path: &Path,
+    flush: Flush,
+    fill: impl FnOnce(&mut File) -> io::Result<()>,
+) -> Result<()> {
     let save = |source| Error::Save {
         path: path.to_path_buf(),
         source,
@@ -68,13 +93,19 @@ fn write_atomic_with(path: &Path, fill: impl FnOnce(&mut File) -> io::Result<()>
         .open(&tmp)
         .and_then(|mut f| {
             fill(&mut f)?;
-            f.sync_all()
+            match flush {
+                Flush::ToDisk => f.sync_all(),
+                Flush::No => Ok(()),
+            }
         })
         .and_then(|()| std::fs::rename(&tmp, path));
     if let Err(e) = written {
         // Best effort: the temporary file may not even exist.
         let _ = std::fs::remove_file(&tmp);
         return Err(save(e));
+    }
+    if flush == Flush::No {
+        return Ok(());
     }
     // The rename itself survives a power loss only once the directory is flushed.
     File::open(dir).and_then(|d| d.sync_all()).map_err(save)
@@ -346,7 +377,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("state");
         write_atomic(&path, b"old content\n").unwrap();
-        let err = write_atomic_with(&path, |f| {
+        let err = write_atomic_with(&path, Flush::ToDisk, |f| {
             f.write_all(b"new con")?;
             Err(io::Error::other("interrupted"))
         })
@@ -369,7 +400,13 @@ mod tests {
             let (path, a, b) = (path.clone(), a.clone(), b.clone());
             std::thread::spawn(move || {
                 for i in 0..50 {
-                    write_atomic(&path, if i % 2 == 0 { &b } else { &a }).unwrap();
+                    let next = if i % 2 == 0 { &b } else { &a };
+                    // Flushed to disk or not, the replacement is whole.
+                    if i % 4 < 2 {
+                        write_atomic(&path, next).unwrap();
+                    } else {
+                        write_atomic_until_reboot(&path, next).unwrap();
+                    }
                 }
             })
         };

@@ -1,7 +1,8 @@
 //! The record of every vGPU the pool made: `<root>/run/gpu-vm-node/on-demand-vgpus.json`,
 //! replaced whole before each vGPU's creation (phase `creating`), after it (`ready`) and before
 //! its removal (`removing`), so that a crash at any point leaves a record of every vGPU this
-//! daemon may have made.
+//! daemon may have made. It is not flushed to disk ([`state::write_atomic_until_reboot`]): a
+//! crash of the machine destroys the vGPUs it names.
 //!
 //! The file carries its format's version (`"version": 1`); one without (the format before) is
 //! read as it is and written with it next time. One that cannot be read, or of a newer
@@ -138,7 +139,9 @@ impl Pool {
             path: path.clone(),
             source,
         })?;
-        state::write_atomic(&path, text.as_bytes()).map_err(|e| Error::Records(Box::new(e)))
+        // vGPUs do not outlive a boot: the file is not flushed to disk (the VM waits on it).
+        state::write_atomic_until_reboot(&path, text.as_bytes())
+            .map_err(|e| Error::Records(Box::new(e)))
     }
 
     /// Changes the records with `f` and replaces the file with them.

@@ -8,7 +8,7 @@
 use std::fs::OpenOptions;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -19,11 +19,13 @@ use crate::pci::PciAddress;
 /// Default time a single write may take (a GPU driver's probe or remove can take seconds).
 pub const DEFAULT_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The node's sysfs, for writing.
+/// The node's sysfs, for writing. Clones share their writer threads ([`Writers`]): keep one
+/// for the writes of a daemon's life rather than one per write.
 #[derive(Clone, Debug)]
 pub struct Sysfs {
     paths: HostPaths,
     timeout: Duration,
+    writers: Writers,
 }
 
 impl Sysfs {
@@ -32,6 +34,7 @@ impl Sysfs {
         Sysfs {
             paths,
             timeout: DEFAULT_WRITE_TIMEOUT,
+            writers: Writers::default(),
         }
     }
 
@@ -57,18 +60,18 @@ impl Sysfs {
         Ok(dir)
     }
 
-    /// Writes `value` to `path` on a worker thread and waits at most the timeout.
+    /// Writes `value` to `path` on a writer thread and waits at most the timeout.
     fn write(&self, device: &str, path: PathBuf, value: &str) -> Result<()> {
         tracing::debug!(device, path = %path.display(), value, "sysfs write");
         let (tx, rx) = mpsc::channel();
-        let (p, v) = (path.clone(), value.to_string());
-        let spawned = std::thread::Builder::new()
-            .name("sysfs-write".into())
-            .spawn(move || {
-                let _ = tx.send(write_now(&p, &v));
-            });
-        let result = match spawned {
-            Ok(_) => match rx.recv_timeout(self.timeout) {
+        let job = Job {
+            path: path.clone(),
+            value: value.to_string(),
+            reply: tx,
+            again: None,
+        };
+        let result = match self.writers.run(job) {
+            Ok(()) => match rx.recv_timeout(self.timeout) {
                 Ok(r) => r,
                 Err(_) => {
                     return Err(Error::Timeout {
@@ -212,6 +215,78 @@ impl Sysfs {
     }
 }
 
+/// One write for a writer thread, and where its result goes.
+#[derive(Debug)]
+struct Job {
+    path: PathBuf,
+    value: String,
+    reply: mpsc::Sender<std::io::Result<()>>,
+    /// How to reach the thread again, for the idle list: a waiting thread holds none, so that
+    /// it ends when the list is dropped.
+    again: Option<mpsc::Sender<Job>>,
+}
+
+/// The threads [`Sysfs`] writes on, so that a write that hangs in the kernel (a driver's
+/// probe) leaves its caller free after the timeout. A thread that finished its write waits
+/// for the next one, [`IDLE_WRITERS`] at most: a write wakes a waiting thread (microseconds)
+/// rather than starting one, which on a busy machine waits for a CPU for milliseconds. A thread
+/// still in a hung write is not waited for: the next write gets another. Idle threads end when
+/// the last clone of the [`Sysfs`] is dropped.
+#[derive(Clone, Debug, Default)]
+struct Writers {
+    idle: Arc<Mutex<Vec<mpsc::Sender<Job>>>>,
+}
+
+/// How many writer threads wait for work at most.
+const IDLE_WRITERS: usize = 2;
+
+impl Writers {
+    /// Hands `job` to an idle thread, or to a new one. Gives the job back when no thread can
+    /// be started: the caller writes it itself.
+    fn run(&self, mut job: Job) -> std::result::Result<(), Job> {
+        loop {
+            let next = lock(&self.idle).pop();
+            let Some(worker) = next else { break };
+            job.again = Some(worker.clone());
+            match worker.send(job) {
+                Ok(()) => return Ok(()),
+                // That thread is gone: the job comes back.
+                Err(mpsc::SendError(j)) => job = j,
+            }
+        }
+        let (tx, rx) = mpsc::channel::<Job>();
+        let idle = Arc::downgrade(&self.idle);
+        let spawned = std::thread::Builder::new()
+            .name("sysfs-write".into())
+            .spawn(move || {
+                while let Ok(mut job) = rx.recv() {
+                    let done = write_now(&job.path, &job.value);
+                    // Back in the idle list before the caller hears, so that its next write
+                    // finds this thread; the list gone (the Sysfs dropped) or full ends it.
+                    if let (Some(again), Some(idle)) = (job.again.take(), idle.upgrade()) {
+                        let mut idle = lock(&idle);
+                        if idle.len() < IDLE_WRITERS {
+                            idle.push(again);
+                        }
+                    }
+                    let _ = job.reply.send(done);
+                }
+            });
+        match spawned {
+            Ok(_) => {
+                job.again = Some(tx.clone());
+                tx.send(job).map_err(|mpsc::SendError(j)| j)
+            }
+            Err(_) => Err(job),
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A list of senders is whole whatever a panicking holder did.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn write_now(path: &Path, value: &str) -> std::io::Result<()> {
     let mut f = OpenOptions::new().write(true).open(path)?;
     f.write_all(value.as_bytes())
@@ -230,6 +305,34 @@ mod tests {
         fs::write(dir.root().join("sys/bus/pci/drivers_probe"), "").unwrap();
         let p = HostPaths::new(dir.root());
         (dir, p, "0000:41:00.0".parse().unwrap())
+    }
+
+    #[test]
+    fn a_writer_thread_serves_the_next_write_and_a_hung_one_holds_up_no_other() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Sysfs::new(HostPaths::new(dir.path())).with_timeout(Duration::from_millis(200));
+        let file = dir.path().join("attr");
+        fs::write(&file, "").unwrap();
+        s.write("dev", file.clone(), "1").unwrap();
+        s.write("dev", file.clone(), "2").unwrap();
+        assert_eq!(fs::read_to_string(&file).unwrap(), "2");
+        assert_eq!(
+            lock(&s.writers.idle).len(),
+            1,
+            "one thread served both writes"
+        );
+
+        // A write that blocks (a FIFO nobody reads: as a driver's probe that never returns)
+        // times out; the next write gets a thread of its own.
+        let fifo = dir.path().join("hung");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let e = s.write("gpu", fifo.clone(), "1").unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        s.write("dev", file.clone(), "3").unwrap();
+        assert_eq!(fs::read_to_string(&file).unwrap(), "3");
+        // Let the hung write finish.
+        let reader = std::thread::spawn(move || fs::read_to_string(&fifo).unwrap());
+        assert_eq!(reader.join().unwrap(), "1");
     }
 
     #[test]

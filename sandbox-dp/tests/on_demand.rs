@@ -1359,3 +1359,74 @@ async fn a_gpu_in_a_running_sandbox_dra_pool_is_refused_and_a_left_over_pool_is_
     let pool = read(root, "run/gpu-vm-node/on-demand-pool");
     assert!(pool.contains(GPU_A) && pool.contains(GPU_B), "{pool}");
 }
+
+/// The sysfs id of the mdev type of `vf` whose name ends in `key` (`A10-8Q`).
+fn type_id(root: &Path, vf: &str, key: &str) -> String {
+    let dir = root.join(format!("sys/class/mdev_bus/{vf}/mdev_supported_types"));
+    std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .find(|t| read(root, &format!("{}/{t}/name", dir.display())).ends_with(key))
+        .unwrap_or_else(|| panic!("{vf} has no type {key}"))
+}
+
+/// The mdevs on `gpu`'s VFs.
+fn mdevs_on(root: &Path, gpu: &str) -> Vec<String> {
+    let mut out: Vec<String> = std::fs::read_dir(root.join("sys/bus/mdev/devices"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|u| gpu_of_mdev(root, u) == gpu)
+        .collect();
+    out.sort();
+    out
+}
+
+/// The pool places vGPUs from its own view of a GPU, which does not see a vGPU made by hand:
+/// the kernel refuses that write (an A10-4Q cannot join an A10-8Q), and the GPU is read again,
+/// so the vGPU goes to the other GPU. Once the hand-made vGPU is gone, the next Allocate finds
+/// the GPU free again (its view, holding that vGPU, cannot place the 4Q: it reads again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vgpu_the_pool_did_not_make_is_found_by_the_kernels_refusal() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let mut p = a10_pool(root, &["--on-demand", "all"]).await;
+    let vf = "0000:41:00.4";
+    let by_hand = "6a0e1b8c-0d6f-4c8e-9a53-1f2e3d4c5b6a";
+    let t8 = type_id(root, vf, "A10-8Q");
+    write(
+        root,
+        &format!("sys/class/mdev_bus/{vf}/mdev_supported_types/{t8}/create"),
+        by_hand,
+    );
+    let env = "MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q";
+    let slot = format!("{GPU_A}-A10-4Q-0");
+    let one: &[&str] = &[slot.as_str()];
+    let r = p.p4.allocate(&[one]).await.unwrap();
+    let uuid = r.container_responses[0].envs[env].clone();
+    assert_eq!(gpu_of_mdev(root, &uuid), GPU_B, "placed on the other GPU");
+    assert_eq!(
+        mdevs_on(root, GPU_A),
+        [by_hand],
+        "GPU A keeps its A10-8Q alone"
+    );
+    assert!(
+        records(root).contains(&uuid) && !records(root).contains(by_hand),
+        "{}",
+        records(root)
+    );
+
+    write(root, &format!("sys/bus/mdev/devices/{by_hand}/remove"), "1");
+    let slot = format!("{GPU_A}-A10-4Q-1");
+    let one: &[&str] = &[slot.as_str()];
+    let r = p.p4.allocate(&[one]).await.unwrap();
+    let again = r.container_responses[0].envs[env].clone();
+    // The view of GPU A, read when the 4Q was refused, holds the 8Q: it cannot place the 4Q,
+    // and A is read again rather than passed over.
+    assert_eq!(
+        gpu_of_mdev(root, &again),
+        GPU_A,
+        "placed on the GPU its ID names"
+    );
+}

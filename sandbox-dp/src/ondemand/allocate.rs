@@ -1,11 +1,12 @@
 //! `Allocate`: the vGPU of each device ID made (or the one made for it before reused), each
-//! following [`common::vgpu::lifecycle`]: placed from a fresh read of its member under the
-//! member's lock, recorded, created, waited for.
+//! following [`common::vgpu::lifecycle`]: placed under the member's lock from the member as
+//! the pool last saw it (read again when that view cannot place it or the kernel refuses the
+//! write), recorded, created, waited for.
 
 use std::time::Instant;
 
+use common::Inventory;
 use common::vgpu::lifecycle::{self, Member, NoRoom};
-use common::{Inventory, Sysfs};
 
 use super::records::now;
 use super::{Created, Error, Phase, Pool, READ_OPTIONS, Record, lock};
@@ -89,11 +90,11 @@ impl Pool {
             return Ok(None);
         };
         let gl = self.member_lock(&r.parent);
-        let _held = lock(&gl);
-        let mut inv = self.read_member(&r.parent)?;
-        r.handle.refresh(&mut inv, &self.paths, &READ_OPTIONS);
+        let mut view = lock(&gl);
+        let inv = self.view(&mut view, &r.parent)?;
+        r.handle.refresh(inv, &self.paths, &READ_OPTIONS);
         if r.phase != Phase::Removing
-            && let Some(ready) = r.handle.ready(&inv)
+            && let Some(ready) = r.handle.ready(inv)
         {
             // Ready, and its grace period starts again: kubelet is admitting a pod with it.
             self.update(|rs| {
@@ -105,10 +106,10 @@ impl Pool {
             tracing::info!(device = id, vgpu = %r.handle, "reusing the vGPU made for this device");
             return Ok(Some(created(&r, ready)));
         }
-        if r.handle.exists(&inv) {
+        if r.handle.exists(inv) {
             // Made for this device but not whole (no group node yet, or half removed): made
             // again, unless something holds it.
-            if let Some(who) = self.held(&inv, &r) {
+            if let Some(who) = self.held(inv, &r) {
                 return Err(Error::InUse {
                     type_name: r.type_name.clone(),
                     vgpu: r.handle.clone(),
@@ -116,14 +117,16 @@ impl Pool {
                     who: format!("{who}; made earlier for {id} of {resource}, not removed"),
                 });
             }
-            self.destroy(&r)?;
+            self.destroy(inv, &r)?;
         }
         self.update(|rs| rs.retain(|x| x.device != id))?;
         Ok(None)
     }
 
-    /// Creates a vGPU of type `key` for device `id` on `member`, under its lock and from a
-    /// fresh read of it.
+    /// Creates a vGPU of type `key` for device `id` on `member`, under its lock: placed from
+    /// the member as the pool last saw it (its last read, with the pool's own vGPUs since), the
+    /// kernel's answer to the write checking that view; what that view cannot place, or the
+    /// kernel refuses, is placed again from a fresh read of the member, which the pool keeps.
     fn create_on(
         &self,
         resource: &str,
@@ -132,14 +135,42 @@ impl Pool {
         key: &str,
         started: Instant,
     ) -> Placed {
-        let what = member.what();
         let gl = self.member_lock(member);
-        let _held = lock(&gl);
+        let mut view = lock(&gl);
+        if let Some(inv) = view.as_mut() {
+            match self.create_from(inv, resource, id, member, key, started) {
+                Placed::NoRoom(e) => {
+                    tracing::debug!(device = id, gpu = %member, why = %common::error_chain(&e), "reading the member again");
+                }
+                Placed::Failed(e @ Error::Create { .. }) if refused(&e) => {
+                    tracing::debug!(device = id, gpu = %member, why = %common::error_chain(&e), "the kernel refused; reading the member again");
+                }
+                done => return done,
+            }
+        }
+        *view = None;
         let mut inv = match self.read_member(member) {
             Ok(inv) => inv,
             Err(e) => return Placed::Failed(e),
         };
-        if !self.members(&inv).contains(member) {
+        let placed = self.create_from(&mut inv, resource, id, member, key, started);
+        *view = Some(inv);
+        placed
+    }
+
+    /// Creates a vGPU of type `key` for device `id` on `member` as `inv` shows it (the
+    /// member's lock held), and brings `inv` up to date with it.
+    fn create_from(
+        &self,
+        inv: &mut Inventory,
+        resource: &str,
+        id: &str,
+        member: &Member,
+        key: &str,
+        started: Instant,
+    ) -> Placed {
+        let what = member.what();
+        if !self.members(inv).contains(member) {
             return Placed::NoRoom(Error::NotPooled {
                 resource: resource.to_string(),
                 id: id.to_string(),
@@ -150,7 +181,7 @@ impl Pool {
             resource: resource.to_string(),
             why,
         };
-        let Some(offers) = lifecycle::offers(&inv, member) else {
+        let Some(offers) = lifecycle::offers(inv, member) else {
             return Placed::NoRoom(no_room(NoRoom::Full(format!(
                 "{what} {member} is not on this node"
             ))));
@@ -183,7 +214,7 @@ impl Pool {
         }) {
             return Placed::Failed(e);
         }
-        if let Err(source) = planned.create(&Sysfs::new(self.paths.clone())) {
+        if let Err(source) = planned.create(&self.sysfs) {
             if let Err(e) = self.update(|rs| rs.retain(|r| r.device != id)) {
                 tracing::warn!(device = id, error = %common::error_chain(&e), "cannot drop the record of a vGPU that was not created");
             }
@@ -206,7 +237,7 @@ impl Pool {
         }) {
             return Placed::Failed(e);
         }
-        let Some(made) = handle.wait_ready(&mut inv, &self.paths, &READ_OPTIONS) else {
+        let Some(made) = handle.wait_ready(inv, &self.paths, &READ_OPTIONS) else {
             return Placed::Failed(Error::NotReady {
                 type_name: t.name.clone(),
                 vgpu: handle,
@@ -225,6 +256,19 @@ impl Pool {
         tracing::info!(device = id, gpu = %member, vgpu = %handle, type_name = %t.name, took_ms = started.elapsed().as_millis() as u64, "created an on-demand vGPU");
         Placed::Made(created(&ready, made))
     }
+}
+
+/// Whether a failed create was the kernel's refusal (an errno, or the type or device gone):
+/// nothing was made, and a fresh read may place it elsewhere. A write that timed out may still
+/// land, and is not tried again.
+fn refused(e: &Error) -> bool {
+    let Error::Create { source, .. } = e else {
+        return false;
+    };
+    matches!(
+        **source,
+        common::Error::Write { .. } | common::Error::NotFound { .. }
+    )
 }
 
 /// The vGPU of a record as a device, its group node there.

@@ -19,10 +19,17 @@
 //! replacing the file whole ([`records`]): a crash at any point leaves a record of every vGPU
 //! this daemon may have made, and the next run removes those no pod holds.
 //!
-//! One member serves one Allocate at a time (a lock per member), and each reads it afresh: two
-//! Allocates racing for one GPU never make two sizes on it. The loser is placed on another
-//! pooled GPU that can host its type (its record maps kubelet's device ID to that GPU, and the
-//! answer carries the real vGPU), or refused with the GPU and the type named when none can.
+//! One member serves one Allocate at a time (a lock per member): two Allocates racing for one
+//! GPU never make two sizes on it. Under its lock the pool keeps the member as it last read it
+//! (at start, then whenever a placement needs it), brought up to date with each vGPU it makes or
+//! removes there by reading that vGPU alone. A vGPU is placed from that view, and the kernel's
+//! answer to the write checks it (the mixing rule and the counts are the kernel's own): a view
+//! that cannot place the vGPU, or a write the kernel refuses, has the member read again and the
+//! vGPU placed from that read. So a change the pool did not make (a vGPU an operator made or
+//! removed, a GPU unplugged) costs at most one refused write, and a refusal is never decided
+//! on a kept view. The loser of a race is placed on another pooled GPU that can host its type
+//! (its record maps kubelet's device ID to that GPU, and the answer carries the real vGPU), or
+//! refused with the GPU and the type named when none can.
 //!
 //! The pool's parts: [`ids`] (device IDs of slots), [`records`] (the state file), `advertise`
 //! (slots for kubelet), `allocate` (Allocate), `release` (removing what no pod holds).
@@ -181,12 +188,16 @@ pub enum Error {
 #[derive(Debug)]
 pub struct Pool {
     paths: HostPaths,
+    /// Its sysfs writes, on threads kept for the next one.
+    sysfs: Sysfs,
     selector: Selector,
     vendor: Option<u16>,
     /// How long an allocation no pod was ever seen holding lives.
     grace: Duration,
     records: Mutex<Vec<Record>>,
-    locks: Mutex<BTreeMap<Member, Arc<Mutex<()>>>>,
+    /// Each member's lock, and under it the member as the pool last read it, brought up to
+    /// date with every vGPU the pool made or removed there since ([`Pool::view`]).
+    locks: Mutex<BTreeMap<Member, Arc<Mutex<View>>>>,
     metrics: Arc<Metrics>,
     /// Node events for creations, removals and refusals (set once the runtime runs).
     events: std::sync::OnceLock<NodeEvents>,
@@ -195,6 +206,10 @@ pub struct Pool {
     /// What became of a records file that could not be read at start, until it is told.
     unreadable: Mutex<Option<String>>,
 }
+
+/// A member as the pool last read it (none before the first read, or after a write whose
+/// effect is not known).
+type View = Option<Inventory>;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Records are written to disk before they are relied on: a panic leaves them usable.
@@ -226,6 +241,7 @@ impl Pool {
             metrics.on_demand_records_unreadable();
         }
         Ok(Pool {
+            sysfs: Sysfs::new(paths.clone()),
             paths,
             selector,
             vendor,
@@ -307,6 +323,15 @@ impl Pool {
         }
     }
 
+    /// The member's view (its lock held): as kept, else read now.
+    fn view<'a>(&self, view: &'a mut View, m: &Member) -> Result<&'a mut Inventory, Error> {
+        if view.is_none() {
+            *view = Some(self.read_member(m)?);
+        }
+        // Just filled when it was empty.
+        Ok(view.get_or_insert_default())
+    }
+
     /// Every pooled GPU and mdev parent the inventory has, GPUs first.
     fn members(&self, inv: &Inventory) -> Vec<Member> {
         let gpus = self.gpus(inv).into_iter().map(Member::Gpu);
@@ -347,7 +372,7 @@ impl Pool {
                 parents: parents.clone(),
             },
         )?;
-        let sysfs = Sysfs::new(self.paths.clone());
+        let sysfs = &self.sysfs;
         let need: Vec<(PciAddress, u32)> = gpus
             .iter()
             .filter_map(|a| match capacity(&inv, a).mode {
@@ -371,11 +396,24 @@ impl Pool {
             tracing::info!(gpu = %a, vfs = total, "enabling VFs for on-demand vGPUs");
             sysfs.set_sriov_numvfs(&a, total)?;
         }
+        // Each member read once now, so that the first Allocate on it does not wait for that.
+        for m in gpus
+            .iter()
+            .map(|a| Member::Gpu(*a))
+            .chain(parents.iter().map(|p| Member::Parent(p.clone())))
+        {
+            match self.read_member(&m) {
+                Ok(inv) => *lock(&self.member_lock(&m)) = Some(inv),
+                Err(e) => {
+                    tracing::debug!(gpu = %m, error = %common::error_chain(&e), "not read at start")
+                }
+            }
+        }
         tracing::info!(gpus = ?gpus.iter().map(ToString::to_string).collect::<Vec<_>>(), parents = ?parents, "on-demand pool");
         Ok(hold)
     }
 
-    fn member_lock(&self, m: &Member) -> Arc<Mutex<()>> {
+    fn member_lock(&self, m: &Member) -> Arc<Mutex<View>> {
         lock(&self.locks).entry(m.clone()).or_default().clone()
     }
 }

@@ -5,10 +5,10 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use common::vgpu::lifecycle::{Handle, Member};
-use common::{Inventory, Sysfs, error_chain};
+use common::{Inventory, error_chain};
 
 use super::records::{now, past_grace};
-use super::{Error, Phase, Pool, Record, lock};
+use super::{Error, Phase, Pool, READ_OPTIONS, Record, lock};
 
 impl Pool {
     /// Removes the vGPUs no pod holds: those a pod held once and no longer does, and those no
@@ -67,17 +67,19 @@ impl Pool {
 
     fn release(&self, r: &Record) -> Result<(), Error> {
         let gl = self.member_lock(&r.parent);
-        let _held = lock(&gl);
+        let mut view = lock(&gl);
         // An Allocate may have taken the record up again meanwhile (kubelet's retry): the next
         // poll decides anew.
         if !self.records().contains(r) {
             return Ok(());
         }
-        // Its GPU holds the vGPU (an mdev on it or a VF, or the VF itself): who uses it is
-        // found from that device alone (its group node, its VFIO cdev, its pod).
-        let inv = self.read_member(&r.parent)?;
-        if r.handle.exists(&inv) {
-            if let Some(who) = self.held(&inv, r) {
+        // Its GPU holds the vGPU (an mdev on it or a VF, or the VF itself): whether it is
+        // there and who uses it are found from that device alone, read again (its group node,
+        // its VFIO cdev, its pod).
+        let inv = self.view(&mut view, &r.parent)?;
+        r.handle.refresh(inv, &self.paths, &READ_OPTIONS);
+        if r.handle.exists(inv) {
+            if let Some(who) = self.held(inv, r) {
                 return Err(Error::InUse {
                     type_name: r.type_name.clone(),
                     vgpu: r.handle.clone(),
@@ -90,7 +92,7 @@ impl Pool {
                     x.phase = Phase::Removing;
                 }
             })?;
-            self.destroy(r)?;
+            self.destroy(inv, r)?;
             self.metrics.on_demand_destroyed();
             lock(&self.kept_told).remove(&r.device);
             self.event_normal(
@@ -133,10 +135,11 @@ impl Pool {
             .cloned();
         let Some(r) = r else { return Ok(()) };
         let gl = self.member_lock(&r.parent);
-        let _held = lock(&gl);
-        let inv = self.read_member(&r.parent)?;
-        if r.handle.exists(&inv) {
-            if let Some(who) = self.held(&inv, &r) {
+        let mut view = lock(&gl);
+        let inv = self.view(&mut view, &r.parent)?;
+        r.handle.refresh(inv, &self.paths, &READ_OPTIONS);
+        if r.handle.exists(inv) {
+            if let Some(who) = self.held(inv, &r) {
                 return Err(Error::InUse {
                     type_name: r.type_name.clone(),
                     vgpu: r.handle.clone(),
@@ -144,20 +147,21 @@ impl Pool {
                     who: format!("{who}; kept"),
                 });
             }
-            self.destroy(&r)?;
+            self.destroy(inv, &r)?;
         }
         self.update(|rs| rs.retain(|x| x.handle != *handle))
     }
 
-    /// The write that removes the vGPU of `r`. Callers ask [`Pool::held`] first.
-    pub(super) fn destroy(&self, r: &Record) -> Result<(), Error> {
-        r.handle
-            .destroy(&Sysfs::new(self.paths.clone()))
-            .map_err(|e| Error::Destroy {
-                type_name: r.type_name.clone(),
-                vgpu: r.handle.clone(),
-                member: r.parent.clone(),
-                source: Box::new(e),
-            })
+    /// The write that removes the vGPU of `r`; then its member's view `inv` reads that vGPU
+    /// again (gone, or as the failed write left it). Callers ask [`Pool::held`] first.
+    pub(super) fn destroy(&self, inv: &mut Inventory, r: &Record) -> Result<(), Error> {
+        let done = r.handle.destroy(&self.sysfs).map_err(|e| Error::Destroy {
+            type_name: r.type_name.clone(),
+            vgpu: r.handle.clone(),
+            member: r.parent.clone(),
+            source: Box::new(e),
+        });
+        r.handle.refresh(inv, &self.paths, &READ_OPTIONS);
+        done
     }
 }

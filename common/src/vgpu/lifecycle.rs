@@ -10,6 +10,10 @@
 //! 3. The caller records [`Planned::handle`] in its own state file **before** the write, so
 //!    that after a crash at any later point it knows every vGPU it may have made.
 //! 4. [`Planned::create`] writes the mdev type's `create` or the VF's `current_vgpu_type`.
+//!    The kernel checks the placement as it answers (its own counts and mixing rule): a
+//!    caller that placed from a view it kept ([`Member::read`] earlier, brought up to date
+//!    with its own vGPUs by [`Handle::refresh`]) reads the member again when that view cannot
+//!    place the vGPU or the kernel [`refused`] it, and never refuses on a kept view.
 //! 5. [`Handle::wait_ready`] re-reads that one device (not the node) until its
 //!    `/dev/vfio/<group>` exists.
 //! 6. Before [`Handle::destroy`] (`remove`, or `current_vgpu_type` 0) the caller asks the one
@@ -47,6 +51,33 @@ impl Member {
             Member::Parent(_) => "mdev parent",
         }
     }
+}
+
+impl Member {
+    /// Reads what placing or removing a vGPU on it depends on. A GPU: the GPU with its VFs,
+    /// their mdev types and vGPUs, and the group nodes of their groups, refreshed into an empty
+    /// inventory (which then shows it as a full read does: the cost of the GPU, not of the
+    /// node, which on a node of SR-IOV GPUs is every VF's types). A non-PCI parent: the node.
+    pub fn read(&self, paths: &HostPaths, opts: &ReadOptions) -> crate::Result<Inventory> {
+        match self {
+            Member::Gpu(a) => {
+                let mut inv = Inventory::default();
+                inv.refresh_pci(paths, *a, opts);
+                Ok(inv)
+            }
+            Member::Parent(_) => Inventory::read_with(paths, opts),
+        }
+    }
+}
+
+/// Whether a failed [`Planned::create`] was the kernel's refusal (an errno, or the type or
+/// device gone): nothing was made, and a fresh read of the member may place the vGPU
+/// elsewhere. A write that timed out may still land: it is not a refusal.
+pub fn refused(e: &crate::Error) -> bool {
+    matches!(
+        e,
+        crate::Error::Write { .. } | crate::Error::NotFound { .. }
+    )
 }
 
 impl fmt::Display for Member {

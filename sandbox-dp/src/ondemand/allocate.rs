@@ -258,17 +258,9 @@ impl Pool {
     }
 }
 
-/// Whether a failed create was the kernel's refusal (an errno, or the type or device gone):
-/// nothing was made, and a fresh read may place it elsewhere. A write that timed out may still
-/// land, and is not tried again.
+/// Whether a failed create was the kernel's refusal ([`lifecycle::refused`]).
 fn refused(e: &Error) -> bool {
-    let Error::Create { source, .. } = e else {
-        return false;
-    };
-    matches!(
-        **source,
-        common::Error::Write { .. } | common::Error::NotFound { .. }
-    )
+    matches!(e, Error::Create { source, .. } if lifecycle::refused(source))
 }
 
 /// The vGPU of a record as a device, its group node there.

@@ -306,21 +306,11 @@ impl Pool {
             .collect()
     }
 
-    /// What placing or removing a vGPU on `m` depends on, read under its lock: for a GPU, the
-    /// GPU with its VFs, their mdev types and mdevs, and the group nodes of their groups (a
-    /// refresh of that GPU into an empty inventory, which then shows it as a full read does:
-    /// the cost of the GPU, not of the node, which on a node of SR-IOV GPUs is every VF's
-    /// types); for a non-PCI parent, the node.
+    /// What placing or removing a vGPU on `m` depends on ([`Member::read`]), read under its
+    /// lock.
     fn read_member(&self, m: &Member) -> Result<Inventory, Error> {
-        match m {
-            Member::Gpu(a) => {
-                let mut inv = Inventory::default();
-                inv.refresh_pci(&self.paths, *a, &READ_OPTIONS);
-                Ok(inv)
-            }
-            Member::Parent(_) => Inventory::read_with(&self.paths, &READ_OPTIONS)
-                .map_err(|e| Error::Read(Box::new(e))),
-        }
+        m.read(&self.paths, &READ_OPTIONS)
+            .map_err(|e| Error::Read(Box::new(e)))
     }
 
     /// The member's view (its lock held): as kept, else read now.

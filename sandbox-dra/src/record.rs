@@ -168,7 +168,9 @@ pub fn write_if_changed(p: &Path, contents: &[u8]) -> common::Result<bool> {
     {
         return Ok(false);
     }
-    state::write_atomic(p, contents)?;
+    // What it records (vGPUs, bindings) a reboot undoes, and kubelet prepares the claim again
+    // after one: not flushed to disk, on the path a VM start waits on.
+    state::write_atomic_until_reboot(p, contents)?;
     Ok(true)
 }
 

@@ -7,9 +7,11 @@
 //! Every file is replaced whole by [`write_atomic`]: a reader, or the next run after a crash,
 //! sees the old content or the new, never part of either. The temporary file has a random
 //! name, so a daemon that is PID 1 in its container after a crash never meets its own leftover.
-//! A file whose subject a reboot undoes (the on-demand vGPUs' record) is replaced the same way
-//! but not flushed to disk ([`write_atomic_until_reboot`]): it is written on the path a VM
-//! waits on, and a crash of the machine takes its vGPUs with it.
+//! A file written on the path a VM start waits on, whose subject a reboot undoes (the on-demand
+//! vGPUs' record; sandbox-dra's claim records, device metadata and CDI specs, and the record of
+//! original drivers its prepare keeps), is replaced the same way but not flushed to disk
+//! ([`write_atomic_until_reboot`], [`Flush::No`]): a crash of the machine takes the vGPUs and
+//! the bindings it describes with it, and kubelet prepares its claims again after the reboot.
 //!
 //! Every record carries its format's version: a `# gpu-vm-node <kind> v<N>` first line in the
 //! line-oriented files ([`header`], [`text_version`]), a `version` field in the JSON ones
@@ -43,31 +45,33 @@ pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<()> {
     write_atomic_with(path, Flush::ToDisk, |f| f.write_all(contents))
 }
 
-/// [`write_atomic`] for a file whose content matters only until the node boots again (under
-/// `/run`, naming vGPUs a reboot destroys): replaced the same way, whole or not at all for a
-/// reader and across a crash of the process, but not flushed to disk. The flush (an `fsync` of
-/// the file and one of its directory, milliseconds each on a busy disk) only keeps the file
-/// across a crash of the machine, which takes the file's subject with it.
+/// [`write_atomic`] for a file whose subject a reboot undoes (vGPUs, drivers bound, claims
+/// kubelet prepares again after a reboot): replaced the same way, whole or not at all for a
+/// reader and across a crash of the process, but not flushed to disk ([`Flush::No`]).
 pub fn write_atomic_until_reboot(path: &Path, contents: &[u8]) -> Result<()> {
     write_atomic_with(path, Flush::No, |f| f.write_all(contents))
 }
 
-/// [`write_atomic`], the file's permission bits `mode` whatever the process's umask (a file
-/// another user must read: sandbox-dra's device metadata, read by virt-launcher as `qemu`).
-pub fn write_atomic_mode(path: &Path, contents: &[u8], mode: u32) -> Result<()> {
+/// [`write_atomic`] or [`write_atomic_until_reboot`] by `flush`, the file's permission bits
+/// `mode` whatever the process's umask (a file another user must read: sandbox-dra's device
+/// metadata, read by virt-launcher as `qemu`).
+pub fn write_atomic_mode(path: &Path, contents: &[u8], mode: u32, flush: Flush) -> Result<()> {
     use std::os::unix::fs::PermissionsExt as _;
-    write_atomic_with(path, Flush::ToDisk, |f| {
+    write_atomic_with(path, flush, |f| {
         f.set_permissions(std::fs::Permissions::from_mode(mode))?;
         f.write_all(contents)
     })
 }
 
-/// Whether a replaced file is flushed to disk before [`write_atomic_with`] returns.
+/// Whether a replaced file is flushed to disk before the write returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Flush {
+pub enum Flush {
     /// The file and the rename, so that the new content survives a power loss.
     ToDisk,
-    /// Neither: the content survives a crash of the process, not of the machine.
+    /// Neither: the content survives a crash of the process, not of the machine. For a file
+    /// whose subject a reboot undoes: the flush (an `fsync` of the file and one of its
+    /// directory, milliseconds each on a busy disk, on the path a VM start waits on) would
+    /// only keep the file across a crash of the machine, which takes its subject with it.
     No,
 }
 
@@ -364,10 +368,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("metadata.json");
         let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
-        write_atomic_mode(&path, b"{}", 0o644).unwrap();
+        write_atomic_mode(&path, b"{}", 0o644, Flush::ToDisk).unwrap();
         assert_eq!(mode(&path), 0o644);
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
-        write_atomic_mode(&path, b"{}", 0o644).unwrap();
+        write_atomic_mode(&path, b"{}", 0o644, Flush::No).unwrap();
         assert_eq!(mode(&path), 0o644);
         assert_eq!(names(dir.path()), ["metadata.json"]);
     }

@@ -128,7 +128,8 @@ pub fn update(
         o.remove(a);
     }
     if o != before || !problems.is_empty() {
-        state::write_atomic(&path(paths), render(&o).as_bytes())?;
+        // Bindings do not outlive a boot: not flushed to disk (a VM start waits on it).
+        state::write_atomic_until_reboot(&path(paths), render(&o).as_bytes())?;
     }
     Ok(problems)
 }

@@ -716,6 +716,7 @@ fn write_json(
             }
         }
     }
-    state::write_atomic_mode(p, &bytes, SHARED_FILE_MODE)?;
+    // Written again by the prepare kubelet makes after a reboot: not flushed to disk.
+    state::write_atomic_mode(p, &bytes, SHARED_FILE_MODE, state::Flush::No)?;
     Ok(true)
 }

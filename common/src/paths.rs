@@ -99,6 +99,14 @@ impl HostPaths {
         self.pci_devices().join(addr.to_string())
     }
 
+    /// `<root>/sys/kernel/iommu_groups/<group>/devices`: a link per function of the group.
+    pub fn iommu_group_devices(&self, group: u32) -> PathBuf {
+        self.root
+            .join("sys/kernel/iommu_groups")
+            .join(group.to_string())
+            .join("devices")
+    }
+
     /// `<root>/sys/bus/pci/drivers`.
     pub fn pci_drivers(&self) -> PathBuf {
         self.root.join("sys/bus/pci/drivers")

@@ -144,6 +144,56 @@ fn reads_functions_groups_and_bridges() {
     assert_eq!(inv.vfio_nodes.iter().copied().collect::<Vec<_>>(), vec![31]);
 }
 
+/// What preparing a whole GPU reads: its IOMMU group's functions, read as a full read reads
+/// them, with the group nodes and the device nodes, and no other group.
+#[test]
+fn a_gpus_groups_read_alone_are_what_a_full_read_shows_of_them() {
+    let t = Tree::new();
+    let gpu = ("0x10de", "0x2236", "0x030200");
+    t.device(
+        "pci0000:00/0000:00:01.0",
+        "0000:41:00.0",
+        gpu,
+        Some("vfio-pci"),
+        30,
+    );
+    t.device(
+        "pci0000:00/0000:00:01.0",
+        "0000:41:00.1",
+        ("0x10de", "0x1aef", "0x040300"),
+        Some("vfio-pci"),
+        30,
+    );
+    t.device(
+        "pci0000:00/0000:00:02.0",
+        "0000:61:00.0",
+        gpu,
+        Some("nvidia"),
+        31,
+    );
+    fs::write(t.root().join("dev/vfio/30"), "").unwrap();
+    fs::create_dir_all(t.root().join("dev/vfio/devices")).unwrap();
+    fs::write(t.root().join("dev/vfio/devices/vfio0"), "").unwrap();
+    fs::write(t.root().join("dev/iommu"), "").unwrap();
+
+    let full = Inventory::read(&t.paths()).unwrap();
+    let groups = Inventory::read_groups(&t.paths(), &[a("0000:41:00.0")], &ReadOptions::default());
+    for f in ["0000:41:00.0", "0000:41:00.1"] {
+        assert_eq!(groups.device(&a(f)), full.device(&a(f)), "{f}");
+    }
+    assert_eq!(
+        groups.device(&a("0000:61:00.0")),
+        None,
+        "another group is not read"
+    );
+    assert_eq!(groups.group_members(30), full.group_members(30));
+    assert!(groups.vfio_nodes.contains(&30));
+    assert_eq!(groups.dev_nodes, full.dev_nodes);
+    // A function that is not there is not in it.
+    let none = Inventory::read_groups(&t.paths(), &[a("0000:81:00.0")], &ReadOptions::default());
+    assert!(none.devices.is_empty());
+}
+
 #[test]
 fn odd_devices_are_reported_and_the_rest_returned() {
     let t = Tree::new();

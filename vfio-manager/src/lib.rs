@@ -102,7 +102,12 @@ pub fn run_bind(cfg: &Config, paths: &HostPaths) -> Result<Report, NodeError> {
             .collect()
     };
     let (recorded, mut warnings) = record_intent(paths, &sel);
-    let results = vfio::bind_all(paths, &sel, &cfg.op_options(), &in_use);
+    let results = vfio::bind_all(
+        &common::Sysfs::new(paths.clone()),
+        &sel,
+        &cfg.op_options(),
+        &in_use,
+    );
     warnings.extend(forget_unmoved(paths, &recorded, &results));
     Ok(Report {
         action: Action::Bind,
@@ -203,7 +208,13 @@ pub fn run_unbind(cfg: &Config, paths: &HostPaths) -> Result<Report, NodeError> 
             .map(|u| u.describe(&inv))
             .collect()
     };
-    let results = vfio::unbind_all(paths, &sel, &cfg.op_options(), &in_use, &remembered);
+    let results = vfio::unbind_all(
+        &common::Sysfs::new(paths.clone()),
+        &sel,
+        &cfg.op_options(),
+        &in_use,
+        &remembered,
+    );
     let released: Vec<_> = results
         .iter()
         .filter(|r| matches!(r.outcome, Outcome::Changed { .. }))

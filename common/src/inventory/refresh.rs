@@ -12,6 +12,8 @@
 //! - [`Inventory::refresh_vfio_node`]: whether `/dev/vfio/<group>` exists.
 //! - [`Inventory::refresh_dev_nodes`]: `/dev/iommu` and the VFIO cdevs.
 //!
+//! [`Inventory::read_groups`] builds an inventory of some IOMMU groups alone from these.
+//!
 //! After each, the inventory equals a full [`Inventory::read_with`] of the node, provided every
 //! change was announced (the tests hold it to that); what no event announced is found by the
 //! next full read.
@@ -23,6 +25,34 @@ use crate::paths::HostPaths;
 use crate::pci::PciAddress;
 
 impl Inventory {
+    /// Reads the functions `addresses` names and every other function of their IOMMU groups
+    /// (as [`Inventory::refresh_pci`] reads each, into an empty inventory), then the device
+    /// nodes (`/dev/iommu`, the VFIO cdevs): what binding those groups to VFIO or giving them
+    /// back depends on, at the cost of the groups rather than of the node. A function that is
+    /// not there is not in it; one in no IOMMU group is read alone.
+    pub fn read_groups(
+        paths: &HostPaths,
+        addresses: &[PciAddress],
+        opts: &ReadOptions,
+    ) -> Inventory {
+        let mut inv = Inventory::default();
+        let mut seen = BTreeSet::new();
+        let mut todo: Vec<PciAddress> = addresses.to_vec();
+        while let Some(a) = todo.pop() {
+            if !seen.insert(a) {
+                continue;
+            }
+            inv.refresh_pci(paths, a, opts);
+            let Some(group) = inv.device(&a).and_then(|d| d.iommu_group) else {
+                continue;
+            };
+            let members = super::list_dir(&paths.iommu_group_devices(group)).unwrap_or_default();
+            todo.extend(members.iter().filter_map(|m| m.parse::<PciAddress>().ok()));
+        }
+        inv.refresh_dev_nodes(paths);
+        inv
+    }
+
     /// Re-reads the PCI function `address` and what hangs from it: its VFs, the mdevs on it and
     /// on its VFs, and the VFIO group nodes of every group involved. A function that is gone
     /// is removed with its VFs and their mdevs; one that could not be read goes to

@@ -2,14 +2,15 @@
 //!
 //! Within a group the functions are handled in address order (the GPU before its audio
 //! function); different groups run in parallel, so a node's bind takes about as long as its
-//! slowest GPU. A function already on its target driver is not written to at all.
+//! slowest GPU. A function already on its target driver is not written to at all. The writes
+//! go through the caller's [`Sysfs`], so a daemon's binds reuse its writer threads.
 
 use std::time::{Duration, Instant};
 
 use super::select::{Selection, Target};
 use super::{DeviceResult, Outcome};
 use crate::state::originals::Originals;
-use crate::{HostPaths, Sysfs, error_chain, is_vfio_driver};
+use crate::{Sysfs, error_chain, is_vfio_driver};
 
 /// How the writes are made.
 #[derive(Clone, Debug)]
@@ -48,6 +49,14 @@ where
         })
         .collect();
     let per_group = &per_group;
+    // One group: on this thread (starting one costs milliseconds on a busy machine).
+    if sel.groups.len() == 1 {
+        for targets in sel.groups.values() {
+            results.extend(per_group(targets));
+        }
+        results.sort_by_key(|r| r.address);
+        return results;
+    }
     std::thread::scope(|scope| {
         let handles: Vec<_> = sel
             .groups
@@ -88,7 +97,7 @@ pub type InUse<'a> = &'a (dyn Fn(&Target) -> Vec<String> + Sync);
 /// Binds every target of `sel` to its VFIO driver. A target that is on another driver and in
 /// use (`in_use`) is refused and not written to.
 pub fn bind_all(
-    paths: &HostPaths,
+    sysfs: &Sysfs,
     sel: &Selection,
     opts: &OpOptions,
     in_use: InUse<'_>,
@@ -106,7 +115,7 @@ pub fn bind_all(
                         t.group
                     ),
                 },
-                None => bind_one(paths, t, opts, in_use),
+                None => bind_one(sysfs, t, opts, in_use),
             };
             match &outcome {
                 Outcome::Failed { error } => tracing::warn!(%error, "bind failed"),
@@ -139,10 +148,15 @@ fn fail(e: impl std::fmt::Display) -> Outcome {
 /// Binds one function: `driver_override`, unbind, `drivers_probe`, verify the driver link and
 /// `/dev/vfio/<group>`; all within `opts.timeout`. A function on another driver is first asked
 /// about (`in_use`): one in use is refused, with nothing written.
-pub fn bind_one(paths: &HostPaths, t: &Target, opts: &OpOptions, in_use: InUse<'_>) -> Outcome {
+pub fn bind_one(sysfs: &Sysfs, t: &Target, opts: &OpOptions, in_use: InUse<'_>) -> Outcome {
     let deadline = Instant::now() + opts.timeout;
     let left = || deadline.saturating_duration_since(Instant::now());
-    let sysfs = || Sysfs::new(paths.clone()).with_timeout(left().max(Duration::from_millis(1)));
+    let paths = sysfs.paths();
+    let base = sysfs;
+    let sysfs = || {
+        base.clone()
+            .with_timeout(left().max(Duration::from_millis(1)))
+    };
     let a = &t.address;
 
     let current = match sysfs().current_driver(a) {
@@ -199,7 +213,7 @@ pub fn bind_one(paths: &HostPaths, t: &Target, opts: &OpOptions, in_use: InUse<'
         .drivers_probe(a)
         .and_then(|()| sysfs().wait_for_driver(a, &t.target, left()))
     {
-        return fail(give_back(paths, t, from.as_deref(), &error_chain(&e)));
+        return fail(give_back(base, t, from.as_deref(), &error_chain(&e)));
     }
     let node = paths.vfio_group_node(t.group);
     loop {
@@ -226,8 +240,8 @@ pub fn bind_one(paths: &HostPaths, t: &Target, opts: &OpOptions, in_use: InUse<'
 /// After a failed probe onto the target: restore the original `driver_override` and, if the
 /// device was left with no driver, probe again so its old driver takes it back. Returns the
 /// failure to report, with what became of the device.
-fn give_back(paths: &HostPaths, t: &Target, from: Option<&str>, error: &str) -> String {
-    let sysfs = Sysfs::new(paths.clone()).with_timeout(Duration::from_secs(10));
+fn give_back(sysfs: &Sysfs, t: &Target, from: Option<&str>, error: &str) -> String {
+    let sysfs = sysfs.clone().with_timeout(Duration::from_secs(10));
     let a = &t.address;
     if let Err(e) = sysfs.set_driver_override(a, t.driver_override.as_deref()) {
         return format!(
@@ -262,7 +276,7 @@ fn give_back(paths: &HostPaths, t: &Target, from: Option<&str>, error: &str) -> 
 /// use (`in_use`: one sentence per user of the group, unknown sources included) is refused
 /// unless `opts.force`.
 pub fn unbind_all(
-    paths: &HostPaths,
+    sysfs: &Sysfs,
     sel: &Selection,
     opts: &OpOptions,
     in_use: &(dyn Fn(u32) -> Vec<String> + Sync),
@@ -304,7 +318,7 @@ pub fn unbind_all(
                 DeviceResult {
                     address: t.address,
                     group: Some(group),
-                    outcome: unbind_one(paths, t, opts, originals.get(&t.address)),
+                    outcome: unbind_one(sysfs, t, opts, originals.get(&t.address)),
                 }
             })
             .collect()
@@ -317,14 +331,18 @@ pub fn unbind_all(
 /// not on a VFIO driver is not written to, unless a bind or unbind was cut off after its
 /// unbind (no driver, `driver_override` set).
 pub fn unbind_one(
-    paths: &HostPaths,
+    sysfs: &Sysfs,
     t: &Target,
     opts: &OpOptions,
     original: Option<&Option<String>>,
 ) -> Outcome {
     let deadline = Instant::now() + opts.timeout;
     let left = || deadline.saturating_duration_since(Instant::now());
-    let sysfs = || Sysfs::new(paths.clone()).with_timeout(left().max(Duration::from_millis(1)));
+    let base = sysfs;
+    let sysfs = || {
+        base.clone()
+            .with_timeout(left().max(Duration::from_millis(1)))
+    };
     let a = &t.address;
     let current = match sysfs().current_driver(a) {
         Ok(c) => c,
@@ -388,6 +406,7 @@ pub fn unbind_one(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::HostPaths;
     use std::fs;
     use testkit::sysfs::{A10, SysfsTree};
 
@@ -440,7 +459,7 @@ mod tests {
         let users = |_: &Target| {
             vec!["0000:41:00.0: pid 77 (nvidia-persiste) holds /dev/nvidia0".to_string()]
         };
-        let out = bind_one(&p, &t, &OpOptions::default(), &users);
+        let out = bind_one(&Sysfs::new(p.clone()), &t, &OpOptions::default(), &users);
         let Outcome::Refused { reason } = out else {
             panic!("{out:?}")
         };
@@ -455,7 +474,7 @@ mod tests {
     fn a_device_already_on_its_target_is_not_written() {
         let (dir, p, mut t) = tree();
         t.target = "nvidia".into();
-        let out = bind_one(&p, &t, &OpOptions::default(), &free);
+        let out = bind_one(&Sysfs::new(p.clone()), &t, &OpOptions::default(), &free);
         assert_eq!(
             out,
             Outcome::Unchanged {
@@ -468,7 +487,7 @@ mod tests {
     #[test]
     fn a_target_driver_that_is_not_loaded_is_refused_before_any_write() {
         let (dir, p, t) = tree();
-        let out = bind_one(&p, &t, &OpOptions::default(), &free);
+        let out = bind_one(&Sysfs::new(p.clone()), &t, &OpOptions::default(), &free);
         let Outcome::Failed { error } = out else {
             panic!("{out:?}")
         };
@@ -485,7 +504,13 @@ mod tests {
             refused: vec![],
         };
         let unknown = |_: u32| vec!["unknown: cannot read the processes' open files".to_string()];
-        let out = unbind_all(&p, &sel, &OpOptions::default(), &unknown, &Originals::new());
+        let out = unbind_all(
+            &Sysfs::new(p.clone()),
+            &sel,
+            &OpOptions::default(),
+            &unknown,
+            &Originals::new(),
+        );
         let Outcome::Refused { reason } = &out[0].outcome else {
             panic!("{out:?}")
         };
@@ -501,7 +526,7 @@ mod tests {
     fn a_missing_device_is_a_named_failure() {
         let (_dir, p, mut t) = tree();
         t.address = "0000:99:00.0".parse().unwrap();
-        let out = bind_one(&p, &t, &OpOptions::default(), &free);
+        let out = bind_one(&Sysfs::new(p.clone()), &t, &OpOptions::default(), &free);
         let Outcome::Failed { error } = out else {
             panic!("{out:?}")
         };

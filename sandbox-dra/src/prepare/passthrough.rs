@@ -221,7 +221,12 @@ impl Node {
             tracing::warn!(%claim, error = %error_chain(&e), "cannot record the original drivers node-wide; the claim's record keeps them");
         }
 
-        let results = vfio::bind_all(&self.paths, &sel, &self.op_options(), &in_use);
+        let results = vfio::bind_all(
+            &common::Sysfs::new(self.paths.clone()),
+            &sel,
+            &self.op_options(),
+            &in_use,
+        );
         let failures: Vec<String> = results.iter().filter_map(DeviceResult::failure).collect();
         if !failures.is_empty() {
             return Err(refused(claim, failures.join("; ")));
@@ -333,7 +338,13 @@ impl Node {
                 .map(|u| u.describe(inv))
                 .collect()
         };
-        let results = vfio::unbind_all(&self.paths, sel, &self.op_options(), &in_use, originals);
+        let results = vfio::unbind_all(
+            &common::Sysfs::new(self.paths.clone()),
+            sel,
+            &self.op_options(),
+            &in_use,
+            originals,
+        );
         let released: Vec<PciAddress> = results
             .iter()
             .filter(|r| matches!(r.outcome, Outcome::Changed { .. }))

@@ -95,6 +95,13 @@ impl SysfsTree {
             d.join("iommu_group"),
         )
         .unwrap();
+        // The group lists its functions, as the kernel's does (a function added again
+        // replaces its link).
+        let member = self
+            .root()
+            .join(format!("sys/kernel/iommu_groups/{group}/devices/{bdf}"));
+        let _ = fs::remove_file(&member);
+        symlink(format!("../../../../devices/{rel}"), member).unwrap();
         symlink(
             format!("../../../devices/{rel}"),
             self.root().join("sys/bus/pci/devices").join(bdf),

@@ -914,3 +914,90 @@ async fn a_gpu_hosting_a_vgpu_offers_only_sizes_that_may_join_it() {
     api.wait_for_slices(PATIENCE, offers(&every))
         .unwrap_or_else(|| panic!("the sizes did not come back: {:#?}", api.slices()));
 }
+
+/// A prepared vGPU claim asked again (kubelet's retry) is answered from its record once its
+/// vGPU and files are checked: nothing is written. A vGPU removed by hand is made again by the
+/// next retry. The driver places vGPUs from its own view of the GPU: a vGPU of another size
+/// made by hand there since has the kernel refuse the write, and the claim is refused from a
+/// fresh read naming both sizes; once it is gone, the GPU takes the claim again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_retry_writes_nothing_and_a_vgpu_made_by_hand_is_found_by_the_kernels_refusal() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let d = start(root, &api, "0000:41:00.0");
+    let drv = register(root).await;
+    wait_for_pool(&api);
+    let c = put_claim(&api, "v", "uid-v", "vgpu-0000-41-00-0-a10-4q-0");
+    let first = prepare(&drv, &c)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    let made = mdevs(root);
+    assert_eq!(made.len(), 1, "{made:?}");
+
+    let spec = root.join(format!("var/run/cdi/{DRIVER}_uid-v.json"));
+    let before = common::state::file_identity(&spec).unwrap();
+    sim.clear_ops();
+    assert_eq!(prepare(&drv, &c).await.unwrap(), first);
+    assert_eq!(writes(&sim), 0, "a retry writes nothing");
+    assert_eq!(common::state::file_identity(&spec).unwrap(), before);
+    assert_eq!(mdevs(root), made);
+
+    // Removed by hand: the retry makes it again.
+    std::fs::write(
+        root.join(format!("sys/bus/mdev/devices/{}/remove", made[0].0)),
+        "1",
+    )
+    .unwrap();
+    prepare(&drv, &c).await.unwrap();
+    let again = mdevs(root);
+    assert_eq!(again.len(), 1, "{again:?}");
+    assert_ne!(again[0].0, made[0].0, "a new vGPU");
+    let (nodes, _) = handed_out(root, "uid-v");
+    assert!(
+        nodes.contains(&format!("/dev/vfio/{}", again[0].3)),
+        "{nodes:?} name the new vGPU's group {}",
+        again[0].3
+    );
+    unprepare(&drv, &c).await.unwrap();
+    assert_eq!(mdevs(root), vec![]);
+
+    // An A10-8Q by hand on the VF the driver would take next.
+    let vf = "0000:41:00.4";
+    let types = root.join(format!("sys/class/mdev_bus/{vf}/mdev_supported_types"));
+    let t8 = std::fs::read_dir(&types)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|t| {
+            std::fs::read_to_string(t.join("name"))
+                .unwrap()
+                .trim()
+                .ends_with("A10-8Q")
+        })
+        .unwrap();
+    let by_hand = "6a0e1b8c-0d6f-4c8e-9a53-1f2e3d4c5b6a";
+    std::fs::write(t8.join("create"), by_hand).unwrap();
+    let e = prepare(&drv, &c).await.unwrap_err();
+    assert!(
+        e.contains("0000:41:00.0") && e.contains("A10-8Q") && e.contains("A10-4Q"),
+        "{e}"
+    );
+    let left = mdevs(root);
+    assert_eq!(left.len(), 1, "only the hand-made vGPU: {left:?}");
+    assert_eq!(left[0].0, by_hand);
+
+    std::fs::write(
+        root.join(format!("sys/bus/mdev/devices/{by_hand}/remove")),
+        "1",
+    )
+    .unwrap();
+    prepare(&drv, &c)
+        .await
+        .unwrap_or_else(|e| panic!("the GPU is free again: {e}\n{}", d.log()));
+    let now = mdevs(root);
+    assert_eq!(now.len(), 1, "{now:?}");
+    assert!(now[0].1.ends_with("A10-4Q"), "{now:?}");
+    unprepare(&drv, &c).await.unwrap();
+}

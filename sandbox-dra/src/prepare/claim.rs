@@ -283,11 +283,7 @@ mod tests {
         );
         let (id, wanted) = allocated(&cfg, &claim_ref(), &c).unwrap();
         // A root with nothing in it: the refusal comes before any read or write.
-        let node = Node {
-            config: cfg,
-            paths: HostPaths::new("/nonexistent-root"),
-            telemetry: None,
-        };
+        let node = Node::new(cfg, HostPaths::new("/nonexistent-root"), None);
         match node.prepare(&claim_ref(), id, wanted, None) {
             Err(PrepareError::Refused { reason, .. }) => {
                 assert!(reason.contains("more than one kind"), "{reason}")

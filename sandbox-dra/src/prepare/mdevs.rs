@@ -4,7 +4,7 @@
 use std::sync::OnceLock;
 
 use common::vgpu::lifecycle::{self, Member};
-use common::{ReadOptions, Sysfs, Usage, error_chain};
+use common::{ReadOptions, Usage, error_chain};
 
 use super::{ClaimRef, Node, PrepareError, PreparedDevice, Wanted, refused, vfio_nodes};
 use crate::cdi::ClaimId;
@@ -28,7 +28,7 @@ impl Node {
             rec.state = ClaimState::Preparing;
         }
         let save = |rec: &Record| self.save(claim, &rec_path, rec);
-        let sysfs = Sysfs::new(self.paths.clone());
+        let sysfs = &self.sysfs;
         let mut inv = self.inventory(claim)?;
         for i in 0..rec.devices.len() {
             if rec.devices[i]
@@ -58,7 +58,7 @@ impl Node {
             };
             rec.devices[i].mdev = Some(m.clone());
             save(&rec)?;
-            planned.create(&sysfs).map_err(|e| {
+            planned.create(sysfs).map_err(|e| {
                 fail(format!(
                     "cannot create an mdev of type {type_id} on {parent}: {}",
                     error_chain(&e)
@@ -83,7 +83,8 @@ impl Node {
             d.group = ready.group;
             d.nodes = vfio_nodes(&inv, ready.group, ready.cdev);
         }
-        self.finish(claim, &inv, rec, &rec_path)
+        self.fill_attributes(&inv, &mut rec);
+        self.finish(claim, rec, &rec_path)
     }
 
     /// Removes the claim's mdevs of parents that are not PCI functions that exist; one a
@@ -93,7 +94,7 @@ impl Node {
             return Ok(());
         }
         let inv = self.inventory(claim)?;
-        let sysfs = Sysfs::new(self.paths.clone());
+        let sysfs = &self.sysfs;
         let usage: OnceLock<Usage> = OnceLock::new();
         let mut held = Vec::new();
         for m in rec.devices.iter().filter_map(|d| d.mdev.as_ref()) {
@@ -118,7 +119,7 @@ impl Node {
                 ));
                 continue;
             }
-            m.handle().destroy(&sysfs).map_err(|e| {
+            m.handle().destroy(sysfs).map_err(|e| {
                 refused(
                     claim,
                     format!(

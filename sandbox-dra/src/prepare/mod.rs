@@ -41,11 +41,15 @@ mod vgpus;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use common::vfio::OpOptions;
-use common::{HostPaths, Inventory, PciIds, error_chain, state};
+use common::vgpu::lifecycle::Handle;
+use common::{
+    HostPaths, Inventory, PciAddress, PciIds, ReadOptions, Sysfs, error_chain, is_vfio_driver,
+    state,
+};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use crate::cdi::{self, ClaimDevice, ClaimId, Layout};
@@ -198,11 +202,7 @@ impl Preparer {
         telemetry: Arc<Telemetry>,
     ) -> Self {
         Preparer {
-            node: Arc::new(Node {
-                config,
-                paths,
-                telemetry: Some(telemetry),
-            }),
+            node: Arc::new(Node::new(config, paths, Some(telemetry))),
             client,
             lock: tokio::sync::Mutex::new(()),
         }
@@ -392,9 +392,47 @@ struct Node {
     paths: HostPaths,
     /// Where unreadable records are reported (none in unit tests).
     telemetry: Option<Arc<Telemetry>>,
+    /// Its sysfs writes, on threads kept for the next one.
+    sysfs: Sysfs,
+    /// The pooled GPUs as this driver last read them, each brought up to date with the vGPUs
+    /// it made or removed there since: vGPUs are placed from them
+    /// ([`common::vgpu::lifecycle`]; `vgpus`).
+    views: Mutex<Views>,
 }
 
+/// Kept reads of pooled GPUs ([`common::vgpu::lifecycle::Member::read`]), by GPU.
+type Views = BTreeMap<PciAddress, Inventory>;
+
 impl Node {
+    fn new(config: PrepareConfig, paths: HostPaths, telemetry: Option<Arc<Telemetry>>) -> Node {
+        Node {
+            config,
+            sysfs: Sysfs::new(paths.clone()),
+            paths,
+            telemetry,
+            views: Mutex::new(Views::new()),
+        }
+    }
+
+    /// The kept views of the pooled GPUs (preparing and unpreparing run one at a time).
+    fn views(&self) -> MutexGuard<'_, Views> {
+        // A view is only ever a read of the node: one a panic left half updated is forgotten.
+        self.views.lock().unwrap_or_else(|e| {
+            let mut v = e.into_inner();
+            v.clear();
+            v
+        })
+    }
+
+    /// Forgets the views of `gpus`: something changed them that no view follows (a bind, the
+    /// VFs disabled, a GPU given back).
+    fn forget(&self, gpus: impl IntoIterator<Item = PciAddress>) {
+        let mut views = self.views();
+        for g in gpus {
+            views.remove(&g);
+        }
+    }
+
     /// A host path as this process reaches it.
     fn local(&self, host: &Path) -> PathBuf {
         self.paths
@@ -502,6 +540,13 @@ impl Node {
         wanted: Vec<Wanted>,
         existing: Option<Record>,
     ) -> Result<Vec<PreparedDevice>, PrepareError> {
+        // kubelet's retry of a prepare that finished: the answer, once the node and the files
+        // are checked to be as the record says.
+        if let Some(rec) = existing.as_ref().filter(|r| self.in_place(r)) {
+            let rec = rec.clone();
+            let rec_path = record::path(&self.driver_dir(), &claim.uid);
+            return self.finish(claim, rec, &rec_path);
+        }
         let vgpus = wanted
             .iter()
             .filter(|w| names::parse_vgpu_device(&w.device).is_some())
@@ -528,34 +573,41 @@ impl Node {
         self.prepare_gpus(claim, id, wanted, existing)
     }
 
+    /// What the slice says of each device `inv` shows, for the metadata file: taken once, at
+    /// the first prepare (a GPU that has gone since keeps what it had).
+    fn fill_attributes(&self, inv: &Inventory, rec: &mut Record) {
+        // The VFIO drivers modules.alias names matter to whole GPUs only: read for them.
+        let mut aliases: Option<common::vfio::AliasTable> = None;
+        let none = common::vfio::AliasTable::default();
+        for d in rec.devices.iter_mut().filter(|d| d.attributes.is_empty()) {
+            let table = if names::parse_gpu_device(&d.device).is_some() {
+                aliases.get_or_insert_with(|| common::vfio::load_aliases(&self.paths))
+            } else {
+                &none
+            };
+            let attrs = crate::slices::attributes_of(
+                inv,
+                table,
+                &self.config.pci_ids,
+                &self.config.mdev_parents,
+                &d.device,
+            );
+            d.attributes = attrs
+                .into_iter()
+                .flatten()
+                .filter_map(|(k, v)| Some((k, serde_json::to_value(v).ok()?)))
+                .collect();
+        }
+    }
+
     /// The last steps of every prepare: the files written, the record marked prepared and
     /// saved; what kubelet is answered.
     fn finish(
         &self,
         claim: &ClaimRef,
-        inv: &Inventory,
         mut rec: Record,
         rec_path: &Path,
     ) -> Result<Vec<PreparedDevice>, PrepareError> {
-        // What the slice says of each device, for the metadata file: taken once, at the first
-        // prepare (a GPU that has gone since keeps what it had).
-        if rec.devices.iter().any(|d| d.attributes.is_empty()) {
-            let aliases = common::vfio::load_aliases(&self.paths);
-            for d in rec.devices.iter_mut().filter(|d| d.attributes.is_empty()) {
-                let attrs = crate::slices::attributes_of(
-                    inv,
-                    &aliases,
-                    &self.config.pci_ids,
-                    &self.config.mdev_parents,
-                    &d.device,
-                );
-                d.attributes = attrs
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|(k, v)| Some((k, serde_json::to_value(v).ok()?)))
-                    .collect();
-            }
-        }
         self.write_files(claim, &rec)?;
         rec.state = ClaimState::Prepared;
         self.save(claim, rec_path, &rec)?;
@@ -572,6 +624,46 @@ impl Node {
                 cdi_ids: layout.cdi_ids(&rec.claim, d),
             })
             .collect())
+    }
+
+    /// Whether a prepared claim is still in place, as its record says: each device's nodes
+    /// there, each vGPU and mdev with its group node, every function of the whole GPUs'
+    /// groups on a VFIO driver. Reads those devices alone, not the node.
+    fn in_place(&self, rec: &Record) -> bool {
+        if rec.state != ClaimState::Prepared {
+            return false;
+        }
+        let opts = ReadOptions::default();
+        let ready = |h: &Handle, group: u32| {
+            let mut inv = Inventory::default();
+            h.refresh(&mut inv, &self.paths, &opts);
+            h.ready(&inv).is_some_and(|r| r.group == group)
+        };
+        let devices = rec.devices.iter().all(|d| {
+            let nodes = !d.nodes.is_empty()
+                && d.nodes
+                    .iter()
+                    .all(|n| std::fs::symlink_metadata(self.local(Path::new(n))).is_ok());
+            nodes
+                && match (&d.vgpu, &d.mdev) {
+                    (Some(v), _) => ready(&v.handle, d.group),
+                    (None, Some(m)) => ready(&m.handle(), d.group),
+                    (None, None) => true,
+                }
+        });
+        let whole = rec
+            .devices
+            .iter()
+            .any(|d| d.vgpu.is_none() && d.mdev.is_none());
+        devices
+            && (!whole
+                || rec.originals.keys().all(|a| {
+                    self.sysfs
+                        .current_driver(a)
+                        .ok()
+                        .flatten()
+                        .is_some_and(|d| is_vfio_driver(&d))
+                }))
     }
 
     /// The record of a claim of vGPUs or mdevs before anything is made for it.

@@ -24,6 +24,18 @@ pub(super) struct GiveBack {
 }
 
 impl Node {
+    /// The functions `gpus` names and the rest of their IOMMU groups, read alone
+    /// ([`Inventory::read_groups`]): what binding them or giving them back depends on, at the
+    /// cost of those groups, not of the node. Without the mdev types (a vGPU's size does not
+    /// matter to a whole GPU).
+    pub(super) fn groups(&self, gpus: &[PciAddress]) -> Inventory {
+        let opts = common::ReadOptions {
+            mdev_types: false,
+            vf_identity: true,
+        };
+        Inventory::read_groups(&self.paths, gpus, &opts)
+    }
+
     /// Selects the GPUs and the rest of their groups, refusing a missing GPU or a group with a
     /// foreign member.
     fn select(
@@ -79,7 +91,8 @@ impl Node {
         wanted: Vec<Wanted>,
         existing: Option<Record>,
     ) -> Result<Vec<PreparedDevice>, PrepareError> {
-        let mut inv = self.inventory(claim)?;
+        let addresses: Vec<PciAddress> = wanted.iter().filter_map(|w| w.address).collect();
+        let mut inv = self.groups(&addresses);
         // A GPU of the vGPU pool goes to a VM whole only without vGPUs; its VFs (enabled for
         // vGPUs) are disabled first. No record is needed for that write: a GPU without VFs is
         // where either mode starts from.
@@ -125,16 +138,16 @@ impl Node {
                     ));
                 }
             }
-            let sysfs = common::Sysfs::new(self.paths.clone());
+            self.forget(vfs_off.iter().copied());
             for a in &vfs_off {
-                sysfs.set_sriov_numvfs(a, 0).map_err(|e| {
+                self.sysfs.set_sriov_numvfs(a, 0).map_err(|e| {
                     refused(
                         claim,
                         format!("cannot disable the VFs of GPU {a}: {}", error_chain(&e)),
                     )
                 })?;
             }
-            inv = self.inventory(claim)?;
+            inv = self.groups(&addresses);
         }
         let sel = self.select(claim, &inv, &wanted)?;
 
@@ -221,12 +234,8 @@ impl Node {
             tracing::warn!(%claim, error = %error_chain(&e), "cannot record the original drivers node-wide; the claim's record keeps them");
         }
 
-        let results = vfio::bind_all(
-            &common::Sysfs::new(self.paths.clone()),
-            &sel,
-            &self.op_options(),
-            &in_use,
-        );
+        self.forget(sel.targets().map(|t| t.address));
+        let results = vfio::bind_all(&self.sysfs, &sel, &self.op_options(), &in_use);
         let failures: Vec<String> = results.iter().filter_map(DeviceResult::failure).collect();
         if !failures.is_empty() {
             return Err(refused(claim, failures.join("; ")));
@@ -236,18 +245,25 @@ impl Node {
         let moved = results
             .iter()
             .any(|r| matches!(r.outcome, Outcome::Changed { .. }));
-        let after = if moved { self.inventory(claim)? } else { inv };
+        let after = if moved { self.groups(&addresses) } else { inv };
         for d in &mut rec.devices {
             d.group = d.address.as_ref().and_then(group_of).unwrap_or(d.group);
             d.nodes = device_nodes(&after, d);
         }
-        self.finish(claim, &after, rec, &rec_path)
+        self.fill_attributes(&after, &mut rec);
+        self.finish(claim, rec, &rec_path)
     }
 
     /// Gives every function of the record back to the driver it had, when that was not a
     /// VFIO driver; refused while the group is in use.
     pub(super) fn restore(&self, claim: &ClaimRef, rec: &Record) -> Result<(), PrepareError> {
-        let inv = self.inventory(claim)?;
+        let whole: Vec<PciAddress> = rec
+            .devices
+            .iter()
+            .filter(|d| names::parse_vgpu_device(&d.device).is_none())
+            .filter_map(|d| d.address)
+            .collect();
+        let inv = self.groups(&whole);
         let present: Vec<PciAddress> = rec
             .devices
             .iter()
@@ -338,13 +354,8 @@ impl Node {
                 .map(|u| u.describe(inv))
                 .collect()
         };
-        let results = vfio::unbind_all(
-            &common::Sysfs::new(self.paths.clone()),
-            sel,
-            &self.op_options(),
-            &in_use,
-            originals,
-        );
+        self.forget(sel.targets().map(|t| t.address));
+        let results = vfio::unbind_all(&self.sysfs, sel, &self.op_options(), &in_use, originals);
         let released: Vec<PciAddress> = results
             .iter()
             .filter(|r| matches!(r.outcome, Outcome::Changed { .. }))

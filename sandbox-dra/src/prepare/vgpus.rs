@@ -5,14 +5,24 @@ use std::collections::BTreeSet;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use common::vgpu::lifecycle::{self, Member, READY_TIMEOUT};
-use common::{Inventory, PciAddress, ReadOptions, Sysfs, Usage, is_vfio_driver};
+use common::vgpu::lifecycle::{self, Member, Planned, READY_TIMEOUT};
+use common::{Inventory, PciAddress, ReadOptions, Usage, error_chain, is_vfio_driver};
 
-use super::{ClaimRef, Node, PrepareError, PreparedDevice, Wanted, refused, vfio_nodes};
+use super::{ClaimRef, Node, PrepareError, PreparedDevice, Views, Wanted, refused, vfio_nodes};
 use crate::cdi::ClaimId;
 use crate::names;
 use crate::record::{self, ClaimState, Record};
 use crate::vgpu::Vgpu;
+
+/// What a GPU's view says of the next vGPU of a claim.
+enum Step {
+    /// It goes there.
+    Place(Planned),
+    /// The GPU's VFs must be enabled first: this many.
+    NeedsVfs(u32),
+    /// It cannot, and why.
+    Refused(String),
+}
 
 impl Node {
     /// Prepares a claim of vGPU devices: each allocated vGPU created (its GPU given back to
@@ -45,21 +55,25 @@ impl Node {
             rec.state = ClaimState::Preparing;
         }
         let save = |rec: &Record| self.save(claim, &rec_path, rec);
-        let sysfs = Sysfs::new(self.paths.clone());
-        let mut inv = self.inventory(claim)?;
+        let opts = ReadOptions::default();
+        let mut views = self.views();
         // The type a device name carries is checked against the GPU's own list (its model's
         // types that --vgpu-types selects, what the slice publishes) before anything is
         // written for it. A vGPU already made for the claim stays its, even if an earlier run
         // published types this one does not.
         for d in &rec.devices {
-            let made = d.vgpu.as_ref().is_some_and(|v| v.handle.exists(&inv));
+            let made = d.vgpu.as_ref().is_some_and(|v| {
+                let inv = self.view(&mut views, v.gpu);
+                v.handle.refresh(inv, &self.paths, &opts);
+                v.handle.exists(inv)
+            });
             let Some((gpu, key, slot)) = names::parse_vgpu_device(&d.device) else {
                 return Err(refused(
                     claim,
                     format!("{} is not a vGPU device", names::quoted(&d.device)),
                 ));
             };
-            let Some(g) = inv.device(&gpu) else {
+            let Some(g) = self.view(&mut views, gpu).device(&gpu) else {
                 continue; // refused below, naming the GPU that is gone
             };
             let model = common::vgpu::models::model(g.vendor, g.device);
@@ -82,50 +96,73 @@ impl Node {
                 ));
             }
         }
-        for i in 0..rec.devices.len() {
-            if rec.devices[i]
-                .vgpu
-                .as_ref()
-                .is_some_and(|v| v.handle.exists(&inv))
-            {
-                continue;
-            }
+        // Each vGPU's group node, once the kernel made it.
+        let mut readies: Vec<Option<lifecycle::Ready>> = vec![None; rec.devices.len()];
+        for (i, ready) in readies.iter_mut().enumerate() {
             let device = rec.devices[i].device.clone();
             let Some((gpu, key, _)) = names::parse_vgpu_device(&device) else {
                 return Err(refused(claim, format!("{device:?} is not a vGPU device")));
             };
-            let fail = |reason: String| refused(claim, format!("device {device}: {reason}"));
-            if inv
-                .device(&gpu)
-                .and_then(|d| d.driver.as_deref())
-                .is_some_and(is_vfio_driver)
-            {
-                save(&rec)?;
-                self.give_back(&inv, gpu).map_err(|e| fail(e.to_string()))?;
-                inv = self.inventory(claim)?;
+            if let Some(v) = rec.devices[i].vgpu.clone() {
+                let inv = self.view(&mut views, v.gpu);
+                v.handle.refresh(inv, &self.paths, &opts);
+                if v.handle.exists(inv) {
+                    *ready = v.handle.ready(inv);
+                    continue;
+                }
             }
+            let fail = |reason: String| refused(claim, format!("device {device}: {reason}"));
+            // A whole-GPU claim left it on VFIO (its driver read afresh: no view follows a
+            // bind): given back first, with its group read whole.
+            let driver = self.sysfs.current_driver(&gpu).ok().flatten();
+            if driver.as_deref().is_some_and(is_vfio_driver) {
+                save(&rec)?;
+                let inv = self.groups(&[gpu]);
+                // Giving back forgets the GPU's view.
+                drop(views);
+                self.give_back(&inv, gpu).map_err(|e| fail(e.to_string()))?;
+                views = self.views();
+            }
+            // Placed from the GPU's view; when the view cannot place it, or the kernel refuses
+            // the write, placed again from a fresh read (lifecycle).
+            let mut fresh = false;
             let mut enabled = false;
             loop {
-                let offers = lifecycle::offers(&inv, &Member::Gpu(gpu))
-                    .ok_or_else(|| fail(format!("GPU {gpu} is not on this node")))?;
-                if let Some(n) = offers.needs_vfs {
-                    if enabled {
+                fresh |= !views.contains_key(&gpu);
+                let inv = self.view(&mut views, gpu);
+                let step = match lifecycle::offers(inv, &Member::Gpu(gpu)) {
+                    None => Step::Refused(format!("GPU {gpu} is not on this node")),
+                    Some(o) => match (o.needs_vfs, o.find(|t| names::type_key(&t.name) == key)) {
+                        (Some(n), _) => Step::NeedsVfs(n),
+                        (None, None) => Step::Refused(o.not_offered(&key).to_string()),
+                        (None, Some(t)) => match o.place(t) {
+                            Ok(p) => Step::Place(p),
+                            Err(e) => Step::Refused(e.to_string()),
+                        },
+                    },
+                };
+                let planned = match step {
+                    Step::Place(p) => p,
+                    Step::Refused(_) | Step::NeedsVfs(_) if !fresh => {
+                        views.remove(&gpu);
+                        continue;
+                    }
+                    Step::Refused(why) => return Err(fail(why)),
+                    Step::NeedsVfs(_) if enabled => {
                         return Err(fail(format!(
                             "GPU {gpu} shows no vGPU types after its VFs were enabled"
                         )));
                     }
-                    save(&rec)?;
-                    sysfs
-                        .set_sriov_numvfs(&gpu, n)
-                        .map_err(|e| fail(format!("cannot enable the VFs of GPU {gpu}: {e}")))?;
-                    enabled = true;
-                    self.wait_vfs(&mut inv, &gpu);
-                    continue;
-                }
-                let t = offers
-                    .find(|t| names::type_key(&t.name) == key)
-                    .ok_or_else(|| fail(offers.not_offered(&key).to_string()))?;
-                let planned = offers.place(t).map_err(|e| fail(e.to_string()))?;
+                    Step::NeedsVfs(n) => {
+                        save(&rec)?;
+                        self.sysfs.set_sriov_numvfs(&gpu, n).map_err(|e| {
+                            fail(format!("cannot enable the VFs of GPU {gpu}: {e}"))
+                        })?;
+                        enabled = true;
+                        self.wait_vfs(self.view(&mut views, gpu), &gpu);
+                        continue;
+                    }
+                };
                 let v = Vgpu {
                     gpu,
                     type_name: planned.type_name.clone(),
@@ -137,22 +174,34 @@ impl Node {
                 }
                 d.vgpu = Some(v.clone());
                 save(&rec)?;
-                planned.create(&sysfs).map_err(|e| {
-                    fail(format!("cannot create {} on GPU {gpu}: {e}", v.type_name))
-                })?;
+                match planned.create(&self.sysfs) {
+                    Ok(()) => {}
+                    Err(e) if !fresh && lifecycle::refused(&e) => {
+                        tracing::debug!(%claim, gpu = %gpu, error = %error_chain(&e), "refused by the kernel; reading the GPU again");
+                        views.remove(&gpu);
+                        continue;
+                    }
+                    Err(e) => {
+                        return Err(fail(format!(
+                            "cannot create {} on GPU {gpu}: {e}",
+                            v.type_name
+                        )));
+                    }
+                }
                 tracing::info!(%claim, gpu = %gpu, vgpu = %v.handle, type_name = %v.type_name, "created a vGPU");
-                // The next vGPU of the claim is placed by what the GPU shows now: the VF this
-                // one took offers nothing more.
-                inv.refresh_pci(&self.paths, gpu, &ReadOptions::default());
+                // Read until its group node is there; the view then shows it, so the next
+                // vGPU of the claim is placed beside it.
+                *ready = v
+                    .handle
+                    .wait_ready(self.view(&mut views, gpu), &self.paths, &opts);
                 break;
             }
         }
-        for d in &mut rec.devices {
+        for (d, ready) in rec.devices.iter_mut().zip(readies) {
             let Some(v) = d.vgpu.clone() else { continue };
-            let Some(ready) = v
-                .handle
-                .wait_ready(&mut inv, &self.paths, &ReadOptions::default())
-            else {
+            let inv = self.view(&mut views, v.gpu);
+            let ready = ready.or_else(|| v.handle.wait_ready(inv, &self.paths, &opts));
+            let Some(ready) = ready else {
                 return Err(refused(
                     claim,
                     format!(
@@ -161,10 +210,26 @@ impl Node {
                     ),
                 ));
             };
+            // Whether the kernel has iommufd, read now: the view may be older.
+            inv.refresh_dev_nodes(&self.paths);
             d.group = ready.group;
-            d.nodes = vfio_nodes(&inv, ready.group, ready.cdev);
+            d.nodes = vfio_nodes(inv, ready.group, ready.cdev);
         }
-        self.finish(claim, &inv, rec, &rec_path)
+        for inv in views.values() {
+            self.fill_attributes(inv, &mut rec);
+        }
+        drop(views);
+        self.finish(claim, rec, &rec_path)
+    }
+
+    /// `gpu` as this driver last read it ([`Node::views`]), read now when it has no view.
+    fn view<'a>(&self, views: &'a mut Views, gpu: PciAddress) -> &'a mut Inventory {
+        views.entry(gpu).or_insert_with(|| {
+            // A GPU's read puts what it cannot read in the inventory; it does not fail.
+            Member::Gpu(gpu)
+                .read(&self.paths, &ReadOptions::default())
+                .unwrap_or_default()
+        })
     }
 
     /// Re-reads `gpu` (with its VFs) into `inv` until its VFs show vGPU types, at most
@@ -197,18 +262,23 @@ impl Node {
         if gpus.is_empty() {
             return Ok(());
         }
-        let inv = self.inventory(claim)?;
         for gpu in &gpus {
-            if inv.device(gpu).is_some_and(|d| d.driver.is_none()) {
+            // No driver: a prepare killed while giving the GPU back from VFIO.
+            if matches!(self.sysfs.current_driver(gpu), Ok(None)) {
+                let inv = self.groups(&[*gpu]);
                 self.give_back(&inv, *gpu)
                     .map_err(|e| refused(claim, e.to_string()))?;
             }
         }
-        let sysfs = Sysfs::new(self.paths.clone());
+        let opts = ReadOptions::default();
+        let mut views = self.views();
         let usage: OnceLock<Usage> = OnceLock::new();
         let mut held = Vec::new();
         for v in rec.devices.iter().filter_map(|d| d.vgpu.as_ref()) {
-            if !v.handle.exists(&inv) {
+            // That vGPU read again: whether it is there, and who holds it.
+            let inv = self.view(&mut views, v.gpu);
+            v.handle.refresh(inv, &self.paths, &opts);
+            if !v.handle.exists(inv) {
                 continue;
             }
             let usage = usage.get_or_init(|| {
@@ -216,7 +286,7 @@ impl Node {
             });
             let users: Vec<String> = v
                 .handle
-                .users(usage, &inv)
+                .users(usage, inv)
                 .iter()
                 .map(ToString::to_string)
                 .collect();
@@ -230,7 +300,9 @@ impl Node {
                 ));
                 continue;
             }
-            v.handle.destroy(&sysfs).map_err(|e| {
+            let done = v.handle.destroy(&self.sysfs);
+            v.handle.refresh(inv, &self.paths, &opts);
+            done.map_err(|e| {
                 refused(
                     claim,
                     format!(

@@ -494,6 +494,9 @@ fn status(code: u16, msg: &str) -> Value {
 }
 
 fn serve(s: &Shared, conn: TcpStream) -> std::io::Result<()> {
+    // As kube-apiserver (Go sets TCP_NODELAY on every connection): an answer written in pieces
+    // is sent at once, not held by Nagle's algorithm until the client's delayed ACK (40 ms).
+    conn.set_nodelay(true)?;
     let mut w = conn.try_clone()?;
     let mut r = BufReader::new(conn);
     while let Some(req) = read_request(&mut r)? {

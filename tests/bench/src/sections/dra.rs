@@ -14,15 +14,91 @@ use testkit::kubelet::dra::{self, Claim, DraDriver, Version};
 
 use crate::Cli;
 use crate::harness::bins::Bins;
+use crate::harness::floor::{Files, changed, files, replace_files, replay, writes};
 use crate::harness::process::Invocation;
 use crate::harness::procstat;
-use crate::harness::report::{Report, mib};
+use crate::harness::report::{Report, mib, ratio};
 use crate::harness::stats::{fmt_duration, fmt_p50_p99, fmt_summary, summarize};
 use crate::harness::topology::{builtin, mount};
 use crate::sections::dp::Daemon;
 
 const DRIVER: &str = "gpu.gpu-vm-node.io";
 const NODE: &str = "bench";
+
+/// Where sandbox-dra's prepare writes files, under the host root: its directory (claim records,
+/// device metadata), the CDI specs, and the node-wide record of original drivers.
+const FILE_DIRS: [&str; 3] = [
+    "var/lib/kubelet/plugins/gpu.gpu-vm-node.io",
+    "var/run/cdi",
+    "run/vfio-manager",
+];
+
+/// What one prepare and its unprepare wrote, for the floor.
+struct Writes {
+    /// The prepare's sysfs writes.
+    sysfs: Vec<node_sim::Op>,
+    /// The files the prepare left new or changed.
+    files: Files,
+    /// The unprepare's sysfs writes.
+    undo: Vec<node_sim::Op>,
+}
+
+/// The files and sysfs writes of one prepare, about to be made.
+struct Watch {
+    files: Files,
+}
+
+impl Watch {
+    fn start(sim: &testkit::sim::SimDir) -> Watch {
+        sim.clear_ops();
+        Watch {
+            files: files(sim.root(), &FILE_DIRS),
+        }
+    }
+
+    /// What the prepare wrote since [`Watch::start`].
+    fn prepared(self, sim: &testkit::sim::SimDir) -> (Vec<node_sim::Op>, Files) {
+        let ops = writes(&sim.ops());
+        (ops, changed(&self.files, &files(sim.root(), &FILE_DIRS)))
+    }
+}
+
+/// The floor of each prepare: on a fresh node, its writes replayed bare, in the order the
+/// prepare makes them (the claim's record, the original drivers, the sysfs writes, the device
+/// metadata and CDI spec, the record again); each unprepare's writes replayed too, untimed,
+/// and the claim's files removed, so that every prepare meets the node as the daemon's did.
+fn floors(t: &node_sim::Topology, cycles: &[Writes]) -> Result<Vec<Duration>> {
+    let sim = mount(t);
+    let root = sim.root();
+    let mut out = Vec::new();
+    for w in cycles {
+        let is = |p: &std::path::Path, dir: &str| p.to_string_lossy().contains(dir);
+        let record: Vec<_> = w.files.iter().filter(|(p, _)| is(p, "/claims/")).collect();
+        let originals: Vec<_> = w
+            .files
+            .iter()
+            .filter(|(p, _)| is(p, "vfio-manager"))
+            .collect();
+        let rest: Vec<_> = w
+            .files
+            .iter()
+            .filter(|(p, _)| !is(p, "/claims/") && !is(p, "vfio-manager"))
+            .collect();
+        let mut took = replace_files(root, record.iter().copied())?;
+        took += replace_files(root, originals)?;
+        took += replay(root, &w.sysfs)?;
+        took += replace_files(root, rest.iter().copied())?;
+        took += replace_files(root, record)?;
+        out.push(took);
+        replay(root, &w.undo)?;
+        for (p, _) in rest {
+            let _ = std::fs::remove_file(root.join(p));
+        }
+        let _ = std::fs::remove_dir_all(root.join(FILE_DIRS[0]).join("metadata"));
+        let _ = std::fs::remove_dir_all(root.join(FILE_DIRS[0]).join("claims"));
+    }
+    Ok(out)
+}
 
 /// One run's figures.
 struct DraRun {
@@ -33,6 +109,8 @@ struct DraRun {
     again: Vec<Duration>,
     /// Unprepare that gives the GPU back (`--unprepare restore`).
     unprepare: Vec<Duration>,
+    /// Each prepare's writes replayed bare.
+    floor: Vec<Duration>,
     rss_kib: u64,
     hwm_kib: u64,
     anon_kib: u64,
@@ -46,7 +124,8 @@ fn prepared_ok(out: Vec<(String, Result<Vec<dra::PreparedDevice>, String>)>) -> 
 }
 
 async fn dra_once(b: &Bins, topology: &str, cycles: usize) -> Result<DraRun> {
-    let sim = mount(&builtin(topology)?);
+    let topo = builtin(topology)?;
+    let sim = mount(&topo);
     let root = sim.root();
     let api = FakeApiServer::start(NODE, &[])?;
     let gpu = "gpu-0000-41-00-0";
@@ -95,24 +174,31 @@ async fn dra_once(b: &Bins, topology: &str, cycles: usize) -> Result<DraRun> {
         prepare: Vec::with_capacity(cycles),
         again: Vec::with_capacity(cycles),
         unprepare: Vec::with_capacity(cycles),
+        floor: Vec::with_capacity(cycles),
         rss_kib: 0,
         hwm_kib: 0,
         anon_kib: 0,
     };
+    let mut written = Vec::with_capacity(cycles);
     for _ in 0..cycles {
+        let watch = Watch::start(&sim);
         let t = Instant::now();
         prepared_ok(drv.prepare(Version::V1, &claim).await?)
             .with_context(|| daemon.stderr_tail())?;
         run.prepare.push(t.elapsed());
+        let (sysfs, files) = watch.prepared(&sim);
         let t = Instant::now();
         prepared_ok(drv.prepare(Version::V1, &claim).await?)?;
         run.again.push(t.elapsed());
+        sim.clear_ops();
         let t = Instant::now();
         let out = drv.unprepare(Version::V1, &claim).await?;
         run.unprepare.push(t.elapsed());
         if !matches!(out.first(), Some((_, Ok(())))) {
             bail!("unprepare: {out:?}: {}", daemon.stderr_tail());
         }
+        let undo = writes(&sim.ops());
+        written.push(Writes { sysfs, files, undo });
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     let s = procstat::sample(daemon.pid).ok_or_else(|| anyhow!("sandbox-dra died"))?;
@@ -120,6 +206,8 @@ async fn dra_once(b: &Bins, topology: &str, cycles: usize) -> Result<DraRun> {
     run.hwm_kib = s.hwm_kib;
     run.anon_kib = s.anon_kib;
     daemon.stop().await;
+    drop(sim);
+    run.floor = floors(&topo, &written)?;
     Ok(run)
 }
 
@@ -129,6 +217,10 @@ struct VgpuRun {
     first: Duration,
     /// Later prepares: the mdev created, its group node there.
     prepare: Vec<Duration>,
+    /// The same prepare again (kubelet's retry: nothing to do).
+    again: Vec<Duration>,
+    /// Each later prepare's writes replayed bare.
+    floor: Vec<Duration>,
     unprepare: Vec<Duration>,
     /// A GPU hot-plugged / unplugged → the API server's slices show it.
     plugged: Duration,
@@ -159,7 +251,8 @@ async fn wait_slices(api: &FakeApiServer, f: impl Fn(&[String]) -> bool) -> Resu
 }
 
 async fn vgpu_once(b: &Bins, cycles: usize) -> Result<VgpuRun> {
-    let sim = mount(&builtin("2xA10")?);
+    let topo = builtin("2xA10")?;
+    let sim = mount(&topo);
     let root = sim.root();
     let api = FakeApiServer::start(NODE, &[])?;
     api.put_claim(json!({
@@ -213,13 +306,17 @@ async fn vgpu_once(b: &Bins, cycles: usize) -> Result<VgpuRun> {
     let mut run = VgpuRun {
         first: Duration::ZERO,
         prepare: Vec::with_capacity(cycles),
+        again: Vec::with_capacity(cycles),
+        floor: Vec::with_capacity(cycles),
         unprepare: Vec::with_capacity(cycles),
         plugged: Duration::ZERO,
         unplugged: Duration::ZERO,
         slices: api.slices().len(),
         devices: slice_devices(&api).len(),
     };
+    let mut written = Vec::with_capacity(cycles);
     for i in 0..cycles {
+        let watch = Watch::start(&sim);
         let t = Instant::now();
         prepared_ok(drv.prepare(Version::V1, &claim).await?)
             .with_context(|| daemon.stderr_tail())?;
@@ -228,12 +325,19 @@ async fn vgpu_once(b: &Bins, cycles: usize) -> Result<VgpuRun> {
         } else {
             run.prepare.push(t.elapsed());
         }
+        let (sysfs, files) = watch.prepared(&sim);
+        let t = Instant::now();
+        prepared_ok(drv.prepare(Version::V1, &claim).await?)?;
+        run.again.push(t.elapsed());
+        sim.clear_ops();
         let t = Instant::now();
         let out = drv.unprepare(Version::V1, &claim).await?;
         run.unprepare.push(t.elapsed());
         if !matches!(out.first(), Some((_, Ok(())))) {
             bail!("unprepare: {out:?}: {}", daemon.stderr_tail());
         }
+        let undo = writes(&sim.ops());
+        written.push(Writes { sysfs, files, undo });
     }
     let t = Instant::now();
     sim.control("hotplug 0000:81:00.0 A10 group=50 numa=1")?;
@@ -244,19 +348,28 @@ async fn vgpu_once(b: &Bins, cycles: usize) -> Result<VgpuRun> {
     wait_slices(&api, |d| !d.iter().any(|n| n == "gpu-0000-81-00-0")).await?;
     run.unplugged = t.elapsed();
     daemon.stop().await;
+    drop(sim);
+    // The first prepare (VFs enabled) is replayed for the node's sake, and not counted.
+    run.floor = floors(&topo, &written)?.split_off(1);
     Ok(run)
 }
 
 async fn bench_vgpu(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     let cycles = cli.claims.max(2);
-    r.line(format!("vGPUs (`--vgpu 0000:41:00.0` on 2xA10: one counter set, 137 vGPU devices of that GPU, its passthrough device and the other GPU's, in three device slices and a counter slice): {cycles} cycles per run of an A10-4Q claim. The first prepare enables the GPU's 32 VFs, then creates the mdev; the others create it on the enabled VFs; each returns once the vGPU's /dev/vfio group node exists (vGPU ready). Unprepare removes the mdev. Publication: from node-sim's hot-plug (or unplug) of a third A10 to the API server's slices showing (or no longer showing) its device, through the uevent, a read of the node and the pool's slices written again."));
+    r.line(format!("vGPUs (`--vgpu 0000:41:00.0` on 2xA10: one counter set, 137 vGPU devices of that GPU, its passthrough device and the other GPU's, in three device slices and a counter slice): {cycles} cycles per run of an A10-4Q claim. The first prepare enables the GPU's 32 VFs, then creates the mdev; the others create it on the enabled VFs; each returns once the vGPU's /dev/vfio group node exists (vGPU ready). The same prepare again is kubelet's retry (nothing to do). Unprepare removes the mdev. Floor: each prepare's writes replayed bare on a fresh node, as for whole GPUs above. Goals: prepare p50 ≤ 2× and p99 ≤ 3× the floor's p50, prepare again ≤ 2 ms. Publication: from node-sim's hot-plug (or unplug) of a third A10 to the API server's slices showing (or no longer showing) its device, through the uevent, a read of the node and the pool's slices written again."));
     r.line("");
     r.table(&[
         "node",
         "slices / devices",
         "first prepare (VFs enabled)",
+        "floor p50",
+        "floor p99",
         "prepare → vGPU ready p50",
         "p99",
+        "p50 / floor",
+        "p99 / floor",
+        "prepare again p50",
+        "prepare again p99",
         "unprepare p50",
         "unprepare p99",
         "hot-plug → slices p50",
@@ -270,8 +383,16 @@ async fn bench_vgpu(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
         let s = summarize(&v).ok_or_else(|| anyhow!("no samples"))?;
         Ok((fmt_duration(s.median), fmt_duration(s.p99)))
     };
-    let (p50, p99) = pct(runs.iter().flat_map(|x| x.prepare.clone()).collect())?;
-    let (u50, u99) = pct(runs.iter().flat_map(|x| x.unprepare.clone()).collect())?;
+    let all = |f: fn(&VgpuRun) -> &Vec<Duration>| -> Vec<Duration> {
+        runs.iter().flat_map(|x| f(x).iter().copied()).collect()
+    };
+    let (p50, p99) = pct(all(|x| &x.prepare))?;
+    let (f50, f99) = pct(all(|x| &x.floor))?;
+    let (a50, a99) = pct(all(|x| &x.again))?;
+    let (u50, u99) = pct(all(|x| &x.unprepare))?;
+    let (prep, floor) = summarize(&all(|x| &x.prepare))
+        .zip(summarize(&all(|x| &x.floor)))
+        .ok_or_else(|| anyhow!("no samples"))?;
     let first = summarize(&runs.iter().map(|x| x.first).collect::<Vec<_>>())
         .ok_or_else(|| anyhow!("no runs"))?;
     let (pl, _) = pct(runs.iter().map(|x| x.plugged).collect())?;
@@ -284,8 +405,14 @@ async fn bench_vgpu(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
             runs.first().map_or(0, |x| x.devices)
         ),
         fmt_summary(&first),
+        f50,
+        f99,
         p50,
         p99,
+        ratio(prep.median, floor.median),
+        ratio(prep.p99, floor.median),
+        a50,
+        a99,
         u50,
         u99,
         pl,
@@ -299,13 +426,17 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     let cycles = cli.claims;
     r.line("## sandbox-dra");
     r.line("");
-    r.line(format!("From process start to registered (the fake kubelet's GetInfo and NotifyRegistrationStatus through the percent-encoded socket path); then {cycles} cycles per run of a one-GPU claim (0000:41:00.0): NodePrepareResources that binds the GPU's group (nvidia → vfio-pci, record, metadata, CDI spec), the same call again (kubelet's retry: nothing written), and NodeUnprepareResources with `--unprepare restore` (spec and metadata removed, the GPU back on nvidia); p50 and p99 over all calls of all runs. RSS and peak RSS after the cycles."));
+    r.line(format!("From process start to registered (the fake kubelet's GetInfo and NotifyRegistrationStatus through the percent-encoded socket path); then {cycles} cycles per run of a one-GPU claim (0000:41:00.0): NodePrepareResources that binds the GPU's group (nvidia → vfio-pci, record, metadata, CDI spec), the same call again (kubelet's retry: nothing written), and NodeUnprepareResources with `--unprepare restore` (spec and metadata removed, the GPU back on nvidia); p50 and p99 over all calls of all runs. Floor: each prepare's writes replayed bare on a fresh node in the order the prepare makes them (the claim's record, the original drivers, the binds' sysfs writes, the metadata and CDI spec, the record again; files replaced as the daemon replaces them), each unprepare's replayed untimed between them. Goals: prepare p50 ≤ 2× and p99 ≤ 3× the floor's p50, prepare again ≤ 2 ms. RSS and peak RSS after the cycles."));
     r.line("");
     r.table(&[
         "node",
         "registered",
+        "floor p50",
+        "floor p99",
         "prepare p50",
         "prepare p99",
+        "p50 / floor",
+        "p99 / floor",
         "prepare again p50",
         "prepare again p99",
         "unprepare p50",
@@ -323,6 +454,10 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
         };
         let pct = |v: Vec<Duration>| fmt_p50_p99(&v).ok_or_else(|| anyhow!("no samples"));
         let (p50, p99) = pct(all(|x| &x.prepare))?;
+        let (f50, f99) = pct(all(|x| &x.floor))?;
+        let (prep, floor) = summarize(&all(|x| &x.prepare))
+            .zip(summarize(&all(|x| &x.floor)))
+            .ok_or_else(|| anyhow!("no samples"))?;
         let (a50, a99) = pct(all(|x| &x.again))?;
         let (u50, u99) = pct(all(|x| &x.unprepare))?;
         let reg = summarize(&runs.iter().map(|x| x.registered).collect::<Vec<_>>())
@@ -333,8 +468,12 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
         r.row(&[
             topology.to_string(),
             fmt_summary(&reg),
+            f50,
+            f99,
             p50,
             p99,
+            ratio(prep.median, floor.median),
+            ratio(prep.p99, floor.median),
             a50,
             a99,
             u50,

@@ -14,9 +14,11 @@
 //! writes only what differs, one server-side apply (field manager `sandbox-dra`, forced: this
 //! driver alone writes its node's slices) per slice that changed and a delete per slice of
 //! this node and driver it no longer publishes; when nothing differs it asks the API server
-//! nothing. Generations: a change moves every slice of the pool to one generation above the
-//! highest seen (found, or written by this process), so the scheduler takes them over any
-//! older copy and never mixes two generations; a generation a pass began and did not finish
+//! nothing. Generations: a change to one slice of a pool that keeps its slices writes that
+//! slice at its generation (as the upstream ResourceSlice controller does); any other change
+//! moves every slice of the pool to one generation above the highest seen (found, or written
+//! by this process), so the scheduler takes them over any older copy and never mixes two
+//! generations; a generation a pass began and did not finish
 //! (its time ran out, a write failed), or slices another client deleted while the rest still
 //! say what the node has, are finished at that generation; a restarted driver that finds its
 //! slices right adopts their generation.

@@ -8,6 +8,10 @@
 //!   at that generation. This finishes a generation a pass began and could not end (its time
 //!   ran out, a write failed) and puts back what another client deleted, without rewriting the
 //!   slices that are already right.
+//! - The pool keeps its slices (the same names, all at one generation not below the last one
+//!   this process wrote) and one of them changed: that slice alone is written, at the
+//!   generation it has. One write cannot show the scheduler a mix of old and new slices, so the
+//!   rest need not move (a GPU's health or attributes, a passthrough node's one slice).
 //! - Otherwise the pool changed: every slice is written at one generation above the highest
 //!   seen (found, or written by this process), so the scheduler takes the new slices over any
 //!   older copy and never mixes two generations of the pool.
@@ -70,7 +74,7 @@ pub fn plan(current: &[ResourceSlice], mut wanted: Vec<ResourceSlice>, last: i64
             })
     });
     let generation_now = match top {
-        Some(top) if resume => top,
+        Some(top) if resume || one_change(current, &wanted, top, last) => top,
         _ => top.unwrap_or(0).max(last) + 1,
     };
     for w in &mut wanted {
@@ -96,6 +100,23 @@ pub fn plan(current: &[ResourceSlice], mut wanted: Vec<ResourceSlice>, last: i64
         apply,
         delete,
     }
+}
+
+/// Whether `current`, every slice at generation `top` (not below `last`), has the slices
+/// `wanted` names and exactly one of them says something else.
+fn one_change(current: &[ResourceSlice], wanted: &[ResourceSlice], top: i64, last: i64) -> bool {
+    if top < last || current.len() != wanted.len() || current.iter().any(|c| generation(c) != top) {
+        return false;
+    }
+    let mut changed = 0;
+    for w in wanted {
+        match current.iter().find(|c| c.metadata.name == w.metadata.name) {
+            Some(c) if content(c) == content(w) => {}
+            Some(_) => changed += 1,
+            None => return false,
+        }
+    }
+    changed == 1
 }
 
 #[cfg(test)]
@@ -159,11 +180,39 @@ mod tests {
     }
 
     #[test]
-    fn a_change_rewrites_every_slice_one_generation_up() {
+    fn a_change_to_one_slice_writes_that_slice_at_its_generation() {
         let current = [slice("a", 7, 2, &["x"]), slice("b", 7, 2, &["y"])];
         let p = plan(&current, wanted(&["x", "z"], &["y"]), 7);
-        assert_eq!(names(&p), [("a", 8), ("b", 8)]);
+        assert_eq!(names(&p), [("a", 7)]);
+        assert_eq!(p.generation, 7);
         assert!(p.delete.is_empty());
+        // A passthrough node's one slice.
+        let p = plan(
+            &[slice("a", 3, 1, &["x"])],
+            vec![slice("a", 0, 1, &["w"])],
+            3,
+        );
+        assert_eq!(names(&p), [("a", 3)]);
+    }
+
+    #[test]
+    fn a_change_to_more_slices_rewrites_every_slice_one_generation_up() {
+        let current = [
+            slice("a", 7, 3, &["x"]),
+            slice("b", 7, 3, &["y"]),
+            slice("c", 7, 3, &["w"]),
+        ];
+        let mut w = wanted(&["x", "z"], &["y", "v"]);
+        w.iter_mut()
+            .for_each(|s| s.spec.pool.resource_slice_count = 3);
+        w.push(slice("c", 0, 3, &["w"]));
+        let p = plan(&current, w, 7);
+        assert_eq!(names(&p), [("a", 8), ("b", 8), ("c", 8)]);
+        assert!(p.delete.is_empty());
+        // One slice changed, but the pool is behind what this process wrote: it moves on.
+        let current = [slice("a", 7, 2, &["x"]), slice("b", 7, 2, &["y"])];
+        let p = plan(&current, wanted(&["x", "z"], &["y"]), 9);
+        assert_eq!(names(&p), [("a", 10), ("b", 10)]);
     }
 
     #[test]

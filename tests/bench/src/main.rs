@@ -10,7 +10,8 @@
 //!
 //! `--only scheduler` measures instead what sandbox-dra's published pool costs a real
 //! kube-scheduler and kube-apiserver (the cluster tier's assets, `tests/cluster/prepare.sh`);
-//! it is not part of the default run and has its own place in BENCHMARKS.md.
+//! it is not part of the default run and has its own place in BENCHMARKS.md. `--only dra-api`
+//! likewise measures sandbox-dra's requests to a real kube-apiserver, and what they cost it.
 //!
 //! It needs root and /dev/fuse (node-sim). Every figure is the median of `--runs` runs with
 //! min–max beside it, or p50 and p99 over every call of every run; each run gets a freshly
@@ -31,7 +32,7 @@ use harness::report::{Report, write_out};
 const SECTIONS: [&str; 5] = ["vfio", "vgpu", "dp", "on-demand", "dra"];
 
 /// Sections run only when `--only` names them, each reported between markers of its own.
-const OPT_IN: [&str; 1] = ["scheduler"];
+const OPT_IN: [&str; 2] = ["scheduler", "dra-api"];
 
 /// Benchmarks of vfio-manager, vgpu-device-manager, sandbox-dp and sandbox-dra on simulated
 /// nodes.
@@ -62,11 +63,25 @@ pub struct Cli {
     /// scheduler: pods placed one after another per node count and published pool.
     #[arg(long, default_value_t = 50, value_parser = at_least_one())]
     pub sched_pods: usize,
+    /// dra-api: seconds one driver is measured at rest, and again under a hot-plug a minute.
+    #[arg(long, default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..))]
+    pub api_window_secs: u64,
+    /// dra-api: how many drivers run together against the API server (repeatable; default 1,
+    /// 50 and 200).
+    #[arg(long, value_name = "N", value_parser = at_least_one())]
+    pub api_drivers: Vec<usize>,
+    /// dra-api: seconds N drivers are measured at rest.
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
+    pub api_scale_secs: u64,
+    /// dra-api: hot-plugs into the first tree per driver count.
+    #[arg(long, default_value_t = 5, value_parser = at_least_one())]
+    pub api_hotplugs: usize,
     /// Also write the report to this file (BENCHMARKS.md: between its begin and end markers).
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Only these sections: vfio, vgpu, dp, on-demand, dra (repeatable; default all), or
-    /// scheduler (the cluster tier's kube-scheduler and kube-apiserver; never by default).
+    /// scheduler (the cluster tier's kube-scheduler and kube-apiserver) or dra-api (sandbox-dra's
+    /// requests and their cost to a kube-apiserver), never by default.
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(SECTIONS.iter().chain(&OPT_IN)))]
     pub only: Vec<String>,
 }
@@ -86,6 +101,7 @@ async fn section(name: &str, cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> 
         "on-demand" => sections::ondemand::bench(cli, b, r).await,
         "dra" => sections::dra::bench(cli, b, r).await,
         "scheduler" => sections::scheduler::bench(cli, b, r),
+        "dra-api" => sections::apiload::bench(cli, b, r),
         other => bail!("no section {other}"),
     }
 }
@@ -195,5 +211,7 @@ mod tests {
         assert!(Cli::try_parse_from(["gpu-vm-bench", "--only", "plain"]).is_err());
         let cli = Cli::try_parse_from(["gpu-vm-bench", "--only", "scheduler"]).unwrap();
         assert_eq!((cli.sched_nodes.len(), cli.sched_pods), (0, 50));
+        let cli = Cli::try_parse_from(["gpu-vm-bench", "--only", "dra-api"]).unwrap();
+        assert_eq!((cli.api_window_secs, cli.api_scale_secs), (600, 120));
     }
 }

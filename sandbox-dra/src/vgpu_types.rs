@@ -25,10 +25,40 @@ pub enum Types {
     Listed(Vec<String>),
 }
 
+/// Why `--vgpu-types` is refused.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum TypesError {
+    /// An entry that cannot be a type name or pattern.
+    #[error(
+        "{0:?} is not a vGPU type name (A10-4Q) or pattern (A10-*Q, *-8Q): letters, digits, - and *"
+    )]
+    NotAName(String),
+    /// `all` beside other entries.
+    #[error("\"all\" stands alone")]
+    AllAlone,
+    /// Nothing given.
+    #[error("expected \"all\" or a comma list of vGPU types (A10-4Q,A10-8Q)")]
+    Empty,
+    /// Entries that are no model's type, and what the node's GPUs publish.
+    #[error("--vgpu-types: {} {} no vGPU type: {theirs}", quoted(.unknown), if .unknown.len() == 1 { "is" } else { "are" })]
+    Unknown {
+        unknown: Vec<String>,
+        theirs: String,
+    },
+}
+
+fn quoted(entries: &[String]) -> String {
+    entries
+        .iter()
+        .map(|u| format!("{u:?}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Parses `--vgpu-types`: `all`, or a comma list of type names and `*` patterns; the first
 /// word of NVIDIA's full name (`NVIDIA A10-4Q`, `GRID T4-2Q`) may be given too. Spaces around
 /// entries and empty entries are ignored.
-pub fn parse(s: &str) -> Result<Types, String> {
+pub fn parse(s: &str) -> Result<Types, TypesError> {
     if s.trim().eq_ignore_ascii_case("all") {
         return Ok(Types::All);
     }
@@ -39,18 +69,15 @@ pub fn parse(s: &str) -> Result<Types, String> {
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'*');
         if !fits || entry.split_whitespace().count() > 2 {
-            return Err(format!(
-                "{entry:?} is not a vGPU type name (A10-4Q) or pattern (A10-*Q, *-8Q): \
-                 letters, digits, - and *"
-            ));
+            return Err(TypesError::NotAName(entry.to_string()));
         }
         if entry.eq_ignore_ascii_case("all") {
-            return Err("\"all\" stands alone".into());
+            return Err(TypesError::AllAlone);
         }
         out.push(short.to_ascii_uppercase());
     }
     if out.is_empty() {
-        return Err("expected \"all\" or a comma list of vGPU types (A10-4Q,A10-8Q)".into());
+        return Err(TypesError::Empty);
     }
     out.dedup();
     Ok(Types::Listed(out))
@@ -125,7 +152,7 @@ impl Types {
     /// Refuses entries that are no model's type, naming them and the types of `gpus` (the
     /// GPUs `--vgpu` selects on this node, read from `inv`), or every model's when none of
     /// them is known to the table.
-    pub fn check(&self, inv: &Inventory, gpus: &[PciAddress]) -> Result<(), String> {
+    pub fn check(&self, inv: &Inventory, gpus: &[PciAddress]) -> Result<(), TypesError> {
         let unknown = self.unknown();
         if unknown.is_empty() {
             return Ok(());
@@ -165,15 +192,10 @@ impl Types {
                 .collect::<Vec<_>>()
                 .join("; ")
         };
-        Err(format!(
-            "--vgpu-types: {} {} no vGPU type: {theirs}",
-            unknown
-                .iter()
-                .map(|u| format!("{u:?}"))
-                .collect::<Vec<_>>()
-                .join(", "),
-            if unknown.len() == 1 { "is" } else { "are" },
-        ))
+        Err(TypesError::Unknown {
+            unknown: unknown.into_iter().map(str::to_string).collect(),
+            theirs,
+        })
     }
 
     /// For the log: `all`, or the entries joined by commas.
@@ -204,7 +226,12 @@ mod tests {
         for bad in ["", " , ", "A10-4Q,all", "A10_4Q", "A10-4Q;A10-8Q", "a b c"] {
             assert!(parse(bad).is_err(), "{bad:?}");
         }
-        assert!(parse("A10.4Q").unwrap_err().contains("\"A10.4Q\""));
+        assert!(
+            parse("A10.4Q")
+                .unwrap_err()
+                .to_string()
+                .contains("\"A10.4Q\"")
+        );
     }
 
     #[test]

@@ -21,6 +21,17 @@ fn wait_event(sock: &udev::MonitorSocket, mut f: impl FnMut(&udev::Event) -> boo
     }
 }
 
+/// Moves `gpu` from nvidia to vfio-pci as vfio-manager does: override, unbind, probe.
+fn to_vfio(m: &Mounted, gpu: &str) {
+    m.w(
+        &format!("sys/bus/pci/devices/{gpu}/driver_override"),
+        "vfio-pci",
+    )
+    .unwrap();
+    m.w("sys/bus/pci/drivers/nvidia/unbind", gpu).unwrap();
+    m.w("sys/bus/pci/drivers_probe", gpu).unwrap();
+}
+
 fn prop(ev: &udev::Event, k: &str) -> Option<String> {
     ev.property_value(k)
         .map(|v| v.to_string_lossy().into_owned())
@@ -42,13 +53,7 @@ fn bind_unbind_and_mdev_events_reach_a_udev_monitor() {
         .listen()
         .unwrap();
     let gpu = "0000:41:00.0";
-    m.w(
-        &format!("sys/bus/pci/devices/{gpu}/driver_override"),
-        "vfio-pci",
-    )
-    .unwrap();
-    m.w("sys/bus/pci/drivers/nvidia/unbind", gpu).unwrap();
-    m.w("sys/bus/pci/drivers_probe", gpu).unwrap();
+    to_vfio(&m, gpu);
     let mine = |ev: &udev::Event| {
         prop(ev, "PCI_SLOT_NAME").as_deref() == Some(gpu)
             && ev.devpath().to_string_lossy() == "/devices/pci0000:40/0000:40:01.1/0000:41:00.0"
@@ -136,13 +141,7 @@ fn in_another_network_namespace_the_kernels_group_hears_the_sim() {
     });
     // Not the GPU the test above rebinds: both run at once, and its monitor hears this sim too.
     let gpu = "0000:61:00.0";
-    m.w(
-        &format!("sys/bus/pci/devices/{gpu}/driver_override"),
-        "vfio-pci",
-    )
-    .unwrap();
-    m.w("sys/bus/pci/drivers/nvidia/unbind", gpu).unwrap();
-    m.w("sys/bus/pci/drivers_probe", gpu).unwrap();
+    to_vfio(&m, gpu);
     // libudev takes a message on the kernel's group only from the kernel (port 0): the kernel
     // broadcast it, with a SEQNUM of its own.
     let ev = wait_event(&kernel, |e| {

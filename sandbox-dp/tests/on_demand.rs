@@ -1188,7 +1188,9 @@ async fn creations_refusals_and_removals_are_node_events() {
     let group =
         std::fs::read_link(root.join(format!("sys/bus/mdev/devices/{uuid}/iommu_group"))).unwrap();
     let group = group.file_name().unwrap().to_str().unwrap().to_string();
-    let qemu = std::fs::File::open(root.join(format!("dev/vfio/{group}"))).unwrap();
+    // Held by a process of its own, as QEMU holds it: this test process forks and execs
+    // daemons, and each exec closes its copies of the test's descriptors.
+    let qemu = testkit::sim::ShellHolder::hold(&root.join(format!("dev/vfio/{group}")));
     pool.pods.set_pods(vec![]);
     let kept = event("VgpuNotRemoved").expect("a VgpuNotRemoved event on the Node");
     let note = kept["message"].as_str().unwrap_or_default();

@@ -7,18 +7,17 @@
 //! without them, a failure with `CLUSTER_TIER=required`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
+mod support;
+
 use std::fmt::Write as _;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use cluster_tier::assets::{self, Assets};
 use cluster_tier::control_plane::{ControlPlane, ControlPlaneOpts};
 use serde_json::Value;
+use support::{DRIVER, Driver, command};
 use testkit::sim::Topology;
 
-const BIN: &str = env!("CARGO_BIN_EXE_sandbox-dra");
-const DRIVER: &str = "gpu.gpu-vm-node.io";
 /// How long a whole pool may take to be written (hundreds of devices, one apply a slice).
 const PATIENCE: Duration = Duration::from_secs(90);
 
@@ -36,42 +35,6 @@ fn a10s(n: usize) -> Topology {
         );
     }
     Topology::parse(&s, &format!("{n}xA10")).unwrap()
-}
-
-/// A running `sandbox-dra serve`; killed on drop.
-struct Driver(Child, tempfile::TempDir);
-
-impl Driver {
-    fn start(root: &Path, kubeconfig: &Path, node: &str) -> Driver {
-        let dir = tempfile::tempdir().unwrap();
-        let child = Command::new(BIN)
-            .arg("serve")
-            .arg("--host-root")
-            .arg(root)
-            .args(["--node-name", node, "--vgpu", "all", "--kubeconfig"])
-            .arg(kubeconfig)
-            .env("RUST_LOG", "info")
-            .env_remove("HOST_ROOT")
-            .env_remove("KUBECONFIG")
-            .env_remove("VGPU")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.path().join("log")).unwrap())
-            .spawn()
-            .unwrap();
-        Driver(child, dir)
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.1.path().join("log")).unwrap_or_default()
-    }
-}
-
-impl Drop for Driver {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// The node's slices of the driver, as the API server holds them.
@@ -137,7 +100,12 @@ fn ten_and_sixteen_pooled_a10s_are_a_pool_the_api_server_accepts() {
         cp.kubectl(&["create", "-f", manifest.to_str().unwrap()])
             .unwrap();
         let sim = testkit::sim::mount_topology(&a10s(n));
-        let d = Driver::start(sim.root(), cp.admin_kubeconfig(), &node);
+        let d = Driver::spawn(command(
+            sim.root(),
+            &node,
+            cp.admin_kubeconfig(),
+            &["--vgpu", "all"],
+        ));
         let t = Instant::now();
         let got = loop {
             let s = slices(&cp, &node);

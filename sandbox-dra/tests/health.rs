@@ -8,110 +8,20 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
+mod support;
+
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kubelet_api::dra_health::v1alpha1::dra_resource_health_client::DraResourceHealthClient;
 use kubelet_api::dra_health::v1alpha1::{
     HealthStatus, NodeWatchResourcesRequest, NodeWatchResourcesResponse,
 };
-use serde_json::json;
+use support::{DRIVER, Driver, NODE, PATIENCE, prepare, put_claim, register, start};
 use testkit::apiserver::FakeApiServer;
-use testkit::kubelet::dra::{self, Claim, DraDriver, Version};
 use testkit::sim::try_mount;
 use tonic::codec::Streaming;
-
-const BIN: &str = env!("CARGO_BIN_EXE_sandbox-dra");
-const DRIVER: &str = "gpu.gpu-vm-node.io";
-const NODE: &str = "node-a";
-const NS: &str = "vms";
-/// How long a test waits for something that should happen promptly before it calls it lost.
-const PATIENCE: Duration = Duration::from_secs(30);
-
-struct Driver(Child, tempfile::TempDir);
-
-impl Drop for Driver {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Driver {
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.1.path().join("log")).unwrap_or_default()
-    }
-}
-
-/// Starts `sandbox-dra serve` (with `--vgpu vgpu`) and waits for its registration socket.
-fn start(root: &Path, api: &FakeApiServer, vgpu: Option<&str>) -> Driver {
-    let reg = root.join(format!(
-        "var/lib/kubelet/plugins_registry/{DRIVER}-reg.sock"
-    ));
-    let _ = std::fs::remove_file(&reg);
-    let dir = tempfile::tempdir().unwrap();
-    let child = Command::new(BIN)
-        .arg("--host-root")
-        .arg(root)
-        .args(["--node-name", NODE, "--kubeconfig"])
-        .arg(api.kubeconfig())
-        .args(vgpu.map(|v| ["--vgpu", v]).into_iter().flatten())
-        .arg("serve")
-        .env("RUST_LOG", "info")
-        .env_remove("HOST_ROOT")
-        .env_remove("KUBECONFIG")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.path().join("log")).unwrap())
-        .spawn()
-        .unwrap();
-    let mut d = Driver(child, dir);
-    let t = Instant::now();
-    while !reg.exists() {
-        if let Some(st) = d.0.try_wait().unwrap() {
-            panic!("sandbox-dra exited ({st}):\n{}", d.log());
-        }
-        assert!(
-            t.elapsed() < PATIENCE,
-            "no registration socket:\n{}",
-            d.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    d
-}
-
-async fn register(root: &Path) -> DraDriver {
-    let socks = dra::registration_sockets(root, Path::new("/var/lib/kubelet"));
-    dra::register(root, &socks[0], None).await.unwrap()
-}
-
-fn put_claim(api: &FakeApiServer, name: &str, uid: &str, class: &str, device: &str) -> Claim {
-    api.put_claim(json!({
-        "metadata": {"namespace": NS, "name": name, "uid": uid},
-        "spec": {"devices": {"requests": [
-            {"name": "gpu", "exactly": {"deviceClassName": class}}
-        ]}},
-        "status": {"allocation": {"devices": {"results": [{
-            "request": "gpu", "driver": DRIVER, "pool": NODE, "device": device,
-        }]}}},
-    }));
-    Claim {
-        namespace: NS.into(),
-        name: name.into(),
-        uid: uid.into(),
-    }
-}
-
-async fn prepare(d: &DraDriver, c: &Claim) {
-    d.prepare(Version::V1, std::slice::from_ref(c))
-        .await
-        .unwrap()
-        .remove(0)
-        .1
-        .unwrap();
-}
 
 /// Opens the health stream on the driver's plugin socket, as kubelet does.
 async fn watch(root: &Path) -> Streaming<NodeWatchResourcesResponse> {
@@ -196,7 +106,7 @@ async fn kubelet_hears_exactly_the_device_that_can_no_longer_serve_its_vm() {
     };
     let root = sim.root();
     let api = FakeApiServer::start(NODE, &[]).unwrap();
-    let d = start(root, &api, Some("0000:61:00.0"));
+    let d = start(root, &api, &["--vgpu", "0000:61:00.0"]);
     let drv = register(root).await;
     assert!(
         drv.info
@@ -220,9 +130,9 @@ async fn kubelet_hears_exactly_the_device_that_can_no_longer_serve_its_vm() {
 
     // A whole GPU and a vGPU prepared for VMs: still healthy.
     let c1 = put_claim(&api, "vm1", "uid-1", "vfio.gpu.gpu-vm-node.io", whole);
-    prepare(&drv, &c1).await;
+    prepare(&drv, &c1).await.unwrap();
     let c2 = put_claim(&api, "vm2", "uid-2", "vgpu.gpu-vm-node.io", vgpu);
-    prepare(&drv, &c2).await;
+    prepare(&drv, &c2).await.unwrap();
 
     // The whole GPU taken off vfio-pci behind the driver's back: that device, and only it.
     std::fs::write(
@@ -293,7 +203,7 @@ async fn a_prepared_gpu_whose_audio_function_a_host_driver_takes_is_unhealthy() 
     };
     let root = sim.root();
     let api = FakeApiServer::start(NODE, &[]).unwrap();
-    let d = start(root, &api, None);
+    let d = start(root, &api, &[]);
     let drv = register(root).await;
     let mut s = watch(root).await;
     let gpu = "gpu-0000-01-00-0";
@@ -302,7 +212,7 @@ async fn a_prepared_gpu_whose_audio_function_a_host_driver_takes_is_unhealthy() 
     })
     .await;
     let c = put_claim(&api, "ws", "uid-ws", "vfio.gpu.gpu-vm-node.io", gpu);
-    prepare(&drv, &c).await;
+    prepare(&drv, &c).await.unwrap();
 
     // The audio function, bound with the GPU, given back to the host's sound driver.
     let audio = root.join("sys/bus/pci/devices/0000:01:00.1");

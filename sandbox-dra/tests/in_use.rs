@@ -9,23 +9,19 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on setup failures
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+mod support;
 
-use serde_json::json;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use support::{BIN, DRIVER, NODE, NS, driver_of, prepare, put_claim, register, start, unprepare};
 use testkit::apiserver::FakeApiServer;
 use testkit::kubelet::FakePodResources;
-use testkit::kubelet::dra::{self, Claim, DraDriver, PreparedDevice, Version};
+use testkit::kubelet::dra::{Claim, PreparedDevice};
 use testkit::kubelet::pod_resources::{ClaimDevice, pod_with_claim};
 use testkit::sim::try_mount;
 
-const BIN: &str = env!("CARGO_BIN_EXE_sandbox-dra");
-const DRIVER: &str = "gpu.gpu-vm-node.io";
-const NODE: &str = "node-a";
-const NS: &str = "vms";
 const POD: &str = "virt-launcher-a";
-const PATIENCE: Duration = Duration::from_secs(30);
 
 /// vfio-manager beside sandbox-dra, or `None` (said as `skipped`) when it is not built.
 fn vfio_manager() -> Option<PathBuf> {
@@ -38,91 +34,6 @@ fn vfio_manager() -> Option<PathBuf> {
         p.display()
     );
     None
-}
-
-struct Driver(Child, tempfile::TempDir);
-
-impl Drop for Driver {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start(root: &Path, api: &FakeApiServer, extra: &[&str]) -> Driver {
-    let reg = root.join(format!(
-        "var/lib/kubelet/plugins_registry/{DRIVER}-reg.sock"
-    ));
-    let _ = std::fs::remove_file(&reg);
-    let dir = tempfile::tempdir().unwrap();
-    let child = Command::new(BIN)
-        .arg("--host-root")
-        .arg(root)
-        .args(["--node-name", NODE, "--kubeconfig"])
-        .arg(api.kubeconfig())
-        .args(extra)
-        .arg("serve")
-        .env("RUST_LOG", "info")
-        .env_remove("HOST_ROOT")
-        .env_remove("KUBECONFIG")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.path().join("log")).unwrap())
-        .spawn()
-        .unwrap();
-    let mut d = Driver(child, dir);
-    let t = Instant::now();
-    while !reg.exists() {
-        let log = || std::fs::read_to_string(d.1.path().join("log")).unwrap_or_default();
-        if let Some(st) = d.0.try_wait().unwrap() {
-            panic!("sandbox-dra exited ({st}):\n{}", log());
-        }
-        assert!(t.elapsed() < PATIENCE, "no registration socket:\n{}", log());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    d
-}
-
-async fn register(root: &Path) -> DraDriver {
-    let socks = dra::registration_sockets(root, Path::new("/var/lib/kubelet"));
-    dra::register(root, &socks[0], None).await.unwrap()
-}
-
-/// Claim `name` allocated `device` of this node for request `gpu`, in the fake API server.
-fn put_claim(api: &FakeApiServer, name: &str, uid: &str, class: &str, device: &str) -> Claim {
-    api.put_claim(json!({
-        "metadata": {"namespace": NS, "name": name, "uid": uid},
-        "spec": {"devices": {"requests": [
-            {"name": "gpu", "exactly": {"deviceClassName": class}}
-        ]}},
-        "status": {"allocation": {"devices": {"results": [{
-            "request": "gpu", "driver": DRIVER, "pool": NODE, "device": device,
-        }]}}},
-    }));
-    Claim {
-        namespace: NS.into(),
-        name: name.into(),
-        uid: uid.into(),
-    }
-}
-
-async fn prepare(d: &DraDriver, c: &Claim) -> Vec<PreparedDevice> {
-    let mut out = d
-        .prepare(Version::V1, std::slice::from_ref(c))
-        .await
-        .unwrap();
-    out.remove(0)
-        .1
-        .unwrap_or_else(|e| panic!("prepare {}: {e}", c.name))
-}
-
-async fn unprepare(d: &DraDriver, c: &Claim) {
-    let mut out = d
-        .unprepare(Version::V1, std::slice::from_ref(c))
-        .await
-        .unwrap();
-    out.remove(0)
-        .1
-        .unwrap_or_else(|e| panic!("unprepare {}: {e}", c.name));
 }
 
 /// kubelet's PodResources API on the node, running pod `vms/virt-launcher-a` whose container
@@ -166,12 +77,6 @@ fn show(o: &Output) -> String {
     )
 }
 
-fn driver_of(root: &Path, bdf: &str) -> Option<String> {
-    std::fs::read_link(root.join("sys/bus/pci/devices").join(bdf).join("driver"))
-        .ok()
-        .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn vfio_manager_unbind_refuses_the_gpu_of_a_prepared_claim_while_kubelet_runs_its_pod() {
     let Some(vfio_manager) = vfio_manager() else {
@@ -191,7 +96,7 @@ async fn vfio_manager_unbind_refuses_the_gpu_of_a_prepared_claim_while_kubelet_r
         "vfio-gpu.gpu-vm-node.io",
         "gpu-0000-41-00-0",
     );
-    let prepared = prepare(&drv, &c).await;
+    let prepared = prepare(&drv, &c).await.unwrap();
     assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
     let kubelet = kubelet_runs(root, &c, &prepared).await;
 
@@ -235,7 +140,7 @@ async fn vfio_manager_unbind_refuses_the_gpu_of_a_prepared_claim_while_kubelet_r
 
     // The pod ends: kubelet no longer lists it and unprepares the claim; the GPU is free.
     kubelet.set_pods(vec![]);
-    unprepare(&drv, &c).await;
+    unprepare(&drv, &c).await.unwrap();
     let o = vfio(
         &vfio_manager,
         root,
@@ -264,7 +169,7 @@ async fn vfio_manager_bind_refuses_the_gpu_of_a_prepared_vgpu_claim() {
         "vgpu.gpu-vm-node.io",
         "vgpu-0000-61-00-0-a10-4q-0",
     );
-    let prepared = prepare(&drv, &c).await;
+    let prepared = prepare(&drv, &c).await.unwrap();
     let _kubelet = kubelet_runs(root, &c, &prepared).await;
 
     // Binding the GPU to VFIO would destroy the claim's vGPU.

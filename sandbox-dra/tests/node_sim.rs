@@ -9,136 +9,48 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on setup failures
 
+mod support;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+use support::{
+    DRIVER, KUBELET_ROOT, NODE, NS, PATIENCE, claim, command, driver_of, prepare_one, read_json,
+    reg_socket, register, register_at, serving, start, under, unprepare_one,
+};
 use testkit::apiserver::FakeApiServer;
-use testkit::kubelet::dra::{self, Claim, DraDriver, Version};
+use testkit::kubelet::dra::{Claim, DraDriver, Version};
 use testkit::sim::{SimDir, try_mount};
 
-const BIN: &str = env!("CARGO_BIN_EXE_sandbox-dra");
-const DRIVER: &str = "gpu.gpu-vm-node.io";
-const NODE: &str = "node-a";
-const NS: &str = "vms";
-/// How long a test waits for something that should happen promptly before it calls it lost.
-const PATIENCE: Duration = Duration::from_secs(30);
-
-/// The driver process, killed (SIGKILL) when the test ends however it ends.
-struct Driver {
-    child: Child,
-    log: PathBuf,
-    _logdir: tempfile::TempDir,
-}
-
-impl Drop for Driver {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Driver {
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-/// kubelet's root on the simulated host unless a test says otherwise.
-const KUBELET_ROOT: &str = "/var/lib/kubelet";
-
-fn reg_socket(root: &Path, kubelet_root: &str) -> PathBuf {
-    root.join(kubelet_root.trim_start_matches('/'))
-        .join(format!("plugins_registry/{DRIVER}-reg.sock"))
-}
-
-/// Starts `sandbox-dra serve` on `root` and waits for its registration socket.
-fn start(root: &Path, api: &FakeApiServer, extra: &[&str]) -> Driver {
-    start_at(root, api, extra, KUBELET_ROOT)
-}
-
 /// [`start`] with `--kubelet-root kubelet_root`.
-fn start_at(root: &Path, api: &FakeApiServer, extra: &[&str], kubelet_root: &str) -> Driver {
-    start_with(root, api, extra, kubelet_root, None)
-}
-
-/// [`start_at`], the process started with `umask` when given (through `sh`).
-fn start_with(
-    root: &Path,
-    api: &FakeApiServer,
-    extra: &[&str],
-    kubelet_root: &str,
-    umask: Option<&str>,
-) -> Driver {
-    let reg = reg_socket(root, kubelet_root);
-    // A socket left by a killed run must not count as the new one's.
-    let _ = std::fs::remove_file(&reg);
-    let logdir = tempfile::tempdir().unwrap();
-    let log = logdir.path().join("sandbox-dra.log");
-    let mut cmd = match umask {
-        Some(m) => {
-            let mut c = Command::new("sh");
-            c.args(["-c", &format!("umask {m} && exec \"$0\" \"$@\""), BIN]);
-            c
-        }
-        None => Command::new(BIN),
-    };
-    let child = cmd
-        .arg("--host-root")
-        .arg(root)
-        .args([
-            "--node-name",
+fn start_at(root: &Path, api: &FakeApiServer, kubelet_root: &str) -> support::Driver {
+    serving(
+        command(
+            root,
             NODE,
-            "--kubelet-root",
-            kubelet_root,
-            "--kubeconfig",
-        ])
-        .arg(api.kubeconfig())
-        .args(extra)
-        .arg("serve")
-        .env("RUST_LOG", "info")
-        .env_remove("HOST_ROOT")
-        .env_remove("KUBELET_DIR")
-        .env_remove("KUBECONFIG")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let mut d = Driver {
-        child,
-        log,
-        _logdir: logdir,
-    };
-    let start = Instant::now();
-    while !reg.exists() {
-        if let Some(status) = d.child.try_wait().unwrap() {
-            panic!("sandbox-dra exited ({status}) before serving:\n{}", d.log());
-        }
-        assert!(
-            start.elapsed() < PATIENCE,
-            "no registration socket:\n{}",
-            d.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
+            api.kubeconfig(),
+            &["--kubelet-root", kubelet_root],
+        ),
+        &reg_socket(root, kubelet_root),
+    )
+}
+
+/// [`start`], the process started with `umask` (by a shell that sets it and execs sandbox-dra).
+fn start_with_umask(root: &Path, api: &FakeApiServer, umask: &str) -> support::Driver {
+    let cmd = command(root, NODE, api.kubeconfig(), &[]);
+    let mut sh = Command::new("sh");
+    sh.args(["-c", &format!("umask {umask} && exec \"$0\" \"$@\"")])
+        .arg(cmd.get_program())
+        .args(cmd.get_args());
+    for (var, value) in cmd.get_envs() {
+        match value {
+            Some(v) => sh.env(var, v),
+            None => sh.env_remove(var),
+        };
     }
-    d
-}
-
-/// Registers the driver as kubelet does: the one socket in plugins_registry/.
-async fn register(root: &Path) -> DraDriver {
-    register_at(root, KUBELET_ROOT).await
-}
-
-/// [`register`] with kubelet's root at `kubelet_root`.
-async fn register_at(root: &Path, kubelet_root: &str) -> DraDriver {
-    let kubelet_root = Path::new(kubelet_root);
-    let socks = dra::registration_sockets(root, kubelet_root);
-    assert_eq!(
-        socks,
-        vec![kubelet_root.join(format!("plugins_registry/{DRIVER}-reg.sock"))]
-    );
-    dra::register(root, &socks[0], None).await.unwrap()
+    serving(sh, &reg_socket(root, KUBELET_ROOT))
 }
 
 /// A claim allocated the named devices of this node, for request `gpu`.
@@ -154,31 +66,8 @@ fn claim_json(name: &str, uid: &str, devices: &[&str]) -> Value {
     })
 }
 
-fn claim(name: &str, uid: &str) -> Claim {
-    Claim {
-        namespace: NS.into(),
-        name: name.into(),
-        uid: uid.into(),
-    }
-}
-
-fn driver_of(root: &Path, bdf: &str) -> Option<String> {
-    std::fs::read_link(root.join("sys/bus/pci/devices").join(bdf).join("driver"))
-        .ok()
-        .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
-}
-
 fn cdi_spec_path(root: &Path, uid: &str) -> PathBuf {
     root.join(format!("var/run/cdi/{DRIVER}_{uid}.json"))
-}
-
-fn read_json(p: &Path) -> Value {
-    let text = std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-    serde_json::from_str(&text).unwrap()
-}
-
-fn under(root: &Path, host: &str) -> PathBuf {
-    root.join(host.trim_start_matches('/'))
 }
 
 /// The device nodes the CDI spec gives the device whose CDI name ends with `device`.
@@ -224,23 +113,6 @@ fn record_path(root: &Path, uid: &str) -> PathBuf {
     root.join(format!(
         "var/lib/kubelet/plugins/{DRIVER}/claims/{uid}.json"
     ))
-}
-
-async fn prepare_one(
-    d: &DraDriver,
-    v: Version,
-    c: &Claim,
-) -> Result<Vec<dra::PreparedDevice>, String> {
-    let mut out = d.prepare(v, std::slice::from_ref(c)).await.unwrap();
-    assert_eq!(out.len(), 1, "{out:?}");
-    assert_eq!(out[0].0, c.uid);
-    out.remove(0).1
-}
-
-async fn unprepare_one(d: &DraDriver, v: Version, c: &Claim) -> Result<(), String> {
-    let mut out = d.unprepare(v, std::slice::from_ref(c)).await.unwrap();
-    assert_eq!(out.len(), 1, "{out:?}");
-    out.remove(0).1
 }
 
 /// sysfs writes node-sim logged since the last clear.
@@ -369,7 +241,7 @@ async fn a_first_available_claim_is_answered_by_its_request_and_keeps_the_subreq
     let root = sim.root();
     let api = FakeApiServer::start(NODE, &[]).unwrap();
     // A umask that would leave the files to root alone.
-    let _d = start_with(root, &api, &[], KUBELET_ROOT, Some("077"));
+    let _d = start_with_umask(root, &api, "077");
     let drv = register(root).await;
     api.put_claim(first_available_claim_json(
         "vm1-gpu",
@@ -850,7 +722,7 @@ async fn killed_after(sim: &SimDir, api: &FakeApiServer, c: &Claim, call: Call, 
     let start = Instant::now();
     loop {
         if writes(sim).len() >= k || task.is_finished() {
-            d.child.kill().unwrap();
+            d.process.0.kill().unwrap();
             break;
         }
         assert!(
@@ -859,7 +731,7 @@ async fn killed_after(sim: &SimDir, api: &FakeApiServer, c: &Claim, call: Call, 
         );
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    let _ = d.child.wait();
+    let _ = d.process.0.wait();
     let _ = task.await;
     sim.control("clear-faults").unwrap();
     writes(sim).len()
@@ -1040,7 +912,7 @@ async fn a_gpu_whose_vgpu_kubelet_gave_a_pod_is_refused_under_another_kubelet_ro
     )
     .unwrap();
     let api = FakeApiServer::start(NODE, &[]).unwrap();
-    let _d = start_at(root, &api, &[], kubelet_root);
+    let _d = start_at(root, &api, kubelet_root);
     let drv = register_at(root, kubelet_root).await;
     assert_eq!(
         drv.info.endpoint,

@@ -16,58 +16,18 @@
 //! skipped without them, a failure with `CLUSTER_TIER=required`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+mod support;
+
 use std::time::{Duration, Instant};
 
 use cluster_tier::ApiServer;
 use serde_json::Value;
+use support::{DRIVER, Driver, NODE, command};
 
-const BIN: &str = env!("CARGO_BIN_EXE_sandbox-dra");
-const NODE: &str = "node-a";
-const DRIVER: &str = "gpu.gpu-vm-node.io";
 /// The user the driver authenticates as.
 const USER: &str = "sandbox-dra";
 /// A generous deadline for what should happen within seconds on a busy machine.
 const PATIENCE: Duration = Duration::from_secs(90);
-
-/// A running `sandbox-dra serve`; killed on drop.
-struct Driver(Child, tempfile::TempDir);
-
-impl Driver {
-    fn start(root: &Path, kubeconfig: &Path, metrics: &str) -> Driver {
-        let dir = tempfile::tempdir().unwrap();
-        let child = Command::new(BIN)
-            .arg("serve")
-            .arg("--host-root")
-            .arg(root)
-            .args(["--node-name", NODE, "--vgpu", "all"])
-            .args(["--resync-interval", "1s", "--metrics-addr", metrics])
-            .arg("--kubeconfig")
-            .arg(kubeconfig)
-            .env("RUST_LOG", "sandbox_dra=debug")
-            .env_remove("HOST_ROOT")
-            .env_remove("KUBECONFIG")
-            .env_remove("VGPU")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.path().join("log")).unwrap())
-            .spawn()
-            .unwrap();
-        Driver(child, dir)
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.1.path().join("log")).unwrap_or_default()
-    }
-}
-
-impl Drop for Driver {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// The driver's requests in the audit log, in order, watches left out. Each: verb, resource,
 /// name.
@@ -174,7 +134,21 @@ fn at_rest_the_driver_asks_nothing_and_a_hotplug_costs_one_apply_per_slice() {
     api.create_node(NODE, &[]).unwrap();
     let kubeconfig = api.kubeconfig_for(USER, USER, &["system:masters"]).unwrap();
     let metrics = testkit::ops::free_addr();
-    let d = Driver::start(sim.root(), &kubeconfig, &metrics);
+    let mut cmd = command(
+        sim.root(),
+        NODE,
+        &kubeconfig,
+        &[
+            "--vgpu",
+            "all",
+            "--resync-interval",
+            "1s",
+            "--metrics-addr",
+            &metrics,
+        ],
+    );
+    cmd.env("RUST_LOG", "sandbox_dra=debug");
+    let d = Driver::spawn(cmd);
 
     let before = wait_for_pool(&api, &d, "the pool never published", |s| {
         counter_sets(s).len() == 2

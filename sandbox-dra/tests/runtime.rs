@@ -11,28 +11,18 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic on setup failures
 
+mod support;
+
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use cluster_tier::{Assets, ControlPlane, ControlPlaneOpts};
 use serde_json::{Value, json};
-use testkit::kubelet::dra::{self, Claim, Version};
+use support::{DRIVER, KUBELET_ROOT, NODE, command, reg_socket, register, serving};
+use testkit::kubelet::dra::{Claim, Version};
 use testkit::sim::try_mount;
 
-const BIN: &str = env!("CARGO_BIN_EXE_sandbox-dra");
-const DRIVER: &str = "gpu.gpu-vm-node.io";
-const NODE: &str = "node-a";
 const NS: &str = "default";
-
-struct Driver(Child);
-
-impl Drop for Driver {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn kubectl_apply(cp: &ControlPlane, dir: &Path, name: &str, obj: &Value) {
     let f = dir.join(format!("{name}.json"));
@@ -136,36 +126,16 @@ async fn a_runtime_without_cdi_refuses_claims_and_says_so() {
         ])
         .unwrap();
 
-    let log = dir.path().join("sandbox-dra.log");
-    let _d = Driver(
-        Command::new(BIN)
-            .arg("--host-root")
-            .arg(root)
-            .args([
-                "--node-name",
-                NODE,
-                "--resync-interval",
-                "1s",
-                "--kubeconfig",
-            ])
-            .arg(cp.admin_kubeconfig())
-            .arg("serve")
-            .env("RUST_LOG", "info")
-            .env_remove("HOST_ROOT")
-            .env_remove("KUBELET_DIR")
-            .env_remove("KUBECONFIG")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap(),
+    let d = serving(
+        command(
+            root,
+            NODE,
+            cp.admin_kubeconfig(),
+            &["--resync-interval", "1s"],
+        ),
+        &reg_socket(root, KUBELET_ROOT),
     );
-    let kubelet_root = Path::new("/var/lib/kubelet");
-    let reg = wait_for("the registration socket", || {
-        dra::registration_sockets(root, kubelet_root)
-            .into_iter()
-            .next()
-    });
-    let drv = dra::register(root, &reg, None).await.unwrap();
+    let drv = register(root).await;
     // The Node's runtime is read with the first pass, which also publishes the slice.
     wait_for("the slice published", || {
         let out = cp
@@ -281,6 +251,6 @@ async fn a_runtime_without_cdi_refuses_claims_and_says_so() {
             .is_some_and(|m| m.contains("default/vm1-gpu") && m.contains("gpu-0000-41-00-0")),
         "{prepared:?}"
     );
-    let log = std::fs::read_to_string(&log).unwrap();
+    let log = d.log();
     assert!(log.contains("ignores CDI"), "{log}");
 }

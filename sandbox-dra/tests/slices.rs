@@ -6,45 +6,33 @@
 //! `CLUSTER_TIER=required`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
+mod support;
+
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use cluster_tier::ApiServer;
 use serde_json::{Value, json};
+use support::{DRIVER, KUBELET_ROOT, NODE, command, reg_socket};
+use testkit::Reaped;
 
 /// A generous deadline for anything the driver should do "within a second".
 const DEADLINE: Duration = Duration::from_secs(15);
-const BIN: &str = env!("CARGO_BIN_EXE_sandbox-dra");
-const NODE: &str = "node-a";
-const DRIVER: &str = "gpu.gpu-vm-node.io";
 const SLICE: &str = "node-a-gpu.gpu-vm-node.io";
 
-/// A running `sandbox-dra serve`; killed on drop.
-struct Driver(Child);
-
-impl Driver {
-    fn start(root: &Path, api: &ApiServer, resync: &str) -> Driver {
-        let child = Command::new(BIN)
-            .arg("serve")
-            .arg("--host-root")
-            .arg(root)
-            .args(["--node-name", NODE, "--resync-interval", resync])
-            .arg("--kubeconfig")
-            .arg(api.admin_kubeconfig())
-            .env("RUST_LOG", "sandbox_dra=debug")
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap();
-        Driver(child)
-    }
-}
-
-impl Drop for Driver {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+/// `sandbox-dra serve` resyncing every `resync`, its debug log on the test's stderr; killed on
+/// drop.
+fn start(root: &Path, api: &ApiServer, resync: &str) -> Reaped {
+    let mut cmd = command(
+        root,
+        NODE,
+        api.admin_kubeconfig(),
+        &["--resync-interval", resync],
+    );
+    cmd.env("RUST_LOG", "sandbox_dra=debug")
+        .stdin(Stdio::null());
+    Reaped(cmd.spawn().unwrap())
 }
 
 fn names(slice: &Value) -> Vec<String> {
@@ -151,7 +139,7 @@ fn a_2xa10_node_is_published_followed_through_hotplug_and_collected_with_its_nod
     };
     let Some(api) = api_server(true) else { return };
     let node_uid = api.node(NODE).unwrap()["metadata"]["uid"].clone();
-    let _d = Driver::start(sim.root(), &api, "1h");
+    let _d = start(sim.root(), &api, "1h");
 
     let slice = wait_for_devices(&api, &["gpu-0000-41-00-0", "gpu-0000-61-00-0"]);
     assert_eq!(slice["spec"]["driver"], DRIVER);
@@ -240,7 +228,7 @@ fn stale_slices_go_at_start_and_a_wiped_slice_comes_back_with_a_higher_generatio
         slice("node-a-other.example.com", NODE, "other.example.com", 1),
     );
     // No resync within the test: what follows is the watches' doing.
-    let _d = Driver::start(sim.root(), &api, "1h");
+    let _d = start(sim.root(), &api, "1h");
 
     let slice = wait_for_devices(&api, &["gpu-0000-41-00-0", "gpu-0000-61-00-0"]);
     assert_eq!(generation(&slice), 8, "one above the generation it found");
@@ -292,7 +280,7 @@ async fn a_slice_wiped_by_kubelet_is_back_when_kubelet_registers_the_driver() {
     let Some(api) = tokio::task::block_in_place(|| api_server(false)) else {
         return;
     };
-    let _d = Driver::start(sim.root(), &api, "1h");
+    let _d = start(sim.root(), &api, "1h");
     let api = std::sync::Arc::new(api);
     let wait = |want: &'static [&'static str]| {
         let api = api.clone();
@@ -303,9 +291,7 @@ async fn a_slice_wiped_by_kubelet_is_back_when_kubelet_registers_the_driver() {
     assert_eq!(generation(&slice), 1);
 
     tokio::task::block_in_place(|| delete_slice(&api, SLICE));
-    let socket = sim
-        .root()
-        .join("var/lib/kubelet/plugins_registry/gpu.gpu-vm-node.io-reg.sock");
+    let socket = reg_socket(sim.root(), KUBELET_ROOT);
     let channel = testkit::kubelet::unix_channel(&socket).await.unwrap();
     let mut reg = RegistrationClient::new(channel);
     let info = reg.get_info(InfoRequest {}).await.unwrap().into_inner();
@@ -326,7 +312,7 @@ fn a_gpu_travels_with_its_audio_function_and_a_new_group_member_changes_the_devi
         return;
     };
     let Some(api) = api_server(false) else { return };
-    let _d = Driver::start(sim.root(), &api, "1h");
+    let _d = start(sim.root(), &api, "1h");
 
     let slice = wait_for_devices(&api, &["gpu-0000-01-00-0"]);
     let dev = &slice["spec"]["devices"][0];

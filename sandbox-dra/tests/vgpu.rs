@@ -4,108 +4,27 @@
 //! exactly the allocated vGPU, the same GPU serving whole and in fractions across claims.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+mod support;
+
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+use support::{
+    DRIVER, Driver, NODE, NS, PATIENCE, claim, driver_of, prepare, put_claim, read_json, register,
+    under, unprepare,
+};
 use testkit::allocator::Allocator;
 use testkit::apiserver::FakeApiServer;
-use testkit::kubelet::dra::{self, Claim, DraDriver, Version};
+use testkit::kubelet::dra::{Claim, Version};
 use testkit::sim::try_mount;
 
-const BIN: &str = env!("CARGO_BIN_EXE_sandbox-dra");
-const DRIVER: &str = "gpu.gpu-vm-node.io";
-const NODE: &str = "node-a";
-const NS: &str = "vms";
-const PATIENCE: Duration = Duration::from_secs(30);
+/// The class of the claims.
+const VGPU: &str = "vgpu.gpu-vm-node.io";
 
-struct Driver(Child, tempfile::TempDir);
-
-impl Drop for Driver {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Driver {
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.1.path().join("log")).unwrap_or_default()
-    }
-}
-
+/// sandbox-dra serving with `--vgpu vgpu`.
 fn start(root: &Path, api: &FakeApiServer, vgpu: &str) -> Driver {
-    let reg = root.join(format!(
-        "var/lib/kubelet/plugins_registry/{DRIVER}-reg.sock"
-    ));
-    let _ = std::fs::remove_file(&reg);
-    let dir = tempfile::tempdir().unwrap();
-    let child = Command::new(BIN)
-        .arg("--host-root")
-        .arg(root)
-        .args(["--node-name", NODE, "--vgpu", vgpu, "--kubeconfig"])
-        .arg(api.kubeconfig())
-        .arg("serve")
-        .env("RUST_LOG", "info")
-        .env_remove("HOST_ROOT")
-        .env_remove("KUBECONFIG")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.path().join("log")).unwrap())
-        .spawn()
-        .unwrap();
-    let mut d = Driver(child, dir);
-    let t = Instant::now();
-    while !reg.exists() {
-        if let Some(st) = d.0.try_wait().unwrap() {
-            panic!("sandbox-dra exited ({st}):\n{}", d.log());
-        }
-        assert!(
-            t.elapsed() < PATIENCE,
-            "no registration socket:\n{}",
-            d.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    d
-}
-
-async fn register(root: &Path) -> DraDriver {
-    let socks = dra::registration_sockets(root, Path::new("/var/lib/kubelet"));
-    dra::register(root, &socks[0], None).await.unwrap()
-}
-
-fn put_claim(api: &FakeApiServer, name: &str, uid: &str, device: &str) -> Claim {
-    api.put_claim(json!({
-        "metadata": {"namespace": NS, "name": name, "uid": uid},
-        "spec": {"devices": {"requests": [
-            {"name": "gpu", "exactly": {"deviceClassName": "vgpu.gpu-vm-node.io"}}
-        ]}},
-        "status": {"allocation": {"devices": {"results": [{
-            "request": "gpu", "driver": DRIVER, "pool": NODE, "device": device,
-        }]}}},
-    }));
-    Claim {
-        namespace: NS.into(),
-        name: name.into(),
-        uid: uid.into(),
-    }
-}
-
-async fn prepare(d: &DraDriver, c: &Claim) -> Result<Vec<dra::PreparedDevice>, String> {
-    d.prepare(Version::V1, std::slice::from_ref(c))
-        .await
-        .unwrap()
-        .remove(0)
-        .1
-}
-
-async fn unprepare(d: &DraDriver, c: &Claim) -> Result<(), String> {
-    d.unprepare(Version::V1, std::slice::from_ref(c))
-        .await
-        .unwrap()
-        .remove(0)
-        .1
+    support::start(root, api, &["--vgpu", vgpu])
 }
 
 /// The mdevs on the node: (uuid, type name, parent, iommu group).
@@ -135,20 +54,6 @@ fn mdevs(root: &Path) -> Vec<(String, String, String, String)> {
     }
     out.sort();
     out
-}
-
-fn driver_of(root: &Path, bdf: &str) -> Option<String> {
-    std::fs::read_link(root.join("sys/bus/pci/devices").join(bdf).join("driver"))
-        .ok()
-        .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
-}
-
-fn read_json(p: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
-}
-
-fn under(root: &Path, host: &str) -> PathBuf {
-    root.join(host.trim_start_matches('/'))
 }
 
 /// The CDI spec's device nodes and the metadata file's device of a one-device claim.
@@ -253,13 +158,13 @@ async fn an_a10_publishes_its_fractions_and_serves_whole_then_vgpus_then_whole()
     assert!(alloc.allocate("vgpu-0000-41-00-0-a10-1q-0").is_err());
 
     // A whole-GPU claim first: the GPU goes to vfio-pci and stays there (--unprepare keep).
-    let whole = put_claim(&api, "whole-1", "uid-w1", "gpu-0000-41-00-0");
+    let whole = put_claim(&api, "whole-1", "uid-w1", VGPU, "gpu-0000-41-00-0");
     prepare(&drv, &whole).await.unwrap();
     assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
     unprepare(&drv, &whole).await.unwrap();
 
     // An A10-4Q claim: the GPU back on nvidia, its VFs enabled, one A10-4Q mdev on a VF.
-    let c = put_claim(&api, "small", "uid-s1", "vgpu-0000-41-00-0-a10-4q-0");
+    let c = put_claim(&api, "small", "uid-s1", VGPU, "vgpu-0000-41-00-0-a10-4q-0");
     let prepared = prepare(&drv, &c)
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
@@ -282,7 +187,7 @@ async fn an_a10_publishes_its_fractions_and_serves_whole_then_vgpus_then_whole()
 
     // Counters let an A10-8Q next to it; the equal-size rule does not: refused at prepare,
     // naming the GPU and both types, nothing created.
-    let big = put_claim(&api, "big", "uid-b1", "vgpu-0000-41-00-0-a10-8q-0");
+    let big = put_claim(&api, "big", "uid-b1", VGPU, "vgpu-0000-41-00-0-a10-8q-0");
     let err = prepare(&drv, &big).await.unwrap_err();
     for want in [
         "0000:41:00.0",
@@ -303,7 +208,7 @@ async fn an_a10_publishes_its_fractions_and_serves_whole_then_vgpus_then_whole()
             .join(format!("var/run/cdi/{DRIVER}_uid-s1.json"))
             .exists()
     );
-    let whole2 = put_claim(&api, "whole-2", "uid-w2", "gpu-0000-41-00-0");
+    let whole2 = put_claim(&api, "whole-2", "uid-w2", VGPU, "gpu-0000-41-00-0");
     prepare(&drv, &whole2)
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
@@ -322,17 +227,13 @@ fn put_claim_of(api: &FakeApiServer, name: &str, uid: &str, devices: &[&str]) ->
     api.put_claim(json!({
         "metadata": {"namespace": NS, "name": name, "uid": uid},
         "spec": {"devices": {"requests": [
-            {"name": "gpu", "exactly": {"deviceClassName": "vgpu.gpu-vm-node.io", "count": devices.len()}}
+            {"name": "gpu", "exactly": {"deviceClassName": VGPU, "count": devices.len()}}
         ]}},
         "status": {"allocation": {"devices": {"results": devices.iter().map(|d| json!({
             "request": "gpu", "driver": DRIVER, "pool": NODE, "device": d,
         })).collect::<Vec<_>>()}}},
     }));
-    Claim {
-        namespace: NS.into(),
-        name: name.into(),
-        uid: uid.into(),
-    }
+    claim(name, uid)
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -426,7 +327,7 @@ async fn an_h100_vgpu_is_a_vf_with_current_vgpu_type() {
     // Only the pooled GPU has vGPU devices.
     assert!(!alloc.names().iter().any(|n| n.starts_with("vgpu-0000-14-")));
 
-    let c = put_claim(&api, "h", "uid-h1", "vgpu-0000-13-00-0-h100xm-10c-0");
+    let c = put_claim(&api, "h", "uid-h1", VGPU, "vgpu-0000-13-00-0-h100xm-10c-0");
     prepare(&drv, &c)
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
@@ -458,7 +359,7 @@ async fn a_vgpu_a_vm_holds_is_kept_at_unprepare_and_removed_at_the_retry() {
     let api = FakeApiServer::start(NODE, &[]).unwrap();
     let _d = start(root, &api, "0000:61:00.0");
     let drv = register(root).await;
-    let c = put_claim(&api, "held", "uid-held", "vgpu-0000-61-00-0-a10-4q-3");
+    let c = put_claim(&api, "held", "uid-held", VGPU, "vgpu-0000-61-00-0-a10-4q-3");
     prepare(&drv, &c).await.unwrap();
     let made = mdevs(root);
     let [(uuid, _, _, group)] = &made[..] else {
@@ -478,7 +379,7 @@ async fn a_vgpu_a_vm_holds_is_kept_at_unprepare_and_removed_at_the_retry() {
     }
     assert_eq!(mdevs(root).len(), 1, "the held vGPU stays");
     // A GPU outside --vgpu has no vGPU devices to prepare.
-    let other = put_claim(&api, "other", "uid-o", "vgpu-0000-41-00-0-a10-4q-0");
+    let other = put_claim(&api, "other", "uid-o", VGPU, "vgpu-0000-41-00-0-a10-4q-0");
     let err = prepare(&drv, &other).await.unwrap_err();
     assert!(err.contains("not in this driver's vGPU pool"), "{err}");
     // The VM ends; kubelet's retry removes it.
@@ -537,13 +438,13 @@ async fn killed_after(
     let t = Instant::now();
     loop {
         if writes(sim) >= k || task.is_finished() {
-            d.0.kill().unwrap();
+            d.process.0.kill().unwrap();
             break;
         }
         assert!(t.elapsed() < PATIENCE, "the call neither wrote nor ended");
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    let _ = d.0.wait();
+    let _ = d.process.0.wait();
     let _ = task.await;
     sim.control("clear-faults").unwrap();
     writes(sim)
@@ -560,8 +461,14 @@ async fn a_vgpu_prepare_or_unprepare_killed_at_any_write_converges_at_start() {
     };
     let root = sim.root();
     let api = FakeApiServer::start(NODE, &[]).unwrap();
-    let whole = put_claim(&api, "whole", "uid-whole", "gpu-0000-41-00-0");
-    let c = put_claim(&api, "crash", "uid-crash", "vgpu-0000-41-00-0-a10-4q-0");
+    let whole = put_claim(&api, "whole", "uid-whole", VGPU, "gpu-0000-41-00-0");
+    let c = put_claim(
+        &api,
+        "crash",
+        "uid-crash",
+        VGPU,
+        "vgpu-0000-41-00-0-a10-4q-0",
+    );
     let record = root.join(format!(
         "var/lib/kubelet/plugins/{DRIVER}/claims/uid-crash.json"
     ));
@@ -637,7 +544,7 @@ async fn a_whole_gpu_claim_leaves_the_vfs_of_a_gpu_in_use_enabled() {
     let d = start(root, &api, "0000:61:00.0");
     let drv = register(root).await;
     // A vGPU claim enables the GPU's VFs; unprepare removes the vGPU and leaves them on.
-    let v = put_claim(&api, "frac", "uid-frac", "vgpu-0000-61-00-0-a10-4q-0");
+    let v = put_claim(&api, "frac", "uid-frac", VGPU, "vgpu-0000-61-00-0-a10-4q-0");
     prepare(&drv, &v)
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
@@ -663,7 +570,7 @@ async fn a_whole_gpu_claim_leaves_the_vfs_of_a_gpu_in_use_enabled() {
     let node = root.join(format!("dev/nvidia{minor}"));
     let shell = testkit::sim::ShellHolder::hold(&node);
 
-    let whole = put_claim(&api, "whole", "uid-whole", "gpu-0000-61-00-0");
+    let whole = put_claim(&api, "whole", "uid-whole", VGPU, "gpu-0000-61-00-0");
     let err = prepare(&drv, &whole).await.unwrap_err();
     assert!(
         err.contains("0000:61:00.0")
@@ -748,7 +655,7 @@ async fn a_gpu_hot_plugged_under_vgpu_all_joins_the_pool_unless_another_daemon_o
         "# gpu-vm-node dra-pool v1\n0000:41:00.0\n0000:61:00.0\n0000:81:00.0\n"
     );
     // And prepared as any vGPU of the pool.
-    let c = put_claim(&api, "hot", "uid-hot", "vgpu-0000-81-00-0-a10-4q-0");
+    let c = put_claim(&api, "hot", "uid-hot", VGPU, "vgpu-0000-81-00-0-a10-4q-0");
     prepare(&drv, &c)
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
@@ -781,7 +688,13 @@ async fn a_gpu_hot_plugged_under_vgpu_all_joins_the_pool_unless_another_daemon_o
         "nothing says why: {}",
         d.log()
     );
-    let c = put_claim(&api, "owned", "uid-owned", "vgpu-0000-a1-00-0-a10-4q-0");
+    let c = put_claim(
+        &api,
+        "owned",
+        "uid-owned",
+        VGPU,
+        "vgpu-0000-a1-00-0-a10-4q-0",
+    );
     let err = prepare(&drv, &c).await.unwrap_err();
     assert!(err.contains("not in this driver's vGPU pool"), "{err}");
 }
@@ -848,10 +761,10 @@ async fn an_unreadable_on_demand_pool_leaves_the_vgpus_unoffered_and_the_whole_g
         slices.iter().all(|s| s["spec"]["sharedCounters"].is_null()),
         "{slices:#?}"
     );
-    let vgpu = put_claim(&api, "v", "uid-v", "vgpu-0000-61-00-0-a10-4q-0");
+    let vgpu = put_claim(&api, "v", "uid-v", VGPU, "vgpu-0000-61-00-0-a10-4q-0");
     let err = prepare(&drv, &vgpu).await.unwrap_err();
     assert!(err.contains("not in this driver's vGPU pool"), "{err}");
-    let whole = put_claim(&api, "w", "uid-w", "gpu-0000-41-00-0");
+    let whole = put_claim(&api, "w", "uid-w", VGPU, "gpu-0000-41-00-0");
     prepare(&drv, &whole).await.unwrap();
     assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
     unprepare(&drv, &whole).await.unwrap();
@@ -898,7 +811,7 @@ async fn a_gpu_hosting_a_vgpu_offers_only_sizes_that_may_join_it() {
     api.wait_for_slices(PATIENCE, offers(&every))
         .unwrap_or_else(|| panic!("not every type offered: {:#?}", api.slices()));
 
-    let claim = put_claim(&api, "small", "uid-s1", "vgpu-0000-41-00-0-a10-4q-0");
+    let claim = put_claim(&api, "small", "uid-s1", VGPU, "vgpu-0000-41-00-0-a10-4q-0");
     prepare(&drv, &claim).await.unwrap();
     api.wait_for_slices(PATIENCE, offers(&four))
         .unwrap_or_else(|| {
@@ -930,7 +843,7 @@ async fn a_retry_writes_nothing_and_a_vgpu_made_by_hand_is_found_by_the_kernels_
     let d = start(root, &api, "0000:41:00.0");
     let drv = register(root).await;
     wait_for_pool(&api);
-    let c = put_claim(&api, "v", "uid-v", "vgpu-0000-41-00-0-a10-4q-0");
+    let c = put_claim(&api, "v", "uid-v", VGPU, "vgpu-0000-41-00-0-a10-4q-0");
     let first = prepare(&drv, &c)
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));

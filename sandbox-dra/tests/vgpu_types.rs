@@ -4,98 +4,36 @@
 //! driver at start (exit 2) before it changes anything.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
+mod support;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use serde_json::Value;
+use support::{Driver, NODE, PATIENCE, command, prepare, put_claim, register, start, unprepare};
 use testkit::apiserver::FakeApiServer;
-use testkit::kubelet::dra::{self, Claim, DraDriver, Version};
 use testkit::sim::try_mount;
 
-const BIN: &str = env!("CARGO_BIN_EXE_sandbox-dra");
-const DRIVER: &str = "gpu.gpu-vm-node.io";
-const NODE: &str = "node-a";
-const NS: &str = "vms";
-const PATIENCE: Duration = Duration::from_secs(30);
-
-struct Driver(Child, tempfile::TempDir);
-
-impl Drop for Driver {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Driver {
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.1.path().join("log")).unwrap_or_default()
-    }
-}
-
-fn command(root: &Path, api: &FakeApiServer, args: &[&str]) -> (Command, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let mut cmd = Command::new(BIN);
-    cmd.arg("--host-root")
-        .arg(root)
-        .args(["--node-name", NODE, "--kubeconfig"])
-        .arg(api.kubeconfig())
-        .args(args)
-        .arg("serve")
-        .env("RUST_LOG", "info")
-        .env_remove("HOST_ROOT")
-        .env_remove("KUBECONFIG")
-        .env_remove("VGPU")
-        .env_remove("VGPU_TYPES")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.path().join("log")).unwrap());
-    (cmd, dir)
-}
-
-/// sandbox-dra serving with `args`, once its registration socket is there.
-fn start(root: &Path, api: &FakeApiServer, args: &[&str]) -> Driver {
-    let reg = root.join(format!(
-        "var/lib/kubelet/plugins_registry/{DRIVER}-reg.sock"
-    ));
-    let _ = std::fs::remove_file(&reg); // a killed driver's
-    let (mut cmd, dir) = command(root, api, args);
-    let mut d = Driver(cmd.spawn().unwrap(), dir);
-    let t = Instant::now();
-    while !reg.exists() {
-        if let Some(st) = d.0.try_wait().unwrap() {
-            panic!("sandbox-dra exited ({st}):\n{}", d.log());
-        }
-        assert!(
-            t.elapsed() < PATIENCE,
-            "no registration socket:\n{}",
-            d.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    d
-}
+/// The class of the claims.
+const VGPU: &str = "vgpu.gpu-vm-node.io";
 
 /// sandbox-dra with `args` run to its end (it must stop by itself): its exit code and log.
 fn run_to_end(root: &Path, api: &FakeApiServer, args: &[&str]) -> (Option<i32>, String) {
-    let (mut cmd, dir) = command(root, api, args);
-    let mut child = cmd.spawn().unwrap();
+    let mut d = Driver::spawn(command(root, NODE, api.kubeconfig(), args));
     let t = Instant::now();
     let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
+        if let Some(st) = d.process.0.try_wait().unwrap() {
             break st;
         }
-        if t.elapsed() > PATIENCE {
-            let _ = child.kill();
-            let log = std::fs::read_to_string(dir.path().join("log")).unwrap_or_default();
-            panic!("sandbox-dra {args:?} did not stop:\n{log}");
-        }
+        assert!(
+            t.elapsed() < PATIENCE,
+            "sandbox-dra {args:?} did not stop:\n{}",
+            d.log()
+        );
         std::thread::sleep(Duration::from_millis(20));
     };
-    let log = std::fs::read_to_string(dir.path().join("log")).unwrap_or_default();
-    (status.code(), log)
+    (status.code(), d.log())
 }
 
 /// Per GPU (`0000-41-00-0`), its vGPU types in the slices (`a10-4q`) and how many devices each.
@@ -129,39 +67,6 @@ fn device_names(slices: &[Value]) -> BTreeSet<String> {
         .collect()
 }
 
-fn put_claim(api: &FakeApiServer, name: &str, uid: &str, device: &str) -> Claim {
-    api.put_claim(json!({
-        "metadata": {"namespace": NS, "name": name, "uid": uid},
-        "spec": {"devices": {"requests": [
-            {"name": "gpu", "exactly": {"deviceClassName": "vgpu.gpu-vm-node.io"}}
-        ]}},
-        "status": {"allocation": {"devices": {"results": [{
-            "request": "gpu", "driver": DRIVER, "pool": NODE, "device": device,
-        }]}}},
-    }));
-    Claim {
-        namespace: NS.into(),
-        name: name.into(),
-        uid: uid.into(),
-    }
-}
-
-async fn prepare(d: &DraDriver, c: &Claim) -> Result<Vec<dra::PreparedDevice>, String> {
-    d.prepare(Version::V1, std::slice::from_ref(c))
-        .await
-        .unwrap()
-        .remove(0)
-        .1
-}
-
-async fn unprepare(d: &DraDriver, c: &Claim) -> Result<(), String> {
-    d.unprepare(Version::V1, std::slice::from_ref(c))
-        .await
-        .unwrap()
-        .remove(0)
-        .1
-}
-
 fn mdev_count(root: &Path) -> usize {
     std::fs::read_dir(root.join("sys/bus/mdev/devices"))
         .map(|d| d.count())
@@ -188,8 +93,7 @@ async fn only_the_listed_vgpu_types_are_published_and_prepared() {
         &api,
         &["--vgpu", "all", "--vgpu-types", "A10-4Q, a10-8q"],
     );
-    let socks = dra::registration_sockets(root, Path::new("/var/lib/kubelet"));
-    let drv = dra::register(root, &socks[0], None).await.unwrap();
+    let drv = register(root).await;
     let both = types(&[("a10-4q", 6), ("a10-8q", 3)]);
     let four = types(&[("a10-4q", 6)]);
     let offers = |a: &BTreeMap<String, usize>, b: &BTreeMap<String, usize>| {
@@ -226,7 +130,7 @@ async fn only_the_listed_vgpu_types_are_published_and_prepared() {
     assert!(d.log().contains("vGPU types published"), "{}", d.log());
 
     // A type the list leaves out is no device of this driver.
-    let other = put_claim(&api, "small", "uid-2q", "vgpu-0000-41-00-0-a10-2q-0");
+    let other = put_claim(&api, "small", "uid-2q", VGPU, "vgpu-0000-41-00-0-a10-2q-0");
     let e = prepare(&drv, &other).await.unwrap_err();
     assert!(
         e.contains("publishes no such vGPU") && e.contains("a10-2q"),
@@ -234,7 +138,7 @@ async fn only_the_listed_vgpu_types_are_published_and_prepared() {
     );
     assert_eq!(mdev_count(root), 0);
 
-    let claim = put_claim(&api, "four", "uid-4q", "vgpu-0000-41-00-0-a10-4q-0");
+    let claim = put_claim(&api, "four", "uid-4q", VGPU, "vgpu-0000-41-00-0-a10-4q-0");
     prepare(&drv, &claim).await.unwrap();
     assert_eq!(mdev_count(root), 1);
     api.wait_for_slices(PATIENCE, offers(&four, &both))
@@ -245,12 +149,11 @@ async fn only_the_listed_vgpu_types_are_published_and_prepared() {
 
     // An A10-8Q prepared, then the driver started again with A10-4Q only: kubelet's repeated
     // prepare keeps the vGPU made, and unprepare removes it.
-    let eight = put_claim(&api, "eight", "uid-8q", "vgpu-0000-61-00-0-a10-8q-0");
+    let eight = put_claim(&api, "eight", "uid-8q", VGPU, "vgpu-0000-61-00-0-a10-8q-0");
     prepare(&drv, &eight).await.unwrap();
     drop(d);
     let d = start(root, &api, &["--vgpu", "all", "--vgpu-types", "A10-4Q"]);
-    let socks = dra::registration_sockets(root, Path::new("/var/lib/kubelet"));
-    let drv = dra::register(root, &socks[0], None).await.unwrap();
+    let drv = register(root).await;
     // GPU B hosts an 8 GiB vGPU, and only a 4 GiB type is listed: it offers none.
     api.wait_for_slices(PATIENCE, offers(&four, &BTreeMap::new()))
         .unwrap_or_else(|| panic!("{:?}\n{}", vgpus(&api.slices()), d.log()));

@@ -857,6 +857,23 @@ async fn a_retry_writes_nothing_and_a_vgpu_made_by_hand_is_found_by_the_kernels_
     assert_eq!(writes(&sim), 0, "a retry writes nothing");
     assert_eq!(common::state::file_identity(&spec).unwrap(), before);
     assert_eq!(mdevs(root), made);
+    // Each prepare's log line says where its time went: the first made the vGPU and waited
+    // for it, the retry only checked.
+    let log = d.log();
+    let steps: Vec<Vec<&str>> = log
+        .lines()
+        .filter(|l| l.contains("claim prepared") && l.contains("uid-v"))
+        .filter_map(|l| l.split_once("steps=").map(|(_, s)| s))
+        .map(|s| s.split(", ").filter_map(|p| p.split(' ').next()).collect())
+        .collect();
+    assert_eq!(
+        steps,
+        [
+            vec!["record", "api", "queue", "node", "write", "ready", "files"],
+            vec!["record", "queue", "node", "files"],
+        ],
+        "{log}"
+    );
 
     // Removed by hand: the retry makes it again.
     std::fs::write(

@@ -149,7 +149,7 @@ mod tests {
 
     use common::HostPaths;
 
-    use super::super::{Node, OnUnprepare};
+    use super::super::{Node, OnUnprepare, Steps};
     use super::*;
     use crate::cdi::Layout;
     use k8s_openapi::api::resource::v1::{
@@ -284,7 +284,7 @@ mod tests {
         let (id, wanted) = allocated(&cfg, &claim_ref(), &c).unwrap();
         // A root with nothing in it: the refusal comes before any read or write.
         let node = Node::new(cfg, HostPaths::new("/nonexistent-root"), None);
-        match node.prepare(&claim_ref(), id, wanted, None) {
+        match node.prepare(&claim_ref(), id, wanted, None, &mut Steps::start()) {
             Err(PrepareError::Refused { reason, .. }) => {
                 assert!(reason.contains("more than one kind"), "{reason}")
             }

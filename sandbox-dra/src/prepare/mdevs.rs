@@ -6,7 +6,9 @@ use std::sync::OnceLock;
 use common::vgpu::lifecycle::{self, Member};
 use common::{ReadOptions, Usage, error_chain};
 
-use super::{ClaimRef, Node, PrepareError, PreparedDevice, Wanted, refused, vfio_nodes};
+use super::{
+    ClaimRef, Node, PrepareError, PreparedDevice, Step, Steps, Wanted, refused, vfio_nodes,
+};
 use crate::cdi::ClaimId;
 use crate::names;
 use crate::record::{self, ClaimState, Record};
@@ -21,6 +23,7 @@ impl Node {
         id: ClaimId,
         wanted: Vec<Wanted>,
         existing: Option<Record>,
+        steps: &mut Steps,
     ) -> Result<Vec<PreparedDevice>, PrepareError> {
         let rec_path = record::path(&self.driver_dir(), &claim.uid);
         let mut rec = existing.unwrap_or_else(|| self.new_record(id, &wanted));
@@ -57,8 +60,12 @@ impl Node {
                 uuid: planned.handle.to_string(),
             };
             rec.devices[i].mdev = Some(m.clone());
+            steps.mark(Step::Node);
             save(&rec)?;
-            planned.create(sysfs).map_err(|e| {
+            steps.mark(Step::Record);
+            let created = planned.create(sysfs);
+            steps.mark(Step::Write);
+            created.map_err(|e| {
                 fail(format!(
                     "cannot create an mdev of type {type_id} on {parent}: {}",
                     error_chain(&e)
@@ -66,11 +73,13 @@ impl Node {
             })?;
             tracing::info!(%claim, parent = %parent, mdev = %m.uuid, type_id = %type_id, "created an mdev");
         }
+        steps.mark(Step::Node);
         for d in &mut rec.devices {
             let Some(m) = d.mdev.clone() else { continue };
             let ready = m
                 .handle()
                 .wait_ready(&mut inv, &self.paths, &ReadOptions::default());
+            steps.mark(Step::Ready);
             let Some(ready) = ready else {
                 return Err(refused(
                     claim,
@@ -84,7 +93,8 @@ impl Node {
             d.nodes = vfio_nodes(&inv, ready.group, ready.cdev);
         }
         self.fill_attributes(&inv, &mut rec);
-        self.finish(claim, rec, &rec_path)
+        steps.mark(Step::Node);
+        self.finish(claim, rec, &rec_path, steps)
     }
 
     /// Removes the claim's mdevs of parents that are not PCI functions that exist; one a

@@ -37,6 +37,7 @@ mod files;
 mod mdevs;
 mod passthrough;
 mod reconcile;
+mod steps;
 mod unprepare;
 mod vgpus;
 
@@ -60,6 +61,7 @@ use crate::record::{self, ClaimState, Record};
 use crate::telemetry::Telemetry;
 
 pub use claim::{Wanted, allocated};
+use steps::{Step, Steps};
 
 /// One claim kubelet names: namespace, name and UID of the ResourceClaim.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -214,14 +216,25 @@ impl Preparer {
     ///
     /// The claim is read from the API server before the lock is taken: a request that takes
     /// its time holds up no other claim's prepare or unprepare.
+    ///
+    /// Logs the claim prepared with how long each step took ([`Steps`]).
     pub async fn prepare(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, PrepareError> {
         check_ref(claim)?;
-        let read = match self.node.load(claim)? {
+        let mut steps = Steps::start();
+        let recorded = self.node.load(claim)?;
+        steps.mark(Step::Record);
+        let read = match recorded {
             Some(_) => None,
-            None => Some(self.read_claim(claim).await?),
+            None => {
+                let read = self.read_claim(claim).await?;
+                steps.mark(Step::Api);
+                Some(read)
+            }
         };
         let _one_at_a_time = self.lock.lock().await;
+        steps.mark(Step::Queue);
         let existing = self.node.load(claim)?;
+        steps.mark(Step::Record);
         let (id, wanted) = match (&existing, read) {
             (Some(r), _) => (
                 r.claim.clone(),
@@ -239,7 +252,15 @@ impl Preparer {
         };
         let node = self.node.clone();
         let c = claim.clone();
-        blocking(claim, move || node.prepare(&c, id, wanted, existing)).await
+        let (devices, steps) = blocking(claim, move || {
+            steps.mark(Step::Queue);
+            let devices = node.prepare(&c, id, wanted, existing, &mut steps)?;
+            Ok((devices, steps))
+        })
+        .await?;
+        let names: Vec<&str> = devices.iter().map(|d| d.device.as_str()).collect();
+        tracing::info!(%claim, devices = ?names, took = ?steps.total(), %steps, "claim prepared");
+        Ok(devices)
     }
 
     /// Unprepares `claim`: idempotent, a claim never prepared is already unprepared. It asks
@@ -541,13 +562,15 @@ impl Node {
         id: ClaimId,
         wanted: Vec<Wanted>,
         existing: Option<Record>,
+        steps: &mut Steps,
     ) -> Result<Vec<PreparedDevice>, PrepareError> {
         // kubelet's retry of a prepare that finished: the answer, once the node and the files
         // are checked to be as the record says.
-        if let Some(rec) = existing.as_ref().filter(|r| self.in_place(r)) {
-            let rec = rec.clone();
+        let in_place = existing.as_ref().filter(|r| self.in_place(r)).cloned();
+        steps.mark(Step::Node);
+        if let Some(rec) = in_place {
             let rec_path = record::path(&self.driver_dir(), &claim.uid);
-            return self.finish(claim, rec, &rec_path);
+            return self.finish(claim, rec, &rec_path, steps);
         }
         let vgpus = wanted
             .iter()
@@ -558,10 +581,10 @@ impl Node {
             .filter(|w| names::parse_mdev_device(&w.device, &self.config.mdev_parents).is_some())
             .count();
         if vgpus == wanted.len() {
-            return self.prepare_vgpus(claim, id, wanted, existing);
+            return self.prepare_vgpus(claim, id, wanted, existing, steps);
         }
         if mdevs == wanted.len() {
-            return self.prepare_mdevs(claim, id, wanted, existing);
+            return self.prepare_mdevs(claim, id, wanted, existing, steps);
         }
         if vgpus + mdevs > 0 {
             return Err(refused(
@@ -572,7 +595,7 @@ impl Node {
                     .into(),
             ));
         }
-        self.prepare_gpus(claim, id, wanted, existing)
+        self.prepare_gpus(claim, id, wanted, existing, steps)
     }
 
     /// What the slice says of each device `inv` shows, for the metadata file: taken once, at
@@ -609,10 +632,13 @@ impl Node {
         claim: &ClaimRef,
         mut rec: Record,
         rec_path: &Path,
+        steps: &mut Steps,
     ) -> Result<Vec<PreparedDevice>, PrepareError> {
         self.write_files(claim, &rec)?;
+        steps.mark(Step::Files);
         rec.state = ClaimState::Prepared;
         self.save(claim, rec_path, &rec)?;
+        steps.mark(Step::Record);
         let layout = &self.config.layout;
         Ok(rec
             .devices

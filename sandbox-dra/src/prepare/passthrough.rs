@@ -8,7 +8,9 @@ use common::state::originals::{self, Originals};
 use common::vfio::{self, DeviceResult, Outcome, Selection, Selector, Target};
 use common::{Inventory, PciAddress, Usage, error_chain, is_vfio_driver};
 
-use super::{ClaimRef, Node, PrepareError, PreparedDevice, Wanted, device_nodes, refused};
+use super::{
+    ClaimRef, Node, PrepareError, PreparedDevice, Step, Steps, Wanted, device_nodes, refused,
+};
 use crate::cdi::{ClaimDevice, ClaimId};
 use crate::names;
 use crate::record::{self, ClaimState, Record};
@@ -90,6 +92,7 @@ impl Node {
         id: ClaimId,
         wanted: Vec<Wanted>,
         existing: Option<Record>,
+        steps: &mut Steps,
     ) -> Result<Vec<PreparedDevice>, PrepareError> {
         let addresses: Vec<PciAddress> = wanted.iter().filter_map(|w| w.address).collect();
         let mut inv = self.groups(&addresses);
@@ -123,8 +126,10 @@ impl Node {
         if !vfs_off.is_empty() {
             // Disabling VFs takes them from whoever holds them: asked first, for every GPU,
             // before the first write.
+            steps.mark(Step::Node);
             let usage =
                 Usage::read_excluding_claim(&self.paths, Some((&claim.namespace, &claim.name)));
+            steps.mark(Step::InUse);
             for a in &vfs_off {
                 let users = usage.of_gpu_for_passthrough(&inv, a);
                 if !users.is_empty() {
@@ -139,6 +144,7 @@ impl Node {
                 }
             }
             self.forget(vfs_off.iter().copied());
+            steps.mark(Step::Node);
             for a in &vfs_off {
                 self.sysfs.set_sriov_numvfs(a, 0).map_err(|e| {
                     refused(
@@ -147,6 +153,7 @@ impl Node {
                     )
                 })?;
             }
+            steps.mark(Step::Write);
             inv = self.groups(&addresses);
         }
         let sel = self.select(claim, &inv, &wanted)?;
@@ -163,6 +170,7 @@ impl Node {
                 .map(|u| u.describe(&inv))
                 .collect()
         };
+        steps.mark(Step::Node);
         let mut busy = Vec::new();
         for t in sel.targets().filter(|t| !t.is_bound()) {
             let users = in_use(t);
@@ -175,6 +183,7 @@ impl Node {
                 ));
             }
         }
+        steps.mark(Step::InUse);
         if !busy.is_empty() {
             return Err(refused(
                 claim,
@@ -182,6 +191,7 @@ impl Node {
             ));
         }
 
+        steps.mark(Step::Node);
         let group_of = |a: &PciAddress| sel.targets().find(|t| t.address == *a).map(|t| t.group);
         let mut rec = existing.unwrap_or_else(|| Record {
             version: record::VERSION,
@@ -234,8 +244,10 @@ impl Node {
             tracing::warn!(%claim, error = %error_chain(&e), "cannot record the original drivers node-wide; the claim's record keeps them");
         }
 
+        steps.mark(Step::Record);
         self.forget(sel.targets().map(|t| t.address));
         let results = vfio::bind_all(&self.sysfs, &sel, &self.op_options(), &in_use);
+        steps.mark(Step::Write);
         let failures: Vec<String> = results.iter().filter_map(DeviceResult::failure).collect();
         if !failures.is_empty() {
             return Err(refused(claim, failures.join("; ")));
@@ -251,7 +263,8 @@ impl Node {
             d.nodes = device_nodes(&after, d);
         }
         self.fill_attributes(&after, &mut rec);
-        self.finish(claim, rec, &rec_path)
+        steps.mark(Step::Node);
+        self.finish(claim, rec, &rec_path, steps)
     }
 
     /// Gives every function of the record back to the driver it had, when that was not a

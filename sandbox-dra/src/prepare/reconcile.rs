@@ -2,7 +2,7 @@
 
 use common::error_chain;
 
-use super::{ClaimRef, Node, OnUnprepare, Wanted};
+use super::{ClaimRef, Node, OnUnprepare, Steps, Wanted};
 use crate::record::{self, ClaimState};
 
 impl Node {
@@ -36,8 +36,14 @@ impl Node {
             let outcome = match rec.state {
                 ClaimState::Prepared => {
                     let wanted = rec.devices.iter().map(Wanted::from).collect();
-                    self.prepare(&claim, rec.claim.clone(), wanted, Some(rec))
-                        .map(|_| "prepared again")
+                    self.prepare(
+                        &claim,
+                        rec.claim.clone(),
+                        wanted,
+                        Some(rec),
+                        &mut Steps::start(),
+                    )
+                    .map(|_| "prepared again")
                 }
                 // Its devices never reached a container: undone whatever the policy.
                 ClaimState::Preparing => self

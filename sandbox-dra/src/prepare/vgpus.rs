@@ -8,14 +8,16 @@ use std::time::{Duration, Instant};
 use common::vgpu::lifecycle::{self, Member, Planned, READY_TIMEOUT};
 use common::{Inventory, PciAddress, ReadOptions, Usage, error_chain, is_vfio_driver};
 
-use super::{ClaimRef, Node, PrepareError, PreparedDevice, Views, Wanted, refused, vfio_nodes};
+use super::{
+    ClaimRef, Node, PrepareError, PreparedDevice, Step, Steps, Views, Wanted, refused, vfio_nodes,
+};
 use crate::cdi::ClaimId;
 use crate::names;
 use crate::record::{self, ClaimState, Record};
 use crate::vgpu::Vgpu;
 
 /// What a GPU's view says of the next vGPU of a claim.
-enum Step {
+enum Next {
     /// It goes there.
     Place(Planned),
     /// The GPU's VFs must be enabled first: this many.
@@ -34,6 +36,7 @@ impl Node {
         id: ClaimId,
         wanted: Vec<Wanted>,
         existing: Option<Record>,
+        steps: &mut Steps,
     ) -> Result<Vec<PreparedDevice>, PrepareError> {
         for w in &wanted {
             if let Some((gpu, _, _)) = names::parse_vgpu_device(&w.device)
@@ -96,6 +99,7 @@ impl Node {
                 ));
             }
         }
+        steps.mark(Step::Node);
         // Each vGPU's group node, once the kernel made it.
         let mut readies: Vec<Option<lifecycle::Ready>> = vec![None; rec.devices.len()];
         for (i, ready) in readies.iter_mut().enumerate() {
@@ -116,12 +120,15 @@ impl Node {
             // bind): given back first, with its group read whole.
             let driver = self.sysfs.current_driver(&gpu).ok().flatten();
             if driver.as_deref().is_some_and(is_vfio_driver) {
+                steps.mark(Step::Node);
                 save(&rec)?;
+                steps.mark(Step::Record);
                 let inv = self.groups(&[gpu]);
                 // Giving back forgets the GPU's view.
                 drop(views);
                 self.give_back(&inv, gpu).map_err(|e| fail(e.to_string()))?;
                 views = self.views();
+                steps.mark(Step::Write);
             }
             // Placed from the GPU's view; when the view cannot place it, or the kernel refuses
             // the write, placed again from a fresh read (lifecycle).
@@ -130,36 +137,40 @@ impl Node {
             loop {
                 fresh |= !views.contains_key(&gpu);
                 let inv = self.view(&mut views, gpu);
-                let step = match lifecycle::offers(inv, &Member::Gpu(gpu)) {
-                    None => Step::Refused(format!("GPU {gpu} is not on this node")),
+                let next = match lifecycle::offers(inv, &Member::Gpu(gpu)) {
+                    None => Next::Refused(format!("GPU {gpu} is not on this node")),
                     Some(o) => match (o.needs_vfs, o.find(|t| names::type_key(&t.name) == key)) {
-                        (Some(n), _) => Step::NeedsVfs(n),
-                        (None, None) => Step::Refused(o.not_offered(&key).to_string()),
+                        (Some(n), _) => Next::NeedsVfs(n),
+                        (None, None) => Next::Refused(o.not_offered(&key).to_string()),
                         (None, Some(t)) => match o.place(t) {
-                            Ok(p) => Step::Place(p),
-                            Err(e) => Step::Refused(e.to_string()),
+                            Ok(p) => Next::Place(p),
+                            Err(e) => Next::Refused(e.to_string()),
                         },
                     },
                 };
-                let planned = match step {
-                    Step::Place(p) => p,
-                    Step::Refused(_) | Step::NeedsVfs(_) if !fresh => {
+                let planned = match next {
+                    Next::Place(p) => p,
+                    Next::Refused(_) | Next::NeedsVfs(_) if !fresh => {
                         views.remove(&gpu);
                         continue;
                     }
-                    Step::Refused(why) => return Err(fail(why)),
-                    Step::NeedsVfs(_) if enabled => {
+                    Next::Refused(why) => return Err(fail(why)),
+                    Next::NeedsVfs(_) if enabled => {
                         return Err(fail(format!(
                             "GPU {gpu} shows no vGPU types after its VFs were enabled"
                         )));
                     }
-                    Step::NeedsVfs(n) => {
+                    Next::NeedsVfs(n) => {
+                        steps.mark(Step::Node);
                         save(&rec)?;
+                        steps.mark(Step::Record);
                         self.sysfs.set_sriov_numvfs(&gpu, n).map_err(|e| {
                             fail(format!("cannot enable the VFs of GPU {gpu}: {e}"))
                         })?;
                         enabled = true;
+                        steps.mark(Step::Write);
                         self.wait_vfs(self.view(&mut views, gpu), &gpu);
+                        steps.mark(Step::Ready);
                         continue;
                     }
                 };
@@ -173,8 +184,12 @@ impl Node {
                     d.address = Some(vf);
                 }
                 d.vgpu = Some(v.clone());
+                steps.mark(Step::Node);
                 save(&rec)?;
-                match planned.create(&self.sysfs) {
+                steps.mark(Step::Record);
+                let created = planned.create(&self.sysfs);
+                steps.mark(Step::Write);
+                match created {
                     Ok(()) => {}
                     Err(e) if !fresh && lifecycle::refused(&e) => {
                         tracing::debug!(%claim, gpu = %gpu, error = %error_chain(&e), "refused by the kernel; reading the GPU again");
@@ -194,13 +209,16 @@ impl Node {
                 *ready = v
                     .handle
                     .wait_ready(self.view(&mut views, gpu), &self.paths, &opts);
+                steps.mark(Step::Ready);
                 break;
             }
         }
         for (d, ready) in rec.devices.iter_mut().zip(readies) {
             let Some(v) = d.vgpu.clone() else { continue };
             let inv = self.view(&mut views, v.gpu);
+            steps.mark(Step::Node);
             let ready = ready.or_else(|| v.handle.wait_ready(inv, &self.paths, &opts));
+            steps.mark(Step::Ready);
             let Some(ready) = ready else {
                 return Err(refused(
                     claim,
@@ -219,7 +237,8 @@ impl Node {
             self.fill_attributes(inv, &mut rec);
         }
         drop(views);
-        self.finish(claim, rec, &rec_path)
+        steps.mark(Step::Node);
+        self.finish(claim, rec, &rec_path, steps)
     }
 
     /// `gpu` as this driver last read it ([`Node::views`]), read now when it has no view.

@@ -135,6 +135,9 @@ pub struct DraDriver {
     root: PathBuf,
     /// What the driver said in `GetInfo`.
     pub info: PluginInfo,
+    /// The connection every call goes on after [`DraDriver::keep_connection`]; without it,
+    /// each call dials its own.
+    kept: Option<tokio::sync::Mutex<RawGrpc>>,
 }
 
 /// One claim of a prepare or unprepare call.
@@ -191,6 +194,7 @@ pub async fn register(
     Ok(DraDriver {
         root: root.to_path_buf(),
         info,
+        kept: None,
     })
 }
 
@@ -208,6 +212,22 @@ impl DraDriver {
         dial(&self.root, Path::new(&self.info.endpoint)).await
     }
 
+    /// Dials the driver's endpoint once and makes every later call on that connection, as
+    /// kubelet does (one client connection per plugin). A call on a connection the driver
+    /// closed fails; it is not dialled again.
+    pub async fn keep_connection(&mut self) -> anyhow::Result<()> {
+        self.kept = Some(tokio::sync::Mutex::new(self.endpoint().await?));
+        Ok(())
+    }
+
+    /// The kept connection, or a new one.
+    async fn connection(&self) -> anyhow::Result<Conn<'_>> {
+        Ok(match &self.kept {
+            Some(kept) => Conn::Kept(kept.lock().await),
+            None => Conn::Own(Box::new(self.endpoint().await?)),
+        })
+    }
+
     /// `NodePrepareResources` for `claims`: each claim's UID → its devices, or the error the
     /// driver gave for it.
     pub async fn prepare(
@@ -215,11 +235,12 @@ impl DraDriver {
         version: Version,
         claims: &[Claim],
     ) -> anyhow::Result<Vec<(String, Result<Vec<PreparedDevice>, String>)>> {
-        let mut conn = self.endpoint().await?;
+        let mut conn = self.connection().await?;
+        let conn = conn.get();
         let method = format!("{}/NodePrepareResources", version.service());
         let mut out = match version {
-            Version::V1 => v1_calls::prepare(&mut conn, &method, claims).await?,
-            Version::V1beta1 => v1beta1_calls::prepare(&mut conn, &method, claims).await?,
+            Version::V1 => v1_calls::prepare(conn, &method, claims).await?,
+            Version::V1beta1 => v1beta1_calls::prepare(conn, &method, claims).await?,
         };
         out.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(out)
@@ -231,11 +252,12 @@ impl DraDriver {
         version: Version,
         claims: &[Claim],
     ) -> anyhow::Result<Vec<(String, Result<(), String>)>> {
-        let mut conn = self.endpoint().await?;
+        let mut conn = self.connection().await?;
+        let conn = conn.get();
         let method = format!("{}/NodeUnprepareResources", version.service());
         let errors = match version {
-            Version::V1 => v1_calls::unprepare(&mut conn, &method, claims).await?,
-            Version::V1beta1 => v1beta1_calls::unprepare(&mut conn, &method, claims).await?,
+            Version::V1 => v1_calls::unprepare(conn, &method, claims).await?,
+            Version::V1beta1 => v1beta1_calls::unprepare(conn, &method, claims).await?,
         };
         let mut out: Vec<(String, Result<(), String>)> = errors
             .into_iter()
@@ -243,6 +265,21 @@ impl DraDriver {
             .collect();
         out.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(out)
+    }
+}
+
+/// A connection for one call: the driver's kept one, or one dialled for it.
+enum Conn<'a> {
+    Kept(tokio::sync::MutexGuard<'a, RawGrpc>),
+    Own(Box<RawGrpc>),
+}
+
+impl Conn<'_> {
+    fn get(&mut self) -> &mut RawGrpc {
+        match self {
+            Conn::Kept(c) => c,
+            Conn::Own(c) => c,
+        }
     }
 }
 

@@ -337,6 +337,11 @@ impl Daemon {
         let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid as i32), signal);
     }
 
+    /// All it wrote to stderr so far.
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(self.stderr.path()).unwrap_or_default()
+    }
+
     /// The last lines it wrote to stderr.
     pub fn stderr_tail(&self) -> String {
         let text = std::fs::read_to_string(self.stderr.path()).unwrap_or_default();

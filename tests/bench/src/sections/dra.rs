@@ -1,9 +1,13 @@
 //! sandbox-dra: start → registration socket, then `NodePrepareResources` and
 //! `NodeUnprepareResources` of a one-GPU claim through the fake kubelet's DRA client (dialled
-//! as kubelet dials), repeated; RSS after the cycles.
+//! as kubelet dials, one connection for every call as kubelet keeps), repeated; RSS after the
+//! cycles.
 //! With `--vgpu`: prepare → vGPU ready and unprepare of an A10-4Q claim, and the time from a
 //! change of the node (a GPU hot-plugged, then unplugged) to the pool's slices showing it.
+//! Each prepare's parts as sandbox-dra logs them ("claim prepared", its steps), beside the
+//! whole call.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -111,6 +115,9 @@ struct DraRun {
     unprepare: Vec<Duration>,
     /// Each prepare's writes replayed bare.
     floor: Vec<Duration>,
+    /// Each prepare's parts, and each repeated prepare's.
+    parts: Vec<Parts>,
+    again_parts: Vec<Parts>,
     rss_kib: u64,
     hwm_kib: u64,
     anon_kib: u64,
@@ -120,6 +127,88 @@ fn prepared_ok(out: Vec<(String, Result<Vec<dra::PreparedDevice>, String>)>) -> 
     match out.first() {
         Some((_, Ok(d))) if !d.is_empty() => Ok(()),
         other => bail!("prepare: {other:?}"),
+    }
+}
+
+/// How long each step of one prepare took, as sandbox-dra logged it, by step name; `call` is
+/// the rest of the call as the fake kubelet timed it (gRPC, the daemon's runtime).
+type Parts = BTreeMap<String, Duration>;
+
+/// The steps sandbox-dra logged for each prepare, in order: the `steps` of each "claim
+/// prepared" line of its JSON log (`record 0.21ms, node 0.40ms, …`).
+fn logged_parts(daemon: &Daemon) -> Result<Vec<Parts>> {
+    let mut out = Vec::new();
+    for line in daemon.stderr().lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if v["fields"]["message"] != "claim prepared" {
+            continue;
+        }
+        let steps = v["fields"]["steps"]
+            .as_str()
+            .ok_or_else(|| anyhow!("a \"claim prepared\" line without steps: {line}"))?;
+        let mut parts = Parts::new();
+        for step in steps.split(", ") {
+            let ms = step
+                .split_once(' ')
+                .and_then(|(name, t)| Some((name, t.strip_suffix("ms")?.parse::<f64>().ok()?)));
+            let Some((name, ms)) = ms else {
+                bail!("cannot read step {step:?} of {line}");
+            };
+            parts.insert(name.to_string(), Duration::from_secs_f64(ms / 1e3));
+        }
+        out.push(parts);
+    }
+    Ok(out)
+}
+
+/// Each call's parts, with what the daemon's steps do not cover as `call`.
+fn with_call(logged: Vec<Parts>, calls: &[Duration]) -> Vec<Parts> {
+    logged
+        .into_iter()
+        .zip(calls)
+        .map(|(mut parts, call)| {
+            let inside: Duration = parts.values().sum();
+            parts.insert("call".into(), call.saturating_sub(inside));
+            parts
+        })
+        .collect()
+}
+
+/// The steps a prepare's log line can name, in the order the table shows them.
+const STEPS: [&str; 9] = [
+    "api", "queue", "record", "node", "in-use", "write", "ready", "files", "call",
+];
+
+/// Two rows per kind of prepare: p50 / p99 of each step over all its calls (`-` for a step it
+/// never took), then the steps of its slowest call (where its tail comes from).
+fn parts_table(r: &mut Report, rows: &[(&str, Vec<Parts>)]) {
+    let mut header = vec!["prepare"];
+    header.extend(STEPS);
+    r.table(&header);
+    for (name, calls) in rows {
+        let mut row = vec![format!("{name} ({})", calls.len())];
+        for step in STEPS {
+            let v: Vec<Duration> = calls.iter().filter_map(|p| p.get(step).copied()).collect();
+            row.push(match fmt_p50_p99(&v) {
+                Some((p50, p99)) if v.len() == calls.len() => format!("{p50} / {p99}"),
+                Some((p50, p99)) => format!("{p50} / {p99} ({} calls)", v.len()),
+                None => "-".into(),
+            });
+        }
+        r.row(&row);
+        let Some(slowest) = calls.iter().max_by_key(|p| p.values().sum::<Duration>()) else {
+            continue;
+        };
+        let total: Duration = slowest.values().sum();
+        let mut row = vec![format!("{name}: slowest, {}", fmt_duration(total))];
+        row.extend(
+            STEPS
+                .iter()
+                .map(|s| slowest.get(*s).map_or("-".into(), |d| fmt_duration(*d))),
+        );
+        r.row(&row);
     }
 }
 
@@ -147,6 +236,8 @@ async fn dra_once(b: &Bins, topology: &str, cycles: usize) -> Result<DraRun> {
             &api.kubeconfig(),
             &"--unprepare",
             &"restore",
+            &"--log-format",
+            &"json",
             &"serve",
         ],
     );
@@ -162,7 +253,8 @@ async fn dra_once(b: &Bins, topology: &str, cycles: usize) -> Result<DraRun> {
         }
         tokio::time::sleep(Duration::from_micros(200)).await;
     };
-    let drv: DraDriver = dra::register(root, &socket, None).await?;
+    let mut drv: DraDriver = dra::register(root, &socket, None).await?;
+    drv.keep_connection().await?;
     let registered = start.elapsed();
     let claim = [Claim {
         namespace: "bench".into(),
@@ -175,6 +267,8 @@ async fn dra_once(b: &Bins, topology: &str, cycles: usize) -> Result<DraRun> {
         again: Vec::with_capacity(cycles),
         unprepare: Vec::with_capacity(cycles),
         floor: Vec::with_capacity(cycles),
+        parts: Vec::new(),
+        again_parts: Vec::new(),
         rss_kib: 0,
         hwm_kib: 0,
         anon_kib: 0,
@@ -205,10 +299,35 @@ async fn dra_once(b: &Bins, topology: &str, cycles: usize) -> Result<DraRun> {
     run.rss_kib = s.rss_kib;
     run.hwm_kib = s.hwm_kib;
     run.anon_kib = s.anon_kib;
+    (run.parts, run.again_parts) = split_parts(logged_parts(&daemon)?, &run.prepare, &run.again)?;
     daemon.stop().await;
     drop(sim);
     run.floor = floors(&topo, &written)?;
     Ok(run)
+}
+
+/// The logged parts of alternating prepares and repeated prepares, each with its call.
+fn split_parts(
+    logged: Vec<Parts>,
+    prepare: &[Duration],
+    again: &[Duration],
+) -> Result<(Vec<Parts>, Vec<Parts>)> {
+    if logged.len() != prepare.len() + again.len() {
+        bail!(
+            "sandbox-dra logged {} prepares of {}",
+            logged.len(),
+            prepare.len() + again.len()
+        );
+    }
+    let (first, second): (Vec<_>, Vec<_>) = logged
+        .into_iter()
+        .enumerate()
+        .partition(|(i, _)| i % 2 == 0);
+    let strip = |v: Vec<(usize, Parts)>| v.into_iter().map(|(_, p)| p).collect::<Vec<_>>();
+    Ok((
+        with_call(strip(first), prepare),
+        with_call(strip(second), again),
+    ))
 }
 
 /// One run of the vGPU figures.
@@ -221,6 +340,9 @@ struct VgpuRun {
     again: Vec<Duration>,
     /// Each later prepare's writes replayed bare.
     floor: Vec<Duration>,
+    /// Each later prepare's parts, and each repeated prepare's.
+    parts: Vec<Parts>,
+    again_parts: Vec<Parts>,
     unprepare: Vec<Duration>,
     /// A GPU hot-plugged / unplugged → the API server's slices show it.
     plugged: Duration,
@@ -273,6 +395,8 @@ async fn vgpu_once(b: &Bins, cycles: usize) -> Result<VgpuRun> {
             &api.kubeconfig(),
             &"--vgpu",
             &"0000:41:00.0",
+            &"--log-format",
+            &"json",
             &"serve",
         ],
     );
@@ -288,7 +412,8 @@ async fn vgpu_once(b: &Bins, cycles: usize) -> Result<VgpuRun> {
         }
         tokio::time::sleep(Duration::from_micros(200)).await;
     };
-    let drv: DraDriver = dra::register(root, &socket, None).await?;
+    let mut drv: DraDriver = dra::register(root, &socket, None).await?;
+    drv.keep_connection().await?;
     // The whole pool: as many slices as each says it has.
     wait_slices(&api, |d| {
         let s = api.slices();
@@ -308,6 +433,8 @@ async fn vgpu_once(b: &Bins, cycles: usize) -> Result<VgpuRun> {
         prepare: Vec::with_capacity(cycles),
         again: Vec::with_capacity(cycles),
         floor: Vec::with_capacity(cycles),
+        parts: Vec::new(),
+        again_parts: Vec::new(),
         unprepare: Vec::with_capacity(cycles),
         plugged: Duration::ZERO,
         unplugged: Duration::ZERO,
@@ -347,6 +474,13 @@ async fn vgpu_once(b: &Bins, cycles: usize) -> Result<VgpuRun> {
     sim.control("unplug 0000:81:00.0")?;
     wait_slices(&api, |d| !d.iter().any(|n| n == "gpu-0000-81-00-0")).await?;
     run.unplugged = t.elapsed();
+    let mut prepares = vec![run.first];
+    prepares.extend(&run.prepare);
+    (run.parts, run.again_parts) = split_parts(logged_parts(&daemon)?, &prepares, &run.again)?;
+    // The first prepare (VFs enabled) is left out, as from the prepare's figures.
+    if !run.parts.is_empty() {
+        run.parts.remove(0);
+    }
     daemon.stop().await;
     drop(sim);
     // The first prepare (VFs enabled) is replayed for the node's sake, and not counted.
@@ -354,7 +488,12 @@ async fn vgpu_once(b: &Bins, cycles: usize) -> Result<VgpuRun> {
     Ok(run)
 }
 
-async fn bench_vgpu(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
+/// The vGPU figures; the parts of its prepares for the table of parts.
+async fn bench_vgpu(
+    cli: &Cli,
+    b: &Bins,
+    r: &mut Report,
+) -> Result<Vec<(&'static str, Vec<Parts>)>> {
     let cycles = cli.claims.max(2);
     r.line(format!("vGPUs (`--vgpu 0000:41:00.0` on 2xA10: one counter set, 137 vGPU devices of that GPU, its passthrough device and the other GPU's, in three device slices and a counter slice): {cycles} cycles per run of an A10-4Q claim. The first prepare enables the GPU's 32 VFs, then creates the mdev; the others create it on the enabled VFs; each returns once the vGPU's /dev/vfio group node exists (vGPU ready). The same prepare again is kubelet's retry (nothing to do). Unprepare removes the mdev. Floor: each prepare's writes replayed bare on a fresh node, as for whole GPUs above. Goals: prepare p50 ≤ 2× and p99 ≤ 3× the floor's p50, prepare again ≤ 2 ms. Publication: from node-sim's hot-plug (or unplug) of a third A10 to the API server's slices showing (or no longer showing) its device, through the uevent, a read of the node and the pool's slices written again."));
     r.line("");
@@ -419,7 +558,13 @@ async fn bench_vgpu(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
         un,
     ]);
     r.line("");
-    Ok(())
+    Ok(vec![
+        ("vGPU", runs.iter().flat_map(|x| x.parts.clone()).collect()),
+        (
+            "vGPU again",
+            runs.iter().flat_map(|x| x.again_parts.clone()).collect(),
+        ),
+    ])
 }
 
 pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
@@ -444,6 +589,7 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
         "RSS",
         "peak RSS",
     ]);
+    let mut parts = Vec::new();
     for topology in ["2xA10"] {
         let mut runs = Vec::new();
         for _ in 0..cli.runs {
@@ -482,7 +628,22 @@ pub async fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
             mib(hwm),
         ]);
         r.memory("sandbox-dra", "after the claims", topology, rss, anon);
+        parts.push((
+            "GPU",
+            runs.iter().flat_map(|x| x.parts.iter().cloned()).collect(),
+        ));
+        parts.push((
+            "GPU again",
+            runs.iter()
+                .flat_map(|x| x.again_parts.iter().cloned())
+                .collect(),
+        ));
     }
     r.line("");
-    bench_vgpu(cli, b, r).await
+    parts.extend(bench_vgpu(cli, b, r).await?);
+    r.line("Each prepare's parts as sandbox-dra logs them (\"claim prepared\", its steps): the claim read from the API server (`api`), waiting for the one-at-a-time lock and a worker thread (`queue`), the claim's record read and saved (`record`), the node read and checked (`node`), who holds what is to move (`in-use`: processes, pods, claims), the sysfs writes (`write`), waiting for the vGPU's group node (`ready`), the metadata and CDI spec (`files`); `call` is the rest of the call as the fake kubelet timed it (gRPC, the daemon's runtime). p50 / p99 of each over the calls above (the first vGPU prepare left out), then the steps of the slowest call; a repeated prepare reads the record and checks the node, and writes nothing.");
+    r.line("");
+    parts_table(r, &parts);
+    r.line("");
+    Ok(())
 }

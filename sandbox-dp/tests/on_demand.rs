@@ -995,9 +995,9 @@ async fn vfs_are_not_enabled_at_start_on_a_gpu_in_use() {
         read(root, &format!("sys/bus/pci/devices/{GPU_A}/sriov_numvfs")),
         "0"
     );
-    // A process (this test) holds GPU A's /dev/nvidia<N> (its minor from the driver's
+    // A process (a shell) holds GPU A's /dev/nvidia<N> (its minor from the driver's
     // information file).
-    let _holder = testkit::sim::hold_nvidia_node(root, GPU_A);
+    let holder = testkit::sim::hold_nvidia_node(root, GPU_A);
     let (_k, kdir, mut kubelet, _pods) = kubelet_with_pods().await;
     let log = tempfile::NamedTempFile::new().unwrap();
     let child = std::process::Command::new(BIN)
@@ -1028,7 +1028,7 @@ async fn vfs_are_not_enabled_at_start_on_a_gpu_in_use() {
         "0"
     );
     let text = std::fs::read_to_string(log.path()).unwrap();
-    let me = std::process::id();
+    let me = holder.pid();
     assert!(
         text.contains(&format!("not enabling the VFs of GPU {GPU_A}"))
             && text.contains(&format!("pid {me}")),

@@ -416,7 +416,7 @@ async fn a_gpu_a_process_holds_is_refused_naming_the_pid_and_nothing_changes() {
         return;
     };
     let root = sim.root();
-    // This test process plays the CUDA job on the second GPU.
+    // A shell plays the CUDA job on the second GPU.
     let held = testkit::sim::hold_nvidia_node(root, "0000:61:00.0");
     let api = FakeApiServer::start(NODE, &[]).unwrap();
     let addr = testkit::ops::free_addr();
@@ -432,7 +432,7 @@ async fn a_gpu_a_process_holds_is_refused_naming_the_pid_and_nothing_changes() {
     let err = prepare_one(&drv, Version::V1, &c).await.unwrap_err();
     assert!(err.contains("0000:61:00.0 is in use"), "{err}");
     assert!(
-        err.contains(&format!("pid {}", std::process::id())),
+        err.contains(&format!("pid {}", held.pid())),
         "the holder is named: {err}"
     );
     assert!(err.contains("nothing was changed"), "{err}");

@@ -149,15 +149,15 @@ fn a_gpu_whose_nvidia_node_is_held_is_not_unbound() {
         return;
     };
     let root = sim.root();
-    // This test process plays the CUDA job.
-    let _held = testkit::sim::hold_nvidia_node(root, "0000:41:00.0");
+    // A shell plays the CUDA job.
+    let held = testkit::sim::hold_nvidia_node(root, "0000:41:00.0");
     control(root, "clear-ops");
     let o = run(root, &["bind"]);
     assert_eq!(o.status.code(), Some(1), "{}", show(&o));
     let all = format!("{}{}", text(&o.stdout), text(&o.stderr));
     assert!(all.contains("0000:41:00.0"), "{}", show(&o));
     assert!(
-        all.contains(&format!("pid {}", std::process::id())),
+        all.contains(&format!("pid {}", held.pid())),
         "the holder is named: {}",
         show(&o)
     );

@@ -77,7 +77,7 @@ fn a_refusal_then_the_binds_are_told_counted_and_make_it_ready() {
     assert_eq!(refused["involvedObject"]["kind"], "Node");
     assert_eq!(refused["involvedObject"]["name"], "node-v");
     let note = refused["message"].as_str().unwrap();
-    let me = format!("pid {}", std::process::id());
+    let me = format!("pid {}", held.pid());
     assert!(
         note.contains("0000:41:00.0") && note.contains(&me),
         "{note}"

@@ -88,9 +88,10 @@ fn chain(e: &dyn std::error::Error) -> String {
 }
 
 /// Opens the GPU `bdf`'s `/dev/nvidia<N>` under `root` (the minor from the driver's own
-/// `proc/driver/nvidia/gpus/<bdf>/information`), as a CUDA job would: the GPU is in use while
-/// the file is open.
-pub fn hold_nvidia_node(root: &Path, bdf: &str) -> std::fs::File {
+/// `proc/driver/nvidia/gpus/<bdf>/information`) from a shell of its own, as a CUDA job would:
+/// the GPU is in use until the holder is dropped. Not from the test process, which starts
+/// daemons while it holds.
+pub fn hold_nvidia_node(root: &Path, bdf: &str) -> ShellHolder {
     let info_path = root.join(format!("proc/driver/nvidia/gpus/{bdf}/information"));
     let info = std::fs::read_to_string(&info_path)
         .unwrap_or_else(|e| panic!("{}: {e}", info_path.display()));
@@ -100,8 +101,7 @@ pub fn hold_nvidia_node(root: &Path, bdf: &str) -> std::fs::File {
         .unwrap_or_else(|| panic!("no Device Minor in {}", info_path.display()))
         .trim()
         .to_string();
-    let node = root.join(format!("dev/nvidia{minor}"));
-    std::fs::File::open(&node).unwrap_or_else(|e| panic!("{}: {e}", node.display()))
+    ShellHolder::hold(&root.join(format!("dev/nvidia{minor}")))
 }
 
 /// A shell holding a device node open as a shell script would (`exec 7<>NODE`, then `exec

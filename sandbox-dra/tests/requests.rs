@@ -5,7 +5,8 @@
 //!   second (`--resync-interval 1s`, counted by `sandbox_dra_publish_passes_total`), and none of
 //!   them sends a request;
 //! - a GPU hot-plugged costs one apply per slice of the pool (a change moves the whole pool to
-//!   the next generation), each slice once, and nothing else: no list, no get, no delete.
+//!   the next generation), each slice once, and nothing else: no list, no get, no delete;
+//! - a write the API server refuses is tried again on the backoff, not at every resync.
 //!
 //! Requests are counted, never timed. The driver runs as a user of its own, so the audit log's
 //! entries for that user are its requests. Watch requests (verb `watch`) are left out:
@@ -222,4 +223,92 @@ fn at_rest_the_driver_asks_nothing_and_a_hotplug_costs_one_apply_per_slice() {
         "a hot-plug: one apply per slice of the pool, and nothing else\n{}",
         d.log()
     );
+}
+
+/// A write the API server refuses (RBAC lets the driver watch its slices and its Node, not
+/// write them) is tried again on the backoff (1 s doubling, each delay up to twice as long),
+/// not at every resync: with `--resync-interval 1s`, 15 s after the first refusal at most 4
+/// more tries where every tick would have made 15, while the ticks still read the node. Once
+/// the write is allowed, a change to the node (a GPU hot-plugged) is published.
+#[test]
+fn a_refused_write_is_tried_again_on_the_backoff_not_at_every_resync() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let Some(api) = ApiServer::start_or_skip("sandbox-dra's refused writes").unwrap() else {
+        return;
+    };
+    api.create_node(NODE, &[]).unwrap();
+    let read_only = "sandbox-dra-read-only";
+    api.kubectl(&[
+        "create",
+        "clusterrole",
+        read_only,
+        "--verb=get,list,watch",
+        "--resource=resourceslices.resource.k8s.io,nodes",
+    ])
+    .unwrap();
+    api.kubectl(&[
+        "create",
+        "clusterrolebinding",
+        read_only,
+        &format!("--clusterrole={read_only}"),
+        &format!("--user={USER}"),
+    ])
+    .unwrap();
+    let kubeconfig = api.kubeconfig_for(USER, USER, &[]).unwrap();
+    let metrics = testkit::ops::free_addr();
+    let mut cmd = command(
+        sim.root(),
+        NODE,
+        &kubeconfig,
+        &["--resync-interval", "1s", "--metrics-addr", &metrics],
+    );
+    cmd.env("RUST_LOG", "sandbox_dra=debug");
+    let d = Driver::spawn(cmd);
+    let patches = || {
+        requests(&api)
+            .iter()
+            .filter(|(v, r, _)| v == "patch" && r == "resourceslices")
+            .count()
+    };
+    let t = Instant::now();
+    while passes(&metrics, "failed") == 0 {
+        assert!(t.elapsed() < PATIENCE, "no refused pass:\n{}", d.log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let refused = patches();
+    assert!(refused >= 1, "the refused write is in the audit log");
+    let held = |log: &str| log.matches("waits for its retry: nothing written").count();
+    let held_before = held(&d.log());
+    std::thread::sleep(Duration::from_secs(15));
+    let again = patches() - refused;
+    let log = d.log();
+    assert!(
+        again <= 4,
+        "{again} more refused writes in 15 s: the resync repeats them\n{log}"
+    );
+    assert!(
+        held(&log) >= held_before + 5,
+        "the resync ticks went on reading the node:\n{log}"
+    );
+    assert!(slices(&api).is_empty());
+
+    // Allowed now: a change to the node is published.
+    api.kubectl(&[
+        "create",
+        "clusterrolebinding",
+        "sandbox-dra-writes",
+        "--clusterrole=cluster-admin",
+        &format!("--user={USER}"),
+    ])
+    .unwrap();
+    sim.control("hotplug 0000:81:00.0 A10 group=50 numa=1")
+        .unwrap();
+    wait_for_pool(&api, &d, "the pool never published once allowed", |s| {
+        s.iter()
+            .filter_map(|x| x["spec"]["devices"].as_array())
+            .flatten()
+            .any(|dev| dev["name"] == "gpu-0000-81-00-0")
+    });
 }

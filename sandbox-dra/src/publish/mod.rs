@@ -38,7 +38,9 @@
 //! the loop beats: `/healthz` fails when the process is stuck (a read of sysfs that never
 //! returns), not when the API server is slow or hangs. A pass that fails (the API server
 //! unreachable, a refusal, its time out) is retried after a backoff with jitter, 1 s
-//! doubling to 30 s.
+//! doubling to 5 minutes; until then a resync reads the node and reports health but does
+//! not write again (a write the API server refuses is not repeated every 30 s on every node),
+//! while a change (a uevent, a claim, the watch) is tried at once.
 //!
 //! Cleaning up:
 //! - slices of this driver on this node other than those this process publishes (a renamed
@@ -83,9 +85,10 @@ pub const FIELD_MANAGER: &str = "sandbox-dra";
 /// one count too): `mdev` for a prepared vGPU removed behind the driver's back.
 const SUBSYSTEMS: &[&str] = &["pci", "vfio", "iommu", "drivers", "mdev"];
 
-/// The first and the longest delay before a failed pass is tried again.
+/// The first and the longest delay before a failed pass is tried again (each lengthened by up
+/// to as much again, at random).
 const RETRY_MIN: Duration = Duration::from_secs(1);
-const RETRY_MAX: Duration = Duration::from_secs(30);
+const RETRY_MAX: Duration = Duration::from_secs(300);
 
 /// How often a pass waiting on the API server tells liveness that it waits, not that it is
 /// stuck.
@@ -486,6 +489,8 @@ pub async fn run(
                 Change::Node => tracing::debug!("the Node changed; checking the slices"),
             }
         }
+        // A resync tick while a failed pass waits for its retry: the node and its health only.
+        let held = trigger.retrying() && wake.changes.is_empty() && !wake.retry && !wake.first;
         let outcome = match read_devices(
             &paths,
             cfg.vendor,
@@ -500,6 +505,12 @@ pub async fn run(
                 let names = nd.devices.iter().map(|d| d.name.clone()).collect();
                 health.report(&paths, names, &nd.left_out).await;
                 p.note_left_out(nd.left_out);
+                if held {
+                    tracing::debug!(
+                        "a resync while a failed write waits for its retry: nothing written"
+                    );
+                    continue;
+                }
                 let published = nd.devices.len();
                 let publishing = p.publish(nd.devices, nd.counters);
                 match wait_on_api(publishing, pass_timeout, &cfg.telemetry, &shutdown).await {

@@ -6,7 +6,8 @@
 //!   them sends a request;
 //! - a GPU hot-plugged costs one apply per slice of the pool (a change moves the whole pool to
 //!   the next generation), each slice once, and nothing else: no list, no get, no delete;
-//! - a write the API server refuses is tried again on the backoff, not at every resync.
+//! - a write the API server refuses is tried again on the backoff, not at every resync; one
+//!   to an API server that is down is tried at every resync, and lands once it is back.
 //!
 //! Requests are counted, never timed. The driver runs as a user of its own, so the audit log's
 //! entries for that user are its requests. Watch requests (verb `watch`) are left out:
@@ -306,6 +307,58 @@ fn a_refused_write_is_tried_again_on_the_backoff_not_at_every_resync() {
     sim.control("hotplug 0000:81:00.0 A10 group=50 numa=1")
         .unwrap();
     wait_for_pool(&api, &d, "the pool never published once allowed", |s| {
+        s.iter()
+            .filter_map(|x| x["spec"]["devices"].as_array())
+            .flatten()
+            .any(|dev| dev["name"] == "gpu-0000-81-00-0")
+    });
+}
+
+/// An API server that is down is not a refusal: the write is tried again at every resync
+/// (each a failed pass while it is down), whatever the backoff has grown to, and a GPU
+/// hot-plugged during the outage is published once the server is back.
+#[test]
+fn a_write_to_an_api_server_that_is_down_is_tried_at_every_resync() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let Some(mut api) = ApiServer::start_or_skip("sandbox-dra through an outage").unwrap() else {
+        return;
+    };
+    api.create_node(NODE, &[]).unwrap();
+    let kubeconfig = api.kubeconfig_for(USER, USER, &["system:masters"]).unwrap();
+    let metrics = testkit::ops::free_addr();
+    let mut cmd = command(
+        sim.root(),
+        NODE,
+        &kubeconfig,
+        &[
+            "--resync-interval",
+            "1s",
+            "--api-timeout",
+            "1s",
+            "--metrics-addr",
+            &metrics,
+        ],
+    );
+    cmd.env("RUST_LOG", "sandbox_dra=debug");
+    let d = Driver::spawn(cmd);
+    wait_for_pool(&api, &d, "the node never published", |s| !s.is_empty());
+
+    api.stop_apiserver();
+    sim.control("hotplug 0000:81:00.0 A10 group=50 numa=1")
+        .unwrap();
+    let failed = passes(&metrics, "failed");
+    std::thread::sleep(Duration::from_secs(15));
+    let during = passes(&metrics, "failed") - failed;
+    // On the backoff alone (1, 2, 4, 8 s, each up to twice as long) at most 5.
+    assert!(
+        during >= 8,
+        "{during} failed passes in 15 s of one-second resyncs\n{}",
+        d.log()
+    );
+    api.start_apiserver().unwrap();
+    wait_for_pool(&api, &d, "the hot-plugged GPU never published", |s| {
         s.iter()
             .filter_map(|x| x["spec"]["devices"].as_array())
             .flatten()

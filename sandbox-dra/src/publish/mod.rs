@@ -38,9 +38,11 @@
 //! the loop beats: `/healthz` fails when the process is stuck (a read of sysfs that never
 //! returns), not when the API server is slow or hangs. A pass that fails (the API server
 //! unreachable, a refusal, its time out) is retried after a backoff with jitter, 1 s
-//! doubling to 5 minutes; until then a resync reads the node and reports health but does
-//! not write again (a write the API server refuses is not repeated every 30 s on every node),
-//! while a change (a uevent, a claim, the watch) is tried at once.
+//! doubling to 5 minutes. After a refusal (the API server answered: RBAC, an admission
+//! policy) a resync until then reads the node and reports health but does not write again (a
+//! refused write is not repeated every 30 s on every node); a server that was not reached is
+//! tried again at each resync, so that the slices are right soon after it is back. A change
+//! (a uevent, a claim, the watch) is tried at once either way.
 //!
 //! Cleaning up:
 //! - slices of this driver on this node other than those this process publishes (a renamed
@@ -421,6 +423,8 @@ pub async fn run(
     // before the next claim, without waiting for the vGPU's uevent.
     let claims_changed = cfg.telemetry.claims_changed();
     let pass_timeout = cfg.pass_timeout();
+    // The last pass failed on a refusal by the API server: resyncs wait for its retry.
+    let mut refused = false;
     loop {
         cfg.telemetry.beat();
         let wake = tokio::select! {
@@ -489,8 +493,9 @@ pub async fn run(
                 Change::Node => tracing::debug!("the Node changed; checking the slices"),
             }
         }
-        // A resync tick while a failed pass waits for its retry: the node and its health only.
-        let held = trigger.retrying() && wake.changes.is_empty() && !wake.retry && !wake.first;
+        // A resync tick while a refused write waits for its retry: the node and its health only.
+        let held =
+            refused && trigger.retrying() && wake.changes.is_empty() && !wake.retry && !wake.first;
         let outcome = match read_devices(
             &paths,
             cfg.vendor,
@@ -507,7 +512,7 @@ pub async fn run(
                 p.note_left_out(nd.left_out);
                 if held {
                     tracing::debug!(
-                        "a resync while a failed write waits for its retry: nothing written"
+                        "a resync while a refused write waits for its retry: nothing written"
                     );
                     continue;
                 }
@@ -543,6 +548,7 @@ pub async fn run(
             Err(e) => {
                 cfg.telemetry.pass("failed");
                 cfg.telemetry.publish_failed();
+                refused = matches!(e.downcast_ref::<kube::Error>(), Some(kube::Error::Api(_)));
                 let retry_in = trigger.retry();
                 tracing::error!(error = %format!("{e:#}"), ?retry_in, "cannot publish the node's ResourceSlice");
             }

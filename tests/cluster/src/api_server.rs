@@ -37,6 +37,13 @@ impl std::ops::Deref for ApiServer {
     }
 }
 
+/// For [`ControlPlane::stop_apiserver`] and [`ControlPlane::start_apiserver`]: an outage.
+impl std::ops::DerefMut for ApiServer {
+    fn deref_mut(&mut self) -> &mut ControlPlane {
+        &mut self.cp
+    }
+}
+
 impl ApiServer {
     /// Starts an API server, or returns `None` after [`assets::skip`] names `what` when the
     /// tier's assets are not prepared.

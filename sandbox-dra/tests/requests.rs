@@ -125,6 +125,23 @@ fn names(s: &[Value]) -> Vec<String> {
     n
 }
 
+/// The driver on `sim`'s node as `USER` through `groups`, a pass every second, logging at
+/// debug, with `args`; its metrics address.
+fn start(
+    sim: &testkit::sim::SimDir,
+    api: &ApiServer,
+    groups: &[&str],
+    args: &[&str],
+) -> (Driver, String) {
+    let kubeconfig = api.kubeconfig_for(USER, USER, groups).unwrap();
+    let metrics = testkit::ops::free_addr();
+    let mut all = vec!["--resync-interval", "1s", "--metrics-addr", &metrics];
+    all.extend(args);
+    let mut cmd = command(sim.root(), NODE, &kubeconfig, &all);
+    cmd.env("RUST_LOG", "sandbox_dra=debug");
+    (Driver::spawn(cmd), metrics)
+}
+
 #[test]
 fn at_rest_the_driver_asks_nothing_and_a_hotplug_costs_one_apply_per_slice() {
     let Some(sim) = testkit::sim::try_mount("2xA10") else {
@@ -134,23 +151,7 @@ fn at_rest_the_driver_asks_nothing_and_a_hotplug_costs_one_apply_per_slice() {
         return;
     };
     api.create_node(NODE, &[]).unwrap();
-    let kubeconfig = api.kubeconfig_for(USER, USER, &["system:masters"]).unwrap();
-    let metrics = testkit::ops::free_addr();
-    let mut cmd = command(
-        sim.root(),
-        NODE,
-        &kubeconfig,
-        &[
-            "--vgpu",
-            "all",
-            "--resync-interval",
-            "1s",
-            "--metrics-addr",
-            &metrics,
-        ],
-    );
-    cmd.env("RUST_LOG", "sandbox_dra=debug");
-    let d = Driver::spawn(cmd);
+    let (d, metrics) = start(&sim, &api, &["system:masters"], &["--vgpu", "all"]);
 
     let before = wait_for_pool(&api, &d, "the pool never published", |s| {
         counter_sets(s).len() == 2
@@ -257,16 +258,7 @@ fn a_refused_write_is_tried_again_on_the_backoff_not_at_every_resync() {
         &format!("--user={USER}"),
     ])
     .unwrap();
-    let kubeconfig = api.kubeconfig_for(USER, USER, &[]).unwrap();
-    let metrics = testkit::ops::free_addr();
-    let mut cmd = command(
-        sim.root(),
-        NODE,
-        &kubeconfig,
-        &["--resync-interval", "1s", "--metrics-addr", &metrics],
-    );
-    cmd.env("RUST_LOG", "sandbox_dra=debug");
-    let d = Driver::spawn(cmd);
+    let (d, metrics) = start(&sim, &api, &[], &[]);
     let patches = || {
         requests(&api)
             .iter()
@@ -326,23 +318,7 @@ fn a_write_to_an_api_server_that_is_down_is_tried_at_every_resync() {
         return;
     };
     api.create_node(NODE, &[]).unwrap();
-    let kubeconfig = api.kubeconfig_for(USER, USER, &["system:masters"]).unwrap();
-    let metrics = testkit::ops::free_addr();
-    let mut cmd = command(
-        sim.root(),
-        NODE,
-        &kubeconfig,
-        &[
-            "--resync-interval",
-            "1s",
-            "--api-timeout",
-            "1s",
-            "--metrics-addr",
-            &metrics,
-        ],
-    );
-    cmd.env("RUST_LOG", "sandbox_dra=debug");
-    let d = Driver::spawn(cmd);
+    let (d, metrics) = start(&sim, &api, &["system:masters"], &["--api-timeout", "1s"]);
     wait_for_pool(&api, &d, "the node never published", |s| !s.is_empty());
 
     api.stop_apiserver();

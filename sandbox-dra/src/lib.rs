@@ -331,7 +331,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         "serving"
     );
     // Both sockets are bound: systemd may start kubelet (the unit is ordered before it);
-    // /readyz waits for the first ResourceSlice pass.
+    // /readyz waits for the first ResourceSlice pass after kubelet registered the driver.
     ops.systemd_ready("serving kubelet's sockets");
     let served = tokio::try_join!(
         daemon_kit::grpc::serve_unix(

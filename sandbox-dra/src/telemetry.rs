@@ -166,12 +166,18 @@ impl Telemetry {
         self.ops.beat();
     }
 
-    /// A pass published (or found in place) a slice of `devices` devices: the driver is ready.
-    pub fn published(&self, devices: usize) {
+    /// A pass published (or found in place) a slice of `devices` devices. With `registered`
+    /// (kubelet registered the driver, so it can prepare what the scheduler places there) the
+    /// driver is ready: a pod Ready before kubelet can call it would let a rollout go on while
+    /// claims on this node fail.
+    pub fn published(&self, devices: usize, registered: bool) {
         self.published
             .set(i64::try_from(devices).unwrap_or(i64::MAX));
-        self.ops
-            .ready(&format!("{devices} devices published in the ResourceSlice"));
+        if registered {
+            self.ops.ready(&format!(
+                "{devices} devices published in the ResourceSlice; kubelet registered the driver"
+            ));
+        }
     }
 
     /// A pass failed.

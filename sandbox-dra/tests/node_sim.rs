@@ -1106,3 +1106,34 @@ async fn a_hung_api_server_leaves_the_driver_alive_and_answering() {
     });
     assert!(found.await.unwrap().is_some(), "{}", d.log());
 }
+
+/// The driver is Ready (`/readyz`) only once kubelet has registered it, not at its first
+/// published slice: a pod Ready before kubelet can call it would let a rollout go on while
+/// the claims kubelet prepares on this node fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_only_once_kubelet_registered_the_driver() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let addr = testkit::ops::free_addr();
+    let d = start(root, &api, &["--metrics-addr", &addr]);
+    let t = Instant::now();
+    while api.slices().is_empty() {
+        assert!(t.elapsed() < PATIENCE, "never published\n{}", d.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let a = addr.clone();
+    let status = tokio::task::spawn_blocking(move || testkit::ops::http_get(&a, "/readyz"))
+        .await
+        .unwrap()
+        .unwrap()
+        .0;
+    assert_eq!(status, 503, "published, not registered\n{}", d.log());
+    let _drv = register(root).await;
+    let ready = tokio::task::spawn_blocking(move || {
+        testkit::ops::wait_for_status(&addr, "/readyz", 200, PATIENCE)
+    });
+    assert!(ready.await.unwrap(), "registered, never ready\n{}", d.log());
+}

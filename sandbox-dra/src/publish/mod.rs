@@ -542,7 +542,8 @@ pub async fn run(
                 } else {
                     "unchanged"
                 });
-                cfg.telemetry.published(published);
+                let usable = *registered.borrow() == Registered::Yes;
+                cfg.telemetry.published(published, usable);
                 trigger.done();
             }
             Err(e) => {

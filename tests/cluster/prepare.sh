@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Prepares the cluster tier's assets and writes their paths to target/cluster-tier/assets.env:
-#   - the Kubernetes binaries: kube-apiserver, kube-controller-manager, kube-scheduler, kubelet,
-#     containerd, containerd-shim-runc-v2 and ctr, from K8S_ASSETS (a directory holding them, e.g.
-#     official release binaries) or, by default, ../shared/k8s/bin/*.xz unpacked into target/k8s
-#     (checked against ../shared/k8s/SHA256SUMS);
+#   - Kubernetes (kube-apiserver, kube-controller-manager, kube-scheduler, kubelet) and containerd
+#     (containerd, containerd-shim-runc-v2, ctr), built with Go from the Go module proxy by
+#     tests/cluster/go/build.sh into target/go (once per version: a second run builds nothing):
+#     K8S_VERSION (default v1.36.3) is the release the tier runs; K8S_NEWEST (default v1.37.2;
+#     empty for none) is built too, and the DRA scenarios run again on it. K8S_ASSETS=DIR takes
+#     binaries from DIR instead (official release binaries: Kubernetes' server/bin/ and
+#     containerd's bin/ unpacked into one directory), and builds nothing;
+#   - KubeVirt's own virt-launcher code as a program, one per KubeVirt version checked
+#     (tests/kubevirt-check/build.sh, into target/go);
 #   - etcd, runc and the CNI plugins from Debian's packages (tests/setup.sh installs them);
 #   - helm and kubectl (tests/k8s-tools.sh);
 #   - the project's image as shipped (tools/build-image.sh: the release build; IMAGE_BIN_DIR=DIR
@@ -28,27 +33,46 @@ skip() {
 }
 
 BINS=(kube-apiserver kube-controller-manager kube-scheduler kubelet containerd containerd-shim-runc-v2 ctr)
+K8S_VERSION=${K8S_VERSION:-v1.36.3}
+K8S_VERSION=v${K8S_VERSION#v}
+K8S_NEWEST=${K8S_NEWEST-v1.37.2}
+[ -z "$K8S_NEWEST" ] || K8S_NEWEST=v${K8S_NEWEST#v}
+CONTAINERD_VERSION=v2.4.2
+go_out="$repo/target/go"
+# Builds Kubernetes $1 (and containerd) and sets k8s_dir to a directory holding the seven
+# binaries the tier runs.
+build_k8s() {
+    local v=$1 d="$repo/target/k8s/$1"
+    tests/cluster/go/build.sh "$go_out" "kubernetes-$v" "containerd-$CONTAINERD_VERSION" ||
+        skip "building Kubernetes $v and containerd $CONTAINERD_VERSION from the Go module proxy failed"
+    mkdir -p "$d"
+    for b in "${BINS[@]}"; do
+        for m in "kubernetes-$v" "containerd-$CONTAINERD_VERSION"; do
+            if [ -x "$go_out/$m/$b" ]; then ln -sfn "$go_out/$m/$b" "$d/$b"; fi
+        done
+    done
+    k8s_dir=$d
+}
+newest_bin=""
 if [ -n "${K8S_ASSETS:-}" ]; then
     bin="$(cd "$K8S_ASSETS" 2>/dev/null && pwd)" || skip "K8S_ASSETS=$K8S_ASSETS is not a directory"
+    K8S_VERSION=$("$bin/kube-apiserver" --version 2>/dev/null | sed -n 's/^Kubernetes //p')
+    K8S_NEWEST=""
 else
-    shared="$(cd "$repo/.." && pwd)/shared/k8s"
-    [ -d "$shared/bin" ] || skip "no Kubernetes binaries: set K8S_ASSETS, or provide $shared/bin"
-    bin="$repo/target/k8s"
-    stamp="$(cat "$shared/SHA256SUMS")"
-    if [ "$(cat "$bin/stamp" 2>/dev/null)" != "$stamp" ]; then
-        echo "cluster tier: unpacking $shared/bin into $bin" >&2
-        rm -rf "$bin"
-        mkdir -p "$bin"
-        for f in "$shared"/bin/*.xz; do
-            xz -dc "$f" >"$bin/$(basename "$f" .xz)"
-        done
-        (cd "$bin" && sha256sum -c --quiet "$shared/SHA256SUMS") || { rm -rf "$bin"; skip "unpacked binaries do not match $shared/SHA256SUMS"; }
-        chmod +x "$bin"/*
-        echo "$stamp" >"$bin/stamp"
+    command -v go >/dev/null || skip "go not found: the tier builds Kubernetes and containerd with Go 1.26 (or set K8S_ASSETS)"
+    build_k8s "$K8S_VERSION"
+    bin=$k8s_dir
+    if [ -n "$K8S_NEWEST" ] && [ "$K8S_NEWEST" != "$K8S_VERSION" ]; then
+        build_k8s "$K8S_NEWEST"
+        newest_bin=$k8s_dir
+    else
+        K8S_NEWEST=""
     fi
 fi
-for b in "${BINS[@]}"; do
-    [ -x "$bin/$b" ] || skip "$bin/$b is missing"
+for d in "$bin" $newest_bin; do
+    for b in "${BINS[@]}"; do
+        [ -x "$d/$b" ] || skip "$d/$b is missing"
+    done
 done
 for t in etcd runc openssl ip; do
     command -v "$t" >/dev/null || skip "$t not found (tests/setup.sh installs it)"
@@ -81,8 +105,18 @@ if [ ! -s "$pause" ] || [ /bin/busybox -nt "$pause" ]; then
     rm -rf "$rootfs"
 fi
 
+# KubeVirt's virt-launcher code, one program per version checked.
+command -v go >/dev/null || skip "go not found: the KubeVirt checker is built with Go 1.26"
+tests/kubevirt-check/build.sh "$go_out" || skip "building the KubeVirt checker from the Go module proxy failed"
+checkers=$(ls "$go_out"/kubevirt-check-v* 2>/dev/null | tr '\n' ' ')
+[ -n "$checkers" ] || skip "no KubeVirt checker in $go_out"
+
 cat >"$out/assets.env.tmp" <<EOT
 K8S_BIN=$bin
+K8S_VERSION=$K8S_VERSION
+K8S_NEWEST_BIN=$newest_bin
+K8S_NEWEST_VERSION=$K8S_NEWEST
+KUBEVIRT_CHECKERS=$checkers
 HELM=$tools/helm
 KUBECTL=$tools/kubectl
 IMAGE=$image

@@ -9,6 +9,14 @@ pub struct Assets {
     /// kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, containerd,
     /// containerd-shim-runc-v2, ctr.
     pub k8s_bin: PathBuf,
+    /// Their Kubernetes release (`v1.36.3`).
+    pub k8s_version: String,
+    /// The newest release too, when prepared (its binaries and version): the DRA scenarios run
+    /// again on it.
+    pub newest: Option<(PathBuf, String)>,
+    /// KubeVirt's virt-launcher code as programs, one per KubeVirt version
+    /// (`kubevirt-check-v1.9.0`, …): `tests/kubevirt-check`.
+    pub kubevirt_checkers: Vec<PathBuf>,
     /// helm.
     pub helm: PathBuf,
     /// kubectl.
@@ -43,21 +51,28 @@ impl Assets {
                 .map(str::to_string)
                 .ok_or_else(|| format!("{}: no {k}", env.display()))
         };
+        let newest_bin = get("K8S_NEWEST_BIN")?;
         let a = Assets {
             k8s_bin: get("K8S_BIN")?.into(),
+            k8s_version: get("K8S_VERSION")?,
+            newest: (!newest_bin.is_empty())
+                .then(|| get("K8S_NEWEST_VERSION").map(|v| (newest_bin.into(), v)))
+                .transpose()?,
+            kubevirt_checkers: get("KUBEVIRT_CHECKERS")?
+                .split_whitespace()
+                .map(PathBuf::from)
+                .collect(),
             helm: get("HELM")?.into(),
             kubectl: get("KUBECTL")?.into(),
             image: get("IMAGE")?.into(),
             image_ref: get("IMAGE_REF")?,
             pause: get("PAUSE_IMAGE")?.into(),
         };
-        for p in [
-            &a.helm,
-            &a.kubectl,
-            &a.image,
-            &a.pause,
-            &a.k8s_bin.join("kubelet"),
-        ] {
+        let kubelet = a.k8s_bin.join("kubelet");
+        for p in [&a.helm, &a.kubectl, &a.image, &a.pause, &kubelet]
+            .into_iter()
+            .chain(&a.kubevirt_checkers)
+        {
             if !p.exists() {
                 return Err(format!(
                     "{} does not exist (run tests/cluster/prepare.sh)",
@@ -66,6 +81,17 @@ impl Assets {
             }
         }
         Ok(a)
+    }
+
+    /// The same assets with the newest release's Kubernetes instead, if it was prepared.
+    pub fn newest(&self) -> Option<Assets> {
+        let (bin, version) = self.newest.clone()?;
+        Some(Assets {
+            k8s_bin: bin,
+            k8s_version: version,
+            newest: None,
+            ..self.clone()
+        })
     }
 }
 

@@ -2,7 +2,7 @@
 //!
 //! [`Cluster::start`] starts etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
 //! containerd (CDI on) and kubelet from the binaries `tests/cluster/prepare.sh` found
-//! (`K8S_ASSETS`, or `../shared/k8s` unpacked into `target/k8s`), every one of them by PID, with
+//! (`K8S_ASSETS`, or built from their Go modules into `target/go`), every one of them by PID, with
 //! its files in a scratch directory; imports the project's image and a pause image (no
 //! registry); mounts a node-sim topology; and installs the Helm chart with its host paths
 //! pointed at node-sim's tree ([`Cluster::helm_install`]). Dropping it stops and removes all of
@@ -78,9 +78,14 @@ impl Cluster {
         Cluster::start().map(Some)
     }
 
-    /// Starts the cluster.
+    /// Starts the cluster from the assets `prepare.sh` prepared.
     pub fn start() -> Result<Cluster> {
-        let assets = Assets::load().map_err(anyhow::Error::msg)?;
+        Cluster::start_with(Assets::load().map_err(anyhow::Error::msg)?)
+    }
+
+    /// Starts the cluster from `assets` (another Kubernetes release's, say:
+    /// [`Assets::newest`]).
+    pub fn start_with(assets: Assets) -> Result<Cluster> {
         let lock = lock()?;
         leftovers();
         let dir = std::env::temp_dir().join(format!("{SCRATCH_PREFIX}{}", std::process::id()));
@@ -120,7 +125,8 @@ impl Cluster {
             },
         )?;
         eprintln!(
-            "cluster: API server ready ({:.1} s)",
+            "cluster: API server {} ready ({:.1} s)",
+            assets.k8s_version,
             t0.elapsed().as_secs_f64()
         );
         let node = Node::start(&cp, &assets, &dir.join("node"), NODE_NAME, NODE_IP)?;

@@ -154,6 +154,7 @@ fn claim_device(device: &str) -> ClaimDevice {
             format!("{DRIVER}/vfio=u1-{device}"),
             format!("{DRIVER}/vfio=u1-metadata-gpu"),
         ],
+        share_id: None,
     }
 }
 

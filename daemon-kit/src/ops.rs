@@ -252,7 +252,15 @@ impl Ops {
                         format!("the daemon's loop has not run for {}s\n", d.as_secs()),
                     ),
                 },
-                "/readyz" if self.is_ready() => (StatusCode::OK, text, "ready\n".into()),
+                "/readyz" if self.is_ready() => {
+                    let status = self.status.lock().map(|s| s.clone()).unwrap_or_default();
+                    let body = if status.is_empty() {
+                        "ready\n".to_string()
+                    } else {
+                        format!("ready: {status}\n")
+                    };
+                    (StatusCode::OK, text, body)
+                }
                 "/readyz" => (
                     StatusCode::SERVICE_UNAVAILABLE,
                     text,

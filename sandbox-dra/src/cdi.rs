@@ -31,7 +31,8 @@
 //! mounted read-only.
 //!
 //! **CDI**: one spec file per claim, `<cdi-root>/<driver>_<claim-uid>.json`, kind
-//! `<driver>/vfio`. Each allocated GPU is one CDI device `<claim-uid>-<device>` with the group's
+//! `<driver>/vfio`. Each allocated GPU is one CDI device `<claim-uid>-<device>` (one share of a
+//! shared vGPU device: `<claim-uid>-<device>-<share-id>`) with the group's
 //! nodes (`/dev/vfio/vfio` and `/dev/vfio/<group>`, plus `/dev/iommu` and the functions'
 //! `/dev/vfio/devices/vfioN` where the kernel has them); each request is one more CDI device
 //! `<claim-uid>-metadata-<request>` mounting its metadata file. Paths in the spec are the host's.
@@ -78,6 +79,10 @@ pub struct ClaimDevice {
     pub pool: String,
     /// Its name in the pool (`gpu-0000-41-00-0`).
     pub device: String,
+    /// The share of a device that allows several allocations (a vGPU type's shared device):
+    /// the allocation's `shareID`, one vGPU each.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share_id: Option<String>,
     /// The GPU's PCI address; none for an mdev of a parent that is not a PCI function.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub address: Option<common::PciAddress>,
@@ -193,9 +198,12 @@ impl Layout {
             .join(format!("{}-metadata.json", self.driver))
     }
 
-    /// The CDI device name of an allocated GPU.
+    /// The CDI device name of an allocated GPU, or of one share of a shared device.
     fn gpu_cdi_name(claim: &ClaimId, device: &ClaimDevice) -> String {
-        format!("{}-{}", claim.uid, device.device)
+        match &device.share_id {
+            Some(share) => format!("{}-{}-{share}", claim.uid, device.device),
+            None => format!("{}-{}", claim.uid, device.device),
+        }
     }
 
     /// The CDI device name mounting a request's metadata.
@@ -343,6 +351,7 @@ mod tests {
             requests: vec![request.into()],
             pool: "node-a".into(),
             device: "gpu-0000-41-00-0".into(),
+            share_id: None,
             address: Some("0000:41:00.0".parse().unwrap()),
             group: 21,
             nodes: vec!["/dev/vfio/vfio".into(), "/dev/vfio/21".into()],

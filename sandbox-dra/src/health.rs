@@ -197,13 +197,6 @@ impl Gone {
             .map(|l| (names::gpu_device(&l.address), l.reason.as_str()))
             .collect();
         for n in self.last.difference(published) {
-            // A vGPU size its GPU (still published) withdrew, since the vGPUs it hosts have
-            // another: not a device that failed.
-            if let Some((gpu, _, _)) = names::parse_vgpu_device(n)
-                && published.contains(&names::gpu_device(&gpu))
-            {
-                continue;
-            }
             let why = reasons.get(n).map_or_else(
                 || format!("{n} is no longer on the node"),
                 |r| r.to_string(),

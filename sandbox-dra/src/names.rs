@@ -39,23 +39,38 @@ pub fn type_key(type_name: &str) -> String {
         .to_ascii_lowercase()
 }
 
-/// The device name of the `slot`-th vGPU of type `type_name` the GPU at `gpu` could host:
-/// `vgpu-0000-41-00-0-a10-4q-0`.
-pub fn vgpu_device(gpu: &PciAddress, type_name: &str, slot: u32) -> String {
-    format!("v{}-{}-{slot}", gpu_device(gpu), type_key(type_name))
+/// The device name of the vGPUs of type `type_name` on the GPU at `gpu`, one shared device
+/// for all of them: `vgpu-0000-41-00-0-a10-4q`.
+pub fn vgpu_device(gpu: &PciAddress, type_name: &str) -> String {
+    format!("v{}-{}", gpu_device(gpu), type_key(type_name))
 }
 
-/// The GPU, type key and slot a [`vgpu_device`] name stands for; `None` for any other name.
-pub fn parse_vgpu_device(name: &str) -> Option<(PciAddress, String, u32)> {
+/// The GPU and type key a [`vgpu_device`] name stands for; `None` for any other name.
+///
+/// The name of one vGPU *instance* that earlier versions published
+/// (`vgpu-0000-41-00-0-a10-4q-5`: a slot number after the type) is read too, as its GPU and
+/// type: claims prepared from such a pool are prepared again and unprepared after an upgrade.
+/// No vGPU type name ends in `-<digits>`, so the two cannot be confused.
+pub fn parse_vgpu_device(name: &str) -> Option<(PciAddress, String)> {
     let rest = name.strip_prefix('v')?;
     let mut parts = rest.splitn(6, '-');
     let gpu: Vec<&str> = parts.by_ref().take(5).collect();
     let tail = parts.next()?;
     let addr = parse_gpu_device(&gpu.join("-"))?;
-    let (key, slot) = tail.rsplit_once('-')?;
-    let slot: u32 = slot.parse().ok()?;
-    (!key.is_empty() && vgpu_device(&addr, key, slot) == name)
-        .then(|| (addr, key.to_string(), slot))
+    let key = match tail.rsplit_once('-') {
+        Some((key, slot)) if !slot.is_empty() && slot.bytes().all(|b| b.is_ascii_digit()) => {
+            // A slot, written as the per-instance pool wrote it (no leading zero).
+            slot.parse::<u32>().ok().filter(|n| n.to_string() == slot)?;
+            key
+        }
+        _ => tail,
+    };
+    (!key.is_empty()
+        && is_name_part(key)
+        && !key.starts_with('-')
+        && !key.ends_with('-')
+        && name.starts_with(&vgpu_device(&addr, key)))
+    .then(|| (addr, key.to_string()))
 }
 
 /// The device name of the `slot`-th mdev of type `type_id` the non-PCI mdev parent `parent`
@@ -219,16 +234,31 @@ pub(crate) mod tests {
     #[test]
     fn vgpu_names_round_trip() {
         let a: PciAddress = "0000:41:00.0".parse().unwrap();
-        let n = vgpu_device(&a, "NVIDIA A10-4Q", 5);
-        assert_eq!(n, "vgpu-0000-41-00-0-a10-4q-5");
-        assert_eq!(parse_vgpu_device(&n), Some((a, "a10-4q".into(), 5)));
-        let m = vgpu_device(&a, "GRID A100DX-1-10C", 0);
-        assert_eq!(parse_vgpu_device(&m), Some((a, "a100dx-1-10c".into(), 0)));
+        let n = vgpu_device(&a, "NVIDIA A10-4Q");
+        assert_eq!(n, "vgpu-0000-41-00-0-a10-4q");
+        assert_eq!(parse_vgpu_device(&n), Some((a, "a10-4q".into())));
+        let m = vgpu_device(&a, "GRID A100DX-1-10C");
+        assert_eq!(parse_vgpu_device(&m), Some((a, "a100dx-1-10c".into())));
+        let b = vgpu_device(&a, "GRID T4-2B4");
+        assert_eq!(parse_vgpu_device(&b), Some((a, "t4-2b4".into())));
+        // One instance of the per-instance pool of earlier versions: its GPU and type.
+        assert_eq!(
+            parse_vgpu_device("vgpu-0000-41-00-0-a10-4q-5"),
+            Some((a, "a10-4q".into()))
+        );
+        assert_eq!(
+            parse_vgpu_device("vgpu-0000-41-00-0-t4-2b4-0"),
+            Some((a, "t4-2b4".into()))
+        );
         for not in [
             "gpu-0000-41-00-0",
             "vgpu-0000-41-00-0",
-            "vgpu-0000-41-00-0-a10-4q",
-            "vgpu-0000-41-00-0-a10-4q-x",
+            "vgpu-0000-41-00-0-",
+            "vgpu-0000-41-00-0-a10-4q-",
+            "vgpu-0000-41-00-0-a10_4q",
+            "vgpu-0000-41-00-0-A10-4Q",
+            "vgpu-0000-41-00-0-a10-4q-05",
+            "vgpu-0000-41-00-0--4",
         ] {
             assert_eq!(parse_vgpu_device(not), None, "{not}");
         }

@@ -131,6 +131,7 @@ macro_rules! dra_version {
                                         pool_name: d.pool,
                                         device_name: d.device,
                                         cdi_device_ids: d.cdi_ids,
+                                        share_id: d.share_id,
                                     })
                                     .collect(),
                                 error: String::new(),

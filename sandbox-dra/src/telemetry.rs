@@ -35,7 +35,8 @@ pub struct Telemetry {
     passes: Family<ResultLabel, Counter>,
     slice_writes: Family<VerbLabel, Counter>,
     unreadable_records: Counter,
-    claims_changed: Arc<tokio::sync::Notify>,
+    /// Why the vGPU pool is not published, while it is not.
+    vgpu_pool_off: std::sync::Mutex<Option<String>>,
 }
 
 fn result(ok: bool) -> ResultLabel {
@@ -57,7 +58,7 @@ impl Telemetry {
             passes: Family::default(),
             slice_writes: Family::default(),
             unreadable_records: Counter::default(),
-            claims_changed: Arc::default(),
+            vgpu_pool_off: std::sync::Mutex::new(None),
         };
         t.ops.register(
             "sandbox_dra_prepares",
@@ -100,7 +101,6 @@ impl Telemetry {
     /// A claim prepared with the devices named, or refused with `Err(message)`: the error's
     /// chain, which names the claim already (every [`crate::prepare::PrepareError`] does).
     pub fn prepared(&self, claim: &dyn Display, r: Result<&[&str], &str>) {
-        self.claims_changed.notify_one();
         self.prepares.get_or_create(&result(r.is_ok())).inc();
         match r {
             Ok(names) => {
@@ -117,7 +117,6 @@ impl Telemetry {
     /// A claim unprepared, or not with `Err(message)`, which names the claim (as in
     /// [`Telemetry::prepared`]).
     pub fn unprepared(&self, r: Result<(), &str>) {
-        self.claims_changed.notify_one();
         self.unprepares.get_or_create(&result(r.is_ok())).inc();
         if let Err(e) = r {
             self.events.warning("ClaimNotUnprepared", "Unprepare", e);
@@ -156,9 +155,21 @@ impl Telemetry {
             .warning("VgpuPoolNotClaimed", "Start", note.to_string());
     }
 
-    /// Notified after every claim prepared or unprepared, for the publisher.
-    pub fn claims_changed(&self) -> Arc<tokio::sync::Notify> {
-        self.claims_changed.clone()
+    /// The API server drops what the vGPU pool needs (`Some(why)`: a Warning Event
+    /// `VgpuPoolNotPublished`, and readiness says why), or keeps it again (`None`: a Normal
+    /// Event `VgpuPoolPublished`).
+    pub fn vgpu_pool_unsupported(&self, why: Option<&str>) {
+        *self.vgpu_pool_off.lock().unwrap_or_else(|e| e.into_inner()) = why.map(str::to_string);
+        match why {
+            Some(why) => self
+                .events
+                .warning("VgpuPoolNotPublished", "Publish", why.to_string()),
+            None => self.events.normal(
+                "VgpuPoolPublished",
+                "Publish",
+                "the API server keeps what the vGPU pool needs: the pool is published",
+            ),
+        }
     }
 
     /// The publisher's loop is alive.
@@ -174,9 +185,19 @@ impl Telemetry {
         self.published
             .set(i64::try_from(devices).unwrap_or(i64::MAX));
         if registered {
-            self.ops.ready(&format!(
+            let mut status = format!(
                 "{devices} devices published in the ResourceSlice; kubelet registered the driver"
-            ));
+            );
+            if let Some(why) = self
+                .vgpu_pool_off
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_deref()
+            {
+                status.push_str("; ");
+                status.push_str(why);
+            }
+            self.ops.ready(&status);
         }
     }
 

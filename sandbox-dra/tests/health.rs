@@ -119,7 +119,7 @@ async fn kubelet_hears_exactly_the_device_that_can_no_longer_serve_its_vm() {
     let mut s = watch(root).await;
 
     // At start: every published device, all healthy.
-    let (whole, vgpu) = ("gpu-0000-41-00-0", "vgpu-0000-61-00-0-a10-4q-0");
+    let (whole, vgpu) = ("gpu-0000-41-00-0", "vgpu-0000-61-00-0-a10-4q");
     let r = until(&mut s, &d, "the published devices", |r| {
         r.contains_key(whole) && r.contains_key(vgpu)
     })
@@ -150,7 +150,8 @@ async fn kubelet_hears_exactly_the_device_that_can_no_longer_serve_its_vm() {
     assert!(why.contains("0000:41:00.0"), "{why}");
     assert!(is(&r, vgpu, HealthStatus::Healthy), "{r:#?}");
 
-    // The prepared vGPU's mdev removed: that vGPU device too, its siblings stay healthy.
+    // The prepared vGPU's mdev removed: its type's shared device too (kubelet hears health by
+    // device, not by share), the GPU's other types stay healthy.
     let uuid = only_mdev(root);
     std::fs::write(
         root.join(format!("sys/bus/mdev/devices/{uuid}/remove")),
@@ -164,7 +165,7 @@ async fn kubelet_hears_exactly_the_device_that_can_no_longer_serve_its_vm() {
     assert_eq!(unhealthy(&r), vec![whole, vgpu], "{r:#?}");
     assert!(r[vgpu].1.contains(&uuid), "{:?}", r[vgpu]);
     assert!(
-        is(&r, "vgpu-0000-61-00-0-a10-4q-1", HealthStatus::Healthy),
+        is(&r, "vgpu-0000-61-00-0-a10-8q", HealthStatus::Healthy),
         "{r:#?}"
     );
 

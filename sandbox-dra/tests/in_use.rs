@@ -46,6 +46,7 @@ async fn kubelet_runs(root: &Path, c: &Claim, prepared: &[PreparedDevice]) -> Fa
             pool: d.pool_name.clone(),
             device: d.device_name.clone(),
             cdi_devices: d.cdi_device_ids.clone(),
+            share_id: d.share_id.clone(),
         })
         .collect();
     let fake = FakePodResources::start(&root.join("var/lib/kubelet/pod-resources/kubelet.sock"))
@@ -167,7 +168,7 @@ async fn vfio_manager_bind_refuses_the_gpu_of_a_prepared_vgpu_claim() {
         "vm2-vgpu",
         "uid-2",
         "vgpu.gpu-vm-node.io",
-        "vgpu-0000-61-00-0-a10-4q-0",
+        "vgpu-0000-61-00-0-a10-4q",
     );
     let prepared = prepare(&drv, &c).await.unwrap();
     let _kubelet = kubelet_runs(root, &c, &prepared).await;
@@ -179,7 +180,7 @@ async fn vfio_manager_bind_refuses_the_gpu_of_a_prepared_vgpu_claim() {
     assert!(
         err.contains(&format!(
             "pod {NS}/{POD} (container compute, claim {NS}/vm2-vgpu, device \
-             {DRIVER}/{NODE}/vgpu-0000-61-00-0-a10-4q-0) has it"
+             {DRIVER}/{NODE}/vgpu-0000-61-00-0-a10-4q) has it"
         )),
         "{}",
         show(&o)

@@ -1,7 +1,8 @@
-//! vGPUs as partitionable devices, on simulated nodes (node-sim) with the fake kubelet and the
-//! fake API server: the counters and devices published for `--vgpu`, the scheduler's counter
-//! arithmetic on them (testkit's allocator), and prepare/unprepare creating and destroying
-//! exactly the allocated vGPU, the same GPU serving whole and in fractions across claims.
+//! vGPUs on simulated nodes (node-sim) with the fake kubelet and the fake API server: the
+//! counter sets and shared vGPU devices published for `--vgpu`, and prepare/unprepare creating
+//! and destroying exactly one vGPU per allocated share, the same GPU serving whole and in
+//! fractions across claims. Where the scheduler places claims on these devices is the cluster
+//! tier's to show (the real kube-scheduler: `tests/cluster`, scenario `dra-vgpu`).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
 mod support;
@@ -12,9 +13,8 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use support::{
     DRIVER, Driver, NODE, NS, PATIENCE, claim, driver_of, prepare, put_claim, read_json, register,
-    under, unprepare,
+    share_id, under, unprepare,
 };
-use testkit::allocator::Allocator;
 use testkit::apiserver::FakeApiServer;
 use testkit::kubelet::dra::{Claim, Version};
 use testkit::sim::try_mount;
@@ -102,14 +102,21 @@ async fn an_a10_publishes_its_fractions_and_serves_whole_then_vgpus_then_whole()
     let drv = register(root).await;
     let slices = wait_for_pool(&api);
 
-    // What is published: per GPU a counter set of its framebuffer and VFs, every A10 type the
-    // model table names as many times as it fits, and the whole GPU consuming the whole set.
-    let mut alloc = Allocator::from_slices(&slices, NODE);
-    let sets = alloc.counter_sets();
+    // What is published: per GPU a counter set of its framebuffer and VFs; per A10 type the
+    // model table names one shared device holding as many of it as fit, one per allocation;
+    // and the whole GPU. Each of them consumes the whole set.
+    let sets: Vec<&Value> = slices
+        .iter()
+        .filter_map(|s| s["spec"]["sharedCounters"].as_array())
+        .flatten()
+        .collect();
     assert_eq!(sets.len(), 2, "{sets:?}");
-    let set = &sets["gpu-0000-41-00-0"];
-    assert_eq!(set["memory"], 24i128 << 30);
-    assert_eq!(set["vfs"], 32);
+    let set = sets
+        .iter()
+        .find(|s| s["name"] == "gpu-0000-41-00-0")
+        .unwrap();
+    assert_eq!(set["counters"]["memory"]["value"], "24Gi");
+    assert_eq!(set["counters"]["vfs"]["value"], "32");
     for slice in &slices {
         let n = slice["spec"]["devices"].as_array().map_or(0, Vec::len);
         assert!(n <= 64, "{n} devices in one slice");
@@ -118,44 +125,55 @@ async fn an_a10_publishes_its_fractions_and_serves_whole_then_vgpus_then_whole()
             "counters and devices share a slice"
         );
     }
-    let of = |key: &str| {
-        alloc
-            .names()
+    let devices: Vec<&Value> = slices
+        .iter()
+        .filter_map(|s| s["spec"]["devices"].as_array())
+        .flatten()
+        .collect();
+    let device = |name: &str| {
+        *devices
             .iter()
-            .filter(|n| n.starts_with(&format!("vgpu-0000-41-00-0-{key}-")))
+            .find(|d| d["name"] == name)
+            .unwrap_or_else(|| panic!("no {name}: {devices:?}"))
+    };
+    let of_gpu = |gpu: &str| {
+        devices
+            .iter()
+            .filter(|d| d["name"].as_str().unwrap().contains(gpu))
             .count()
+    };
+    assert_eq!(of_gpu("0000-41-00-0"), 1 + 21, "the whole GPU and 21 types");
+    let holds = |key: &str| {
+        let d = device(&format!("vgpu-0000-41-00-0-{key}"));
+        assert_eq!(d["allowMultipleAllocations"], true, "{d}");
+        let cap = &d["capacity"]["vgpus"];
+        assert_eq!(cap["requestPolicy"]["default"], "1", "{d}");
+        assert_eq!(cap["requestPolicy"]["validValues"], json!(["1"]), "{d}");
+        cap["value"].as_str().unwrap().to_string()
     };
     assert_eq!(
         [
-            of("a10-1q"),
-            of("a10-4q"),
-            of("a10-8q"),
-            of("a10-24q"),
-            of("a10-4c")
+            holds("a10-1q"),
+            holds("a10-4q"),
+            holds("a10-8q"),
+            holds("a10-24q"),
+            holds("a10-4c")
         ],
-        [24, 6, 3, 1, 6]
+        ["24", "6", "3", "1", "6"]
     );
-    let dev = alloc.device("vgpu-0000-41-00-0-a10-4q-0").unwrap().clone();
+    let dev = device("vgpu-0000-41-00-0-a10-4q");
     let a = &dev["attributes"];
     assert_eq!(a["vgpuType"]["string"], "NVIDIA A10-4Q");
     assert_eq!(a["series"]["string"], "Q");
     assert_eq!(a["framebufferMiB"]["int"], 4096);
     assert_eq!(a["maxInstances"]["int"], 6);
     assert_eq!(a["parentGPU"]["string"], "0000:41:00.0");
-    assert_eq!(dev["capacity"]["memory"]["value"], "4Gi");
-
-    // The scheduler's arithmetic: a whole GPU next to a vGPU does not fit; on the other GPU
-    // it does; six A10-4Q fill one.
-    alloc.allocate("vgpu-0000-41-00-0-a10-4q-0").unwrap();
-    let why = alloc.allocate("gpu-0000-41-00-0").unwrap_err();
-    assert!(why.contains("memory") || why.contains("vfs"), "{why}");
-    alloc.allocate("gpu-0000-61-00-0").unwrap();
-    for i in 1..6 {
-        alloc
-            .allocate(&format!("vgpu-0000-41-00-0-a10-4q-{i}"))
-            .unwrap();
-    }
-    assert!(alloc.allocate("vgpu-0000-41-00-0-a10-1q-0").is_err());
+    let whole_device = device("gpu-0000-41-00-0");
+    assert_eq!(dev["consumesCounters"], whole_device["consumesCounters"]);
+    assert_eq!(
+        dev["consumesCounters"][0]["counters"], set["counters"],
+        "the whole set"
+    );
 
     // A whole-GPU claim first: the GPU goes to vfio-pci and stays there (--unprepare keep).
     let whole = put_claim(&api, "whole-1", "uid-w1", VGPU, "gpu-0000-41-00-0");
@@ -164,11 +182,11 @@ async fn an_a10_publishes_its_fractions_and_serves_whole_then_vgpus_then_whole()
     unprepare(&drv, &whole).await.unwrap();
 
     // An A10-4Q claim: the GPU back on nvidia, its VFs enabled, one A10-4Q mdev on a VF.
-    let c = put_claim(&api, "small", "uid-s1", VGPU, "vgpu-0000-41-00-0-a10-4q-0");
+    let c = put_claim(&api, "small", "uid-s1", VGPU, "vgpu-0000-41-00-0-a10-4q");
     let prepared = prepare(&drv, &c)
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
-    assert_eq!(prepared[0].device_name, "vgpu-0000-41-00-0-a10-4q-0");
+    assert_eq!(prepared[0].device_name, "vgpu-0000-41-00-0-a10-4q");
     assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("nvidia"));
     let made = mdevs(root);
     let [(uuid, name, parent, group)] = &made[..] else {
@@ -183,11 +201,16 @@ async fn an_a10_publishes_its_fractions_and_serves_whole_then_vgpus_then_whole()
     );
     assert!(under(root, &nodes[1]).exists());
     assert_eq!(meta["attributes"]["mdevUUID"]["string"], uuid.as_str());
-    assert_eq!(meta["name"], "vgpu-0000-41-00-0-a10-4q-0");
+    assert_eq!(meta["name"], "vgpu-0000-41-00-0-a10-4q");
+    assert_eq!(
+        prepared[0].share_id.as_deref(),
+        Some(share_id("uid-s1", 0).as_str())
+    );
 
-    // Counters let an A10-8Q next to it; the equal-size rule does not: refused at prepare,
-    // naming the GPU and both types, nothing created.
-    let big = put_claim(&api, "big", "uid-b1", VGPU, "vgpu-0000-41-00-0-a10-8q-0");
+    // The scheduler places no A10-8Q beside it (the shared devices' counters keep them apart);
+    // an allocation that says otherwise is refused at prepare, naming the GPU and both types,
+    // nothing created.
+    let big = put_claim(&api, "big", "uid-b1", VGPU, "vgpu-0000-41-00-0-a10-8q");
     let err = prepare(&drv, &big).await.unwrap_err();
     for want in [
         "0000:41:00.0",
@@ -222,15 +245,16 @@ async fn an_a10_publishes_its_fractions_and_serves_whole_then_vgpus_then_whole()
     );
 }
 
-/// A claim of request `gpu` allocated every device of `devices`.
+/// A claim of request `gpu` allocated every device of `devices`, each with a share of its own.
 fn put_claim_of(api: &FakeApiServer, name: &str, uid: &str, devices: &[&str]) -> Claim {
     api.put_claim(json!({
         "metadata": {"namespace": NS, "name": name, "uid": uid},
         "spec": {"devices": {"requests": [
             {"name": "gpu", "exactly": {"deviceClassName": VGPU, "count": devices.len()}}
         ]}},
-        "status": {"allocation": {"devices": {"results": devices.iter().map(|d| json!({
+        "status": {"allocation": {"devices": {"results": devices.iter().zip(0..).map(|(d, n)| json!({
             "request": "gpu", "driver": DRIVER, "pool": NODE, "device": d,
+            "shareID": share_id(uid, n),
         })).collect::<Vec<_>>()}}},
     }));
     claim(name, uid)
@@ -243,14 +267,14 @@ async fn a_claim_of_two_vgpus_of_one_gpu_is_prepared_at_its_first_call() {
         (
             "2xA10",
             "0000:41:00.0",
-            ["vgpu-0000-41-00-0-a10-4q-0", "vgpu-0000-41-00-0-a10-4q-1"],
+            ["vgpu-0000-41-00-0-a10-4q", "vgpu-0000-41-00-0-a10-4q"],
         ),
         (
             "8xH100-sriov",
             "0000:13:00.0",
             [
-                "vgpu-0000-13-00-0-h100xm-10c-0",
-                "vgpu-0000-13-00-0-h100xm-10c-1",
+                "vgpu-0000-13-00-0-h100xm-10c",
+                "vgpu-0000-13-00-0-h100xm-10c",
             ],
         ),
     ] {
@@ -317,17 +341,24 @@ async fn an_h100_vgpu_is_a_vf_with_current_vgpu_type() {
     let d = start(root, &api, "0000:13:00.0");
     let drv = register(root).await;
     let slices = wait_for_pool(&api);
-    let alloc = Allocator::from_slices(&slices, NODE);
-    assert_eq!(alloc.counter_sets().len(), 1);
-    let dev = alloc
-        .device("vgpu-0000-13-00-0-h100xm-10c-0")
-        .unwrap_or_else(|| panic!("{:?}", alloc.names()));
+    assert_eq!(counter_sets(&slices), ["gpu-0000-13-00-0"]);
+    let dev = slices
+        .iter()
+        .filter_map(|s| s["spec"]["devices"].as_array())
+        .flatten()
+        .find(|d| d["name"] == "vgpu-0000-13-00-0-h100xm-10c")
+        .unwrap_or_else(|| panic!("{:?}", device_names(&slices)));
     assert_eq!(dev["attributes"]["vgpuType"]["string"], "NVIDIA H100XM-10C");
     assert_eq!(dev["attributes"]["maxInstances"]["int"], 8);
+    assert_eq!(dev["capacity"]["vgpus"]["value"], "8");
     // Only the pooled GPU has vGPU devices.
-    assert!(!alloc.names().iter().any(|n| n.starts_with("vgpu-0000-14-")));
+    assert!(
+        !device_names(&slices)
+            .iter()
+            .any(|n| n.starts_with("vgpu-0000-14-"))
+    );
 
-    let c = put_claim(&api, "h", "uid-h1", VGPU, "vgpu-0000-13-00-0-h100xm-10c-0");
+    let c = put_claim(&api, "h", "uid-h1", VGPU, "vgpu-0000-13-00-0-h100xm-10c");
     prepare(&drv, &c)
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
@@ -359,7 +390,7 @@ async fn a_vgpu_a_vm_holds_is_kept_at_unprepare_and_removed_at_the_retry() {
     let api = FakeApiServer::start(NODE, &[]).unwrap();
     let _d = start(root, &api, "0000:61:00.0");
     let drv = register(root).await;
-    let c = put_claim(&api, "held", "uid-held", VGPU, "vgpu-0000-61-00-0-a10-4q-3");
+    let c = put_claim(&api, "held", "uid-held", VGPU, "vgpu-0000-61-00-0-a10-4q");
     prepare(&drv, &c).await.unwrap();
     let made = mdevs(root);
     let [(uuid, _, _, group)] = &made[..] else {
@@ -379,7 +410,7 @@ async fn a_vgpu_a_vm_holds_is_kept_at_unprepare_and_removed_at_the_retry() {
     }
     assert_eq!(mdevs(root).len(), 1, "the held vGPU stays");
     // A GPU outside --vgpu has no vGPU devices to prepare.
-    let other = put_claim(&api, "other", "uid-o", VGPU, "vgpu-0000-41-00-0-a10-4q-0");
+    let other = put_claim(&api, "other", "uid-o", VGPU, "vgpu-0000-41-00-0-a10-4q");
     let err = prepare(&drv, &other).await.unwrap_err();
     assert!(err.contains("not in this driver's vGPU pool"), "{err}");
     // The VM ends; kubelet's retry removes it.
@@ -462,13 +493,7 @@ async fn a_vgpu_prepare_or_unprepare_killed_at_any_write_converges_at_start() {
     let root = sim.root();
     let api = FakeApiServer::start(NODE, &[]).unwrap();
     let whole = put_claim(&api, "whole", "uid-whole", VGPU, "gpu-0000-41-00-0");
-    let c = put_claim(
-        &api,
-        "crash",
-        "uid-crash",
-        VGPU,
-        "vgpu-0000-41-00-0-a10-4q-0",
-    );
+    let c = put_claim(&api, "crash", "uid-crash", VGPU, "vgpu-0000-41-00-0-a10-4q");
     let record = root.join(format!(
         "var/lib/kubelet/plugins/{DRIVER}/claims/uid-crash.json"
     ));
@@ -544,7 +569,7 @@ async fn a_whole_gpu_claim_leaves_the_vfs_of_a_gpu_in_use_enabled() {
     let d = start(root, &api, "0000:61:00.0");
     let drv = register(root).await;
     // A vGPU claim enables the GPU's VFs; unprepare removes the vGPU and leaves them on.
-    let v = put_claim(&api, "frac", "uid-frac", VGPU, "vgpu-0000-61-00-0-a10-4q-0");
+    let v = put_claim(&api, "frac", "uid-frac", VGPU, "vgpu-0000-61-00-0-a10-4q");
     prepare(&drv, &v)
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
@@ -647,7 +672,7 @@ async fn a_gpu_hot_plugged_under_vgpu_all_joins_the_pool_unless_another_daemon_o
     let names = device_names(&slices);
     let of = |gpu: &str| names.iter().filter(|n| n.contains(gpu)).count();
     assert_eq!(of("0000-81-00-0"), of("0000-41-00-0"), "{names:?}");
-    assert!(names.contains(&"vgpu-0000-81-00-0-a10-4q-5".to_string()));
+    assert!(names.contains(&"vgpu-0000-81-00-0-a10-4q".to_string()));
     // Recorded as sandbox-dra's, so vgpu-device-manager leaves it alone.
     let pool = std::fs::read_to_string(run.join("dra-pool")).unwrap();
     assert_eq!(
@@ -655,7 +680,7 @@ async fn a_gpu_hot_plugged_under_vgpu_all_joins_the_pool_unless_another_daemon_o
         "# gpu-vm-node dra-pool v1\n0000:41:00.0\n0000:61:00.0\n0000:81:00.0\n"
     );
     // And prepared as any vGPU of the pool.
-    let c = put_claim(&api, "hot", "uid-hot", VGPU, "vgpu-0000-81-00-0-a10-4q-0");
+    let c = put_claim(&api, "hot", "uid-hot", VGPU, "vgpu-0000-81-00-0-a10-4q");
     prepare(&drv, &c)
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
@@ -688,13 +713,7 @@ async fn a_gpu_hot_plugged_under_vgpu_all_joins_the_pool_unless_another_daemon_o
         "nothing says why: {}",
         d.log()
     );
-    let c = put_claim(
-        &api,
-        "owned",
-        "uid-owned",
-        VGPU,
-        "vgpu-0000-a1-00-0-a10-4q-0",
-    );
+    let c = put_claim(&api, "owned", "uid-owned", VGPU, "vgpu-0000-a1-00-0-a10-4q");
     let err = prepare(&drv, &c).await.unwrap_err();
     assert!(err.contains("not in this driver's vGPU pool"), "{err}");
 }
@@ -761,7 +780,7 @@ async fn an_unreadable_on_demand_pool_leaves_the_vgpus_unoffered_and_the_whole_g
         slices.iter().all(|s| s["spec"]["sharedCounters"].is_null()),
         "{slices:#?}"
     );
-    let vgpu = put_claim(&api, "v", "uid-v", VGPU, "vgpu-0000-61-00-0-a10-4q-0");
+    let vgpu = put_claim(&api, "v", "uid-v", VGPU, "vgpu-0000-61-00-0-a10-4q");
     let err = prepare(&drv, &vgpu).await.unwrap_err();
     assert!(err.contains("not in this driver's vGPU pool"), "{err}");
     let whole = put_claim(&api, "w", "uid-w", VGPU, "gpu-0000-41-00-0");
@@ -770,62 +789,79 @@ async fn an_unreadable_on_demand_pool_leaves_the_vgpus_unoffered_and_the_whole_g
     unprepare(&drv, &whole).await.unwrap();
 }
 
-/// The vGPUs of one A10 all have one size: once it hosts an A10-4Q, its other sizes leave the
-/// slice (the scheduler then places an 8 GiB claim on the other GPU) and they come back when
-/// its last vGPU is gone.
+/// The pool does not change with what is allocated: preparing and unpreparing vGPUs (each
+/// making or removing an mdev, whose uevents start publisher passes) writes no slice. The
+/// driver's own pass counter shows that passes ran after each.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_gpu_hosting_a_vgpu_offers_only_sizes_that_may_join_it() {
+async fn preparing_and_unpreparing_vgpus_writes_no_slice() {
     let Some(sim) = try_mount("2xA10") else {
         return;
     };
     let root = sim.root();
     let api = FakeApiServer::start(NODE, &[]).unwrap();
-    let _d = start(root, &api, "all");
+    let metrics = testkit::ops::free_addr();
+    let d = support::start(
+        root,
+        &api,
+        &[
+            "--vgpu",
+            "all",
+            "--metrics-addr",
+            &metrics,
+            "--resync-interval",
+            "1s",
+        ],
+    );
     let drv = register(root).await;
-    let types_on = |slices: &[Value], gpu: &str| -> std::collections::BTreeSet<String> {
-        let alloc = Allocator::from_slices(slices, NODE);
-        alloc
-            .names()
+    wait_for_pool(&api);
+    // Every pass, whatever its result.
+    let passes = || -> f64 {
+        let (_, body) = testkit::ops::http_get(&metrics, "/metrics").unwrap_or_default();
+        body.lines()
+            .filter(|l| l.starts_with("sandbox_dra_publish_passes_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let writes = |api: &FakeApiServer| {
+        api.requests()
             .iter()
-            .filter_map(|n| n.strip_prefix(&format!("vgpu-{gpu}-")))
-            .filter_map(|rest| rest.rsplit_once('-').map(|(t, _)| t.to_string()))
-            .collect()
+            .filter(|r| r.contains("resourceslices") && !r.starts_with("GET"))
+            .count()
     };
-    // Both GPUs offer every A10 type; the 4 GiB ones are what may join an A10-4Q.
-    let every: std::collections::BTreeSet<String> = [
-        "1q", "2q", "3q", "4q", "6q", "8q", "12q", "24q", "1a", "2a", "3a", "4a", "6a", "8a",
-        "12a", "24a", "4c", "6c", "8c", "12c", "24c",
-    ]
-    .iter()
-    .map(|t| format!("a10-{t}"))
-    .collect();
-    let four: std::collections::BTreeSet<String> = every
-        .iter()
-        .filter(|t| t.starts_with("a10-4"))
-        .cloned()
-        .collect();
-    let offers = |a: &std::collections::BTreeSet<String>| {
-        let (a, b) = (a.clone(), every.clone());
-        move |s: &[Value]| types_on(s, "0000-41-00-0") == a && types_on(s, "0000-61-00-0") == b
+    // Passes that began after `since`: two more than then (one may have been running).
+    let after = |since: f64| {
+        let t = Instant::now();
+        while passes() < since + 2.0 {
+            assert!(
+                t.elapsed() < PATIENCE,
+                "no publisher pass ran:\n{}",
+                d.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     };
-    api.wait_for_slices(PATIENCE, offers(&every))
-        .unwrap_or_else(|| panic!("not every type offered: {:#?}", api.slices()));
-
-    let claim = put_claim(&api, "small", "uid-s1", VGPU, "vgpu-0000-41-00-0-a10-4q-0");
-    prepare(&drv, &claim).await.unwrap();
-    api.wait_for_slices(PATIENCE, offers(&four))
-        .unwrap_or_else(|| {
-            let s = api.slices();
-            panic!(
-                "GPU A offers {:?} beside its A10-4Q, GPU B {:?}",
-                types_on(&s, "0000-41-00-0"),
-                types_on(&s, "0000-61-00-0")
-            )
-        });
-
-    unprepare(&drv, &claim).await.unwrap();
-    api.wait_for_slices(PATIENCE, offers(&every))
-        .unwrap_or_else(|| panic!("the sizes did not come back: {:#?}", api.slices()));
+    after(passes());
+    let written = writes(&api);
+    let c = put_claim_of(
+        &api,
+        "two",
+        "uid-two",
+        &["vgpu-0000-41-00-0-a10-4q", "vgpu-0000-41-00-0-a10-4q"],
+    );
+    prepare(&drv, &c)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    assert_eq!(mdevs(root).len(), 2);
+    after(passes());
+    unprepare(&drv, &c).await.unwrap();
+    assert_eq!(mdevs(root), vec![]);
+    after(passes());
+    assert_eq!(
+        writes(&api),
+        written,
+        "slices written for a prepare: {:?}",
+        api.requests()
+    );
 }
 
 /// A prepared vGPU claim asked again (kubelet's retry) is answered from its record once its
@@ -843,7 +879,7 @@ async fn a_retry_writes_nothing_and_a_vgpu_made_by_hand_is_found_by_the_kernels_
     let d = start(root, &api, "0000:41:00.0");
     let drv = register(root).await;
     wait_for_pool(&api);
-    let c = put_claim(&api, "v", "uid-v", VGPU, "vgpu-0000-41-00-0-a10-4q-0");
+    let c = put_claim(&api, "v", "uid-v", VGPU, "vgpu-0000-41-00-0-a10-4q");
     let first = prepare(&drv, &c)
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));

@@ -311,7 +311,7 @@ fn a_prepared_claim_holds_the_device_nodes_its_cdi_devices_name() {
         // A vGPU: the mdev's cdev.
         (
             "/dev/vfio/devices/vfio3".to_string(),
-            vec![claim_pod("vgpu", "vgpu-0000-41-00-0-a10-4q-0")],
+            vec![claim_pod("vgpu", "vgpu-0000-41-00-0-a10-4q")],
         ),
     ]
     .into();

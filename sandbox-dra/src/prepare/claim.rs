@@ -6,7 +6,7 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use super::{ClaimRef, PrepareConfig, PrepareError, refused};
 use crate::cdi::{self, ClaimDevice, ClaimId};
-use crate::names;
+use crate::{names, record};
 
 /// A GPU the claim's allocation names.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -15,6 +15,8 @@ pub struct Wanted {
     pub requests: Vec<String>,
     /// Its name in the pool.
     pub device: String,
+    /// The allocation's share of it, for a device that allows several (a vGPU type's).
+    pub share_id: Option<String>,
     /// Its PCI address; none for an mdev of a parent that is not a PCI function.
     pub address: Option<PciAddress>,
 }
@@ -24,6 +26,7 @@ impl From<&ClaimDevice> for Wanted {
         Wanted {
             requests: d.requests.clone(),
             device: d.device.clone(),
+            share_id: d.share_id.clone(),
             address: d.address,
         }
     }
@@ -82,25 +85,44 @@ pub fn allocated(
                 ),
             ));
         }
+        // A share's ID names its CDI device and its vGPU in the record.
+        if let Some(share) = r.share_id.as_deref()
+            && !record::valid_uid(share)
+        {
+            return Err(refused(
+                claim,
+                format!(
+                    "its allocation names share {} of device {}, which is not a share ID (a \
+                     UID); nothing was changed",
+                    names::quoted(share),
+                    r.device
+                ),
+            ));
+        }
         let address = names::parse_gpu_device(&r.device)
-            .or_else(|| names::parse_vgpu_device(&r.device).map(|(gpu, _, _)| gpu));
+            .or_else(|| names::parse_vgpu_device(&r.device).map(|(gpu, _)| gpu));
         let mdev = names::parse_mdev_device(&r.device, &config.mdev_parents).is_some();
         if address.is_none() && !mdev {
             return Err(refused(
                 claim,
                 format!(
                     "device {:?} of pool {} is not a GPU of driver {} (names look like \
-                     gpu-0000-41-00-0, vgpu-0000-41-00-0-a10-4q-0, mdev-mtty-mtty-1-0)",
+                     gpu-0000-41-00-0, vgpu-0000-41-00-0-a10-4q, mdev-mtty-mtty-1-0)",
                     r.device, r.pool, config.driver
                 ),
             ));
         }
-        match wanted.iter_mut().find(|w| w.device == r.device) {
+        // One entry per device, or per share of a shared device (one vGPU each).
+        match wanted
+            .iter_mut()
+            .find(|w| w.device == r.device && w.share_id == r.share_id)
+        {
             Some(w) if !w.requests.contains(&r.request) => w.requests.push(r.request.clone()),
             Some(_) => {}
             None => wanted.push(Wanted {
                 requests: vec![r.request.clone()],
                 device: r.device.clone(),
+                share_id: r.share_id.clone(),
                 address,
             }),
         }
@@ -235,9 +257,64 @@ mod tests {
             vec![Wanted {
                 requests: vec!["gpu".into()],
                 device: "gpu-0000-41-00-0".into(),
+                share_id: None,
                 address: Some("0000:41:00.0".parse().unwrap()),
             }]
         );
+    }
+
+    #[test]
+    fn each_share_of_a_shared_vgpu_device_is_one_device_and_a_share_id_is_checked() {
+        let mut c = rc(
+            "u-1",
+            &[
+                ("a", "gpu.example.io", "node-a", "vgpu-0000-41-00-0-a10-4q"),
+                ("b", "gpu.example.io", "node-a", "vgpu-0000-41-00-0-a10-4q"),
+            ],
+        );
+        let shares = [
+            "0f4e1a2b-1111-4c3d-8e9f-000000000001",
+            "0f4e1a2b-1111-4c3d-8e9f-000000000002",
+        ];
+        let results = |c: &mut ResourceClaim| {
+            c.status
+                .as_mut()
+                .and_then(|s| s.allocation.as_mut())
+                .and_then(|a| a.devices.as_mut())
+                .and_then(|d| d.results.as_mut())
+                .map(std::mem::take)
+                .unwrap()
+        };
+        let mut rs = results(&mut c);
+        for (r, share) in rs.iter_mut().zip(shares) {
+            r.share_id = Some(share.into());
+        }
+        let put = |c: &mut ResourceClaim, rs: Vec<DeviceRequestAllocationResult>| {
+            if let Some(d) = c
+                .status
+                .as_mut()
+                .and_then(|s| s.allocation.as_mut())
+                .and_then(|a| a.devices.as_mut())
+            {
+                d.results = Some(rs);
+            }
+        };
+        put(&mut c, rs.clone());
+        let (_, wanted) = allocated(&config(), &claim_ref(), &c).unwrap();
+        let got: Vec<(&str, Option<&str>)> = wanted
+            .iter()
+            .map(|w| (w.requests[0].as_str(), w.share_id.as_deref()))
+            .collect();
+        assert_eq!(got, vec![("a", Some(shares[0])), ("b", Some(shares[1]))]);
+        assert!(wanted.iter().all(|w| w.device == "vgpu-0000-41-00-0-a10-4q"
+            && w.address == Some("0000:41:00.0".parse().unwrap())));
+        // A share ID names a CDI device and a record entry: one that is no UID is refused.
+        for bad in names::tests::hostile(128) {
+            rs[1].share_id = Some(bad.clone());
+            put(&mut c, rs.clone());
+            let r = reason(allocated(&config(), &claim_ref(), &c));
+            assert!(r.contains("not a share ID"), "{bad:?}: {r}");
+        }
     }
 
     #[test]
@@ -258,6 +335,7 @@ mod tests {
             vec![Wanted {
                 requests: vec!["tty".into()],
                 device: "mdev-mtty-mtty-2-0".into(),
+                share_id: None,
                 address: None,
             }]
         );

@@ -102,6 +102,8 @@ pub struct PreparedDevice {
     pub pool: String,
     /// Its name in the pool.
     pub device: String,
+    /// The allocation's share of it, for a shared device.
+    pub share_id: Option<String>,
     /// The CDI device ids the runtime injects.
     pub cdi_ids: Vec<String>,
 }
@@ -649,6 +651,7 @@ impl Node {
                 requests: d.requests.clone(),
                 pool: d.pool.clone(),
                 device: d.device.clone(),
+                share_id: d.share_id.clone(),
                 cdi_ids: layout.cdi_ids(&rec.claim, d),
             })
             .collect())
@@ -706,6 +709,7 @@ impl Node {
                     requests: w.requests.clone(),
                     pool: self.config.node_name.clone(),
                     device: w.device.clone(),
+                    share_id: w.share_id.clone(),
                     address: w.address,
                     group: 0,
                     nodes: Vec::new(),

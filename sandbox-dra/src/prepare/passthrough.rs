@@ -224,6 +224,7 @@ impl Node {
                     requests: w.requests.clone(),
                     pool: self.config.node_name.clone(),
                     device: w.device.clone(),
+                    share_id: None,
                     address: w.address,
                     group: w.address.as_ref().and_then(group_of).unwrap_or_default(),
                     nodes: Vec::new(),

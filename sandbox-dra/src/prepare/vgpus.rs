@@ -1,5 +1,6 @@
-//! vGPUs of the pooled GPUs: a claim's vGPUs created (each recorded before its write),
-//! destroyed on unprepare unless a process holds one.
+//! vGPUs of the pooled GPUs: a claim's vGPUs created, one per allocated share of a type's
+//! shared device (each recorded before its write), destroyed on unprepare unless a process
+//! holds one.
 
 use std::collections::BTreeSet;
 use std::sync::OnceLock;
@@ -39,7 +40,7 @@ impl Node {
         steps: &mut Steps,
     ) -> Result<Vec<PreparedDevice>, PrepareError> {
         for w in &wanted {
-            if let Some((gpu, _, _)) = names::parse_vgpu_device(&w.device)
+            if let Some((gpu, _)) = names::parse_vgpu_device(&w.device)
                 && !self.config.vgpu_pool.contains(&gpu)
             {
                 return Err(refused(
@@ -70,7 +71,7 @@ impl Node {
                 v.handle.refresh(inv, &self.paths, &opts);
                 v.handle.exists(inv)
             });
-            let Some((gpu, key, slot)) = names::parse_vgpu_device(&d.device) else {
+            let Some((gpu, key)) = names::parse_vgpu_device(&d.device) else {
                 return Err(refused(
                     claim,
                     format!("{} is not a vGPU device", names::quoted(&d.device)),
@@ -79,20 +80,17 @@ impl Node {
             let Some(g) = self.view(&mut views, gpu).device(&gpu) else {
                 continue; // refused below, naming the GPU that is gone
             };
-            let model = common::vgpu::models::model(g.vendor, g.device);
-            let known = model.and_then(|m| {
-                m.types_before_vfs()
-                    .into_iter()
-                    .find(|(name, _)| names::type_key(name) == key)
-                    .filter(|(name, _)| made || self.config.vgpu_pool.publishes(name))
-                    .map(|(_, size)| slot < m.equal_size_max(size))
+            let known = common::vgpu::models::model(g.vendor, g.device).is_some_and(|m| {
+                m.types_before_vfs().into_iter().any(|(name, _)| {
+                    names::type_key(&name) == key
+                        && (made || self.config.vgpu_pool.publishes(&name))
+                })
             });
-            if known != Some(true) {
+            if !known {
                 return Err(refused(
                     claim,
                     format!(
-                        "device {}: GPU {gpu} publishes no such vGPU (type {}, slot {slot}); \
-                         nothing was changed",
+                        "device {}: GPU {gpu} publishes no vGPU of type {}; nothing was changed",
                         d.device,
                         names::quoted(&key)
                     ),
@@ -104,7 +102,7 @@ impl Node {
         let mut readies: Vec<Option<lifecycle::Ready>> = vec![None; rec.devices.len()];
         for (i, ready) in readies.iter_mut().enumerate() {
             let device = rec.devices[i].device.clone();
-            let Some((gpu, key, _)) = names::parse_vgpu_device(&device) else {
+            let Some((gpu, key)) = names::parse_vgpu_device(&device) else {
                 return Err(refused(claim, format!("{device:?} is not a vGPU device")));
             };
             if let Some(v) = rec.devices[i].vgpu.clone() {
@@ -276,7 +274,7 @@ impl Node {
         let gpus: BTreeSet<PciAddress> = rec
             .devices
             .iter()
-            .filter_map(|d| names::parse_vgpu_device(&d.device).map(|(gpu, _, _)| gpu))
+            .filter_map(|d| names::parse_vgpu_device(&d.device).map(|(gpu, _)| gpu))
             .collect();
         if gpus.is_empty() {
             return Ok(());

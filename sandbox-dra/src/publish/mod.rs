@@ -24,8 +24,7 @@
 //! slices right adopts their generation.
 //!
 //! A pass runs at start, on every uevent that can change what is published (a GPU hot-plugged
-//! or removed, a driver bound or unbound, a VFIO group node appearing or going), when a claim
-//! is prepared or unprepared (its vGPUs change which sizes a GPU offers), when kubelet
+//! or removed, a driver bound or unbound, a VFIO group node appearing or going), when kubelet
 //! (re)registers the driver, when the watch shows another client's change to the node's
 //! slices (one deleted or edited; kubelet deletes the node's slices when it starts and when a
 //! driver unregisters) or a new Node (a new UID, another container runtime), and every
@@ -57,6 +56,7 @@
 
 mod cache;
 mod plan;
+mod support;
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -101,8 +101,6 @@ const BEAT_WHILE_WAITING: Duration = Duration::from_secs(1);
 enum Change {
     /// A uevent that can change what is published.
     Uevent(Uevent),
-    /// A claim was prepared or unprepared: its vGPUs change what their GPU may offer.
-    Claims,
     /// kubelet registered the driver: it deletes the node's slices when it starts.
     Registered,
     /// Another client changed the node's slices, or they were listed (again).
@@ -203,6 +201,17 @@ pub async fn read_devices(
     .context("the node reader failed")?
 }
 
+/// What one write of the slices did.
+#[derive(Debug, PartialEq, Eq)]
+enum Written {
+    /// They already said what the node has.
+    Nothing,
+    /// Slices were written as sent.
+    Done,
+    /// Slices were written, and the API server dropped these fields from them.
+    Dropped(Vec<&'static str>),
+}
+
 /// What a pass made of the API server's slices.
 #[derive(Debug, PartialEq, Eq)]
 enum Published {
@@ -227,11 +236,18 @@ struct Publisher {
     generation: i64,
     /// The GPUs left out at the last pass, to log changes only.
     left_out: Vec<LeftOut>,
+    /// Whether the API server keeps what a vGPU pool needs.
+    support: support::Support,
+    /// How many devices the slices say the node has, as last published or found.
+    published: usize,
 }
 
 impl Publisher {
     /// Makes the API server's slices of this node and driver be the node's `devices` and
-    /// `counters`, writing only what the cache says differs ([`plan`]).
+    /// `counters`, writing only what the cache says differs ([`plan`]). A vGPU pool is
+    /// published only while the API server keeps what it needs ([`support`]): asked with a dry
+    /// run before it is first written, and read back from every write; otherwise the node's
+    /// GPUs are published whole only.
     async fn publish(
         &mut self,
         devices: Vec<Device>,
@@ -254,12 +270,52 @@ impl Publisher {
         {
             self.telemetry.runtime(&cdi);
         }
+        let pool = support::is_pool(&devices);
+        if pool && self.support.needs_probe() {
+            self.probe(&devices, &counters).await?;
+        }
+        let mut wrote = false;
+        loop {
+            let (devices, counters) = match self.support.dropped() {
+                Some(_) if pool => (support::passthrough_only(devices.clone()), Vec::new()),
+                _ => (devices.clone(), counters.clone()),
+            };
+            self.published = devices.len();
+            match self.write(devices, counters).await? {
+                Written::Nothing => break,
+                Written::Done => {
+                    wrote = true;
+                    break;
+                }
+                // What was stored is not the pool sent: written again, whole GPUs only.
+                Written::Dropped(fields) => {
+                    wrote = true;
+                    self.note_support(support::Support::Dropped {
+                        fields,
+                        at: std::time::Instant::now(),
+                    });
+                }
+            }
+        }
+        Ok(if wrote {
+            Published::Wrote
+        } else {
+            Published::Unchanged
+        })
+    }
+
+    /// Writes what differs between the cache and the slices of `devices` and `counters`.
+    async fn write(
+        &mut self,
+        devices: Vec<Device>,
+        counters: Vec<CounterSet>,
+    ) -> anyhow::Result<Written> {
         let current = self.cache.slices();
         let wanted = self.pool.slices(devices, counters, 0);
         let plan = plan::plan(&current, wanted, self.generation);
         if plan.is_empty() {
             self.generation = plan.generation;
-            return Ok(Published::Unchanged);
+            return Ok(Written::Nothing);
         }
         for (name, was) in &plan.delete {
             match self.slices.delete(name, &DeleteParams::default()).await {
@@ -275,6 +331,7 @@ impl Publisher {
             self.cache.deleted(name, was.as_deref());
         }
         let mut names = Vec::new();
+        let mut lost = Vec::new();
         for slice in plan.apply {
             let name = slice.metadata.name.clone().unwrap_or_default();
             let stored = self
@@ -288,6 +345,11 @@ impl Publisher {
                 .with_context(|| format!("cannot apply ResourceSlice {name}"))?;
             self.telemetry.slice_written("apply");
             self.generation = plan.generation;
+            for f in support::dropped(&slice, &stored) {
+                if !lost.contains(&f) {
+                    lost.push(f);
+                }
+            }
             self.cache.applied(stored);
             names.push(name);
         }
@@ -299,7 +361,73 @@ impl Publisher {
             );
         }
         self.generation = plan.generation;
-        Ok(Published::Wrote)
+        Ok(if lost.is_empty() {
+            Written::Done
+        } else {
+            Written::Dropped(lost)
+        })
+    }
+
+    /// Asks the API server, with a dry run of the pool's first slice that needs them, whether
+    /// it keeps what a pool needs; notes the answer.
+    async fn probe(&mut self, devices: &[Device], counters: &[CounterSet]) -> anyhow::Result<()> {
+        let wanted = self
+            .pool
+            .slices(devices.to_vec(), counters.to_vec(), self.generation.max(1));
+        let mut fields = Vec::new();
+        for slice in wanted.iter().filter(|s| {
+            support::is_pool(s.spec.devices.as_deref().unwrap_or_default())
+                || s.spec.shared_counters.is_some()
+        }) {
+            let name = slice.metadata.name.clone().unwrap_or_default();
+            let stored = self
+                .slices
+                .patch(
+                    &name,
+                    &PatchParams::apply(FIELD_MANAGER).force().dry_run(),
+                    &Patch::Apply(slice),
+                )
+                .await
+                .with_context(|| format!("cannot apply ResourceSlice {name} (dry run)"))?;
+            fields = support::dropped(slice, &stored);
+            // One slice of devices and one of counters tell it all.
+            if !fields.is_empty() || slice.spec.devices.is_some() {
+                break;
+            }
+        }
+        self.note_support(if fields.is_empty() {
+            support::Support::Kept
+        } else {
+            support::Support::Dropped {
+                fields,
+                at: std::time::Instant::now(),
+            }
+        });
+        Ok(())
+    }
+
+    /// Records what the API server keeps; says so (log, Event, readiness) when that changes.
+    fn note_support(&mut self, now: support::Support) {
+        let was = std::mem::replace(&mut self.support, now);
+        match (was.dropped(), self.support.dropped()) {
+            (None, Some(fields)) => {
+                let note = format!(
+                    "the API server drops {} from the node's ResourceSlices (the feature is off): \
+                     the vGPU pool (--vgpu) is not published, the node's GPUs are published whole \
+                     only; turn the feature on (on by default from Kubernetes 1.36); asked again \
+                     every {} minutes",
+                    fields.join(", "),
+                    support::REPROBE.as_secs() / 60
+                );
+                tracing::error!("{note}");
+                self.telemetry.vgpu_pool_unsupported(Some(&note));
+            }
+            (Some(_), None) => {
+                tracing::info!("the API server keeps what the vGPU pool needs: publishing it");
+                self.telemetry.vgpu_pool_unsupported(None);
+            }
+            _ => {}
+        }
     }
 
     /// Logs the GPUs left out when that set changes.
@@ -405,6 +533,8 @@ pub async fn run(
         },
         generation: 0,
         left_out: Vec::new(),
+        support: support::Support::default(),
+        published: 0,
     };
     let settings = Settings::new("sandbox-dra")
         .with_resync(cfg.resync_interval)
@@ -419,9 +549,6 @@ pub async fn run(
         .ok();
     let mut registration_open = true;
     let mut watching = true;
-    // A prepare or unprepare changes which sizes a GPU may offer: the scheduler should see it
-    // before the next claim, without waiting for the vGPU's uevent.
-    let claims_changed = cfg.telemetry.claims_changed();
     let pass_timeout = cfg.pass_timeout();
     // The last pass failed on a refusal by the API server: resyncs wait for its retry.
     let mut refused = false;
@@ -432,10 +559,6 @@ pub async fn run(
                 Some(w) => w,
                 None => break,
             },
-            () = claims_changed.notified() => {
-                changes.send(Change::Claims);
-                continue;
-            }
             changed = registered.changed(), if registration_open => {
                 if changed.is_err() {
                     registration_open = false;
@@ -484,9 +607,6 @@ pub async fn run(
                 Change::Registered => {
                     tracing::debug!("kubelet registered the driver; checking the slice")
                 }
-                Change::Claims => {
-                    tracing::debug!("a claim was prepared or unprepared; checking the slice")
-                }
                 Change::Slices => {
                     tracing::debug!("the node's slices changed in the API server; checking them")
                 }
@@ -516,10 +636,9 @@ pub async fn run(
                     );
                     continue;
                 }
-                let published = nd.devices.len();
                 let publishing = p.publish(nd.devices, nd.counters);
                 match wait_on_api(publishing, pass_timeout, &cfg.telemetry, &shutdown).await {
-                    Waited::Done(r) => r.map(|r| (published, r)),
+                    Waited::Done(r) => r.map(|r| (p.published, r)),
                     Waited::TimedOut(t) => Err(anyhow::anyhow!(
                         "the API server did not take the node's slices within {t:?} (what it took stays; the next pass goes on)"
                     )),

@@ -49,8 +49,8 @@ use crate::vgpu_types::Types;
 
 mod vgpus;
 
-pub use vgpus::mdev_parent_devices;
 use vgpus::vgpu_devices;
+pub use vgpus::{CAPACITY_VGPUS, mdev_parent_devices};
 
 /// The standard attribute naming a device's PCI address (KEP-5304), which KubeVirt reads.
 pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
@@ -114,10 +114,10 @@ pub fn devices(inv: &Inventory, sel: &Selection, ids: &PciIds) -> NodeDevices {
 }
 
 /// [`devices`], and for each GPU of `vgpu_pool` whose model the vGPU model table knows
-/// ([`common::vgpu::models`]): a counter set (its framebuffer; its VFs on an SR-IOV GPU), as
-/// many devices per vGPU type the pool publishes (`--vgpu-types`) as the GPU could hold of it,
-/// each consuming its framebuffer and one VF, and its passthrough device consuming the whole
-/// set.
+/// ([`common::vgpu::models`]): a counter set (its framebuffer; its VFs on an SR-IOV GPU), one
+/// shared device per vGPU type the pool publishes (`--vgpu-types`) whose capacity `vgpus` is
+/// as many of that type as the GPU holds, and its passthrough device; each of them consumes the
+/// whole set ([`vgpus`]).
 pub fn devices_with_vgpus(
     inv: &Inventory,
     sel: &Selection,
@@ -152,7 +152,7 @@ pub fn devices_with_vgpus(
         }
         let mut whole = device(gpu, first, group, targets, ids);
         if vgpu_pool.gpus.contains(&gpu.address)
-            && let Some((set, vgpus)) = vgpu_devices(inv, gpu, &mut whole, ids, &vgpu_pool.types)
+            && let Some((set, vgpus)) = vgpu_devices(gpu, &mut whole, ids, &vgpu_pool.types)
         {
             out.counters.push(set);
             out.devices.extend(vgpus);
@@ -185,10 +185,11 @@ pub fn attributes_of(
         let gpu = inv.device(&first.address)?;
         return device(gpu, first, group, targets, ids).attributes;
     }
-    if let Some((addr, _, _)) = names::parse_vgpu_device(name) {
+    if let Some((addr, key)) = names::parse_vgpu_device(name) {
         let gpu = inv.device(&addr)?;
-        let (_, devices) = vgpu_devices(inv, gpu, &mut Device::default(), ids, &Types::All)?;
-        return devices.into_iter().find(|d| d.name == name)?.attributes;
+        let (_, devices) = vgpu_devices(gpu, &mut Device::default(), ids, &Types::All)?;
+        let shared = names::vgpu_device(&addr, &key);
+        return devices.into_iter().find(|d| d.name == shared)?.attributes;
     }
     let (parent, _, _) = names::parse_mdev_device(name, mdev_parents)?;
     let (_, devices) = mdev_parent_devices(inv, &parent)?;

@@ -311,7 +311,8 @@ fn a_pooled_a10_publishes_only_the_listed_types() {
     let mut types: Vec<&str> = nd.devices.iter().filter_map(|d| s(d, "vgpuType")).collect();
     types.dedup();
     assert_eq!(types, ["NVIDIA A10-4Q", "NVIDIA A10-8Q"]);
-    assert_eq!(nd.devices.len(), 1 + 6 + 3);
+    // One shared device per type, and the whole GPU.
+    assert_eq!(nd.devices.len(), 1 + 2);
     // The counter set and the whole GPU's consumption of it are those of every type.
     assert_eq!(nd.counters.len(), 1);
     assert_eq!(
@@ -334,18 +335,30 @@ fn a_pooled_a10_has_a_counter_set_its_vgpus_and_its_whole_self_consume() {
     assert_eq!(set.name, "gpu-0000-41-00-0");
     assert_eq!(set.counters["memory"].value, Quantity("24Gi".into()));
     assert_eq!(set.counters["vfs"].value, Quantity("32".into()));
-    let count = |key: &str| {
-        nd.devices
+    // One shared device per type: Q and A in each size that divides 24 GiB, C from 4 GiB; B
+    // (no size the table derives) not offered. Each holds as many of its type as fit, one per
+    // allocation, and takes the whole counter set, as the whole GPU does.
+    let of_type = |key: &str| {
+        let found: Vec<&Device> = nd
+            .devices
             .iter()
             .filter(|d| s(d, "vgpuType") == Some(key))
-            .count()
+            .collect();
+        assert_eq!(found.len(), 1, "{key}: {found:?}");
+        found[0]
     };
-    // Q and A: 24/size each; C from 4 GiB; B (no size the table derives) not offered.
-    assert_eq!(count("NVIDIA A10-1Q"), 24);
-    assert_eq!(count("NVIDIA A10-3Q"), 8);
-    assert_eq!(count("NVIDIA A10-24A"), 1);
-    assert_eq!(count("NVIDIA A10-4C"), 6);
-    assert_eq!(nd.devices.len(), 1 + 60 + 60 + 16);
+    let vgpus = |d: &Device| {
+        let cap = &d.capacity.as_ref().unwrap()[CAPACITY_VGPUS];
+        let policy = cap.request_policy.as_ref().unwrap();
+        assert_eq!(policy.default, Some(Quantity("1".into())));
+        assert_eq!(policy.valid_values, Some(vec![Quantity("1".into())]));
+        cap.value.0.parse::<u32>().unwrap()
+    };
+    assert_eq!(vgpus(of_type("NVIDIA A10-1Q")), 24);
+    assert_eq!(vgpus(of_type("NVIDIA A10-3Q")), 8);
+    assert_eq!(vgpus(of_type("NVIDIA A10-24A")), 1);
+    assert_eq!(vgpus(of_type("NVIDIA A10-4C")), 6);
+    assert_eq!(nd.devices.len(), 1 + 8 + 8 + 5);
     let whole = nd
         .devices
         .iter()
@@ -355,17 +368,24 @@ fn a_pooled_a10_has_a_counter_set_its_vgpus_and_its_whole_self_consume() {
         whole.consumes_counters.as_ref().unwrap()[0].counters,
         set.counters
     );
-    let q4 = nd
-        .devices
-        .iter()
-        .find(|d| d.name == "vgpu-0000-41-00-0-a10-4q-5")
-        .unwrap();
-    let c = &q4.consumes_counters.as_ref().unwrap()[0];
-    assert_eq!(c.counter_set, "gpu-0000-41-00-0");
-    assert_eq!(c.counters["memory"].value, Quantity("4Gi".into()));
-    assert_eq!(c.counters["vfs"].value, Quantity("1".into()));
+    assert_eq!(whole.allow_multiple_allocations, None);
+    let q4 = of_type("NVIDIA A10-4Q");
+    assert_eq!(q4.name, "vgpu-0000-41-00-0-a10-4q");
+    assert_eq!(q4.allow_multiple_allocations, Some(true));
+    assert_eq!(q4.consumes_counters, whole.consumes_counters);
+    assert_eq!(vgpus(q4), 6);
     assert_eq!(i(q4, "maxInstances"), Some(6));
+    assert_eq!(i(q4, "framebufferMiB"), Some(4096));
     assert_eq!(s(q4, "series"), Some("Q"));
+    assert_eq!(s(q4, "parentGPU"), Some("0000:41:00.0"));
+    for d in nd.devices.iter().filter(|d| d.name != whole.name) {
+        assert_eq!(
+            d.capacity.as_ref().map(BTreeMap::len),
+            Some(1),
+            "{}",
+            d.name
+        );
+    }
     // Not pooled: passthrough only, consuming nothing.
     let plain = devices(&inv, &sel, &PciIds::embedded());
     assert!(plain.counters.is_empty());
@@ -385,7 +405,16 @@ fn a_pooled_a10_has_a_counter_set_its_vgpus_and_its_whole_self_consume() {
             ..set.clone()
         })
         .collect();
-    let slices = pool.slices(nd.devices.clone(), sets, 4);
+    // Three GPUs' devices (66): two device slices.
+    let three: Vec<Device> = (0..3)
+        .flat_map(|k| {
+            nd.devices.iter().map(move |d| Device {
+                name: format!("{}-{k}", d.name),
+                ..d.clone()
+            })
+        })
+        .collect();
+    let slices = pool.slices(three, sets, 4);
     let names: Vec<&str> = slices
         .iter()
         .map(|s| s.metadata.name.as_deref().unwrap())
@@ -395,14 +424,13 @@ fn a_pooled_a10_has_a_counter_set_its_vgpus_and_its_whole_self_consume() {
         [
             "n-gpu.gpu-vm-node.io",
             "n-gpu.gpu-vm-node.io-1",
-            "n-gpu.gpu-vm-node.io-2",
             "n-gpu.gpu-vm-node.io-counters",
             "n-gpu.gpu-vm-node.io-counters-1",
             "n-gpu.gpu-vm-node.io-counters-2"
         ]
     );
     for sl in &slices {
-        assert_eq!(sl.spec.pool.resource_slice_count, 6);
+        assert_eq!(sl.spec.pool.resource_slice_count, 5);
         // Kubernetes 1.35 and later: at most 8 counter sets a slice, 2 consumptions a device.
         assert!(sl.spec.shared_counters.as_ref().map_or(0, Vec::len) <= MAX_COUNTER_SETS);
         assert!(

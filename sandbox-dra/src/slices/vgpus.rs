@@ -1,11 +1,25 @@
-//! The vGPU side of the slice: a counter set and per-type devices for each GPU of the vGPU
-//! pool, and for each non-PCI mdev parent `--vgpu` names.
+//! The vGPU side of the slice: a counter set and one shared device per vGPU type for each GPU
+//! of the vGPU pool, and for each non-PCI mdev parent `--vgpu` names its per-instance devices.
+//!
+//! **One shared device per GPU and type.** NVIDIA's time-sliced vGPUs of one GPU all have one
+//! framebuffer size (equal-size mode), which counters cannot say: they are sums, and a 4 GiB
+//! and an 8 GiB vGPU both fit a 24 GiB counter. So each type is one device that allows
+//! multiple allocations (`allowMultipleAllocations`, Kubernetes' consumable capacity), with a
+//! capacity `vgpus` of as many vGPUs of that type as the GPU holds, each allocation (share)
+//! taking one (request policy: default 1, the only valid value), and consuming the GPU's whole
+//! counter set, as the whole-GPU device does. The scheduler's allocator consumes a shared
+//! device's counters once, with its first share (kube-scheduler 1.36, `k8s.io/
+//! dynamic-resource-allocation` `structured/internal/incubating`: `allocateDevice` skips the
+//! counter check of a device that already has a share, and `IsDeviceAllocated` counts a device
+//! with shares as allocated). So the scheduler alone keeps one type per GPU, fills it up to the
+//! type's count and keeps the whole GPU off it, before any prepare runs; the devices never
+//! change with what is allocated.
 
 use std::collections::BTreeMap;
 
 use common::{Inventory, PciDevice, PciIds};
 use k8s_openapi::api::resource::v1::{
-    Counter, CounterSet, Device, DeviceCapacity, DeviceCounterConsumption,
+    CapacityRequestPolicy, Counter, CounterSet, Device, DeviceCapacity, DeviceCounterConsumption,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
@@ -13,17 +27,14 @@ use super::{COUNTER_MEMORY, COUNTER_VFS, MODE_VGPU, gib, identity, int, string, 
 use crate::names;
 use crate::vgpu_types::Types;
 
-/// One pooled GPU's counter set and its vGPU devices of `types`; `whole` (its passthrough
-/// device) is made to consume the whole set. `None` for a model the table does not know.
-///
-/// NVIDIA's time-sliced vGPUs of one GPU all have one framebuffer size (and a GPU that hosts
-/// them itself, without SR-IOV, one type), which counters cannot say: a 4 GiB and an 8 GiB vGPU
-/// both fit a 24 GiB counter. So once a GPU hosts vGPUs, only the types that may join them are
-/// published; the others come back when its last vGPU is gone. A claim the scheduler allocated
-/// from the slice before the change (the window between one claim's allocation and its
-/// prepare's uevent) is still refused by prepare.
+/// The capacity of a shared vGPU device: how many vGPUs of its type its GPU holds, one per
+/// allocation.
+pub const CAPACITY_VGPUS: &str = "vgpus";
+
+/// One pooled GPU's counter set and its shared vGPU devices, one per type of `types`; `whole`
+/// (its passthrough device) is made to consume the whole set, as each vGPU device does. `None`
+/// for a model the table does not know.
 pub(super) fn vgpu_devices(
-    inv: &Inventory,
     gpu: &PciDevice,
     whole: &mut Device,
     ids: &PciIds,
@@ -46,34 +57,15 @@ pub(super) fn vgpu_devices(
             },
         );
     }
-    whole.consumes_counters = Some(vec![DeviceCounterConsumption {
+    let all_of_it = vec![DeviceCounterConsumption {
         counter_set: set_name.clone(),
         counters: counters.clone(),
-    }]);
-    // Type ids where sysfs shows them (the VFs enabled, or the GPU its own parent).
-    let cap = common::vgpu::capacity(inv, &gpu.address);
-    let hosted_sizes: std::collections::BTreeSet<u64> = cap
-        .existing
-        .iter()
-        .filter_map(|(_, mb)| mb.map(|mb| (mb + 512) / 1024))
-        .collect();
-    let hosted_types: Vec<&str> = cap
-        .existing
-        .iter()
-        .map(|(id, _)| cap.get(id).map_or(id.as_str(), |t| t.name.as_str()))
-        .collect();
-    let may_join = |name: &str, size_gib: u32| -> bool {
-        if cap.existing.is_empty() {
-            return true;
-        }
-        if matches!(cap.mode, common::vgpu::Mode::MdevPf) {
-            return hosted_types.contains(&name);
-        }
-        hosted_sizes.is_empty() || hosted_sizes.contains(&u64::from(size_gib))
-    };
+    }];
+    whole.consumes_counters = Some(all_of_it.clone());
+    let one = Quantity("1".into());
     let mut out = Vec::new();
     for (name, size) in model.types_before_vfs() {
-        if !types.publishes(&name) || !may_join(&name, size) {
+        if !types.publishes(&name) {
             continue;
         }
         let max = vfs.map_or(model.equal_size_max(size), |n| {
@@ -83,42 +75,29 @@ pub(super) fn vgpu_devices(
         let mut attrs = BTreeMap::new();
         attrs.insert("mode".to_string(), string(MODE_VGPU));
         attrs.insert("vgpuType".to_string(), string(name.clone()));
-        if let Some(id) = cap.get(&name).and_then(|t| t.type_id.clone()) {
-            attrs.insert("typeID".to_string(), string(id));
-        }
         attrs.insert("series".to_string(), string(series));
         attrs.insert("framebufferMiB".to_string(), int(i64::from(size) * 1024));
         attrs.insert("maxInstances".to_string(), int(max));
         attrs.insert("parentGPU".to_string(), string(gpu.address.to_string()));
         identity(gpu, ids, &mut attrs);
-        let mut consumes =
-            BTreeMap::from([(COUNTER_MEMORY.to_string(), Counter { value: gib(size) })]);
-        if vfs.is_some() {
-            consumes.insert(
-                COUNTER_VFS.to_string(),
-                Counter {
-                    value: Quantity("1".into()),
+        out.push(Device {
+            name: names::vgpu_device(&gpu.address, &name),
+            attributes: Some(attrs),
+            allow_multiple_allocations: Some(true),
+            capacity: Some(BTreeMap::from([(
+                CAPACITY_VGPUS.to_string(),
+                DeviceCapacity {
+                    value: Quantity(max.to_string()),
+                    request_policy: Some(CapacityRequestPolicy {
+                        default: Some(one.clone()),
+                        valid_values: Some(vec![one.clone()]),
+                        valid_range: None,
+                    }),
                 },
-            );
-        }
-        for slot in 0..max {
-            out.push(Device {
-                name: names::vgpu_device(&gpu.address, &name, slot),
-                attributes: Some(attrs.clone()),
-                capacity: Some(BTreeMap::from([(
-                    "memory".to_string(),
-                    DeviceCapacity {
-                        value: gib(size),
-                        ..Default::default()
-                    },
-                )])),
-                consumes_counters: Some(vec![DeviceCounterConsumption {
-                    counter_set: set_name.clone(),
-                    counters: consumes.clone(),
-                }]),
-                ..Default::default()
-            });
-        }
+            )])),
+            consumes_counters: Some(all_of_it.clone()),
+            ..Default::default()
+        });
     }
     let set = CounterSet {
         name: set_name,

@@ -151,18 +151,36 @@ pub fn claim(name: &str, uid: &str) -> Claim {
 }
 
 /// Claim `name` allocated `device` of this node for request `gpu` of class `class`, in the fake
-/// API server.
+/// API server; a vGPU type's shared device with a share of its own, as the scheduler allocates
+/// one.
 pub fn put_claim(api: &FakeApiServer, name: &str, uid: &str, class: &str, device: &str) -> Claim {
+    let mut result = json!({"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device});
+    if device.starts_with("vgpu-") {
+        result["shareID"] = json!(share_id(uid, 0));
+    }
     api.put_claim(json!({
         "metadata": {"namespace": NS, "name": name, "uid": uid},
         "spec": {"devices": {"requests": [
             {"name": "gpu", "exactly": {"deviceClassName": class}}
         ]}},
-        "status": {"allocation": {"devices": {"results": [{
-            "request": "gpu", "driver": DRIVER, "pool": NODE, "device": device,
-        }]}}},
+        "status": {"allocation": {"devices": {"results": [result]}}},
     }));
     claim(name, uid)
+}
+
+/// The `n`-th share ID of claim `uid` (a UUID, as the scheduler makes them).
+pub fn share_id(uid: &str, n: u32) -> String {
+    let h = uid.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!(
+        "{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",
+        h >> 32,
+        (h >> 16) & 0xffff,
+        h & 0xfff,
+        n & 0xfff,
+        h & 0xffff_ffff_ffff
+    )
 }
 
 /// kubelet's `NodePrepareResources` at version `v` for claim `c` alone: the answer for it.

@@ -25,6 +25,8 @@ pub struct ControlPlaneOpts {
     /// The scheduler's HTTPS port, serving `/metrics` (and `/healthz`) to anyone on
     /// 127.0.0.1 (a self-signed certificate); 0: none.
     pub scheduler_port: u16,
+    /// More flags for kube-apiserver (`--feature-gates=…`, say).
+    pub apiserver_args: Vec<String>,
 }
 
 impl Default for ControlPlaneOpts {
@@ -36,6 +38,7 @@ impl Default for ControlPlaneOpts {
             service_cidr: "10.96.0.0/24".into(),
             controllers: false,
             scheduler_port: 0,
+            apiserver_args: Vec::new(),
         }
     }
 }
@@ -223,7 +226,8 @@ impl ControlPlane {
                 self.dir.join("audit-policy.yaml").display()
             ))
             .arg(format!("--audit-log-path={}", self.audit_log().display()))
-            .args(["--audit-log-maxsize", "0"]);
+            .args(["--audit-log-maxsize", "0"])
+            .args(&self.opts.apiserver_args);
         self.apiserver = Some(Proc::spawn(
             "kube-apiserver",
             &mut cmd,

@@ -162,6 +162,8 @@ pub struct PreparedDevice {
     pub device_name: String,
     /// CDI device ids.
     pub cdi_device_ids: Vec<String>,
+    /// The share of a shared device.
+    pub share_id: Option<String>,
 }
 
 /// Registers the driver whose registration socket is `socket` (a host path under `root`):
@@ -321,6 +323,7 @@ macro_rules! version_calls {
                                     pool_name: d.pool_name,
                                     device_name: d.device_name,
                                     cdi_device_ids: d.cdi_device_ids,
+                                    share_id: d.share_id,
                                 })
                                 .collect())
                         } else {

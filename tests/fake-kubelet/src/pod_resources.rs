@@ -234,6 +234,8 @@ pub struct ClaimDevice {
     pub device: String,
     /// The CDI devices the driver answered for it.
     pub cdi_devices: Vec<String>,
+    /// The share of a shared device the driver answered.
+    pub share_id: Option<String>,
 }
 
 /// A pod whose one container has the ResourceClaim `claim_namespace/claim` with `devices`, as
@@ -258,6 +260,7 @@ pub fn pod_with_claim(
                 driver_name: d.driver.clone(),
                 pool_name: d.pool.clone(),
                 device_name: d.device.clone(),
+                share_id: d.share_id.clone(),
             }
         })
         .collect();

@@ -1,7 +1,6 @@
 //! Shared test fakes.
 /// The fake kubelet (its own crate, so that node-sim's demo can use it too).
 pub use fake_kubelet as kubelet;
-pub mod allocator;
 /// The fake API server (in the fake kubelet's crate, so that node-sim's demo can use it too).
 pub use fake_kubelet::apiserver;
 /// The raw HTTP/2 gRPC client (in the fake kubelet, which dials with it as kubelet does).

@@ -381,7 +381,8 @@ async fn vgpu_once(b: &Bins, cycles: usize) -> Result<VgpuRun> {
         "metadata": {"namespace": "bench", "name": "v", "uid": "uid-vgpu"},
         "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "x"}}]}},
         "status": {"allocation": {"devices": {"results": [
-            {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "vgpu-0000-41-00-0-a10-4q-0"}
+            {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "vgpu-0000-41-00-0-a10-4q",
+             "shareID": "5a4e0000-0000-4000-8000-000000000001"}
         ]}}},
     }));
     let inv = Invocation::new(

@@ -1,10 +1,11 @@
 //! The DRA driver (`draDriver.enabled`, nodes labelled `vm-dra`) through the real scheduler and
 //! kubelet: GPUs published as a ResourceSlice, claimed by pods (a stand-in for virt-launcher)
 //! that see their `/dev/vfio` nodes and the metadata file KubeVirt reads, a `firstAvailable`
-//! claim, device health in the pod's status; with `draDriver.vgpu=all`, vGPUs fitted on a GPU's
-//! counters and created by prepare (two of one GPU in one claim, at the first prepare), a GPU
-//! hot-plugged into the pool; pools of 10 and 16 GPUs (more counter sets than one slice may
-//! hold); and faults: sandbox-dra killed (-9), and away while a pod is deleted.
+//! claim, device health in the pod's status; with `draDriver.vgpu=all`, vGPUs placed by the
+//! scheduler on one shared device per GPU and type and created by prepare (a burst of two sizes,
+//! a full GPU, a whole GPU waiting for the last share), a GPU hot-plugged into the pool; pools
+//! of 10 and 16 GPUs (more counter sets than one slice may hold); and faults: sandbox-dra
+//! killed (-9), away while a pod is deleted, and kubelet restarted.
 
 use std::time::Duration;
 
@@ -386,11 +387,73 @@ fn which_gpu(vfio: &[String], metadata: &str) -> Result<&'static str> {
     Ok(addr)
 }
 
-/// vGPUs: two in one claim on one GPU (prepared at the first call), a whole GPU beside them,
-/// sandbox-dra killed while they run, and a GPU hot-plugged into the pool.
+/// The ResourceClaimTemplate `name`: one vGPU of `vgpu_type` (`NVIDIA A10-4Q`).
+fn vgpu_template(name: &str, vgpu_type: &str) -> String {
+    template(
+        name,
+        &format!(
+            "- name: gpu\n  exactly:\n    deviceClassName: {VGPU_CLASS}\n    selectors:\n    - cel:\n        \
+             expression: device.attributes[\"{DRIVER}\"].vgpuType == \"{vgpu_type}\""
+        ),
+        "",
+    )
+}
+
+/// The GPU the metadata of a vGPU pod names as its vGPU's parent (`parentGPU`).
+fn parent_of(meta: &str) -> Result<&'static str> {
+    match (
+        meta.contains("\"0000:41:00.0\""),
+        meta.contains("\"0000:61:00.0\""),
+    ) {
+        (true, false) => Ok("0000:41:00.0"),
+        (false, true) => Ok("0000:61:00.0"),
+        _ => bail!("the metadata names not exactly one A10 as parentGPU:\n{meta}"),
+    }
+}
+
+/// Why the scheduler leaves `pod` unscheduled (its `PodScheduled` condition), once it says.
+fn unschedulable(c: &Cluster, pod: &str) -> Result<String> {
+    c.wait(
+        &format!("the scheduler's reason for {pod}"),
+        Duration::from_secs(60),
+        || {
+            let p = c.get_json(&["pod", "-n", TEST_NS, pod])?;
+            let cond = p["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|x| x["type"] == "PodScheduled" && x["status"] == "False")
+                .and_then(|x| x["message"].as_str().map(str::to_string));
+            Ok(cond)
+        },
+    )
+}
+
+/// sandbox-dra's writes of ResourceSlices so far, as the API server's audit log has them.
+fn slice_writes(c: &Cluster) -> usize {
+    c.control_plane()
+        .requests_of(&format!("system:serviceaccount:{NAMESPACE}:sandbox-dra"))
+        .iter()
+        .filter(|e| {
+            e["objectRef"]["resource"] == "resourceslices"
+                && ["create", "update", "patch", "delete"]
+                    .contains(&e["verb"].as_str().unwrap_or(""))
+                && !e["requestURI"]
+                    .as_str()
+                    .is_some_and(|u| u.contains("dryRun=All"))
+        })
+        .count()
+}
+
+/// vGPUs through the real scheduler, one shared device per GPU and type: a burst of A10-4Q and
+/// A10-8Q claims created at once lands one size per GPU and every one starts at its first
+/// prepare; a GPU full of one type turns the next claim of it away (the scheduler's reason),
+/// which runs once a place frees; a whole GPU waits until a GPU's last share is gone; the pool
+/// is not written for any prepare. Then sandbox-dra killed and kubelet restarted with shares
+/// prepared (nothing lost, nothing made twice), and a GPU hot-plugged joins the pool.
 pub fn vgpu(c: &Cluster) -> Result<()> {
     install(c, "2xA10", true)?;
-    wait_pool(
+    let devs = wait_pool(
         c,
         "the A10s' vGPUs published",
         Duration::from_secs(60),
@@ -399,6 +462,11 @@ pub fn vgpu(c: &Cluster) -> Result<()> {
             whole == 2 && vgpus.len() == 2
         },
     )?;
+    let (_, per_gpu) = count_modes(&devs);
+    ensure!(
+        per_gpu.values().all(|n| *n == 21),
+        "not one shared device per A10 type (21 per GPU): {per_gpu:?}"
+    );
     for example in ["vgpu-claims.yaml", "resourceclaimtemplate.yaml"] {
         let example = cluster_tier::assets::repo()
             .join("deploy/examples/dra")
@@ -406,87 +474,144 @@ pub fn vgpu(c: &Cluster) -> Result<()> {
         let example = example.to_string_lossy().into_owned();
         c.kubectl(&["apply", "-n", TEST_NS, "-f", &example])?;
     }
-    c.apply(&template(
-        "two-4q",
-        &format!(
-            "- name: gpu\n  exactly:\n    deviceClassName: {VGPU_CLASS}\n    allocationMode: ExactCount\n    \
-             count: 2\n    selectors:\n    - cel:\n        expression: device.attributes[\"{DRIVER}\"].vgpuType == \"NVIDIA A10-4Q\""
-        ),
-        &format!("- requests: [gpu]\n  matchAttribute: {DRIVER}/parentGPU"),
-    ))?;
+    c.apply(&vgpu_template("a10-8q", "NVIDIA A10-8Q"))?;
+    let writes_before = slice_writes(c);
 
-    c.apply(&claim_pod(c, "vm-two", "two-4q"))?;
-    let (vfio, meta) = pod_view(c, "vm-two")?;
-    prepared_first_time(c, "vm-two")?;
-    let groups: Vec<&String> = vfio.iter().filter(|n| n.as_str() != "vfio").collect();
-    ensure!(
-        groups.len() == 2,
-        "vm-two's /dev/vfio holds {vfio:?}: not two vGPU groups"
-    );
-    let created = mdevs(c)?;
-    ensure!(
-        created.len() == 2,
-        "the node's vGPUs are {created:?}, not two"
-    );
-    for uuid in &created {
+    // A burst, created at once: three A10-4Q and three A10-8Q.
+    let burst: Vec<(String, &str)> = (1..=3)
+        .flat_map(|i| {
+            [
+                (format!("vm-4q-{i}"), "a10-4q"),
+                (format!("vm-8q-{i}"), "a10-8q"),
+            ]
+        })
+        .collect();
+    let all: String = burst
+        .iter()
+        .map(|(pod, t)| format!("{}---\n", claim_pod(c, pod, t)))
+        .collect();
+    c.apply(&all)?;
+    let mut gpu_of = std::collections::BTreeMap::new();
+    for (pod, t) in &burst {
+        let (_, meta) = pod_view(c, pod)?;
+        prepared_first_time(c, pod)?;
+        gpu_of.insert(pod.clone(), (*t, parent_of(&meta)?));
+    }
+    let sizes_on = |gpu: &str| -> std::collections::BTreeSet<&str> {
+        gpu_of
+            .values()
+            .filter(|(_, g)| *g == gpu)
+            .map(|(t, _)| *t)
+            .collect()
+    };
+    for gpu in ["0000:41:00.0", "0000:61:00.0"] {
         ensure!(
-            meta.contains(uuid.as_str()),
-            "vm-two's metadata does not name its vGPU {uuid}:\n{meta}"
+            sizes_on(gpu).len() == 1,
+            "GPU {gpu} holds {:?}: two sizes on one GPU ({gpu_of:?})",
+            sizes_on(gpu)
         );
     }
+    let four_gpu = gpu_of["vm-4q-1"].1;
+    ensure!(mdevs(c)?.len() == 6, "{:?}", mdevs(c)?);
 
-    // Their GPU now offers only 4 GiB sizes (an A10's vGPUs all have one size): an 8 GiB vGPU
-    // is placed on the other GPU by the real scheduler and starts at its first prepare.
-    let two_gpu = if meta.contains("\"0000:41:00.0\"") {
-        "0000:41:00.0"
-    } else {
-        "0000:61:00.0"
-    };
-    let t0 = std::time::Instant::now();
-    wait_pool(
-        c,
-        "the other sizes of vm-two's GPU withdrawn",
-        Duration::from_secs(60),
-        |d| {
-            d.iter().all(|(_, a)| {
-                attr(a, "parentGPU")["string"] != two_gpu
-                    || attr(a, "framebufferMiB")["int"] == 4096
-            })
-        },
-    )?;
-    eprintln!(
-        "  dra-vgpu: other sizes withdrawn from the slice {:.1} s after vm-two ran",
-        t0.elapsed().as_secs_f64()
-    );
-    c.apply(&claim_pod(c, "vm-8g", "vgpu-8gi"))?;
-    let (_, meta_8g) = pod_view(c, "vm-8g")?;
-    prepared_first_time(c, "vm-8g")?;
+    // The A10-4Q GPU filled up (six), then a seventh: turned away with the scheduler's reason.
+    let more: String = (4..=6)
+        .map(|i| format!("{}---\n", claim_pod(c, &format!("vm-4q-{i}"), "a10-4q")))
+        .collect();
+    c.apply(&more)?;
+    for i in 4..=6 {
+        let (_, meta) = pod_view(c, &format!("vm-4q-{i}"))?;
+        ensure!(
+            parent_of(&meta)? == four_gpu,
+            "vm-4q-{i} is not beside the other A10-4Qs on {four_gpu}"
+        );
+    }
+    c.apply(&claim_pod(c, "vm-4q-7", "a10-4q"))?;
+    let why = unschedulable(c, "vm-4q-7")?;
     ensure!(
-        !meta_8g.contains(&format!("\"{two_gpu}\"")),
-        "the 8 GiB vGPU went to {two_gpu}, beside 4 GiB ones:\n{meta_8g}"
+        why.contains("cannot allocate all claims"),
+        "vm-4q-7 waits for another reason: {why}"
     );
-    c.kubectl(&["delete", "pod", "-n", TEST_NS, "vm-8g", "--wait=true"])?;
-    c.wait("vm-8g's vGPU removed", Duration::from_secs(60), || {
-        Ok((mdevs(c)?.len() == 2).then_some(()))
-    })?;
+    eprintln!("  dra-vgpu: the seventh A10-4Q waits: {why}");
+    c.kubectl(&["delete", "pod", "-n", TEST_NS, "vm-4q-1", "--wait=true"])?;
+    let (_, meta) = pod_view(c, "vm-4q-7")?;
+    ensure!(
+        parent_of(&meta)? == four_gpu,
+        "vm-4q-7 ran elsewhere than in vm-4q-1's place"
+    );
 
-    // A whole GPU beside them: the other A10.
+    // A whole GPU while both GPUs hold shares: waits; once the A10-8Qs are gone, it takes their
+    // GPU.
     c.apply(&claim_pod(c, "vm-whole", "a10-passthrough"))?;
+    let why = unschedulable(c, "vm-whole")?;
+    ensure!(
+        why.contains("cannot allocate all claims"),
+        "vm-whole waits for another reason: {why}"
+    );
+    for i in 1..=3 {
+        c.kubectl(&[
+            "delete",
+            "pod",
+            "-n",
+            TEST_NS,
+            &format!("vm-8q-{i}"),
+            "--wait=false",
+        ])?;
+    }
     let (vfio, meta_whole) = pod_view(c, "vm-whole")?;
     let whole = which_gpu(&vfio, &meta_whole)?;
+    ensure!(
+        whole != four_gpu,
+        "the whole GPU {whole} is the one holding A10-4Qs"
+    );
     ensure!(
         driver_of(c, whole)? == "vfio-pci",
         "{whole} is not on vfio-pci"
     );
+    ensure!(mdevs(c)?.len() == 6, "{:?}", mdevs(c)?);
+    let writes = slice_writes(c) - writes_before;
+    ensure!(
+        writes == 0,
+        "the pool was written {writes} times while vGPUs were prepared and unprepared"
+    );
+    eprintln!("  dra-vgpu: slice writes for 10 vGPU prepares and 4 unprepares: {writes}");
 
+    // sandbox-dra killed (-9), then kubelet restarted, with six shares prepared: the same vGPUs,
+    // the VMs' containers untouched, and a claim after that is prepared.
+    let created = mdevs(c)?;
     kill_daemon(c, "sandbox-dra")?;
     ensure!(
         mdevs(c)? == created,
         "vGPUs changed after sandbox-dra was killed: {:?}",
         mdevs(c)?
     );
+    super::restart_kubelet(c)?;
+    wait_daemonset_ready(c, "sandbox-dra", Duration::from_secs(120))?;
+    ensure!(
+        mdevs(c)? == created,
+        "vGPUs changed after kubelet restarted: {:?}",
+        mdevs(c)?
+    );
+    for i in 2..=7 {
+        let p = wait_phase(
+            c,
+            &format!("vm-4q-{i}"),
+            &["Running"],
+            Duration::from_secs(30),
+        )?;
+        ensure!(
+            p["status"]["containerStatuses"][0]["restartCount"] == 0,
+            "vm-4q-{i} restarted"
+        );
+    }
+    c.kubectl(&["delete", "pod", "-n", TEST_NS, "vm-4q-2", "--wait=true"])?;
+    c.apply(&claim_pod(c, "vm-4q-8", "a10-4q"))?;
+    pod_view(c, "vm-4q-8")?;
+    let created = mdevs(c)?;
+    ensure!(created.len() == 6, "{created:?}");
 
-    // A GPU hot-plugged under `--vgpu all` joins the pool with its vGPUs.
+    // A GPU hot-plugged under `--vgpu all` while shares exist joins the pool with its vGPU
+    // types, and serves a claim.
     c.with_sim(|s| s.control("hotplug 0000:81:00.0 A10 group=45"))??;
     wait_pool(
         c,
@@ -494,7 +619,7 @@ pub fn vgpu(c: &Cluster) -> Result<()> {
         Duration::from_secs(60),
         |d| {
             let (whole, vgpus) = count_modes(d);
-            whole == 3 && vgpus.contains_key("0000:81:00.0")
+            whole == 3 && vgpus.get("0000:81:00.0") == Some(&21)
         },
     )?;
     let pool = std::fs::read_to_string(c.sim_root().join("run/gpu-vm-node/dra-pool"))
@@ -503,25 +628,44 @@ pub fn vgpu(c: &Cluster) -> Result<()> {
         pool.contains("0000:81:00.0"),
         "the hot-plugged GPU is not in sandbox-dra's pool:\n{pool}"
     );
-    // And it serves a claim.
+    // And serves a VM two vGPUs of it: a claim of two requests (one device each, as a VM takes
+    // them) on one GPU, two shares of its A10-8Q device.
+    let one_8q = |name: &str| {
+        format!(
+            "- name: {name}\n  exactly:\n    deviceClassName: {VGPU_CLASS}\n    selectors:\n    - cel:\n        \
+             expression: device.attributes[\"{DRIVER}\"].vgpuType == \"NVIDIA A10-8Q\""
+        )
+    };
     c.apply(&template(
-        "on-new-gpu",
-        &format!(
-            "- name: gpu\n  exactly:\n    deviceClassName: {VGPU_CLASS}\n    selectors:\n    - cel:\n        \
-             expression: device.attributes[\"{DRIVER}\"].parentGPU == \"0000:81:00.0\""
-        ),
-        "",
+        "two-8q",
+        &format!("{}\n{}", one_8q("gpu-a"), one_8q("gpu-b")),
+        &format!("- requests: [gpu-a, gpu-b]\n  matchAttribute: {DRIVER}/parentGPU"),
     ))?;
-    c.apply(&claim_pod(c, "vm-new", "on-new-gpu"))?;
-    let (_, meta_new) = pod_view(c, "vm-new")?;
+    c.apply(&claim_pod(c, "vm-two", "two-8q"))?;
+    let (vfio, meta_two) = pod_view(c, "vm-two")?;
+    prepared_first_time(c, "vm-two")?;
+    let groups = vfio.iter().filter(|n| n.as_str() != "vfio").count();
     ensure!(
-        meta_new.contains("mdevUUID"),
-        "vm-new's metadata carries no vGPU:\n{meta_new}"
+        groups == 2,
+        "vm-two's /dev/vfio holds {vfio:?}: not two vGPU groups"
+    );
+    let made: Vec<String> = mdevs(c)?
+        .into_iter()
+        .filter(|m| !created.contains(m))
+        .collect();
+    ensure!(made.len() == 2, "vm-two's vGPUs: {made:?}");
+    for uuid in &made {
+        ensure!(
+            meta_two.contains(uuid.as_str()),
+            "vm-two's metadata does not name its vGPU {uuid}:\n{meta_two}"
+        );
+    }
+    ensure!(
+        meta_two.matches("\"0000:81:00.0\"").count() >= 2,
+        "vm-two's vGPUs are not both on the new GPU:\n{meta_two}"
     );
 
-    for pod in ["vm-two", "vm-whole", "vm-new"] {
-        c.kubectl(&["delete", "pod", "-n", TEST_NS, pod, "--wait=true"])?;
-    }
+    c.kubectl(&["delete", "namespace", TEST_NS, "--wait=true"])?;
     c.wait("the vGPUs removed", Duration::from_secs(60), || {
         Ok(mdevs(c)?.is_empty().then_some(()))
     })?;

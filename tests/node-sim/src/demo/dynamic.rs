@@ -250,14 +250,17 @@ async fn claim(
     class: &str,
     device: &str,
 ) -> Result<(Claim, Vec<PreparedDevice>)> {
+    let mut result = json!({"request": "gpu", "driver": DRIVER, "pool": node, "device": device});
+    if device.starts_with("vgpu-") {
+        // A share of the type's shared device, as the scheduler allocates one.
+        result["shareID"] = json!(format!("5a4e{}", uid.get(4..).unwrap_or_default()));
+    }
     api.put_claim(json!({
         "metadata": {"namespace": NS, "name": name, "uid": uid},
         "spec": {"devices": {"requests": [
             {"name": "gpu", "exactly": {"deviceClassName": class}}
         ]}},
-        "status": {"allocation": {"devices": {"results": [{
-            "request": "gpu", "driver": DRIVER, "pool": node, "device": device,
-        }]}}},
+        "status": {"allocation": {"devices": {"results": [result]}}},
     }));
     let c = Claim {
         namespace: NS.into(),
@@ -383,7 +386,7 @@ pub(super) async fn dra(b: &Bins, topo: &Topology) -> Result<()> {
         .collect();
     let vgpus = devs.len() - whole.len();
     println!(
-        "ResourceSlices of node {NODE}: {} ({} whole GPUs: {}; {vgpus} vGPU devices, each GPU's framebuffer and VFs as counters)",
+        "ResourceSlices of node {NODE}: {} ({} whole GPUs: {}; {vgpus} vGPU devices, one per GPU and type, shared by that type's vGPUs; each GPU's framebuffer and VFs as counters)",
         slices.len(),
         whole.len(),
         whole
@@ -424,7 +427,7 @@ pub(super) async fn dra(b: &Bins, topo: &Topology) -> Result<()> {
             attr(a, "mode") == Some("vgpu") && attr(a, "parentGPU") != Some(gpu_addr.as_str())
         })
         .map(|(n, _)| n)
-        .find(|n| n.contains("-4q-"))
+        .find(|n| n.ends_with("-4q"))
         .or_else(|| {
             devs.iter()
                 .filter(|(_, a)| {
@@ -513,6 +516,7 @@ fn claim_devices(prepared: &[PreparedDevice]) -> Vec<ClaimDevice> {
             pool: d.pool_name.clone(),
             device: d.device_name.clone(),
             cdi_devices: d.cdi_device_ids.clone(),
+            share_id: d.share_id.clone(),
         })
         .collect()
 }

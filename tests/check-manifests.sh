@@ -88,7 +88,7 @@ drift() { # root
     done < <(cd "$root" && find deploy/manifests -type f 2>/dev/null | sort)
     if [ ${#stale[@]} -gt 0 ]; then
         printf 'check-manifests: stale: %s\n' "${stale[@]}" >&2
-        echo "check-manifests: the chart renders them otherwise now: run deploy/generate.sh and commit what it writes" >&2
+        echo "check-manifests: not what the chart renders now: change the chart (not them), run deploy/generate.sh and commit what it writes" >&2
         return 1
     fi
     (cd "$out" && find . -type f | sed 's|^\./|ok: up to date: |' | sort)
@@ -139,11 +139,12 @@ cmp -s "$scratch/packaged.yaml" "$scratch/chart.yaml" || die "the packaged $char
 echo "ok: the packaged $chart renders as $chart"
 
 step "deploy/: the project's rules on every rendered value set"
+# Each rendered into the scratch directory under its values file's name: ci/X-values.yaml.
+mkdir -p "$scratch/ci"
 renders=()
 for v in "${values[@]}"; do
-    name="$(basename "$v" -values.yaml)"
-    template -f "$v" >"$scratch/ci-$name.yaml"
-    renders+=("$scratch/ci-$name.yaml")
+    template -f "$v" >"$scratch/ci/$(basename "$v")"
+    renders+=("$scratch/ci/$(basename "$v")")
 done
 $check rules "${generated[@]}" "${renders[@]}"
 $check examples deploy/manifests/*.yaml
@@ -154,7 +155,7 @@ import os, sys, yaml
 d, ci = sys.argv[1], sys.argv[2]
 failed = []
 def load(case):
-    return [o for o in yaml.safe_load_all(open(os.path.join(d, f"ci-{case}.yaml"))) if o]
+    return [o for o in yaml.safe_load_all(open(os.path.join(d, "ci", f"{case}-values.yaml"))) if o]
 def expect(cond, msg):
     print(("ok: " if cond else "FAIL: ") + msg)
     if not cond:

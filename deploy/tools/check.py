@@ -811,13 +811,16 @@ def cmd_cli(bindir: str, manifests: list[str]) -> None:
     def binpath(cmd: str) -> str:
         return os.path.join(bindir, os.path.basename(cmd))
 
+    seen = set()
     for f, o in daemonsets(manifests):
         for c in (pod_spec(o) or {}).get("containers") or []:
             cmd = c.get("command") or []
             if not cmd or os.path.basename(cmd[0]) not in DAEMONS:
                 continue
             args = [re.sub(r"\$\((\w+)\)", "node-1", a) for a in c.get("args") or []]
-            run_help([binpath(cmd[0])] + args, f"{f}: DaemonSet/{o['metadata']['name']}")
+            if (cmd[0], *args) not in seen:  # the same command in another value set
+                seen.add((cmd[0], *args))
+                run_help([binpath(cmd[0])] + args, f"{f}: DaemonSet/{o['metadata']['name']}")
     env_file = os.path.join(REPO, "systemd", "gpu-vm-node.env")
     examples = env_examples(env_file) if os.path.exists(env_file) else {}
     for u in sorted(glob.glob(os.path.join(REPO, "systemd", "*.service"))):

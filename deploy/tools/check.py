@@ -1,29 +1,27 @@
 #!/usr/bin/env python3
-"""Offline checks of the deployment files; run by tests/check-manifests.sh.
+"""The project's own rules for what it ships, which no Kubernetes tool knows; run by
+tests/check-manifests.sh. Whether the objects are valid Kubernetes (every field, the CEL of the
+admission policies and DeviceClasses) is the real API server's to say: the cluster tier's
+manifests test (tests/cluster/tests/manifests.rs) applies every value set with --dry-run=server.
 
-  check.py manifests            render every kustomization under deploy/ (resources,
-                                components, namespace, images: the subset of kustomize this
-                                project uses) and validate each object against the Kubernetes
-                                API schemas of 1.30 and later (kubernetes-validate, strict; 1.34
-                                and later for resource.k8s.io/v1), then check the project's own
-                                rules (selectors, mounts, RBAC, ...); the examples under
-                                deploy/examples/ refer to what the manifests ship
-  check.py render DIR           print the rendered kustomization DIR as YAML
-  check.py same A B WHAT        the YAML streams A and B (WHAT names them) hold the same
-                                objects, compared parsed and in any order; else where they differ
-  check.py validate FILE WHERE  the objects of FILE (e.g. a `helm template` output) validated
-                                and checked like a kustomization's objects
+  check.py rules FILE...        the objects of each rendered value set (the plain manifests
+                                under deploy/, `helm template` outputs): DaemonSets selected by
+                                the workload label and kept off where the GPU Operator says so,
+                                host mounts, host namespaces and privileges, RBAC the daemons
+                                need and no more, metrics ports with probes and Services, the
+                                vGPU ConfigMap, the optional ServiceMonitor and OpenShift SCC
+  check.py examples FILE...     the examples under deploy/examples refer to what exists: a
+                                claim template to a DeviceClass the manifests FILE... ship, a
+                                VMI's GPU to a claim and a request of its template
   check.py containerfile        every COPY source exists and is not excluded by .dockerignore,
                                 every file the cargo build reads is in the build context, the
                                 image is laid out by tools/build-image.sh and configured as its
                                 OCI archive is
-  check.py cli BINDIR           the commands the DaemonSets and systemd units run parse with the
-                                built binaries in BINDIR (`<command> --help` exits 0)
-  check.py image ROOTFS         the image's files (tools/build-image.sh --rootfs) hold every
-                                program the manifests run, and each daemon starts in them alone
-  check.py policy               the ValidatingAdmissionPolicies' CEL, evaluated (cel-python) on
-                                sample node updates and ResourceSlice writes: admitted and
-                                denied as intended
+  check.py cli BINDIR FILE...   the commands the DaemonSets of FILE... and the systemd units run
+                                parse with the built binaries in BINDIR (`<command> --help`)
+  check.py image ROOTFS FILE... the image's files (tools/build-image.sh --rootfs) hold every
+                                program the DaemonSets of FILE... run, and each daemon starts in
+                                them alone
   check.py docs BINDIR          every command and flag of the binaries' --help is described in
                                 docs/configuration.md
 
@@ -32,7 +30,6 @@ Every check prints what it checked; any failure prints `FAIL: ...` and exits 1.
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 import glob
 import json
@@ -46,58 +43,10 @@ import tomllib
 import yaml
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-# CHECK_DEPLOY_DIR points the manifest checks at a copy (tests/check-manifests.sh breaks a copy
-# on purpose to show that a broken manifest fails).
-DEPLOY = os.path.abspath(os.environ.get("CHECK_DEPLOY_DIR") or os.path.join(REPO, "deploy"))
-MIN_K8S = (1, 30)
-# API groups newer than MIN_K8S: their objects are validated from the release that serves them.
-MIN_K8S_BY_API = {"resource.k8s.io/v1": (1, 34)}
-# Kinds of other projects' CRDs (no schema in kubernetes-validate): examples only, checked by
-# check_examples against what the manifests ship.
-CRD_KINDS = {"VirtualMachineInstance": "kubevirt.io/v1"}
-# Kinds of other projects' CRDs the Helm chart may ship (off by default): checked by
-# check_rules against the objects they refer to.
-OPTIONAL_CRD_KINDS = {
-    "ServiceMonitor": "monitoring.coreos.com/v1",
-    "SecurityContextConstraints": "security.openshift.io/v1",
-}
-# Where the examples live: rendered and schema-validated, but not a deployment.
-EXAMPLES = os.path.join(DEPLOY, "examples")
-# The Helm chart: not a kustomization (tests/check-manifests.sh renders it with helm).
-HELM = os.path.join(DEPLOY, "helm")
-# Add-ons to the GPU Operator's own DaemonSets: validated, not a deployment of their own.
-OPERATOR = os.path.join(DEPLOY, "operator")
+EXAMPLES = os.path.join(REPO, "deploy", "examples")
+# The GPU Operator's operand service accounts, which deploy/operator/events-rbac.yaml grants
+# Events (the chart's gpuOperator.events): not the chart's, in the operator's namespace.
 GPU_OPERATOR_ACCOUNTS = {"nvidia-vfio-manager", "nvidia-vgpu-device-manager", "nvidia-sandbox-device-plugin"}
-
-# The kinds this project ships; a kind outside this list is an error (a typo would otherwise
-# only be a "schema not found" warning).
-KNOWN_KINDS = {
-    "Namespace",
-    "ServiceAccount",
-    "ClusterRole",
-    "ClusterRoleBinding",
-    "Role",
-    "RoleBinding",
-    "ConfigMap",
-    "Service",
-    "DaemonSet",
-    "ValidatingAdmissionPolicy",
-    "ValidatingAdmissionPolicyBinding",
-    "DeviceClass",
-    "ResourceClaimTemplate",
-    "VirtualMachineInstance",
-    *OPTIONAL_CRD_KINDS,
-}
-CLUSTER_SCOPED = {
-    "DeviceClass",
-    "Namespace",
-    "ClusterRole",
-    "ClusterRoleBinding",
-    "ValidatingAdmissionPolicy",
-    "ValidatingAdmissionPolicyBinding",
-    "SecurityContextConstraints",
-}
-KUSTOMIZATION_KEYS = {"apiVersion", "kind", "namespace", "resources", "components", "images", "patches"}
 
 failures: list[str] = []
 
@@ -112,141 +61,14 @@ def ok(msg: str) -> None:
 
 
 def rel(path: str) -> str:
-    return os.path.relpath(path, REPO)
+    """path in the repository, or as it is when outside (a scratch render)."""
+    r = os.path.relpath(path, REPO)
+    return path if r.startswith("..") else r
 
 
-# --- kustomize subset ----------------------------------------------------------------------------
-
-
-def load_yaml_docs(path: str) -> list[dict]:
+def load_objects(path: str) -> list[dict]:
     with open(path) as f:
-        docs = [d for d in yaml.safe_load_all(f) if d is not None]
-    for d in docs:
-        if not isinstance(d, dict):
-            raise ValueError(f"{rel(path)}: a document is not a mapping")
-    return docs
-
-
-def kustomization_file(d: str) -> str | None:
-    for name in ("kustomization.yaml", "kustomization.yml", "Kustomization"):
-        p = os.path.join(d, name)
-        if os.path.isfile(p):
-            return p
-    return None
-
-
-def json_pointer_apply(obj: dict, op: dict, where: str) -> None:
-    """One JSON6902 operation (add, replace, remove) on obj, in place."""
-    parts = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].lstrip("/").split("/")]
-    cur = obj
-    for p in parts[:-1]:
-        cur = cur[int(p)] if isinstance(cur, list) else cur[p]
-    last = parts[-1]
-    kind = op["op"]
-    if isinstance(cur, list):
-        if kind == "add":
-            cur.insert(len(cur) if last == "-" else int(last), copy.deepcopy(op["value"]))
-        elif kind == "replace":
-            cur[int(last)] = copy.deepcopy(op["value"])
-        elif kind == "remove":
-            del cur[int(last)]
-        else:
-            raise ValueError(f"{where}: patch op {kind!r} is not supported by this renderer")
-    else:
-        if kind in ("add", "replace"):
-            cur[last] = copy.deepcopy(op["value"])
-        elif kind == "remove":
-            del cur[last]
-        else:
-            raise ValueError(f"{where}: patch op {kind!r} is not supported by this renderer")
-
-
-def apply_patches(k: dict, kf: str, objs: list[dict], strict: bool = True) -> None:
-    """A kustomization's `patches` entries with an inline JSON6902 patch and a kind/name target.
-    Not `strict` (a Component rendered alone, to check its own objects): a patch whose target is
-    not there is skipped."""
-    for entry in k.get("patches") or []:
-        target = entry.get("target") or {}
-        ops = yaml.safe_load(entry.get("patch", ""))
-        if not isinstance(ops, list) or set(target) - {"kind", "name"}:
-            raise ValueError(f"{rel(kf)}: only inline JSON6902 patches with a kind/name target are supported")
-        hits = [o for o in objs if o.get("kind") == target.get("kind")
-                and (o.get("metadata") or {}).get("name") == target.get("name")]
-        if not hits and strict:
-            raise ValueError(f"{rel(kf)}: patch target {target} matches no object")
-        for o in hits:
-            for op in ops:
-                json_pointer_apply(o, op, rel(kf))
-
-
-def render(d: str, seen: set[str] | None = None, used: set[str] | None = None,
-           acc: list[dict] | None = None) -> list[dict]:
-    """Renders the kustomization in directory d. `used` collects every file it reads. A
-    Component adds its resources to `acc` (what the kustomization using it has so far) and
-    patches all of them, as kustomize does."""
-    seen = set() if seen is None else seen
-    used = set() if used is None else used
-    d = os.path.abspath(d)
-    if d in seen:
-        raise ValueError(f"{rel(d)}: kustomization cycle")
-    seen = seen | {d}
-    kf = kustomization_file(d)
-    if kf is None:
-        raise ValueError(f"{rel(d)}: no kustomization.yaml")
-    used.add(kf)
-    [k] = load_yaml_docs(kf)
-    unknown = set(k) - KUSTOMIZATION_KEYS
-    if unknown:
-        raise ValueError(
-            f"{rel(kf)}: fields {sorted(unknown)} are not supported by this renderer "
-            f"(supported: {sorted(KUSTOMIZATION_KEYS)}); extend deploy/tools/check.py"
-        )
-    objs: list[dict] = acc if acc is not None else []
-    for entry in k.get("resources") or []:
-        p = os.path.normpath(os.path.join(d, entry))
-        if os.path.isdir(p):
-            objs.extend(render(p, seen, used))
-        elif os.path.isfile(p):
-            used.add(p)
-            objs.extend(load_yaml_docs(p))
-        else:
-            raise ValueError(f"{rel(kf)}: resources entry {entry!r} does not exist")
-    for entry in k.get("components") or []:
-        p = os.path.normpath(os.path.join(d, entry))
-        if not os.path.isdir(p):
-            raise ValueError(f"{rel(kf)}: components entry {entry!r} does not exist")
-        render(p, seen, used, objs)
-    apply_patches(k, kf, objs, strict=acc is not None or k.get("kind") != "Component")
-    ns = k.get("namespace")
-    if ns:
-        for o in objs:
-            if o.get("kind") not in CLUSTER_SCOPED:
-                o.setdefault("metadata", {})["namespace"] = ns
-            if o.get("kind") in ("RoleBinding", "ClusterRoleBinding"):
-                for s in o.get("subjects") or []:
-                    if s.get("kind") == "ServiceAccount":
-                        s["namespace"] = ns
-    for img in k.get("images") or []:
-        for o in objs:
-            for c in pod_containers(o):
-                name, tag = split_image(c.get("image", ""))
-                if name != img["name"]:
-                    continue
-                new = img.get("newName", name)
-                if "digest" in img:
-                    c["image"] = f"{new}@{img['digest']}"
-                else:
-                    c["image"] = f"{new}:{img.get('newTag', tag or 'latest')}"
-    return objs
-
-
-def split_image(image: str) -> tuple[str, str | None]:
-    if "@" in image:
-        return image.split("@", 1)[0], None
-    last = image.rsplit("/", 1)[-1]
-    if ":" in last:
-        return image.rsplit(":", 1)[0], image.rsplit(":", 1)[1]
-    return image, None
+        return [o for o in yaml.safe_load_all(f) if o is not None]
 
 
 def pod_spec(o: dict) -> dict | None:
@@ -262,66 +84,9 @@ def pod_containers(o: dict) -> list[dict]:
     return list(spec.get("initContainers") or []) + list(spec.get("containers") or [])
 
 
-def kustomization_dirs() -> list[str]:
-    out = []
-    for root, _dirs, files in os.walk(DEPLOY):
-        if any(f in files for f in ("kustomization.yaml", "kustomization.yml", "Kustomization")):
-            out.append(root)
-    return sorted(out)
-
-
-def is_component(d: str) -> bool:
-    kf = kustomization_file(d)
-    return bool(kf) and load_yaml_docs(kf)[0].get("kind") == "Component"
-
-
-# --- schema validation ---------------------------------------------------------------------------
-
-
-def schema_versions(minimum: tuple[int, int] = MIN_K8S) -> list[str]:
-    import kubernetes_validate.utils as kvu
-
-    vs = []
-    for v in kvu.all_versions():
-        parts = tuple(int(x) for x in v.split(".")[:2])
-        if parts >= minimum and v not in vs:
-            vs.append(v)
-    return vs
-
-
-def validate_schemas(objs: list[dict], where: str) -> None:
-    import kubernetes_validate.utils as kvu
-
-    versions = schema_versions()
-    if not versions:
-        fail("kubernetes-validate has no schemas for Kubernetes 1.30 or later")
-        return
-    for o in objs:
-        name = f"{o.get('kind')}/{o.get('metadata', {}).get('name')}"
-        if o.get("kind") not in KNOWN_KINDS:
-            fail(f"{where}: {name}: kind not expected in this project (typo?)")
-            continue
-        crd = CRD_KINDS.get(o.get("kind")) or OPTIONAL_CRD_KINDS.get(o.get("kind"))
-        if crd:
-            if o.get("apiVersion") != crd:
-                fail(f"{where}: {name}: apiVersion {o.get('apiVersion')}, expected {crd}")
-            else:
-                ok(f"{where}: {name}: no schema offline (a CRD); checked by its references below")
-            continue
-        versions = schema_versions(MIN_K8S_BY_API.get(o.get("apiVersion"), MIN_K8S))
-        bad = []
-        for v in versions:
-            try:
-                kvu.validate(copy.deepcopy(o), v, strict=True)
-            except kvu.ValidationError as e:
-                path = ".".join(str(p) for p in e.path)
-                bad.append(f"{v}: {path}: {e.message}")
-            except Exception as e:  # schema not found, version not supported
-                bad.append(f"{v}: {type(e).__name__}: {e}")
-        if bad:
-            fail(f"{where}: {name} does not validate: " + "; ".join(bad[:3]))
-        else:
-            ok(f"{where}: {name} validates against Kubernetes {versions[0]}..{versions[-1]} (strict)")
+def daemonsets(files: list[str]) -> list[tuple[str, dict]]:
+    """(file, DaemonSet) of every DaemonSet in files."""
+    return [(rel(os.path.abspath(f)), o) for f in files for o in load_objects(f) if o.get("kind") == "DaemonSet"]
 
 
 # --- project rules -------------------------------------------------------------------------------
@@ -334,13 +99,11 @@ EXPECTED_WORKLOADS = {
     "sandbox-dra": {"vm-dra"},
     "sandbox-dp-on-demand": {"vm-vgpu-on-demand"},
 }
-# DaemonSets only some deployments have (the DRA driver: deploy/components/dra; sandbox-dp
-# --on-demand: deploy/components/on-demand).
-OPTIONAL_DAEMONSETS = {"sandbox-dra", "sandbox-dp-on-demand"}
 # The binary a DaemonSet runs, where it is not the DaemonSet's name.
 BINARY = {"sandbox-dp-on-demand": "sandbox-dp"}
 # What each daemon may mount from the host, and whether writable. Everything lives under
-# HOST_ROOT=/host at its host path.
+# HOST_ROOT=/host at its host path; kubelet's directories are named at their default root
+# (the chart's kubeletDir moves them).
 ALLOWED_HOST_MOUNTS = {
     "vfio-manager": {
         "/sys": True,
@@ -398,7 +161,7 @@ ALLOWED_HOST_MOUNTS = {
     },
 }
 # Every daemon records Events about its Node, so every one has a token.
-NEEDS_API = set(EXPECTED_WORKLOADS)
+NEEDS_API = set(EXPECTED_WORKLOADS) | GPU_OPERATOR_ACCOUNTS
 NEEDS_PRIVILEGED = {"vfio-manager", "vgpu-device-manager", "sandbox-dra", "sandbox-dp-on-demand"}
 NEEDS_HOSTPID = {"vfio-manager", "vgpu-device-manager", "sandbox-dra", "sandbox-dp-on-demand"}
 # What each service account may do: (apiGroups, resources, verbs) a rule must stay within.
@@ -414,6 +177,7 @@ ALLOWED_RULES = {
         ({"resource.k8s.io"}, {"resourceclaims"}, {"get"}),
         ({""}, {"nodes"}, {"list", "watch"}),
     ],
+    **{sa: [EVENTS_RULE] for sa in GPU_OPERATOR_ACCOUNTS},
 }
 # Each daemon's metrics port (--metrics-addr; /metrics, /healthz, /readyz): not 9400, which is
 # dcgm-exporter's.
@@ -424,12 +188,12 @@ METRICS_PORTS = {"vfio-manager": 9481, "vgpu-device-manager": 9482, "sandbox-dp"
 OPERANDS = {"vfio-manager": "vfio-manager", "vgpu-device-manager": "vgpu-device-manager",
             "sandbox-dp": "sandbox-device-plugin", "sandbox-dp-on-demand": "sandbox-device-plugin"}
 DEPLOY_OFF_VALUES = {"false", "paused-for-vgpu-change", "paused-for-driver-upgrade"}
-VGPU_CONFIGMAP = "default-vgpu-devices-config"
 # The files sandbox-dp's init container waits for.
 READY_FILES = {
     "vfio-manager": "/host/run/nvidia/validations/vfio-pci-ready",
     "vgpu-device-manager": "/host/run/nvidia/validations/vgpu-devices-ready",
 }
+
 
 
 def env_of(c: dict) -> dict:
@@ -449,10 +213,8 @@ def check_rules(objs: list[dict], where: str) -> None:
         by_kind.setdefault(o["kind"], {})[o["metadata"]["name"]] = o
 
     dss = by_kind.get("DaemonSet", {})
-    required = set(EXPECTED_WORKLOADS) - OPTIONAL_DAEMONSETS
-    if not required <= set(dss) <= set(EXPECTED_WORKLOADS):
-        fail(f"{where}: DaemonSets are {sorted(dss)}, expected {sorted(required)} "
-             f"and any of {sorted(OPTIONAL_DAEMONSETS)}")
+    if not set(dss) <= set(EXPECTED_WORKLOADS):
+        fail(f"{where}: DaemonSets {sorted(set(dss) - set(EXPECTED_WORKLOADS))} are not the project's")
     for name, ds in dss.items():
         spec = pod_spec(ds) or {}
         tag = f"{where}: DaemonSet/{name}"
@@ -511,8 +273,11 @@ def check_rules(objs: list[dict], where: str) -> None:
             if priv != expect:
                 fail(f"{tag}: container {c['name']} privileged = {priv}, expected {expect}")
         # Host paths: only the allowed ones, each at /host<path>, writable only where needed.
+        # kubelet's root (the chart's kubeletDir) is where its device-plugins directory is.
         vols = {v["name"]: v for v in spec.get("volumes") or []}
         allowed = ALLOWED_HOST_MOUNTS.get(name, {})
+        kubelet = os.path.dirname(((vols.get("device-plugins") or {}).get("hostPath") or {}).get("path")
+                                  or "/var/lib/kubelet/device-plugins")
         for c in pod_containers(ds):
             for m in c.get("volumeMounts") or []:
                 v = vols.get(m["name"])
@@ -524,11 +289,14 @@ def check_rules(objs: list[dict], where: str) -> None:
                 hp = (v.get("hostPath") or {}).get("path")
                 if hp is None:
                     continue
+                if hp.startswith(kubelet + "/"):
+                    hp = "/var/lib/kubelet" + hp[len(kubelet):]
                 if hp not in allowed:
                     fail(f"{tag}: mounts host {hp}, not in its allowed set {sorted(allowed)}")
                     continue
-                if m["mountPath"] != "/host" + hp:
-                    fail(f"{tag}: host {hp} mounted at {m['mountPath']}, expected /host{hp}")
+                want = "/host" + v["hostPath"]["path"]
+                if m["mountPath"] != want:
+                    fail(f"{tag}: host {hp} mounted at {m['mountPath']}, expected {want}")
                 writable = not m.get("readOnly", False)
                 if writable and not allowed[hp]:
                     fail(f"{tag}: host {hp} is mounted writable but only needs reading")
@@ -544,7 +312,7 @@ def check_rules(objs: list[dict], where: str) -> None:
                 fail(f"{tag}: {c['name']} lacks NODE_NAME from spec.nodeName")
             # The kubelet directory the daemon reads is the one mounted.
             mounted = {m["mountPath"] for m in c.get("volumeMounts") or []}
-            kdir = "/host/var/lib/kubelet/device-plugins"
+            kdir = f"/host{kubelet}/device-plugins"
             if kdir in mounted and env.get("KUBELET_DIR", {}).get("value") != kdir:
                 fail(f"{tag}: {c['name']} mounts {kdir} but does not set KUBELET_DIR={kdir}")
             cmd = c.get("command") or []
@@ -576,6 +344,8 @@ def check_rules(objs: list[dict], where: str) -> None:
                     bound_sas.add(s["name"])
                     role_sas.setdefault((b["roleRef"]["kind"], b["roleRef"]["name"]), set()).add(s["name"])
                     sa = by_kind.get("ServiceAccount", {}).get(s["name"])
+                    if s["name"] in GPU_OPERATOR_ACCOUNTS:
+                        continue
                     if sa is None or sa["metadata"].get("namespace") != s.get("namespace"):
                         fail(f"{where}: {kind}/{bn} binds ServiceAccount {s.get('namespace')}/{s['name']}, not defined")
     if bound_sas - NEEDS_API:
@@ -593,17 +363,15 @@ def check_rules(objs: list[dict], where: str) -> None:
                         fail(f"{where}: {kind}/{rn} grants {sa or 'nobody'} more than it needs: {rule}")
     ok(f"{where}: RBAC grants {sorted(bound_sas)} only what each needs")
     # The vGPU ConfigMap: present, referenced, and a well-formed vgpu-configs file.
+    # (vgpuDeviceManager.config.create=false: one the cluster has, not rendered.)
     cms = by_kind.get("ConfigMap", {})
     for name, ds in dss.items():
         for v in (pod_spec(ds) or {}).get("volumes") or []:
             ref = (v.get("configMap") or {}).get("name")
             if ref and ref not in cms:
-                fail(f"{where}: DaemonSet/{name} mounts missing ConfigMap {ref}")
-    cm = cms.get(VGPU_CONFIGMAP)
-    if cm is None:
-        fail(f"{where}: ConfigMap {VGPU_CONFIGMAP} missing")
-    else:
-        check_vgpu_config(cm.get("data", {}).get("config.yaml", ""), where)
+                ok(f"{where}: DaemonSet/{name} mounts ConfigMap {ref}, not rendered: the cluster's own")
+            elif ref:
+                check_vgpu_config(ref, cms[ref].get("data", {}).get("config.yaml", ""), where)
     check_optional_crds(by_kind, dss, where)
 
 
@@ -670,8 +438,8 @@ TYPE_KEY = re.compile(r"^[A-Za-z0-9]+[A-Za-z0-9-]*-[0-9A-Za-z-]+$|^nvidia-[0-9]+
 FILTER = re.compile(r"^0x[0-9A-Fa-f]{8}(:0x[0-9A-Fa-f]{8})?$")
 
 
-def check_vgpu_config(text: str, where: str) -> None:
-    tag = f"{where}: ConfigMap/{VGPU_CONFIGMAP} config.yaml"
+def check_vgpu_config(name: str, text: str, where: str) -> None:
+    tag = f"{where}: ConfigMap/{name} config.yaml"
     try:
         cfg = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -705,63 +473,23 @@ def check_vgpu_config(text: str, where: str) -> None:
     ok(f"{tag}: {len(profiles)} profiles, {n} entries, well-formed")
 
 
-def cmd_manifests() -> None:
-    try:
-        import kubernetes_validate  # noqa: F401
-    except ImportError:
-        fail("the Python package kubernetes-validate is not installed (tests/check-manifests.sh installs it)")
-        return
-    dirs = kustomization_dirs()
-    if not dirs:
-        fail("no kustomization under deploy/")
-    used: set[str] = set()
-    for d in dirs:
-        where = rel(d)
-        try:
-            objs = render(d, used=used)
-        except (ValueError, OSError, yaml.YAMLError, KeyError) as e:
-            fail(f"{where}: cannot render: {e}")
-            continue
-        ok(f"{where}: renders {len(objs)} objects")
-        validate_schemas(objs, where)
-        if os.path.abspath(d).startswith(EXAMPLES + os.sep):
-            check_examples(objs, where)
-        elif os.path.abspath(d) == OPERATOR:
-            check_operator_addons(objs, where)
-        elif not is_component(d):
-            check_rules(objs, where)
-    # Every manifest file is part of some kustomization (a file nobody renders is never checked
-    # or applied).
-    for p in sorted(glob.glob(os.path.join(DEPLOY, "**", "*.y*ml"), recursive=True)):
-        if os.path.basename(p).startswith("kustomization.") or os.path.abspath(p).startswith(HELM + os.sep):
-            continue
-        if os.path.abspath(p) not in used:
-            fail(f"{rel(p)} is not listed in any kustomization")
+def cmd_rules(files: list[str]) -> None:
+    for f in files:
+        objs = load_objects(f)
+        ok(f"{rel(os.path.abspath(f))}: {len(objs)} objects")
+        check_rules(objs, rel(os.path.abspath(f)))
 
 
-def check_operator_addons(objs: list[dict], where: str) -> None:
-    """The add-ons grant to the GPU Operator's operand service accounts, and nothing else runs."""
-    kinds = sorted({o["kind"] for o in objs} - {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"})
-    if kinds:
-        fail(f"{where}: only RBAC belongs here, found {kinds}")
-    for o in objs:
-        for s in o.get("subjects") or []:
-            if s.get("kind") == "ServiceAccount" and s.get("name") not in GPU_OPERATOR_ACCOUNTS:
-                fail(f"{where}: {o['kind']}/{o['metadata']['name']} grants to {s.get('name')!r}, "
-                     f"not one of the GPU Operator's {sorted(GPU_OPERATOR_ACCOUNTS)}")
-    ok(f"{where}: RBAC for the GPU Operator's operands only")
-
-
-def check_examples(objs: list[dict], where: str) -> None:
+def cmd_examples(manifests: list[str]) -> None:
     """An example refers only to what exists: a VMI's GPU to a claim of its own and a request of
     that claim's template, a template to a DeviceClass the manifests ship."""
-    shipped = {
-        o["metadata"]["name"]
-        for d in kustomization_dirs()
-        if not os.path.abspath(d).startswith(EXAMPLES + os.sep)
-        for o in render(d)
-        if o["kind"] == "DeviceClass"
-    }
+    shipped = {o["metadata"]["name"] for f in manifests for o in load_objects(f) if o["kind"] == "DeviceClass"}
+    for d in sorted(glob.glob(os.path.join(EXAMPLES, "*", ""))):
+        objs = [o for f in sorted(glob.glob(os.path.join(d, "*.yaml"))) for o in load_objects(f)]
+        check_example(objs, shipped, rel(d.rstrip(os.sep)))
+
+
+def check_example(objs: list[dict], shipped: set[str], where: str) -> None:
     templates = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ResourceClaimTemplate"}
     for name, t in templates.items():
         for r in t["spec"]["spec"]["devices"].get("requests") or []:
@@ -796,59 +524,6 @@ def check_examples(objs: list[dict], where: str) -> None:
                 fail(f"{tag}: GPU {g.get('name')} names request {g.get('requestName')!r}, not one of {requests}")
             else:
                 ok(f"{tag}: GPU {g['name']} from claim {g['claimName']}, request {g['requestName']}")
-
-
-def cmd_render(d: str) -> None:
-    objs = render(d)
-    sys.stdout.write(yaml.safe_dump_all(objs, sort_keys=True))
-
-
-def load_objects(path: str) -> list[dict]:
-    with open(path) as f:
-        return [o for o in yaml.safe_load_all(f) if o is not None]
-
-
-def object_key(o: dict) -> tuple[str, str, str, str]:
-    m = o.get("metadata") or {}
-    return (o.get("apiVersion", ""), o.get("kind", ""), m.get("namespace") or "", m.get("name", ""))
-
-
-def cmd_same(a: str, b: str, what: str, ignore_kinds: tuple[str, ...] = ()) -> None:
-    """Compares two renders as sets of parsed objects: any object only in one, or any field
-    that differs, fails with the first differences. Objects of `ignore_kinds` are left out."""
-    ours = {object_key(o): o for o in load_objects(a) if o.get("kind") not in ignore_kinds}
-    theirs = {object_key(o): o for o in load_objects(b) if o.get("kind") not in ignore_kinds}
-    diffs = [f"only in the first: {k}" for k in sorted(set(ours) - set(theirs))]
-    diffs += [f"only in the second: {k}" for k in sorted(set(theirs) - set(ours))]
-
-    def walk(x, y, path: str) -> None:
-        if isinstance(x, dict) and isinstance(y, dict):
-            for k in sorted(set(x) | set(y), key=str):
-                walk(x.get(k, "<absent>"), y.get(k, "<absent>"), f"{path}.{k}")
-        elif isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
-            for i, (xi, yi) in enumerate(zip(x, y)):
-                walk(xi, yi, f"{path}[{i}]")
-        elif x != y:
-            diffs.append(f"{path}: {json.dumps(x)[:200]} != {json.dumps(y)[:200]}")
-
-    for k in sorted(set(ours) & set(theirs)):
-        walk(ours[k], theirs[k], f"{k[1]}/{k[3]}")
-    if diffs:
-        fail(f"{what} differ: " + "; ".join(diffs[:10]))
-    else:
-        ok(f"{what}: the same {len(ours)} objects")
-
-
-def cmd_validate(path: str, where: str) -> None:
-    try:
-        import kubernetes_validate  # noqa: F401
-    except ImportError:
-        fail("the Python package kubernetes-validate is not installed (tests/check-manifests.sh installs it)")
-        return
-    objs = load_objects(path)
-    ok(f"{where}: {len(objs)} objects")
-    validate_schemas(objs, where)
-    check_rules(objs, where)
 
 
 # --- Containerfile -------------------------------------------------------------------------------
@@ -1101,7 +776,6 @@ def cmd_containerfile() -> None:
             ok(f"Containerfile's {what} is the OCI archive's")
 
 
-
 # --- CLI consistency -----------------------------------------------------------------------------
 
 
@@ -1133,20 +807,20 @@ def env_examples(path: str) -> dict[str, list[str]]:
     return out
 
 
-def cmd_cli(bindir: str) -> None:
+def cmd_cli(bindir: str, manifests: list[str]) -> None:
     def binpath(cmd: str) -> str:
         return os.path.join(bindir, os.path.basename(cmd))
 
-    for d in kustomization_dirs():
-        if is_component(d):
-            continue
-        for o in render(d):
-            for c in (pod_spec(o) or {}).get("containers") or []:
-                cmd = c.get("command") or []
-                if not cmd or os.path.basename(cmd[0]) not in DAEMONS:
-                    continue
-                args = [re.sub(r"\$\((\w+)\)", "node-1", a) for a in c.get("args") or []]
-                run_help([binpath(cmd[0])] + args, f"{rel(d)}: {o['kind']}/{o['metadata']['name']}")
+    seen = set()
+    for f, o in daemonsets(manifests):
+        for c in (pod_spec(o) or {}).get("containers") or []:
+            cmd = c.get("command") or []
+            if not cmd or os.path.basename(cmd[0]) not in DAEMONS:
+                continue
+            args = [re.sub(r"\$\((\w+)\)", "node-1", a) for a in c.get("args") or []]
+            if (cmd[0], *args) not in seen:  # the same command in another value set
+                seen.add((cmd[0], *args))
+                run_help([binpath(cmd[0])] + args, f"{f}: DaemonSet/{o['metadata']['name']}")
     env_file = os.path.join(REPO, "systemd", "gpu-vm-node.env")
     examples = env_examples(env_file) if os.path.exists(env_file) else {}
     for u in sorted(glob.glob(os.path.join(REPO, "systemd", "*.service"))):
@@ -1174,152 +848,7 @@ def cmd_cli(bindir: str) -> None:
                 run_help(argv, rel(u))
 
 
-# --- admission policy ----------------------------------------------------------------------------
-
-SA_USER = "system:serviceaccount:gpu-vm-node:vgpu-device-manager"
-
-
-def node(name: str, labels: dict | None = None, annotations: dict | None = None, spec: dict | None = None) -> dict:
-    meta: dict = {"name": name}
-    if labels is not None:
-        meta["labels"] = labels
-    if annotations is not None:
-        meta["annotations"] = annotations
-    o = {"apiVersion": "v1", "kind": "Node", "metadata": meta}
-    if spec is not None:
-        o["spec"] = spec
-    return o
-
-
-BASE_LABELS = {"kubernetes.io/hostname": "gpu-1", "nvidia.com/gpu.workload.config": "vm-vgpu",
-               "nvidia.com/vgpu.config": "A10-4Q", "nvidia.com/vgpu.config.state": "pending"}
-# (what, user, token node, old, new, admitted)
-POLICY_CASES = [
-    ("its own node's state label", SA_USER, "gpu-1",
-     node("gpu-1", BASE_LABELS, {}, {"podCIDR": "10.0.0.0/24"}),
-     node("gpu-1", {**BASE_LABELS, "nvidia.com/vgpu.config.state": "success"}, {}, {"podCIDR": "10.0.0.0/24"}), True),
-    ("its own node's reason annotation", SA_USER, "gpu-1",
-     node("gpu-1", BASE_LABELS), node("gpu-1", BASE_LABELS, {"nvidia.com/vgpu.config.state.reason": "x"}), True),
-    ("a first state label on an unlabelled node", SA_USER, "gpu-1",
-     node("gpu-1"), node("gpu-1", {"nvidia.com/vgpu.config.state": "pending"}), True),
-    ("another node", SA_USER, "gpu-1",
-     node("gpu-2", BASE_LABELS), node("gpu-2", {**BASE_LABELS, "nvidia.com/vgpu.config.state": "success"}), False),
-    ("a token without a node name", SA_USER, None,
-     node("gpu-1", BASE_LABELS), node("gpu-1", {**BASE_LABELS, "nvidia.com/vgpu.config.state": "success"}), False),
-    ("the profile label", SA_USER, "gpu-1",
-     node("gpu-1", BASE_LABELS), node("gpu-1", {**BASE_LABELS, "nvidia.com/vgpu.config": "A10-8Q"}), False),
-    ("removing a label", SA_USER, "gpu-1",
-     node("gpu-1", BASE_LABELS), node("gpu-1", {k: v for k, v in BASE_LABELS.items() if k != "kubernetes.io/hostname"}), False),
-    ("another annotation", SA_USER, "gpu-1",
-     node("gpu-1", BASE_LABELS), node("gpu-1", BASE_LABELS, {"example.com/x": "y"}), False),
-    ("the spec (cordon)", SA_USER, "gpu-1",
-     node("gpu-1", BASE_LABELS, None, {}), node("gpu-1", BASE_LABELS, None, {"unschedulable": True}), False),
-    ("(another user) anything", "system:node:gpu-1", "gpu-1",
-     node("gpu-1", BASE_LABELS), node("gpu-1", {**BASE_LABELS, "nvidia.com/vgpu.config": "A10-8Q"}), True),
-]
-
-DRA_USER = "system:serviceaccount:gpu-vm-node:sandbox-dra"
-DRA_DRIVER = "gpu.gpu-vm-node.io"
-
-
-def rslice(node_name: str, driver: str = DRA_DRIVER, generation: int = 1) -> dict:
-    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-            "metadata": {"name": f"{node_name}-{driver}"},
-            "spec": {"driver": driver, "nodeName": node_name,
-                     "pool": {"name": node_name, "generation": generation, "resourceSliceCount": 1}}}
-
-
-# (what, user, token node, operation, old, new, admitted)
-DRA_POLICY_CASES = [
-    ("creating its own node's slice", DRA_USER, "gpu-1", "CREATE", None, rslice("gpu-1"), True),
-    ("updating its own node's slice", DRA_USER, "gpu-1", "UPDATE", rslice("gpu-1"), rslice("gpu-1", generation=2), True),
-    ("deleting a stale slice of its own node", DRA_USER, "gpu-1", "DELETE", rslice("gpu-1"), None, True),
-    ("creating another node's slice", DRA_USER, "gpu-1", "CREATE", None, rslice("gpu-2"), False),
-    ("moving another node's slice to its own", DRA_USER, "gpu-1", "UPDATE", rslice("gpu-2"), rslice("gpu-1"), False),
-    ("deleting another node's slice", DRA_USER, "gpu-1", "DELETE", rslice("gpu-2"), None, False),
-    ("another driver's slice on its own node", DRA_USER, "gpu-1", "CREATE", None, rslice("gpu-1", "other.example.com"), False),
-    ("a slice with a token without a node name", DRA_USER, None, "CREATE", None, rslice("gpu-1"), False),
-    ("(another user) another node's slice", "system:node:gpu-1", "gpu-1", "DELETE", rslice("gpu-2"), None, True),
-]
-
-# Each policy: the service account it is about, and its cases.
-POLICIES = {
-    "gpu-vm-node-vgpu-device-manager-own-node": (
-        SA_USER, [(w, u, t, "UPDATE", o, n, a) for w, u, t, o, n, a in POLICY_CASES]),
-    "gpu-vm-node-sandbox-dra-own-node": (DRA_USER, DRA_POLICY_CASES),
-}
-
-
-def cmd_policy() -> None:
-    """Evaluates the ValidatingAdmissionPolicies' CEL against sample requests: node updates by
-    vgpu-device-manager, ResourceSlice writes by sandbox-dra."""
-    try:
-        import celpy
-    except ImportError:
-        fail("the Python package cel-python is not installed (tests/check-manifests.sh installs it)")
-        return
-    env = celpy.Environment()
-
-    def prog(expr: str):
-        return env.program(env.compile(expr))
-
-    policies = []
-    for d in kustomization_dirs():
-        for o in render(d):
-            if o["kind"] == "ValidatingAdmissionPolicy" and o["metadata"]["name"] not in [p["metadata"]["name"] for p in policies]:
-                policies.append(o)
-    if not policies:
-        ok("no ValidatingAdmissionPolicy to evaluate")
-        return
-    for pol in policies:
-        spec = pol["spec"]
-        name = pol["metadata"]["name"]
-        if name not in POLICIES:
-            fail(f"{name}: no sample cases for this policy in deploy/tools/check.py")
-            continue
-        sa_user, cases = POLICIES[name]
-        if sa_user not in json.dumps(spec.get("matchConditions", [])):
-            fail(f"{name}: does not match the service account {sa_user}")
-        try:
-            conds = [(c["name"], prog(c["expression"])) for c in spec.get("matchConditions", [])]
-            variables = [(v["name"], prog(v["expression"])) for v in spec.get("variables", [])]
-            checks = [(v.get("message", v["expression"]), prog(v["expression"])) for v in spec["validations"]]
-            msgs = [prog(v["messageExpression"]) for v in spec["validations"] if "messageExpression" in v]
-        except Exception as e:  # a CEL syntax error
-            fail(f"{name}: CEL does not compile: {e}")
-            continue
-        for what, user, token_node, operation, old, new, want in cases:
-            extra = {"authentication.kubernetes.io/node-name": [token_node]} if token_node else {}
-            act = {
-                "request": celpy.json_to_cel({"userInfo": {"username": user, "extra": extra}, "operation": operation}),
-                "object": celpy.json_to_cel(new),
-                "oldObject": celpy.json_to_cel(old),
-            }
-            try:
-                applies = all(bool(p.evaluate(act)) for _, p in conds)
-                denied = []
-                if applies:
-                    vals = {}
-                    for vn, p in variables:
-                        act["variables"] = celpy.json_to_cel(vals)
-                        vals[vn] = p.evaluate(act)
-                    act["variables"] = celpy.celtypes.MapType(
-                        {celpy.celtypes.StringType(k): v for k, v in vals.items()})
-                    denied = [m for m, p in checks if not bool(p.evaluate(act))]
-                    for m in msgs:
-                        m.evaluate(act)
-            except Exception as e:
-                fail(f"{name}: evaluating the case '{what}' failed: {e}")
-                continue
-            admitted = not denied
-            verdict = "admitted" if admitted else f"denied ({'; '.join(denied)})"
-            if admitted != want:
-                fail(f"{name}: {what}: {verdict}, expected {'admitted' if want else 'denied'}")
-            else:
-                ok(f"{name}: {what}: {verdict}")
-
-
-def cmd_image(rootfs: str) -> None:
+def cmd_image(rootfs: str, manifests: list[str]) -> None:
     """The image's files (tools/build-image.sh --rootfs, from the built binaries) hold every
     program the manifests and probes run, and each daemon starts there with nothing but them."""
     def exists(path: str) -> bool:
@@ -1332,17 +861,14 @@ def cmd_image(rootfs: str) -> None:
                 continue
             return os.path.isfile(full)
         return False
-    for d in kustomization_dirs():
-        if is_component(d):
-            continue
-        for o in render(d):
-            for c in pod_containers(o):
-                progs = [(c.get("command") or [""])[0]]
-                for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-                    progs.append((((c.get(probe) or {}).get("exec") or {}).get("command") or [""])[0])
-                for prog in progs:
-                    if prog.startswith("/") and not exists(prog):
-                        fail(f"{rel(d)}: {o['metadata']['name']}/{c['name']} runs {prog}, which the image lacks")
+    for f, o in daemonsets(manifests):
+        for c in pod_containers(o):
+            progs = [(c.get("command") or [""])[0]]
+            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                progs.append((((c.get(probe) or {}).get("exec") or {}).get("command") or [""])[0])
+            for prog in progs:
+                if prog.startswith("/") and not exists(prog):
+                    fail(f"{f}: {o['metadata']['name']}/{c['name']} runs {prog}, which the image lacks")
     ok("the image holds every program the manifests run")
     for b in DAEMONS + ["vfio-manage"]:
         r = subprocess.run(["chroot", rootfs, f"/usr/local/bin/{b}", "--version"], capture_output=True, text=True)
@@ -1424,30 +950,20 @@ def cmd_docs(bindir: str) -> None:
 
 
 def main() -> int:
-    if len(sys.argv) < 2:
-        print(__doc__)
-        return 2
-    cmd = sys.argv[1]
-    if cmd == "manifests":
-        cmd_manifests()
-    elif cmd == "render" and len(sys.argv) == 3:
-        cmd_render(sys.argv[2])
-    elif cmd == "same" and len(sys.argv) == 5:
-        cmd_same(sys.argv[2], sys.argv[3], sys.argv[4])
-    elif cmd == "same" and len(sys.argv) == 6 and sys.argv[5].startswith("--ignore-kind="):
-        cmd_same(sys.argv[2], sys.argv[3], sys.argv[4], tuple(sys.argv[5].split("=", 1)[1].split(",")))
-    elif cmd == "validate" and len(sys.argv) == 4:
-        cmd_validate(sys.argv[2], sys.argv[3])
-    elif cmd == "containerfile":
+    args = sys.argv[1:]
+    cmd = args[0] if args else ""
+    if cmd == "rules" and len(args) >= 2:
+        cmd_rules(args[1:])
+    elif cmd == "examples" and len(args) >= 2:
+        cmd_examples(args[1:])
+    elif cmd == "containerfile" and len(args) == 1:
         cmd_containerfile()
-    elif cmd == "cli" and len(sys.argv) == 3:
-        cmd_cli(sys.argv[2])
-    elif cmd == "image" and len(sys.argv) == 3:
-        cmd_image(sys.argv[2])
-    elif cmd == "policy":
-        cmd_policy()
-    elif cmd == "docs" and len(sys.argv) == 3:
-        cmd_docs(sys.argv[2])
+    elif cmd == "cli" and len(args) >= 3:
+        cmd_cli(args[1], args[2:])
+    elif cmd == "image" and len(args) >= 3:
+        cmd_image(args[1], args[2:])
+    elif cmd == "docs" and len(args) == 2:
+        cmd_docs(args[1])
     else:
         print(__doc__)
         return 2

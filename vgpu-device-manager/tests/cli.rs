@@ -357,8 +357,8 @@ fn shrinking_keeps_the_vgpu_in_use() {
 
 /// The deployed default ConfigMap (GPU Operator shape: per-model `device-filter` entries).
 fn deployed_config() -> String {
-    let path =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/base/vgpu-config.yaml");
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/helm/gpu-vm-node/files/vgpu-config.yaml");
     let cm: yaml_serde::Value =
         yaml_serde::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     cm["data"]["config.yaml"].as_str().unwrap().to_string()

@@ -1,4 +1,5 @@
-//! The default vGPU ConfigMap (`deploy/base/vgpu-config.yaml`), generated from the catalogue.
+//! The default vGPU ConfigMap (`deploy/helm/gpu-vm-node/files/vgpu-config.yaml`, which the
+//! chart's ConfigMap holds), generated from the catalogue.
 //!
 //! The ConfigMap holds one file, `config.yaml`, in NVIDIA's vgpu-device-manager format
 //! (`version: v1`, `vgpu-configs`), with:
@@ -22,7 +23,7 @@ use crate::catalogue::{Attach, Catalogue, GpuModel, VgpuTypeDef};
 /// NVIDIA's PCI vendor id.
 const NVIDIA_VENDOR: u16 = 0x10de;
 
-/// The ConfigMap's name in the `deploy/base` kustomization (the GPU Operator's name for it).
+/// The ConfigMap's name in the Helm chart's defaults (the GPU Operator's name for it).
 pub const CONFIGMAP_NAME: &str = "default-vgpu-devices-config";
 
 /// The key (file name) of the config inside the ConfigMap.
@@ -123,14 +124,14 @@ fn yaml_key(key: &str) -> String {
     }
 }
 
-/// The whole ConfigMap manifest (`deploy/base/vgpu-config.yaml`) holding
+/// The whole ConfigMap manifest (`deploy/helm/gpu-vm-node/files/vgpu-config.yaml`) holding
 /// [`default_vgpu_config`] under the key `config.yaml`.
 pub fn default_vgpu_configmap(cat: &Catalogue) -> String {
     let mut out = String::new();
     out.push_str(
         "# GENERATED from tests/node-sim/catalogue.toml by tests/node-sim/src/configmap.rs: do not\n\
-         # edit by hand. Regenerate with\n\
-         #   UPDATE_CONFIGMAP=1 cargo test -p node-sim --test configmap\n\
+         # edit by hand. Regenerate with deploy/generate.sh (which runs\n\
+         #   UPDATE_CONFIGMAP=1 cargo test -p node-sim --test configmap).\n\
          #\n\
          # The vGPU profiles vgpu-device-manager reads (NVIDIA vgpu-device-manager format). A node\n\
          # picks one with the label nvidia.com/vgpu.config=<profile>; without it, \"default\".\n\

@@ -1,5 +1,6 @@
-//! The committed default vGPU ConfigMap (`deploy/base/vgpu-config.yaml`) is the generator's
-//! output for the catalogue. After changing `catalogue.toml` or the generator, regenerate with
+//! The committed default vGPU ConfigMap (`deploy/helm/gpu-vm-node/files/vgpu-config.yaml`) is
+//! the generator's output for the catalogue. After changing `catalogue.toml` or the generator,
+//! regenerate it and the manifests rendered from the chart with `deploy/generate.sh`, which runs
 //!
 //! ```sh
 //! UPDATE_CONFIGMAP=1 cargo test -p node-sim --test configmap
@@ -11,7 +12,8 @@ use node_sim::catalogue;
 use node_sim::configmap::default_vgpu_configmap;
 
 fn committed_path() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../deploy/base/vgpu-config.yaml")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../deploy/helm/gpu-vm-node/files/vgpu-config.yaml")
 }
 
 #[test]
@@ -36,7 +38,7 @@ fn committed_configmap_matches_the_catalogue() {
             );
         panic!(
             "{} is not the generator's output (first difference at line {first}); regenerate \
-             with: UPDATE_CONFIGMAP=1 cargo test -p node-sim --test configmap",
+             with: deploy/generate.sh",
             path.display()
         );
     }

@@ -36,6 +36,8 @@ affinity:
               operator: In
               values: {{ toJson .workloads }}
             {{- with .operand }}
+            # The GPU Operator's opt-out and pauses: not where this label is "false",
+            # paused-for-vgpu-change or paused-for-driver-upgrade (absent or "true": on).
             - key: nvidia.com/gpu.deploy.{{ . }}
               operator: NotIn
               values: ["false", "paused-for-vgpu-change", "paused-for-driver-upgrade"]
@@ -59,6 +61,7 @@ ports:
   - name: metrics
     containerPort: {{ . }}
     protocol: TCP
+# /healthz: the process serves (liveness); /readyz: its first pass succeeded.
 livenessProbe:
   httpGet:
     path: /healthz
@@ -75,6 +78,8 @@ readinessProbe:
 {{/* A daemon's metrics Service: (list $ name port). */}}
 {{- define "gpu-vm-node.service" -}}
 {{- $name := index . 1 -}}
+# The metrics port (Prometheus text at /metrics); the chart's ServiceMonitor
+# (metrics.serviceMonitor.enabled) selects the Services labelled app.kubernetes.io/component=metrics.
 apiVersion: v1
 kind: Service
 metadata:
@@ -116,6 +121,7 @@ rules:
   {{- with index . 2 }}
   {{- . | nindent 2 }}
   {{- end }}
+  # Events about its Node (events.k8s.io, and the core group's for older clients).
   - apiGroups: [events.k8s.io, ""]
     resources: [events]
     verbs: [create, patch]
@@ -144,6 +150,9 @@ subjects:
       fieldPath: spec.nodeName
 - name: HOST_ROOT
   value: /host
+# kubelet's device-plugin directory; its PodResources socket is found beside it
+# (pod-resources/kubelet.sock). kubeletDir moves both, and their mounts, for a kubelet whose root
+# is not /var/lib/kubelet.
 - name: KUBELET_DIR
   value: /host{{ .Values.kubeletDir }}/device-plugins
 {{- end }}

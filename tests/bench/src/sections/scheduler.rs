@@ -43,8 +43,8 @@ const PATIENCE: Duration = Duration::from_secs(120);
 /// The DeviceClasses as they ship, then the claim templates of the examples, in the checkout
 /// (read when the section runs: the image's build context holds no deploy/).
 const DEVICE_CLASSES: [&str; 2] = [
-    "deploy/components/dra/deviceclass.yaml",
-    "deploy/components/dra-vgpu/deviceclass.yaml",
+    "deploy/helm/gpu-vm-node/files/dra-deviceclass.yaml",
+    "deploy/helm/gpu-vm-node/files/dra-vgpu-deviceclass.yaml",
 ];
 const TEMPLATES: [&str; 2] = [
     "deploy/examples/dra/resourceclaimtemplate.yaml",

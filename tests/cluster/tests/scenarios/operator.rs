@@ -98,7 +98,10 @@ pub fn run(c: &Cluster) -> Result<()> {
             .join("tests/cluster/fixtures/gpu-operator-rbac.yaml")
             .to_string_lossy(),
     ])?;
-    let mut cm = fixture(c, &repo.join("deploy/base/vgpu-config.yaml"))?;
+    let mut cm = fixture(
+        c,
+        &repo.join("deploy/helm/gpu-vm-node/files/vgpu-config.yaml"),
+    )?;
     cm["metadata"]["namespace"] = json!(NS);
     c.apply(&cm.to_string())?;
     for f in [

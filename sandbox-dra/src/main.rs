@@ -115,8 +115,11 @@ struct Cli {
     resync_interval: Duration,
 
     /// GPUs published as vGPUs too: `all` (every GPU whose model the vGPU table knows), or a
-    /// comma list of PCI addresses. Each gets a counter set and one device per vGPU it could
-    /// host, besides its passthrough device; the others stay passthrough only. sandbox-dra
+    /// comma list of PCI addresses. Each gets a counter set and, besides its passthrough device,
+    /// one device per vGPU type, shared by that type's vGPUs (Kubernetes 1.36: consumable
+    /// capacity; the scheduler keeps one size per GPU); the others stay passthrough only. While
+    /// the API server drops what that needs (the feature off), the GPUs are published whole
+    /// only and the log, an Event and /readyz say why. sandbox-dra
     /// owns these GPUs (`run/gpu-vm-node/dra-pool`): vgpu-device-manager leaves them alone.
     /// An entry that is not a PCI address names an mdev parent that is not a PCI function
     /// (`mtty`, under `class/mdev_bus/`; lowercase letters, digits and `-`, as it names devices):
@@ -125,7 +128,7 @@ struct Cli {
     vgpu: Option<sandbox_dra::vgpu::Selector>,
 
     /// The vGPU types the GPUs of --vgpu publish: `all` (every type the driver knows for the
-    /// GPU's model: 21 on an A10, 137 devices with their passthrough device), or a comma list
+    /// GPU's model: 21 on an A10, 22 devices with its passthrough device), or a comma list
     /// of type names (`A10-4Q,A10-8Q`) and patterns (`A10-*Q`, `*-8Q`), case ignored. Fewer
     /// types are fewer devices for the scheduler to search and the API server to hold. An
     /// entry that is no vGPU type is refused at start (exit 2, the GPUs' own types named);

@@ -15,20 +15,27 @@
 //!   made from a template (`podClaimName`: the pod's name for the claim, which the claim carries
 //!   in its `resource.kubernetes.io/pod-claim-name` annotation). `<requestName>` is the
 //!   top-level request (a `/subrequest` is dropped from the path, kept in the JSON);
-//! - the file is a stream of `DeviceMetadata` objects (`metadata.resource.k8s.io/v1alpha1`),
-//!   one per supported version, newest first: `metadata` (the claim's name, namespace, UID and a
-//!   `generation` that grows when the file changes), `podClaimName`, and `requests[]` with
-//!   `name` and `devices[]` (`driver`, `pool`, `name`, `attributes` in the ResourceSlice's
-//!   attribute form, e.g. `{"string": "0000:41:00.0"}`);
-//! - virt-launcher takes `resource.kubernetes.io/pciBusID` of the request's single device and
-//!   writes the libvirt `<hostdev>` from it;
+//! - the file is a stream of `DeviceMetadata` objects, one per API version, newest first, as
+//!   Kubernetes 1.37's kubelet-plugin helper writes it: `metadata.resource.k8s.io/v1beta1`
+//!   (what 1.37's readers require), then `v1alpha1` (what KubeVirt 1.8.3 to 1.9 accept, skipping
+//!   other versions); each one compact JSON object on a line. Each holds `metadata` (the claim's
+//!   name, namespace, UID and a `generation`: 1 when the file is first written, one more at
+//!   each change), `podClaimName`, and `requests[]` with `name` and `devices[]` (`driver`,
+//!   `pool`, `name`, `attributes` in the ResourceSlice's attribute form, e.g.
+//!   `{"string": "0000:41:00.0"}`);
+//! - the request the scheduler chose for a `firstAvailable` request is named as the allocation
+//!   names it (`gpu/a10-4q`, as upstream writes it) and again under the top-level request
+//!   (`gpu`): KubeVirt looks the VMI's `requestName` up, and that can only be the top-level name;
+//! - virt-launcher takes `mdevUUID`, else `resource.kubernetes.io/pciBusID`, of the request's
+//!   single device and writes the libvirt `<hostdev>` from it;
 //! - KubeVirt 1.8.0 to 1.8.2 read KEP-5304's first layout,
 //!   `/var/run/dra-device-attributes/<claimName>/<requestName>/<driver>-metadata.json` (1.8.3
-//!   moved to the one above): the file is mounted there as well.
+//!   moved to the one above), as one plain object: a file of that form (the `v1alpha1` object
+//!   alone) is mounted there.
 //!
-//! On the host the file lives in the driver's own directory under kubelet's root
-//! (`<kubelet-root>/plugins/<driver>/metadata/<namespace>_<claim>/<request>/metadata.json`),
-//! mounted read-only.
+//! On the host the files live in the driver's own directory under kubelet's root
+//! (`<kubelet-root>/plugins/<driver>/metadata/<namespace>_<claim>/<request>/metadata.json`, and
+//! `metadata-v1alpha1.json` beside it), mounted read-only.
 //!
 //! **CDI**: one spec file per claim, `<cdi-root>/<driver>_<claim-uid>.json`, kind
 //! `<driver>/vfio`. Each allocated GPU is one CDI device `<claim-uid>-<device>` (one share of a
@@ -67,8 +74,14 @@ pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
 /// VEP 10; not yet standardized under `resource.kubernetes.io`).
 pub const MDEV_UUID: &str = "mdevUUID";
 
-/// The metadata API version written.
-pub const METADATA_API_VERSION: &str = "metadata.resource.k8s.io/v1alpha1";
+/// The metadata API versions written, newest first (the file is a stream of one object each).
+pub const METADATA_API_VERSIONS: [&str; 2] = [
+    "metadata.resource.k8s.io/v1beta1",
+    "metadata.resource.k8s.io/v1alpha1",
+];
+
+/// The metadata API version of the plain object KubeVirt 1.8.0 to 1.8.2 read.
+pub const LEGACY_METADATA_API_VERSION: &str = "metadata.resource.k8s.io/v1alpha1";
 
 /// One allocated GPU as the claim's record holds it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -171,9 +184,16 @@ impl Layout {
             .join(format!("{}_{}", claim.namespace, claim.name))
     }
 
-    /// The metadata file of one (top-level) request of the claim.
+    /// The metadata file of one (top-level) request of the claim: the stream.
     pub fn metadata_file(&self, claim: &ClaimId, request: &str) -> PathBuf {
         self.metadata_dir(claim).join(request).join("metadata.json")
+    }
+
+    /// The metadata of one request as KubeVirt 1.8.0 to 1.8.2 read it: one plain object.
+    pub fn legacy_metadata_file(&self, claim: &ClaimId, request: &str) -> PathBuf {
+        self.metadata_dir(claim)
+            .join(request)
+            .join("metadata-v1alpha1.json")
     }
 
     /// Where the request's metadata file appears inside the container.
@@ -249,7 +269,7 @@ impl Layout {
                             "options": ["ro", "bind"],
                         },
                         {
-                            "hostPath": self.metadata_file(claim, &r),
+                            "hostPath": self.legacy_metadata_file(claim, &r),
                             "containerPath": self.legacy_container_metadata_file(claim, &r),
                             "options": ["ro", "bind"],
                         },
@@ -264,9 +284,17 @@ impl Layout {
         })
     }
 
-    /// The metadata file of one top-level request: a `DeviceMetadata` for the devices
-    /// allocated to it (or to its subrequests).
-    pub fn metadata_json(&self, claim: &ClaimId, request: &str, devices: &[ClaimDevice]) -> Value {
+    /// The `DeviceMetadata` of one top-level request at `api_version` and `generation`: the
+    /// devices allocated to it (or to its subrequests), each request as the allocation names it
+    /// and, for a subrequest, again under the top-level name (what KubeVirt looks up).
+    pub fn metadata_json(
+        &self,
+        claim: &ClaimId,
+        request: &str,
+        devices: &[ClaimDevice],
+        api_version: &str,
+        generation: i64,
+    ) -> Value {
         let mut refs: Vec<&str> = Vec::new();
         for d in devices {
             for r in &d.requests {
@@ -275,32 +303,33 @@ impl Layout {
                 }
             }
         }
-        let requests: Vec<Value> = refs
-            .iter()
-            .map(|r| {
-                let devs: Vec<Value> = devices
-                    .iter()
-                    .filter(|d| d.requests.iter().any(|x| x == r))
-                    .map(|d| {
-                        json!({
-                            "driver": self.driver,
-                            "pool": d.pool,
-                            "name": d.device,
-                            "attributes": d.attributes(),
-                        })
+        let entry = |name: &str, of: &dyn Fn(&str) -> bool| -> Value {
+            let devs: Vec<Value> = devices
+                .iter()
+                .filter(|d| d.requests.iter().any(|x| of(x)))
+                .map(|d| {
+                    json!({
+                        "driver": self.driver,
+                        "pool": d.pool,
+                        "name": d.device,
+                        "attributes": d.attributes(),
                     })
-                    .collect();
-                json!({"name": r, "devices": devs})
-            })
-            .collect();
+                })
+                .collect();
+            json!({"name": name, "devices": devs})
+        };
+        let mut requests: Vec<Value> = refs.iter().map(|r| entry(r, &|x| x == *r)).collect();
+        if !refs.contains(&request) {
+            requests.push(entry(request, &|x| base_request(x) == request));
+        }
         let mut obj = json!({
             "kind": "DeviceMetadata",
-            "apiVersion": METADATA_API_VERSION,
+            "apiVersion": api_version,
             "metadata": {
                 "name": claim.name,
                 "namespace": claim.namespace,
                 "uid": claim.uid,
-                "generation": 1,
+                "generation": generation,
             },
             "requests": requests,
         });
@@ -309,6 +338,33 @@ impl Layout {
         }
         obj
     }
+
+    /// The metadata stream of one top-level request: an object per version of
+    /// [`METADATA_API_VERSIONS`], newest first, each compact on a line of its own.
+    pub fn metadata_stream(
+        &self,
+        claim: &ClaimId,
+        request: &str,
+        devices: &[ClaimDevice],
+        generation: i64,
+    ) -> Vec<u8> {
+        let mut out = Vec::new();
+        for v in METADATA_API_VERSIONS {
+            let obj = self.metadata_json(claim, request, devices, v, generation);
+            out.extend_from_slice(obj.to_string().as_bytes());
+            out.push(b'\n');
+        }
+        out
+    }
+}
+
+/// The `generation` of the first object of a metadata stream; `None` when it has none.
+pub fn stream_generation(stream: &str) -> Option<i64> {
+    serde_json::Deserializer::from_str(stream)
+        .into_iter::<Value>()
+        .next()?
+        .ok()?["metadata"]["generation"]
+        .as_i64()
 }
 
 /// The top-level requests of `devices`, each once, in order.
@@ -385,15 +441,23 @@ mod tests {
     }
 
     #[test]
-    fn metadata_carries_the_pci_bus_id_under_the_full_request_name() {
+    fn metadata_carries_the_pci_bus_id_under_the_full_and_the_top_level_request_name() {
         let l = layout();
         let c = claim(Some("gpu"));
-        let m = l.metadata_json(&c, "gpu", &[gpu("gpu/a10")]);
-        assert_eq!(m["apiVersion"], METADATA_API_VERSION);
+        let v1alpha1 = LEGACY_METADATA_API_VERSION;
+        let m = l.metadata_json(&c, "gpu", &[gpu("gpu/a10")], v1alpha1, 3);
+        assert_eq!(m["apiVersion"], v1alpha1);
         assert_eq!(m["kind"], "DeviceMetadata");
         assert_eq!(m["podClaimName"], "gpu");
         assert_eq!(m["metadata"]["uid"], "u-1");
+        assert_eq!(m["metadata"]["generation"], 3);
+        // As the allocation names it, then under the top-level name KubeVirt looks up.
         assert_eq!(m["requests"][0]["name"], "gpu/a10");
+        assert_eq!(m["requests"][1]["name"], "gpu");
+        assert_eq!(m["requests"][1]["devices"], m["requests"][0]["devices"]);
+        assert_eq!(m["requests"].as_array().unwrap().len(), 2);
+        let plain = l.metadata_json(&c, "gpu", &[gpu("gpu")], v1alpha1, 1);
+        assert_eq!(plain["requests"].as_array().unwrap().len(), 1);
         let d = &m["requests"][0]["devices"][0];
         assert_eq!(d["driver"], "gpu.example.io");
         assert_eq!(d["pool"], "node-a");
@@ -405,7 +469,31 @@ mod tests {
             d["attributes"]["resource.kubernetes.io/pcieRoot"]["string"],
             "pci0000:40"
         );
-        assert!(l.metadata_json(&claim(None), "gpu", &[gpu("gpu")])["podClaimName"].is_null());
+        assert!(
+            l.metadata_json(&claim(None), "gpu", &[gpu("gpu")], v1alpha1, 1)["podClaimName"]
+                .is_null()
+        );
+    }
+
+    #[test]
+    fn the_metadata_stream_is_one_object_per_version_newest_first() {
+        let l = layout();
+        let c = claim(None);
+        let stream = l.metadata_stream(&c, "gpu", &[gpu("gpu")], 2);
+        let text = String::from_utf8(stream).unwrap();
+        let objs: Vec<Value> = serde_json::Deserializer::from_str(&text)
+            .into_iter::<Value>()
+            .map(Result::unwrap)
+            .collect();
+        let versions: Vec<&str> = objs
+            .iter()
+            .map(|o| o["apiVersion"].as_str().unwrap())
+            .collect();
+        assert_eq!(versions, METADATA_API_VERSIONS);
+        assert_eq!(text.lines().count(), 2, "one object a line:\n{text}");
+        assert_eq!(stream_generation(&text), Some(2));
+        assert_eq!(objs[0]["requests"], objs[1]["requests"]);
+        assert_eq!(stream_generation(""), None);
     }
 
     #[test]
@@ -426,9 +514,12 @@ mod tests {
             "/var/lib/kubelet/plugins/gpu.example.io/metadata/vms_vm1-gpu-x7k/gpu/metadata.json"
         );
         assert_eq!(m["options"], json!(["ro", "bind"]));
-        // The same file where KubeVirt 1.8.0 to 1.8.2 read it.
+        // One plain object where KubeVirt 1.8.0 to 1.8.2 read it.
         let legacy = &spec["devices"][1]["containerEdits"]["mounts"][1];
-        assert_eq!(legacy["hostPath"], m["hostPath"]);
+        assert_eq!(
+            legacy["hostPath"],
+            "/var/lib/kubelet/plugins/gpu.example.io/metadata/vms_vm1-gpu-x7k/gpu/metadata-v1alpha1.json"
+        );
         assert_eq!(
             legacy["containerPath"],
             "/var/run/dra-device-attributes/vm1-gpu-x7k/gpu/gpu.example.io-metadata.json"

@@ -18,6 +18,7 @@
 pub mod api_server;
 pub mod assets;
 pub mod control_plane;
+pub mod kubevirt;
 pub mod node;
 pub mod pki;
 pub mod proc;

@@ -14,8 +14,8 @@ use cluster_tier::{Cluster, NAMESPACE};
 use serde_json::Value;
 
 use super::{
-    TEST_NS, WORKLOAD, kill_daemon, mdevs, pod_yaml, test_namespace, wait_daemonset_ready,
-    wait_log, wait_phase,
+    TEST_NS, WORKLOAD, kill_daemon, kubevirt_gives, mdevs, pod_yaml, test_namespace, vmi_dra,
+    vmi_dra_claim, wait_daemonset_ready, wait_log, wait_phase,
 };
 
 const DRIVER: &str = "gpu.gpu-vm-node.io";
@@ -246,6 +246,12 @@ pub fn passthrough(c: &Cluster) -> Result<()> {
         driver_of(c, addr_a)?
     );
     prepared_first_time(c, "vm-a")?;
+    kubevirt_gives(
+        c,
+        "vm-a",
+        &vmi_dra("a10-passthrough", &["gpu"]),
+        &[addr_a.to_string()],
+    )?;
 
     // firstAvailable: the H100 subrequest matches nothing here, `any` takes the other A10, and
     // the container still gets its devices (kubelet matches the request `gpu`, not `gpu/any`).
@@ -257,6 +263,13 @@ pub fn passthrough(c: &Cluster) -> Result<()> {
         meta_b.contains("gpu/any"),
         "vm-b's metadata does not name the subrequest gpu/any:\n{meta_b}"
     );
+    // A VM names the request `gpu`: KubeVirt finds its device.
+    kubevirt_gives(
+        c,
+        "vm-b",
+        &vmi_dra("first-available", &["gpu"]),
+        &[addr_b.to_string()],
+    )?;
 
     // sandbox-dra killed (-9) while both VMs run: nothing is taken from them.
     kill_daemon(c, "sandbox-dra")?;
@@ -399,6 +412,18 @@ fn vgpu_template(name: &str, vgpu_type: &str) -> String {
     )
 }
 
+/// The vGPUs (`mdevUUID`) a pod's metadata names, each once.
+fn uuids_in(meta: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for part in meta.split("\"mdevUUID\":").skip(1) {
+        let uuid = part.split('"').nth(3).unwrap_or_default().to_string();
+        if !uuid.is_empty() && !out.contains(&uuid) {
+            out.push(uuid);
+        }
+    }
+    out
+}
+
 /// The GPU the metadata of a vGPU pod names as its vGPU's parent (`parentGPU`).
 fn parent_of(meta: &str) -> Result<&'static str> {
     match (
@@ -496,6 +521,9 @@ pub fn vgpu(c: &Cluster) -> Result<()> {
         let (_, meta) = pod_view(c, pod)?;
         prepared_first_time(c, pod)?;
         gpu_of.insert(pod.clone(), (*t, parent_of(&meta)?));
+        if pod == "vm-4q-1" {
+            kubevirt_gives(c, pod, &vmi_dra(t, &["gpu"]), &uuids_in(&meta))?;
+        }
     }
     let sizes_on = |gpu: &str| -> std::collections::BTreeSet<&str> {
         gpu_of
@@ -604,9 +632,26 @@ pub fn vgpu(c: &Cluster) -> Result<()> {
             "vm-4q-{i} restarted"
         );
     }
+    // In the place freed, a firstAvailable claim whose first choice matches nothing here: its
+    // A10-4Q prepared, and found by KubeVirt under the request the VM names.
     c.kubectl(&["delete", "pod", "-n", TEST_NS, "vm-4q-2", "--wait=true"])?;
-    c.apply(&claim_pod(c, "vm-4q-8", "a10-4q"))?;
-    pod_view(c, "vm-4q-8")?;
+    c.apply(&template(
+        "fa-4q",
+        &format!(
+            "- name: gpu\n  firstAvailable:\n  - name: h100\n    deviceClassName: {VGPU_CLASS}\n    \
+             selectors:\n    - cel:\n        expression: device.attributes[\"{DRIVER}\"].vgpuType == \"NVIDIA H100-10C\"\n  \
+             - name: a10-4q\n    deviceClassName: {VGPU_CLASS}\n    selectors:\n    - cel:\n        \
+             expression: device.attributes[\"{DRIVER}\"].vgpuType == \"NVIDIA A10-4Q\""
+        ),
+        "",
+    ))?;
+    c.apply(&claim_pod(c, "vm-4q-8", "fa-4q"))?;
+    let (_, meta) = pod_view(c, "vm-4q-8")?;
+    ensure!(
+        meta.contains("gpu/a10-4q"),
+        "vm-4q-8's metadata does not name the subrequest:\n{meta}"
+    );
+    kubevirt_gives(c, "vm-4q-8", &vmi_dra("fa-4q", &["gpu"]), &uuids_in(&meta))?;
     let created = mdevs(c)?;
     ensure!(created.len() == 6, "{created:?}");
 
@@ -664,6 +709,29 @@ pub fn vgpu(c: &Cluster) -> Result<()> {
         meta_two.matches("\"0000:81:00.0\"").count() >= 2,
         "vm-two's vGPUs are not both on the new GPU:\n{meta_two}"
     );
+    kubevirt_gives(c, "vm-two", &vmi_dra("two-8q", &["gpu-a", "gpu-b"]), &made)?;
+
+    // A claim made by hand (not from a template), named by its pod: the GPU's third A10-8Q.
+    c.apply(&format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata:\n  name: named-8q\n  \
+         namespace: {TEST_NS}\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly:\n        \
+         deviceClassName: {VGPU_CLASS}\n        selectors:\n        - cel:\n            \
+         expression: device.attributes[\"{DRIVER}\"].vgpuType == \"NVIDIA A10-8Q\"\n"
+    ))?;
+    let mut y = pod_yaml(c, "vm-named", &show_devices(), "claims:\n- name: gpu", "");
+    y.push_str("  resourceClaims:\n  - name: gpu\n    resourceClaimName: named-8q\n");
+    c.apply(&y)?;
+    let (_, meta_named) = pod_view(c, "vm-named")?;
+    ensure!(
+        meta_named.contains("\"0000:81:00.0\""),
+        "vm-named's vGPU is not on the new GPU:\n{meta_named}"
+    );
+    kubevirt_gives(
+        c,
+        "vm-named",
+        &vmi_dra_claim("named-8q", &["gpu"]),
+        &uuids_in(&meta_named),
+    )?;
 
     c.kubectl(&["delete", "namespace", TEST_NS, "--wait=true"])?;
     c.wait("the vGPUs removed", Duration::from_secs(60), || {

@@ -10,8 +10,8 @@ use anyhow::{Context, Result, ensure};
 use cluster_tier::Cluster;
 
 use super::{
-    ENV_OF_PID1, TEST_NS, WORKLOAD, kill_daemon, pod_yaml, test_namespace, wait_allocatable,
-    wait_log, wait_phase,
+    ENV_OF_PID1, TEST_NS, WORKLOAD, kill_daemon, kubevirt_gives, pod_yaml, test_namespace,
+    vmi_gpus, wait_allocatable, wait_log, wait_phase,
 };
 
 const A10_4Q: &str = "nvidia.com/NVIDIA_A10-4Q";
@@ -77,6 +77,12 @@ pub fn run(c: &Cluster) -> Result<()> {
         log.lines().any(|l| l == group),
         "/dev/vfio/{group} of vGPU {uuid} is not in the container:\n{log}"
     );
+    kubevirt_gives(
+        c,
+        "vm-a",
+        &vmi_gpus(&["nvidia.com/NVIDIA_A10-4Q"]),
+        std::slice::from_ref(&uuid),
+    )?;
 
     // The API server goes away for 30 s: the daemons keep what they have, and follow the label
     // again once it is back.

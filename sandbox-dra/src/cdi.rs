@@ -110,6 +110,10 @@ pub struct ClaimDevice {
     /// The mdev made for it, for a device of an mdev parent that is not a PCI function.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mdev: Option<crate::vgpu::Mdev>,
+    /// The extended resource its request stands for, in a claim the scheduler made for a
+    /// pod's `resources.limits`: the container gets the env var KubeVirt reads for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub extended_resource: Option<String>,
     /// Its attributes as the ResourceSlice published them when it was prepared, in the
     /// slice's form (`{"string": "10de"}`), for the metadata file.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -117,6 +121,20 @@ pub struct ClaimDevice {
 }
 
 impl ClaimDevice {
+    /// How KubeVirt's device-plugin code names it in an env var: `MDEV_PCI_RESOURCE` and the
+    /// mdev's UUID for a mediated device, else `PCI_RESOURCE` and the PCI address of the
+    /// function (a GPU, or an SR-IOV VF vGPU), as sandbox-dp hands them out.
+    fn kubevirt_id(&self) -> Option<(&'static str, String)> {
+        match (&self.vgpu, &self.mdev, self.address) {
+            (Some(v), _, _) if !v.handle.is_vendor() => {
+                Some(("MDEV_PCI_RESOURCE", v.handle.to_string()))
+            }
+            (_, Some(m), _) => Some(("MDEV_PCI_RESOURCE", m.uuid.clone())),
+            (_, _, Some(a)) => Some(("PCI_RESOURCE", a.to_string())),
+            (_, None, None) => None,
+        }
+    }
+
     /// What the metadata file says of it: every attribute the slice published, and what
     /// KubeVirt reads: the mdev's UUID (`mdevUUID`) for a mediated device, else the PCI
     /// address of the function (a GPU, or an SR-IOV VF vGPU).
@@ -231,16 +249,28 @@ impl Layout {
         format!("{}-metadata-{request}", claim.uid)
     }
 
+    /// The CDI device name setting the env var of a request that stands for an extended
+    /// resource.
+    fn env_cdi_name(claim: &ClaimId, request: &str) -> String {
+        format!("{}-env-{request}", claim.uid)
+    }
+
     /// A fully qualified CDI device id (`<driver>/vfio=<name>`).
     fn cdi_id(&self, name: &str) -> String {
         format!("{}/{CDI_CLASS}={name}", self.driver)
     }
 
-    /// The CDI ids of one device: its own, then its requests' metadata.
+    /// The CDI ids of one device: its own, then its requests' metadata, then (for a request
+    /// that stands for an extended resource) its request's env var.
     pub fn cdi_ids(&self, claim: &ClaimId, device: &ClaimDevice) -> Vec<String> {
         let mut ids = vec![self.cdi_id(&Self::gpu_cdi_name(claim, device))];
         for r in requests_of(std::slice::from_ref(device)) {
             ids.push(self.cdi_id(&Self::metadata_cdi_name(claim, &r)));
+        }
+        if device.extended_resource.is_some() {
+            for r in requests_of(std::slice::from_ref(device)) {
+                ids.push(self.cdi_id(&Self::env_cdi_name(claim, &r)));
+            }
         }
         ids
     }
@@ -259,6 +289,13 @@ impl Layout {
             })
             .collect();
         for r in requests_of(devices) {
+            let env = extended_env(devices, &r);
+            if !env.is_empty() {
+                cdi_devices.push(json!({
+                    "name": Self::env_cdi_name(claim, &r),
+                    "containerEdits": {"env": env},
+                }));
+            }
             cdi_devices.push(json!({
                 "name": Self::metadata_cdi_name(claim, &r),
                 "containerEdits": {
@@ -367,6 +404,28 @@ pub fn stream_generation(stream: &str) -> Option<i64> {
         .as_i64()
 }
 
+/// The env vars KubeVirt's virt-launcher reads for the devices of top-level request `request`
+/// that stand for an extended resource, as sandbox-dp's Allocate sets them for that resource
+/// name: `MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q=<uuid>[,<uuid>…]`,
+/// `PCI_RESOURCE_NVIDIA_COM_GA102GL_A10=<address>[,…]`. Empty for any other request.
+pub fn extended_env(devices: &[ClaimDevice], request: &str) -> Vec<String> {
+    let mut vars: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for d in devices
+        .iter()
+        .filter(|d| d.requests.iter().any(|r| base_request(r) == request))
+    {
+        let (Some(resource), Some((prefix, id))) = (&d.extended_resource, d.kubevirt_id()) else {
+            continue;
+        };
+        vars.entry(common::naming::env_var_name(prefix, resource))
+            .or_default()
+            .push(id);
+    }
+    vars.into_iter()
+        .map(|(k, ids)| format!("{k}={}", ids.join(",")))
+        .collect()
+}
+
 /// The top-level requests of `devices`, each once, in order.
 pub fn requests_of(devices: &[ClaimDevice]) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
@@ -413,6 +472,7 @@ mod tests {
             nodes: vec!["/dev/vfio/vfio".into(), "/dev/vfio/21".into()],
             vgpu: None,
             mdev: None,
+            extended_resource: None,
             attributes: BTreeMap::from([
                 ("vendorID".to_string(), json!({"string": "10de"})),
                 (
@@ -531,5 +591,39 @@ mod tests {
                 "gpu.example.io/vfio=u-1-metadata-gpu".to_string()
             ]
         );
+    }
+
+    #[test]
+    fn a_request_for_an_extended_resource_sets_the_env_var_virt_launcher_reads() {
+        let l = layout();
+        let c = claim(None);
+        let mut a = gpu("container-0-request-0");
+        a.extended_resource = Some("nvidia.com/GA102GL_A10".into());
+        let mut b = a.clone();
+        b.device = "gpu-0000-61-00-0".into();
+        b.address = Some("0000:61:00.0".parse().unwrap());
+        let devices = [a.clone(), b];
+        assert_eq!(
+            extended_env(&devices, "container-0-request-0"),
+            vec!["PCI_RESOURCE_NVIDIA_COM_GA102GL_A10=0000:41:00.0,0000:61:00.0".to_string()]
+        );
+        let spec = l.cdi_spec_json(&c, &devices);
+        let env = spec["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["name"] == "u-1-env-container-0-request-0")
+            .unwrap();
+        assert_eq!(
+            env["containerEdits"]["env"],
+            json!(["PCI_RESOURCE_NVIDIA_COM_GA102GL_A10=0000:41:00.0,0000:61:00.0"])
+        );
+        assert_eq!(
+            l.cdi_ids(&c, &a).last().map(String::as_str),
+            Some("gpu.example.io/vfio=u-1-env-container-0-request-0")
+        );
+        // A claim of the pod's own: no env var.
+        assert!(extended_env(&[gpu("gpu")], "gpu").is_empty());
+        assert_eq!(l.cdi_ids(&c, &gpu("gpu")).len(), 2);
     }
 }

@@ -230,6 +230,7 @@ impl Node {
                     nodes: Vec::new(),
                     vgpu: None,
                     mdev: None,
+                    extended_resource: w.extended_resource.clone(),
                     attributes: Default::default(),
                 })
                 .collect();

@@ -7,6 +7,7 @@ use cluster_tier::{Cluster, NAMESPACE, RELEASE};
 use serde_json::Value;
 
 mod dra;
+mod extended;
 mod on_demand;
 mod operator;
 mod passthrough;
@@ -44,6 +45,10 @@ pub const ALL: &[Scenario] = &[
     Scenario {
         name: "dra-vgpu",
         run: dra::vgpu,
+    },
+    Scenario {
+        name: "dra-extended-resources",
+        run: extended::run,
     },
     Scenario {
         name: "dra-large-pools",

@@ -174,7 +174,8 @@ ALLOWED_RULES = {
         EVENTS_RULE,
         ({"resource.k8s.io"}, {"resourceslices"},
          {"get", "list", "watch", "create", "update", "patch", "delete"}),
-        ({"resource.k8s.io"}, {"resourceclaims"}, {"get"}),
+        # deviceclasses: which extended resource names the cluster's classes claim.
+        ({"resource.k8s.io"}, {"resourceclaims", "deviceclasses"}, {"get"}),
         ({""}, {"nodes"}, {"list", "watch"}),
     ],
     **{sa: [EVENTS_RULE] for sa in GPU_OPERATOR_ACCOUNTS},

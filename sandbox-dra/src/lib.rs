@@ -148,6 +148,8 @@ pub struct Config {
     /// How long the publisher's loop may go without coming round before `/healthz` fails;
     /// `None`: [`daemon_kit::ops::liveness_window`] of the resync interval.
     pub liveness_window: Option<Duration>,
+    /// The effect of the taint on a device that cannot serve a VM (`--taint-effect`).
+    pub taint_effect: slices::TaintEffect,
 }
 
 /// Binds a Unix socket at `path`, replacing a stale one a killed run left.
@@ -366,6 +368,8 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
             vgpu: sel,
             vgpu_pool,
             mdev_parents,
+            taint_effect: config.taint_effect,
+            driver_dir: dirs.driver_dir(),
         },
         paths.clone(),
         registrar.subscribe(),

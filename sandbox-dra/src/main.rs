@@ -145,6 +145,20 @@ struct Cli {
     )]
     vgpu_types: sandbox_dra::vgpu_types::Types,
 
+    /// The effect of the taint on a device that cannot serve a VM (a group that cannot go to
+    /// VFIO, a missing /dev/vfio group node, VFs that could not be enabled, a GPU gone under a
+    /// prepared claim): NoSchedule (no new claim is placed on it) or NoExecute (the pods of
+    /// claims that have it are evicted too, unless they tolerate it). The taint's key is
+    /// <driver>/unusable, its value the reason.
+    #[arg(
+        long,
+        env = "TAINT_EFFECT",
+        value_enum,
+        default_value = "NoSchedule",
+        global = true
+    )]
+    taint_effect: sandbox_dra::slices::TaintEffect,
+
     /// The most one request to the API server may take (connecting, sending, waiting for the
     /// answer): a claim whose allocation cannot be read in that time fails and kubelet calls
     /// again; a ResourceSlice pass fails and is retried (500ms, 10s, 1m; a bare number is
@@ -301,6 +315,7 @@ fn run(cli: Cli) -> exit::Result {
                 vgpu_types: cli.vgpu_types,
                 api_timeout: cli.api_timeout,
                 liveness_window: cli.liveness_window,
+                taint_effect: cli.taint_effect,
             };
             daemon_kit::daemon::run(Threads::Current, |shutdown| {
                 sandbox_dra::run(config, paths, shutdown)

@@ -36,14 +36,28 @@ fn run_to_end(root: &Path, api: &FakeApiServer, args: &[&str]) -> (Option<i32>, 
     (status.code(), d.log())
 }
 
+/// Each tainted device with its taint's value (the reason).
+fn tainted(slices: &[Value]) -> BTreeMap<String, String> {
+    slices
+        .iter()
+        .filter_map(|s| s["spec"]["devices"].as_array())
+        .flatten()
+        .filter_map(|d| {
+            let reason = d["taints"][0]["value"].as_str()?;
+            Some((d["name"].as_str()?.to_string(), reason.to_string()))
+        })
+        .collect()
+}
+
 /// Per GPU (`0000-41-00-0`), its vGPU types in the slices (`a10-4q`), each with how many
-/// vGPUs its shared device holds.
+/// vGPUs its shared device holds; tainted devices are not offered.
 fn vgpus(slices: &[Value]) -> BTreeMap<String, BTreeMap<String, usize>> {
     let mut out: BTreeMap<String, BTreeMap<String, usize>> = BTreeMap::new();
     for d in slices
         .iter()
         .filter_map(|s| s["spec"]["devices"].as_array())
         .flatten()
+        .filter(|d| d["taints"].is_null())
     {
         let name = d["name"].as_str().unwrap();
         let Some(rest) = name.strip_prefix("vgpu-") else {
@@ -148,21 +162,32 @@ async fn only_the_listed_vgpu_types_are_published_and_prepared() {
     unprepare(&drv, &claim).await.unwrap();
     assert_eq!(mdev_count(root), 0);
 
-    // An A10-8Q prepared, then the driver started again with A10-4Q only: kubelet's repeated
-    // prepare keeps the vGPU made, and unprepare removes it.
+    // An A10-8Q prepared, then the driver started again with A10-4Q only: the claim's device
+    // stays published, tainted "not-offered", so the scheduler keeps counting it and places
+    // nothing new on it; kubelet's repeated prepare keeps the vGPU made, and unprepare removes
+    // it, and then the device.
     let eight = put_claim(&api, "eight", "uid-8q", VGPU, "vgpu-0000-61-00-0-a10-8q");
     prepare(&drv, &eight).await.unwrap();
     drop(d);
     let d = start(root, &api, &["--vgpu", "all", "--vgpu-types", "A10-4Q"]);
     let drv = register(root).await;
-    api.wait_for_slices(PATIENCE, offers(&four, &four))
-        .unwrap_or_else(|| panic!("{:?}\n{}", vgpus(&api.slices()), d.log()));
+    let held: BTreeMap<String, String> = [(
+        "vgpu-0000-61-00-0-a10-8q".to_string(),
+        "not-offered".to_string(),
+    )]
+    .into();
+    let four_and_held = offers(&four, &four);
+    api.wait_for_slices(PATIENCE, |s| four_and_held(s) && tainted(s) == held)
+        .unwrap_or_else(|| panic!("{:?}\n{}", api.slices(), d.log()));
     prepare(&drv, &eight)
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
     assert_eq!(mdev_count(root), 1);
     unprepare(&drv, &eight).await.unwrap();
     assert_eq!(mdev_count(root), 0);
+    let four_only = offers(&four, &four);
+    api.wait_for_slices(PATIENCE, |s| four_only(s) && tainted(s).is_empty())
+        .unwrap_or_else(|| panic!("{:?}\n{}", api.slices(), d.log()));
 }
 
 /// A type of no GPU model (a typo) stops the driver at start with exit 2, naming the entry and

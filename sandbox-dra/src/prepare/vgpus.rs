@@ -154,6 +154,7 @@ impl Node {
                     }
                     Next::Refused(why) => return Err(fail(why)),
                     Next::NeedsVfs(_) if enabled => {
+                        self.config.vgpu_pool.note_vfs(gpu, false);
                         return Err(fail(format!(
                             "GPU {gpu} shows no vGPU types after its VFs were enabled"
                         )));
@@ -163,6 +164,8 @@ impl Node {
                         save(&rec)?;
                         steps.mark(Step::Record);
                         self.sysfs.set_sriov_numvfs(&gpu, n).map_err(|e| {
+                            // Its vGPU devices are tainted until a prepare enables them.
+                            self.config.vgpu_pool.note_vfs(gpu, false);
                             fail(format!("cannot enable the VFs of GPU {gpu}: {e}"))
                         })?;
                         enabled = true;
@@ -202,6 +205,7 @@ impl Node {
                     }
                 }
                 tracing::info!(%claim, gpu = %gpu, vgpu = %v.handle, type_name = %v.type_name, "created a vGPU");
+                self.config.vgpu_pool.note_vfs(gpu, true);
                 // Read until its group node is there; the view then shows it, so the next
                 // vGPU of the claim is placed beside it.
                 *ready = v

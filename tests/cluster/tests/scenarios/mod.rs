@@ -51,6 +51,10 @@ pub const ALL: &[Scenario] = &[
         run: extended::run,
     },
     Scenario {
+        name: "dra-taints",
+        run: dra::taints,
+    },
+    Scenario {
         name: "dra-large-pools",
         run: dra::large_pools,
     },

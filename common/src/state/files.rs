@@ -82,7 +82,7 @@ pub const FILES: &[StateFile] = &[
         owner: "state::write_atomic_until_reboot",
         format: "JSON, `\"version\": 1`",
         writer: "sandbox-dra's prepare, before its first change to the node; removed by its unprepare",
-        reader: "sandbox-dra: prepare, unprepare, and at start",
+        reader: "sandbox-dra: prepare, unprepare, and at start; every daemon's in-use check (`usage`, every driver's `claims/`)",
         after_reboot: "kept (not flushed: after a crash of the machine it may be an older one; the start brings it in line, and kubelet prepares the claim again)",
     },
     StateFile {

@@ -124,7 +124,8 @@ impl Node {
                 let inv = self.groups(&[gpu]);
                 // Giving back forgets the GPU's view.
                 drop(views);
-                self.give_back(&inv, gpu).map_err(|e| fail(e.to_string()))?;
+                self.give_back(&inv, gpu, claim)
+                    .map_err(|e| fail(e.to_string()))?;
                 views = self.views();
                 steps.mark(Step::Write);
             }
@@ -283,7 +284,7 @@ impl Node {
             // No driver: a prepare killed while giving the GPU back from VFIO.
             if matches!(self.sysfs.current_driver(gpu), Ok(None)) {
                 let inv = self.groups(&[*gpu]);
-                self.give_back(&inv, *gpu)
+                self.give_back(&inv, *gpu, claim)
                     .map_err(|e| refused(claim, e.to_string()))?;
             }
         }

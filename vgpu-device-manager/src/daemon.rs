@@ -9,7 +9,8 @@
 //! through `nvidia.com/vgpu.config.state` (`pending`, `success`, `failed`) and the annotation
 //! `nvidia.com/vgpu.config.state.reason`. After a successful apply it writes
 //! `<host-root>/run/nvidia/validations/vgpu-devices-ready`, and writes it again whenever someone
-//! else removes it (the GPU Operator's validator) until an apply fails.
+//! else removes it (the GPU Operator's validator) until an apply fails. One found at start (a
+//! daemon killed before it could remove its own) is removed until an apply succeeds.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -47,7 +48,7 @@ pub const STATE_LABEL: &str = "nvidia.com/vgpu.config.state";
 /// The annotation with the reason of a failure.
 pub const REASON_ANNOTATION: &str = "nvidia.com/vgpu.config.state.reason";
 /// The readiness file's name under the validations directory.
-pub const READY_FILE: &str = "vgpu-devices-ready";
+pub const READY_FILE: &str = common::state::readiness::VGPU_DEVICES_READY;
 
 /// Where the profile name comes from.
 #[derive(Clone, Debug)]
@@ -292,6 +293,9 @@ impl Reporter {
 
 /// Runs until `shutdown`; an error means the daemon cannot go on (its watch ended): exit 1.
 pub async fn run(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToken) -> exit::Result {
+    // First: a readiness file left by a daemon that did not stop cleanly goes before anything
+    // here may fail or wait (the API server, the metrics port, the first apply).
+    let ready = Keeper::start(&paths, READY_FILE, shutdown.clone())?;
     let ops = Ops::new();
     ops.expect_beats(LIVENESS_WINDOW);
     if let Some(addr) = cfg.metrics_addr {
@@ -302,7 +306,6 @@ pub async fn run(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToke
         write_timeout: cfg.write_timeout,
         ..Options::new(paths)
     };
-    let ready = Keeper::start(&opts.paths, READY_FILE, shutdown.clone())?;
     Ok(keep_applied(cfg, opts, ready, Telemetry::new(ops), shutdown).await?)
 }
 

@@ -557,3 +557,51 @@ fn a_gpu_whose_driver_comes_up_late_is_retried_without_flapping() {
     assert_eq!(api.annotation(REASON), None);
     assert_eq!(d.stop(), Some(0));
 }
+
+/// A daemon killed before it could remove its readiness file (an OOM kill) leaves it; the next
+/// one removes it at start, before it can read its profile (here the API server is away), and
+/// writes it again only once it has applied the profile itself.
+#[test]
+fn a_readiness_file_left_by_a_killed_daemon_goes_until_the_next_one_applied() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let Some(mut api) =
+        cluster_tier::ApiServer::start_or_skip("a readiness file left by a killed daemon").unwrap()
+    else {
+        return;
+    };
+    let node = "node-killed";
+    api.create_node(node, &[(CONFIG_LABEL, "A10-4Q")]).unwrap();
+    let cfg = config_file(CONFIG);
+    let kc = api.admin_kubeconfig().to_str().unwrap().to_string();
+    let args = [
+        "--node-name",
+        node,
+        "--kubeconfig",
+        &kc,
+        "-f",
+        cfg.path.to_str().unwrap(),
+    ];
+    let mut d = daemon(root, &args);
+    assert!(api.wait_for_label(node, STATE, WAIT, |v| v == Some("success")));
+    wait_until("the readiness file", || ready_file(root).exists());
+    d.0.kill().unwrap();
+    d.0.wait().unwrap();
+    assert!(ready_file(root).exists(), "a killed daemon removes nothing");
+
+    // The next one cannot read its Node: it applies nothing, and the old file says nothing.
+    api.stop_apiserver();
+    let mut d = daemon(root, &args);
+    wait_until("the file left from before removed", || {
+        !ready_file(root).exists()
+    });
+    assert!(d.0.try_wait().unwrap().is_none(), "the daemon runs on");
+
+    // The API server back: the profile is applied (already in place) and vouched for again.
+    api.start_apiserver().unwrap();
+    wait_until("the readiness file again", || ready_file(root).exists());
+    assert_eq!(counts(root), each("NVIDIA A10-4Q", 6));
+    assert_eq!(d.stop(), Some(0));
+}

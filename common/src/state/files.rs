@@ -62,6 +62,14 @@ pub const FILES: &[StateFile] = &[
         after_reboot: "gone",
     },
     StateFile {
+        path: "run/gpu-vm-node/{on-demand-pool,dra-pool,pools}.lock",
+        owner: "state::pool",
+        format: "empty files, for `flock`",
+        writer: "a pool's owner holds its `<pool>.lock` while it runs; either holds `pools.lock` from its read of the other pool to its own write",
+        reader: "vgpu-device-manager and the other owner (whether an owner runs)",
+        after_reboot: "gone",
+    },
+    StateFile {
         path: "run/gpu-vm-node/on-demand-vgpus.json",
         owner: "state::write_atomic_until_reboot",
         format: "JSON, `\"version\": 1`",

@@ -605,3 +605,73 @@ fn a_readiness_file_left_by_a_killed_daemon_goes_until_the_next_one_applied() {
     assert_eq!(counts(root), each("NVIDIA A10-4Q", 6));
     assert_eq!(d.stop(), Some(0));
 }
+
+/// A state write the API server refuses is tried again with backoff until it lands, without
+/// any new change of the node: here RBAC forbids writing the Node until a role is fixed.
+#[test]
+fn a_refused_state_write_lands_once_it_is_allowed() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let Some(api) =
+        cluster_tier::ApiServer::start_or_skip("a refused state write retried").unwrap()
+    else {
+        return;
+    };
+    let node = "node-refused";
+    api.create_node(node, &[(CONFIG_LABEL, "A10-4Q")]).unwrap();
+    let role = |verbs: &str| {
+        format!(
+            "apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\nmetadata:\n  name: vgpu-dm\n\
+             rules:\n- apiGroups: [\"\"]\n  resources: [nodes]\n  verbs: [{verbs}]\n---\n\
+             apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata:\n  name: vgpu-dm\n\
+             roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: vgpu-dm}}\n\
+             subjects: [{{apiGroup: rbac.authorization.k8s.io, kind: User, name: vgpu-dm}}]\n"
+        )
+    };
+    // It may follow its Node, not write it.
+    api.apply(&role("get, list, watch")).unwrap();
+    let kc = api.kubeconfig_for("vgpu-dm", "vgpu-dm", &[]).unwrap();
+    let cfg = config_file(CONFIG);
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let d = Daemon(
+        Command::new(BIN)
+            .args(["daemon", "--node-name", node, "--kubeconfig"])
+            .arg(&kc)
+            .arg("-f")
+            .arg(&cfg.path)
+            .arg("--host-root")
+            .arg(root)
+            .env_remove("NODE_NAME")
+            .env_remove("KUBECONFIG")
+            .env_remove("CONFIG_FILE")
+            .env_remove("VGPU_DM_CONFIG_FILE")
+            .env_remove("DEFAULT_VGPU_CONFIG")
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log.reopen().unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    // The profile is applied; its state cannot be written, and is tried again.
+    wait_until("the profile applied", || ready_file(root).exists());
+    let refused = |n: usize| {
+        std::fs::read_to_string(log.path())
+            .unwrap_or_default()
+            .matches("cannot set nvidia.com/vgpu.config.state=success")
+            .count()
+            >= n
+    };
+    wait_until("three refused writes of the state", || refused(3));
+    assert_eq!(api.label(node, STATE), None);
+
+    // The role fixed, nothing else: the state lands.
+    api.apply(&role("get, list, watch, patch")).unwrap();
+    assert!(
+        api.wait_for_label(node, STATE, WAIT * 2, |v| v == Some("success")),
+        "the state never landed:\n{}",
+        std::fs::read_to_string(log.path()).unwrap_or_default()
+    );
+    assert_eq!(d.stop(), Some(0));
+}

@@ -4,9 +4,8 @@
 
 use std::collections::BTreeSet;
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
 
-use common::vgpu::lifecycle::{self, Member, Planned, READY_TIMEOUT};
+use common::vgpu::lifecycle::{self, Member, Planned};
 use common::{Inventory, PciAddress, ReadOptions, Usage, error_chain, is_vfio_driver};
 
 use super::{
@@ -163,13 +162,14 @@ impl Node {
                         steps.mark(Step::Node);
                         save(&rec)?;
                         steps.mark(Step::Record);
-                        self.sysfs.set_sriov_numvfs(&gpu, n).map_err(|e| {
-                            fail(format!("cannot enable the VFs of GPU {gpu}: {e}"))
-                        })?;
+                        let inv = self.view(&mut views, gpu);
+                        lifecycle::enable_vfs(&self.sysfs, &self.paths, inv, &gpu, n, &opts)
+                            .map_err(|e| {
+                                fail(format!("cannot enable the VFs of GPU {gpu}: {e}"))
+                            })?;
                         enabled = true;
+                        // The write and the wait for the VFs' types, together.
                         steps.mark(Step::Write);
-                        self.wait_vfs(self.view(&mut views, gpu), &gpu);
-                        steps.mark(Step::Ready);
                         continue;
                     }
                 };
@@ -248,22 +248,6 @@ impl Node {
                 .read(&self.paths, &ReadOptions::default())
                 .unwrap_or_default()
         })
-    }
-
-    /// Re-reads `gpu` (with its VFs) into `inv` until its VFs show vGPU types, at most
-    /// [`READY_TIMEOUT`].
-    fn wait_vfs(&self, inv: &mut Inventory, gpu: &PciAddress) {
-        let end = Instant::now() + READY_TIMEOUT;
-        loop {
-            inv.refresh_pci(&self.paths, *gpu, &ReadOptions::default());
-            let cap = common::vgpu::capacity(inv, gpu);
-            let ready = !matches!(cap.mode, common::vgpu::Mode::NeedsVfs { .. })
-                && cap.types.iter().any(|t| t.type_id.is_some());
-            if ready || Instant::now() >= end {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
     }
 
     /// Destroys the claim's vGPUs that exist; one a process holds is kept and named (the

@@ -4,14 +4,17 @@
 //!
 //! - One driver (node-sim 2xA10, passthrough: one slice; `--resync-interval` at its default
 //!   30 s): its requests over `--api-window-secs` at rest, then over as long again with a GPU
-//!   hot-plugged or unplugged every minute; per hour, by verb.
+//!   hot-plugged or unplugged every minute; per hour, by verb. At rest also per hour from the
+//!   watches' own `timeoutSeconds` ([`from_timeouts`]): a window shorter than a watch's timeout
+//!   sees none of its renewals, and an hour's window is not needed to know them.
 //! - N drivers (`--api-drivers`, default 1, 50 and 200), each with a `--node-name` and a Node
 //!   object of its own, `--kubelet-root` of its own, sharing 2xA10 node-sim trees (up to
 //!   [`PER_TREE`] a tree): once every one has published and [`SETTLE`] has passed, the API
 //!   server's CPU time (`/proc/<pid>/stat`, less its rate with no driver) and the drivers'
-//!   requests over `--api-scale-secs`; then `--api-hotplugs` times a GPU hot-plugged into the
-//!   first tree, and for each driver of that tree the time from the hot-plug to its apply
-//!   answered (the audit log's `stageTimestamp`), and the apply's own time in the API server.
+//!   requests over `--api-scale-secs` (counted, and from the watches' timeouts); then
+//!   `--api-hotplugs` times a GPU hot-plugged into the first tree, and for each driver of that
+//!   tree the time from the hot-plug to its apply answered (the audit log's `stageTimestamp`),
+//!   and the apply's own time in the API server.
 //!
 //! The drivers authenticate as one user in `system:masters`, which API priority and fairness
 //! exempts: queueing is not measured.
@@ -64,8 +67,12 @@ impl Drop for Drivers {
 #[derive(Debug)]
 struct Request {
     verb: String,
+    /// `resourceslices`, `nodes`, ….
+    resource: String,
     /// The slice's name for a slice request.
     name: String,
+    /// The request's path and query, as sent.
+    uri: String,
     code: u64,
     received: SystemTime,
     done: SystemTime,
@@ -82,6 +89,11 @@ fn requests(cp: &ControlPlane) -> Vec<Request> {
         .iter()
         .map(|e| Request {
             verb: e["verb"].as_str().unwrap_or_default().to_string(),
+            resource: e["objectRef"]["resource"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+            uri: e["requestURI"].as_str().unwrap_or_default().to_string(),
             name: e["objectRef"]["name"]
                 .as_str()
                 .unwrap_or_default()
@@ -94,7 +106,7 @@ fn requests(cp: &ControlPlane) -> Vec<Request> {
 }
 
 /// `requests` per hour over `took`, by verb: `"3.0 (watch 3.0)"`; `"none in 120 s"` when the
-/// window saw none (a watch is renewed every 290 s: a shorter window may see no renewal).
+/// window saw none (a watch is renewed at its timeout: a shorter window may see no renewal).
 fn per_hour(requests: &[&Request], took: Duration, scale: f64) -> String {
     if requests.is_empty() {
         return format!("none in {} s", took.as_secs());
@@ -109,6 +121,51 @@ fn per_hour(requests: &[&Request], took: Duration, scale: f64) -> String {
         .map(|(v, n)| format!("{v} {:.1}", h(*n)))
         .collect();
     format!("{:.1} ({})", h(requests.len()), by.join(", "))
+}
+
+/// Query parameter `key` of `uri`, as sent (percent-encoded).
+fn query<'a>(uri: &'a str, key: &str) -> Option<&'a str> {
+    uri.split_once('?')?
+        .1
+        .split('&')
+        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+}
+
+/// Requests per hour at rest with the watches counted from their `timeoutSeconds`: the API
+/// server ends a quiet watch at its timeout and the driver opens the next, so each watch stream
+/// (a resource and field selector among `since`'s watches, the drivers' requests since they
+/// started) is one request per timeout of its last watch; the other requests as counted in
+/// `window` over `took`. Scaled by `scale`, by verb, with the timeouts seen: `"1.0 (watch 1.0;
+/// timeoutSeconds 3600)"`.
+fn from_timeouts(since: &[&Request], window: &[&Request], took: Duration, scale: f64) -> String {
+    let mut streams = BTreeMap::<(&str, &str), u64>::new();
+    for r in since.iter().filter(|r| r.verb == "watch") {
+        let Some(t) = query(&r.uri, "timeoutSeconds").and_then(|t| t.parse().ok()) else {
+            continue;
+        };
+        let fields = query(&r.uri, "fieldSelector").unwrap_or_default();
+        streams.insert((r.resource.as_str(), fields), t);
+    }
+    let mut verbs = BTreeMap::<&str, f64>::new();
+    for t in streams.values() {
+        *verbs.entry("watch").or_default() += 3600.0 / (*t).max(1) as f64 * scale;
+    }
+    for r in window.iter().filter(|r| r.verb != "watch") {
+        *verbs.entry(r.verb.as_str()).or_default() +=
+            3600.0 / took.as_secs_f64().max(0.001) * scale;
+    }
+    let timeouts: BTreeSet<u64> = streams.values().copied().collect();
+    let by: Vec<String> = verbs.iter().map(|(v, n)| format!("{v} {n:.1}")).collect();
+    format!(
+        "{:.1} ({}; timeoutSeconds {})",
+        verbs.values().sum::<f64>(),
+        by.join(", "),
+        timeouts
+            .iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
 }
 
 fn slice_name(node: &str) -> String {
@@ -253,7 +310,7 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     r.line("### sandbox-dra and the API server");
     r.line("");
     r.line(format!(
-        "`gpu-vm-bench --only dra-api`: sandbox-dra (node-sim 2xA10, passthrough: one slice) against a real kube-apiserver, its requests read from the audit log; over {} s at rest (`--resync-interval` 30 s), then {} s with a GPU hot-plugged or unplugged every minute. Then N drivers (own `--node-name`, Node, `--kubelet-root`; up to {PER_TREE} sharing a node-sim tree) at rest over {} s: the API server's CPU (less its own at rest, no driver) and the drivers' requests, per 100 drivers; and {} hot-plugs into the first tree: hot-plug → each of its drivers' apply answered, and that apply's time in the API server (audit), median / max.",
+        "`gpu-vm-bench --only dra-api`: sandbox-dra (node-sim 2xA10, passthrough: one slice) against a real kube-apiserver, its requests read from the audit log; over {} s at rest (`--resync-interval` 30 s), then {} s with a GPU hot-plugged or unplugged every minute. At rest the requests are counted, and also taken per hour from the watches' own `timeoutSeconds` (the API server ends a quiet watch at its timeout and the driver opens the next: one request per timeout per watch, which a window shorter than the timeout does not see). Then N drivers (own `--node-name`, Node, `--kubelet-root`; up to {PER_TREE} sharing a node-sim tree) at rest over {} s: the API server's CPU (less its own at rest, no driver) and the drivers' requests (counted, and by the watches' timeouts), per 100 drivers; and {} hot-plugs into the first tree: hot-plug → each of its drivers' apply answered, and that apply's time in the API server (audit), median / max.",
         window.as_secs(),
         window.as_secs(),
         scale_window.as_secs(),
@@ -279,9 +336,11 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     let asked = requests(&cp).len();
     let t = Instant::now();
     std::thread::sleep(window);
-    let rest = requests(&cp);
-    let rest: Vec<&Request> = rest[asked..].iter().collect();
-    let rest_line = per_hour(&rest, t.elapsed(), 1.0);
+    let all = requests(&cp);
+    let rest: Vec<&Request> = all[asked..].iter().collect();
+    let took = t.elapsed();
+    let rest_line = per_hour(&rest, took, 1.0);
+    let rest_timeouts = from_timeouts(&all.iter().collect::<Vec<_>>(), &rest, took, 1.0);
     let asked = asked + rest.len();
     let t = Instant::now();
     let mut plugged = false;
@@ -300,6 +359,10 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     drop(tree);
     r.table(&["one driver", "requests per hour (by verb)"]);
     r.row(&["at rest".into(), rest_line]);
+    r.row(&[
+        "at rest, each watch once per its timeoutSeconds".into(),
+        rest_timeouts,
+    ]);
     r.row(&["a hot-plug or unplug every minute".into(), busy_line]);
     r.line("");
 
@@ -308,6 +371,7 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
         "API server CPU at rest (millicores)",
         "per 100 drivers",
         "requests per hour per 100 drivers",
+        "the same, watches by their timeoutSeconds",
         "hot-plug → slice, median / max",
         "the apply in the API server",
         "driver RSS (median)",
@@ -315,6 +379,7 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     r.row(&[
         "0".into(),
         format!("{:.1}", idle_cores * 1000.0),
+        "–".into(),
         "–".into(),
         "–".into(),
         "–".into(),
@@ -333,6 +398,7 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
             .map(|_| builtin("2xA10").map(|t| mount(&t)))
             .collect::<Result<Vec<_>>>()?;
         let since = SystemTime::now();
+        let started = requests(&cp).len();
         let drivers = start(b, &kubeconfig, &logs, &trees, &nodes)?;
         wait_applied(&cp, &nodes, since, &logs)?;
         std::thread::sleep(SETTLE);
@@ -344,6 +410,7 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
         let took = t.elapsed();
         let all = requests(&cp);
         let at_rest: Vec<&Request> = all[asked..].iter().collect();
+        let since_start: Vec<&Request> = all[started..].iter().collect();
         let mut rss: Vec<u64> = drivers
             .0
             .iter()
@@ -371,6 +438,7 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
             format!("{:.1}", cores * 1000.0),
             format!("{:.1}", extra * 1000.0 * 100.0 / n as f64),
             per_hour(&at_rest, took, 100.0 / n as f64),
+            from_timeouts(&since_start, &at_rest, took, 100.0 / n as f64),
             median_max(follow),
             median_max(apply),
             rss.get(rss.len() / 2)
@@ -389,4 +457,62 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     ));
     r.line("");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(verb: &str, resource: &str, uri: &str) -> Request {
+        Request {
+            verb: verb.into(),
+            resource: resource.into(),
+            name: String::new(),
+            uri: uri.into(),
+            code: 200,
+            received: SystemTime::UNIX_EPOCH,
+            done: SystemTime::UNIX_EPOCH,
+        }
+    }
+
+    #[test]
+    fn watches_count_once_per_timeout_of_their_last_renewal() {
+        let slices = |n: &str, t: u32| {
+            req(
+                "watch",
+                "resourceslices",
+                &format!(
+                    "/apis/resource.k8s.io/v1/resourceslices?allowWatchBookmarks=true&fieldSelector=spec.nodeName%3D{n}&resourceVersion=7&timeoutSeconds={t}&watch=true"
+                ),
+            )
+        };
+        let node = req(
+            "watch",
+            "nodes",
+            "/api/v1/nodes?fieldSelector=metadata.name%3Da&timeoutSeconds=290&watch=true",
+        );
+        let list = req(
+            "list",
+            "resourceslices",
+            "/apis/resource.k8s.io/v1/resourceslices",
+        );
+        let all = [
+            slices("a", 290),
+            slices("a", 3600),
+            slices("b", 1800),
+            node,
+            list,
+        ];
+        let since: Vec<&Request> = all.iter().collect();
+        // a's slices once an hour, b's twice, a's Node every 290 s; the list once in 120 s.
+        let line = from_timeouts(&since, &since[4..], Duration::from_secs(120), 1.0);
+        assert_eq!(
+            line,
+            "45.4 (list 30.0, watch 15.4; timeoutSeconds 290, 1800, 3600)"
+        );
+        assert_eq!(query(&all[0].uri, "timeoutSeconds"), Some("290"));
+        assert_eq!(query(&all[0].uri, "watch"), Some("true"));
+        assert_eq!(query(&all[0].uri, "timeout"), None);
+        assert_eq!(query("/api/v1/nodes", "watch"), None);
+    }
 }

@@ -1,10 +1,13 @@
-//! A Kubernetes client from `--kubeconfig`, or in-cluster (or `$KUBECONFIG`) without one.
+//! A Kubernetes client from `--kubeconfig`, or in-cluster (or `$KUBECONFIG`) without one; and
+//! one for long watches ([`watch_client`]).
 
 use std::path::Path;
 
 use std::time::Duration;
 
 use anyhow::Context as _;
+use hyper_util::client::legacy::connect::HttpConnector;
+use kube::client::ConfigExt as _;
 use kube::runtime::utils::ResetTimerBackoff;
 use kube::runtime::watcher::ExponentialBackoff;
 
@@ -29,6 +32,59 @@ pub async fn config(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Config> {
             .await
             .context("no in-cluster config and no kubeconfig")?,
     })
+}
+
+/// How long a watch's connection carries nothing before TCP asks whether the API server is
+/// still there ([`watch_client`]).
+pub const WATCH_KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
+/// The time between two such probes.
+pub const WATCH_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(15);
+/// How many probes go unanswered before the connection is taken as dead.
+pub const WATCH_KEEPALIVE_PROBES: u32 = 4;
+
+/// A client for long watches, made from `config` (its server, TLS, credentials, headers and
+/// connect timeout). It has no read timeout: a quiet watch says nothing, not even a bookmark,
+/// for as long as the API server keeps it open (kube-apiserver sends a bookmark only once its
+/// cache of the resource moved), so a read timeout shorter than the watch would cut it. Its
+/// connections have TCP keepalive instead ([`WATCH_KEEPALIVE_IDLE`], then
+/// [`WATCH_KEEPALIVE_PROBES`] probes [`WATCH_KEEPALIVE_INTERVAL`] apart): one whose API server
+/// vanished without closing it (its host gone, a network partition) fails within two minutes,
+/// and the watcher opens another, instead of going unnoticed until the watch's timeout.
+///
+/// With a proxy (`proxy_url`), kube's own client without a read timeout (and without
+/// keepalive).
+pub fn watch_client(config: &kube::Config) -> anyhow::Result<kube::Client> {
+    if config.proxy_url.is_some() {
+        let mut config = config.clone();
+        config.read_timeout = None;
+        return kube::Client::try_from(config).context("cannot make a Kubernetes client");
+    }
+    let mut tcp = HttpConnector::new();
+    tcp.enforce_http(false);
+    tcp.set_connect_timeout(config.connect_timeout);
+    tcp.set_keepalive(Some(WATCH_KEEPALIVE_IDLE));
+    tcp.set_keepalive_interval(Some(WATCH_KEEPALIVE_INTERVAL));
+    tcp.set_keepalive_retries(Some(WATCH_KEEPALIVE_PROBES));
+    let https = config
+        .rustls_https_connector_with_connector(tcp)
+        .context("cannot set up TLS to the API server")?;
+    let http = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build::<_, kube::client::Body>(https);
+    let service = tower::ServiceBuilder::new()
+        .layer(config.base_uri_layer())
+        .option_layer(
+            config
+                .auth_layer()
+                .context("cannot set up the credentials for the API server")?,
+        )
+        .layer(
+            config
+                .extra_headers_layer()
+                .context("cannot set up the headers for the API server")?,
+        )
+        .map_err(tower::BoxError::from)
+        .service(http);
+    Ok(kube::Client::new(service, config.default_namespace.clone()))
 }
 
 /// The first delay before a watch that failed is tried again ([`watch_backoff`]).

@@ -180,7 +180,7 @@ ALLOWED_RULES = {
          {"get", "list", "watch", "create", "update", "patch", "delete"}),
         # deviceclasses: which extended resource names the cluster's classes claim.
         ({"resource.k8s.io"}, {"resourceclaims", "deviceclasses"}, {"get"}),
-        ({""}, {"nodes"}, {"list", "watch"}),
+        ({""}, {"nodes"}, {"get"}),
     ],
     **{sa: [EVENTS_RULE] for sa in GPU_OPERATOR_ACCOUNTS},
 }

@@ -18,6 +18,7 @@ pub mod cdi;
 pub mod extended;
 pub mod health;
 pub mod names;
+pub mod node;
 pub mod plugin;
 pub mod prepare;
 pub mod publish;
@@ -264,13 +265,11 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     kube_config.write_timeout = Some(backstop);
     kube_config.read_timeout = Some(backstop);
     kube_config.reset_reader_on_write = true;
-    // The publisher's watches have no read timeout: a quiet watch is not a hung server
-    // (kube-runtime's watcher ends one that has said nothing for longer than its own timeout).
-    let mut watch_config = kube_config.clone();
-    watch_config.read_timeout = None;
+    // The publisher's watch has no read timeout: a quiet watch is not a hung server (it says
+    // nothing for as long as the API server keeps it open, an hour); TCP keepalive finds a
+    // connection whose server vanished.
+    let watch_client = daemon_kit::kube::watch_client(&kube_config)?;
     let client = kube::Client::try_from(kube_config).context("cannot make a Kubernetes client")?;
-    let watch_client =
-        kube::Client::try_from(watch_config).context("cannot make a Kubernetes client")?;
     let ops = daemon_kit::ops::Ops::new();
     // The publisher's loop wakes at least every resync, and beats while a pass waits on the
     // API server: only a loop stuck on the node stops it.
@@ -331,10 +330,17 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
     ));
     // Before kubelet can call: what a crash left half done is brought in line first.
     preparer.reconcile().await;
-    // The node's container runtime, as the publisher reads it from the Node: prepare refuses
-    // claims a runtime without CDI could not hand to the pod.
+    // The node's container runtime, as the publisher and prepare read it from the Node:
+    // prepare refuses claims a runtime without CDI could not hand to the pod.
     let runtime = Arc::new(runtime::RuntimeCheck::default());
-    let plugin = Plugin::new(preparer, telemetry.clone(), runtime.clone());
+    let node = node::NodeReader::new(
+        client.clone(),
+        &config.node_name,
+        config.api_timeout,
+        runtime.clone(),
+        telemetry.clone(),
+    );
+    let plugin = Plugin::new(preparer, telemetry.clone(), node);
     let plugin_path = dirs.plugin_socket();
     let plugin_listener = bind_socket(&plugin_path)?;
     let (health_reporter, health_service) = health::channel(

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use kubelet_api::dra::{v1, v1beta1};
 use tonic::{Request, Response, Status};
 
+use crate::node::NodeReader;
 use crate::prepare::{ClaimRef, PrepareError, PreparedDevice, Preparer};
-use crate::runtime::RuntimeCheck;
 use crate::telemetry::Telemetry;
 
 /// The `DRAPlugin` service, both versions.
@@ -20,21 +20,17 @@ use crate::telemetry::Telemetry;
 pub struct Plugin {
     preparer: Arc<Preparer>,
     telemetry: Arc<Telemetry>,
-    runtime: Arc<RuntimeCheck>,
+    node: NodeReader,
 }
 
 impl Plugin {
     /// The service answering with `preparer`, counting in `telemetry`, refusing every claim
-    /// while `runtime` says the node's container runtime ignores CDI.
-    pub fn new(
-        preparer: Arc<Preparer>,
-        telemetry: Arc<Telemetry>,
-        runtime: Arc<RuntimeCheck>,
-    ) -> Self {
+    /// while the node's container runtime (read through `node`) ignores CDI.
+    pub fn new(preparer: Arc<Preparer>, telemetry: Arc<Telemetry>, node: NodeReader) -> Self {
         Plugin {
             preparer,
             telemetry,
-            runtime,
+            node,
         }
     }
 
@@ -42,9 +38,16 @@ impl Plugin {
         &self,
         claims: Vec<ClaimRef>,
     ) -> HashMap<String, Result<Vec<PreparedDevice>, PrepareError>> {
+        // The runtime known would have the claims refused: read it again (an upgrade since
+        // lifts that). A failed read leaves the last one known.
+        if self.node.runtime().refusal().is_some()
+            && let Err(e) = self.node.read().await
+        {
+            tracing::warn!(error = %common::error_chain(&e), "cannot read the node's container runtime; judging by the last one read");
+        }
         let mut out = HashMap::new();
         for claim in claims {
-            let result = match self.runtime.refusal() {
+            let result = match self.node.runtime().refusal() {
                 Some(reason) => Err(PrepareError::Refused {
                     claim: claim.clone(),
                     reason,

@@ -64,8 +64,8 @@ pub fn judge(runtime_version: &str) -> Cdi {
     }
 }
 
-/// The node's runtime as last read, shared by the publisher (which reads the Node) and the
-/// plugin (which refuses claims the runtime could not hand to a pod).
+/// The node's runtime as last read ([`crate::node`]), shared by the publisher and the plugin
+/// (which refuses claims the runtime could not hand to a pod).
 #[derive(Debug, Default)]
 pub struct RuntimeCheck {
     state: RwLock<Option<(String, Cdi)>>,
@@ -136,6 +136,7 @@ mod tests {
     #[test]
     fn a_change_is_told_once_and_refusal_follows_the_runtime() {
         let r = RuntimeCheck::default();
+        assert_eq!(r.refusal(), None, "nothing read yet: no refusal");
         assert!(matches!(
             r.observe("containerd://1.6.20"),
             Some(Cdi::Ignored(_))
@@ -144,5 +145,7 @@ mod tests {
         assert!(r.refusal().is_some_and(|m| m.contains("1.6.20")));
         assert_eq!(r.observe("containerd://2.0.0"), Some(Cdi::Read));
         assert_eq!(r.refusal(), None);
+        assert!(matches!(r.observe("docker://24.0.7"), Some(Cdi::Maybe(_))));
+        assert_eq!(r.refusal(), None, "a warning is not a refusal");
     }
 }

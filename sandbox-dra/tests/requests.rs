@@ -1,18 +1,21 @@
 //! What sandbox-dra asks of a real API server (etcd and kube-apiserver, every request in its
 //! audit log), as a process on a simulated node (node-sim) with a vGPU pool of several slices:
 //!
-//! - at rest, nothing but its two watches (the node's slices, its Node): passes run every
-//!   second (`--resync-interval 1s`, counted by `sandbox_dra_publish_passes_total`), and none of
-//!   them sends a request;
+//! - at start, one list of the node's slices, one read (GET) of its Node, and its writes; at
+//!   rest, nothing but the watch of the node's slices, which asks the API server to keep it
+//!   open for an hour (`timeoutSeconds=3600`): passes run every second (`--resync-interval 1s`,
+//!   counted by `sandbox_dra_publish_passes_total`), and none of them sends a request; the Node
+//!   is not read again, nor watched;
 //! - a GPU hot-plugged costs one apply per slice of the pool (a change moves the whole pool to
 //!   the next generation), each slice once, and nothing else: no list, no get, no delete;
 //! - a write the API server refuses is tried again on the backoff, not at every resync; one
 //!   to an API server that is down is tried at every resync, and lands once it is back.
 //!
 //! Requests are counted, never timed. The driver runs as a user of its own, so the audit log's
-//! entries for that user are its requests. Watch requests (verb `watch`) are left out:
-//! kube-runtime opens one again every 290 s, from where the last one was (a list again only
-//! after a 410 Gone, which a watch resumed within minutes does not get); nothing else is.
+//! entries for that user are its requests. Watch requests (verb `watch`) are counted apart: the
+//! driver opens one again when the API server ends the last (after its hour), from where it was
+//! (a list again only after a 410 Gone, which a watch resumed from its last bookmark does not
+//! get); nothing else is.
 //! `AT_REST_SECS` keeps the driver at rest longer and prints its requests per hour, watches
 //! included (for BENCHMARKS.md). Needs the cluster tier's assets (`tests/cluster/prepare.sh`);
 //! skipped without them, a failure with `CLUSTER_TIER=required`.
@@ -28,6 +31,8 @@ use support::{DRIVER, Driver, NODE, command};
 
 /// The user the driver authenticates as.
 const USER: &str = "sandbox-dra";
+/// The `timeoutSeconds` the driver's watch asks for.
+const WATCH_TIMEOUT: &str = "3600";
 /// A generous deadline for what should happen within seconds on a busy machine.
 const PATIENCE: Duration = Duration::from_secs(90);
 
@@ -47,6 +52,14 @@ fn requests(api: &ApiServer) -> Vec<(String, String, String)> {
             )
         })
         .collect()
+}
+
+/// Query parameter `key` of `uri`, as sent.
+fn query<'a>(uri: &'a str, key: &str) -> Option<&'a str> {
+    uri.split_once('?')?
+        .1
+        .split('&')
+        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
 }
 
 /// `sandbox_dra_publish_passes_total{result}` now.
@@ -166,8 +179,9 @@ fn at_rest_the_driver_asks_nothing_and_a_hotplug_costs_one_apply_per_slice() {
     // Its own writes seen back on the watch.
     wait_for_passes(&metrics, 1, &d);
 
-    // The audit log shows the driver's requests: its two lists, a dry run asking whether the
-    // API server keeps what a vGPU pool needs, and one apply per slice.
+    // The audit log shows the driver's requests: the list of its slices, the read of its Node, a
+    // dry run asking whether the API server keeps what a vGPU pool needs, and one apply per
+    // slice.
     let start = requests(&api);
     assert_eq!(
         start
@@ -177,7 +191,7 @@ fn at_rest_the_driver_asks_nothing_and_a_hotplug_costs_one_apply_per_slice() {
         1,
         "{start:?}"
     );
-    for (verb, resource) in [("list", "resourceslices"), ("list", "nodes")] {
+    for (verb, resource) in [("list", "resourceslices"), ("get", "nodes")] {
         assert_eq!(
             start
                 .iter()
@@ -189,6 +203,11 @@ fn at_rest_the_driver_asks_nothing_and_a_hotplug_costs_one_apply_per_slice() {
     }
     let applied = start.iter().filter(|(v, _, _)| v == "patch").count();
     assert_eq!(applied, before.len(), "{start:?}");
+    assert_eq!(
+        start.iter().filter(|(_, r, _)| r == "nodes").count(),
+        1,
+        "the Node read once: {start:?}"
+    );
 
     // At rest: passes, and no request.
     let asked = start.len();
@@ -205,10 +224,33 @@ fn at_rest_the_driver_asks_nothing_and_a_hotplug_costs_one_apply_per_slice() {
     assert_eq!(
         at_rest,
         [],
-        "requests at rest besides the watches\n{}",
+        "requests at rest besides the watch\n{}",
         d.log()
     );
     assert_eq!(passes(&metrics, "failed"), 0, "{}", d.log());
+    // The watches: of the node's slices only, each asking for the hour; the Node not watched.
+    let watches: Vec<(String, String)> = api
+        .requests_of(USER)
+        .iter()
+        .filter(|e| e["verb"] == "watch")
+        .map(|e| {
+            let s = |v: &Value| v.as_str().unwrap_or_default().to_string();
+            (s(&e["objectRef"]["resource"]), s(&e["requestURI"]))
+        })
+        .collect();
+    assert!(!watches.is_empty(), "no watch in the audit log");
+    for (resource, uri) in &watches {
+        assert_eq!(resource, "resourceslices", "{watches:#?}");
+        assert!(
+            uri.contains("allowWatchBookmarks=true"),
+            "a watch without bookmarks: {uri}"
+        );
+        assert_eq!(
+            query(uri, "timeoutSeconds"),
+            Some(WATCH_TIMEOUT),
+            "a watch the API server ends before the hour: {uri}"
+        );
+    }
 
     // A GPU hot-plugged: it joins the pool, which moves to the next generation.
     let asked = requests(&api).len();
@@ -237,8 +279,8 @@ fn at_rest_the_driver_asks_nothing_and_a_hotplug_costs_one_apply_per_slice() {
     );
 }
 
-/// A write the API server refuses (RBAC lets the driver watch its slices and its Node, not
-/// write them) is tried again on the backoff (1 s doubling, each delay up to twice as long),
+/// A write the API server refuses (RBAC lets the driver watch its slices and read its Node,
+/// not write them) is tried again on the backoff (1 s doubling, each delay up to twice as long),
 /// not at every resync: with `--resync-interval 1s`, 15 s after the first refusal at most 4
 /// more tries where every tick would have made 15, while the ticks still read the node. Once
 /// the write is allowed, a change to the node (a GPU hot-plugged) is published.

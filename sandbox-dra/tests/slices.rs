@@ -252,9 +252,9 @@ fn stale_slices_go_at_start_and_a_wiped_slice_comes_back_with_a_higher_generatio
     let stored = api.get_json(&["resourceslice", SLICE]).unwrap();
     assert_eq!(generation(&stored), 9);
 
-    // The Node deleted (its slice collected with it) and registered again: the Node's watch
-    // shows its new UID, and the slice comes back owned by it, not by the UID the driver saw
-    // first.
+    // The Node deleted (its slice collected with it) and registered again: the watch shows the
+    // slice gone, the Node is read again, and the slice comes back owned by its new UID, not by
+    // the UID the driver saw first.
     assert_eq!(delete_node(&api), [SLICE]);
     api.create_node(NODE, &[]).unwrap();
     let new_uid = api.node(NODE).unwrap()["metadata"]["uid"].clone();

@@ -1,6 +1,6 @@
 //! The API server as the publisher knows it without asking: this node's ResourceSlices of this
-//! driver and its Node, each followed by a kube-runtime reflector (one list, then a watch with a
-//! field selector), and the writes of this process the watch has not shown yet.
+//! driver, followed by a kube-runtime reflector (one list, then a watch with a field selector),
+//! and the writes of this process the watch has not shown yet.
 //!
 //! A write's answer comes before the watch shows it: until then the cache holds the slice as
 //! the write left it (client-go's mutation cache does the same for the upstream ResourceSlice
@@ -11,13 +11,12 @@
 //! within [`PENDING_TTL`] is forgotten, and the cache is what the watch says.
 //!
 //! Whether an event is this process's own write echoed, or another client's change (a slice
-//! deleted or edited, kubelet's wipe of the node's slices at its start, a new Node UID): only
-//! the latter asks for a pass.
+//! deleted or edited, kubelet's wipe of the node's slices at its start, the garbage collector's
+//! after the Node was deleted): only the latter asks for a pass.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher::Event;
@@ -47,15 +46,6 @@ impl Pending {
     }
 }
 
-/// What the pass takes from the Node.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct NodeFacts {
-    /// The UID the slices' owner reference names.
-    pub uid: Option<String>,
-    /// `status.nodeInfo.containerRuntimeVersion`; empty until kubelet reports it.
-    pub runtime: String,
-}
-
 fn version(s: &ResourceSlice) -> Option<u64> {
     s.metadata.resource_version.as_deref()?.parse().ok()
 }
@@ -68,48 +58,25 @@ fn name(s: &ResourceSlice) -> Option<&str> {
 #[derive(Debug)]
 pub struct Cache {
     slices: Store<ResourceSlice>,
-    nodes: Store<Node>,
-    node_name: String,
-    slices_listed: bool,
-    node_listed: bool,
+    listed: bool,
     /// Writes the slice watch has not shown yet, by slice name.
     pending: BTreeMap<String, Pending>,
-    /// The Node as the last pass due to it saw it: a change asks for a pass.
-    node: Option<NodeFacts>,
 }
 
 impl Cache {
-    /// A cache over the reflectors' stores; `node_name` is the Node the node store follows.
-    pub fn new(slices: Store<ResourceSlice>, nodes: Store<Node>, node_name: &str) -> Cache {
+    /// A cache over the reflector's store.
+    pub fn new(slices: Store<ResourceSlice>) -> Cache {
         Cache {
             slices,
-            nodes,
-            node_name: node_name.to_string(),
-            slices_listed: false,
-            node_listed: false,
+            listed: false,
             pending: BTreeMap::new(),
-            node: None,
         }
     }
 
-    /// Whether both have been listed once: before that, the cache cannot say what is there.
+    /// Whether the slices have been listed once: before that, the cache cannot say what is
+    /// there.
     pub fn listed(&self) -> bool {
-        self.slices_listed && self.node_listed
-    }
-
-    /// The Node, when the API server has it.
-    pub fn node(&self) -> Option<NodeFacts> {
-        let node = self.nodes.get(&ObjectRef::new(&self.node_name))?;
-        let runtime = node
-            .status
-            .as_ref()
-            .and_then(|s| s.node_info.as_ref())
-            .map(|i| i.container_runtime_version.clone())
-            .unwrap_or_default();
-        Some(NodeFacts {
-            uid: node.metadata.uid.clone(),
-            runtime,
-        })
+        self.listed
     }
 
     /// The node's slices as the API server holds them, this process's writes included, by name.
@@ -191,7 +158,7 @@ impl Cache {
         let (s, deleted) = match ev {
             Event::Init | Event::InitApply(_) => return false,
             Event::InitDone => {
-                self.slices_listed = true;
+                self.listed = true;
                 self.forget_shown();
                 return true;
             }
@@ -219,27 +186,6 @@ impl Cache {
             self.pending.remove(n);
         }
         shown && !ours
-    }
-
-    /// Takes in an event of the Node watch (the store already has it); whether the Node
-    /// changed in what a pass reads from it (it appeared, went, or has a new UID or runtime),
-    /// or was listed.
-    pub fn node_event(&mut self, ev: &Event<Node>) -> bool {
-        let listed = match ev {
-            Event::Init | Event::InitApply(_) => return false,
-            // The cache may just have become whole: a pass that waited for it is due.
-            Event::InitDone => {
-                self.node_listed = true;
-                true
-            }
-            Event::Apply(_) | Event::Delete(_) => false,
-        };
-        let now = self.node();
-        if now == self.node {
-            return listed;
-        }
-        self.node = now;
-        true
     }
 
     /// After a list: the writes it shows are no longer pending.
@@ -274,33 +220,17 @@ mod tests {
         s
     }
 
-    fn node(uid: &str, runtime: &str) -> Node {
-        serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "node-a", "uid": uid, "resourceVersion": "1"},
-            "status": {"nodeInfo": {
-                "containerRuntimeVersion": runtime,
-                "architecture": "", "bootID": "", "kernelVersion": "", "kubeProxyVersion": "",
-                "kubeletVersion": "", "machineID": "", "operatingSystem": "", "osImage": "",
-                "systemUUID": ""
-            }}
-        }))
-        .unwrap()
-    }
-
     struct Fixture {
         cache: Cache,
         slices: kube::runtime::reflector::store::Writer<ResourceSlice>,
-        nodes: kube::runtime::reflector::store::Writer<Node>,
     }
 
     impl Fixture {
         fn new() -> Fixture {
             let (sr, sw) = store();
-            let (nr, nw) = store();
             Fixture {
-                cache: Cache::new(sr, nr, "node-a"),
+                cache: Cache::new(sr),
                 slices: sw,
-                nodes: nw,
             }
         }
 
@@ -308,11 +238,6 @@ mod tests {
         fn slice(&mut self, ev: Event<ResourceSlice>) -> bool {
             self.slices.apply_watcher_event(&ev);
             self.cache.slice_event(&ev)
-        }
-
-        fn node(&mut self, ev: Event<Node>) -> bool {
-            self.nodes.apply_watcher_event(&ev);
-            self.cache.node_event(&ev)
         }
 
         fn listed(&mut self, slices: Vec<ResourceSlice>) {
@@ -333,15 +258,11 @@ mod tests {
     }
 
     #[test]
-    fn not_listed_until_both_watches_listed() {
+    fn not_listed_until_the_watch_listed() {
         let mut f = Fixture::new();
         assert!(!f.cache.listed());
         f.listed(vec![]);
-        assert!(!f.cache.listed());
-        assert!(!f.node(Event::Init));
-        assert!(f.node(Event::InitDone), "the Node's absence is news too");
         assert!(f.cache.listed());
-        assert_eq!(f.cache.node(), None);
     }
 
     #[test]
@@ -408,25 +329,5 @@ mod tests {
         f.cache.applied(slice("a", 15, 3));
         f.listed(vec![slice("a", 12, 2)]);
         assert_eq!(f.generations(), [("a".to_string(), 3)]);
-    }
-
-    #[test]
-    fn the_node_asks_for_a_pass_when_its_uid_or_runtime_changes_only() {
-        let mut f = Fixture::new();
-        f.node(Event::Init);
-        f.node(Event::InitApply(node("u1", "")));
-        assert!(f.node(Event::InitDone));
-        assert!(!f.node(Event::Apply(node("u1", ""))), "a heartbeat");
-        assert!(f.node(Event::Apply(node("u1", "containerd://2.1.0"))));
-        assert_eq!(
-            f.cache.node(),
-            Some(NodeFacts {
-                uid: Some("u1".into()),
-                runtime: "containerd://2.1.0".into()
-            })
-        );
-        assert!(f.node(Event::Delete(node("u1", "containerd://2.1.0"))));
-        assert_eq!(f.cache.node(), None);
-        assert!(f.node(Event::Apply(node("u2", "containerd://2.1.0"))));
     }
 }

@@ -4,11 +4,20 @@
 //!
 //! What the API server holds is known without asking ([`cache`]): a kube-runtime reflector
 //! follows this node's slices of this driver (field selector `spec.nodeName=<node>,
-//! spec.driver=<driver>`) and another the node's own Node (`metadata.name=<node>`: its UID,
-//! which the slices' owner reference names, and `status.nodeInfo.containerRuntimeVersion`,
-//! which [`crate::runtime::RuntimeCheck`] judges). Each is one list, then a watch, renewed
-//! when the API server ends it (every 290 s, kube-runtime's default) from where it was; a
-//! list again only when the API server can no longer resume it (410 Gone).
+//! spec.driver=<driver>`): one list, then one watch at a time, each asking the API server to
+//! keep it open for [`WATCH_TIMEOUT_SECS`] (an hour; kube-apiserver grants what a client asks)
+//! with bookmarks, and opened again from where the last one ended; a list again only when the
+//! API server can no longer resume it (410 Gone). At rest that renewal is the driver's one
+//! request an hour. A connection that died without a word is found by TCP keepalive within two
+//! minutes, not at the watch's end ([`daemon_kit::kube::watch_client`]).
+//!
+//! The Node is not watched: what the slices need from it, its UID (their owner reference) and
+//! its container runtime ([`crate::runtime::RuntimeCheck`]), changes rarely, and is read (one
+//! GET, [`crate::node`]) when it matters: at the first pass, and at the pass after the watch
+//! shows what a Node deleted and registered again brings (a slice another client deleted: the
+//! garbage collector takes the slices the old UID owns, and kubelet deletes the node's slices
+//! when it starts; a slice owned by another UID; the slices listed anew). The slices written
+//! then are owned by the UID read.
 //!
 //! A pass reads the node, builds the slices and compares them with the cache ([`plan`]): it
 //! writes only what differs, one server-side apply (field manager `sandbox-dra`, forced: this
@@ -27,9 +36,9 @@
 //! or removed, a driver bound or unbound, a VFIO group node appearing or going), when kubelet
 //! (re)registers the driver, when the watch shows another client's change to the node's
 //! slices (one deleted or edited; kubelet deletes the node's slices when it starts and when a
-//! driver unregisters) or a new Node (a new UID, another container runtime), and every
-//! `--resync-interval` ([`daemon_kit::reconcile`]: a burst of events is one pass). At rest,
-//! the passes ask the API server nothing: the watches are all the driver's requests.
+//! driver unregisters), and every `--resync-interval` ([`daemon_kit::reconcile`]: a burst of
+//! events is one pass). At rest, the passes ask the API server nothing: the watch is all the
+//! driver's requests.
 //!
 //! A pass's requests are each bounded by `--api-timeout`, and the pass's time with the API
 //! server by the longer of `--resync-interval` and that timeout (what is written by then
@@ -38,17 +47,20 @@
 //! returns), not when the API server is slow or hangs. A pass that fails (the API server
 //! unreachable, a refusal, its time out) is retried after a backoff with jitter, 1 s
 //! doubling to 5 minutes. After a refusal (the API server answered: RBAC, an admission
-//! policy) a resync until then reads the node and reports health but does not write again (a
-//! refused write is not repeated every 30 s on every node); a server that was not reached is
-//! tried again at each resync, so that the slices are right soon after it is back. A change
-//! (a uevent, a claim, the watch) is tried at once either way.
+//! policy, no such Node) a resync until then reads the node and reports health but does not
+//! write again (a refused write, or a read of a missing Node, is not repeated every 30 s on
+//! every node); a server that was not reached is tried again at each resync, so that the
+//! slices are right soon after it is back. A change (a uevent, a claim, the watch) is tried at
+//! once either way.
 //!
 //! Cleaning up:
 //! - slices of this driver on this node other than those this process publishes (a renamed
 //!   node, an older naming, the vGPU pool's slices once `--vgpu` is gone) are deleted;
 //! - the slice carries an owner reference to its Node (with the Node's UID), so Kubernetes'
 //!   garbage collector deletes it when the Node object is deleted; a Node registered again has
-//!   a new UID, which the watch shows, and the slices are written again owned by it;
+//!   a new UID, read once the watch shows the slices deleted, and the slices are written again
+//!   owned by it (while the Node is missing, the pass fails and is retried on the backoff, or
+//!   at once on a change: kubelet registering the driver again);
 //! - kubelet deletes the node's slices of a driver that unregistered (its registration socket
 //!   gone) and did not come back within its grace period, and all of the node's slices when it
 //!   starts; this process therefore leaves its slice in place when it stops (a rollout's
@@ -67,7 +79,6 @@ use common::vfio::{self, Selector, select};
 use common::{HostPaths, Inventory, PciIds, ReadOptions};
 use daemon_kit::reconcile::{Settings, Trigger};
 use futures::StreamExt as _;
-use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{CounterSet, Device, ResourceSlice};
 use kube::Api;
 use kube::api::{DeleteParams, Patch, PatchParams};
@@ -76,6 +87,7 @@ use kube::runtime::{WatchStreamExt as _, reflector};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::node::{NodeFacts, NodeReader};
 use crate::registration::Registered;
 use crate::slices::{self, LeftOut, NodeDevices, Pool};
 use crate::vgpu;
@@ -96,6 +108,15 @@ const RETRY_MAX: Duration = Duration::from_secs(300);
 /// stuck.
 const BEAT_WHILE_WAITING: Duration = Duration::from_secs(1);
 
+/// How long the API server is asked to keep one watch of the node's slices open
+/// (`timeoutSeconds`; kube-apiserver grants what is asked): at rest, its renewal is the
+/// driver's one request an hour. A quiet watch may say nothing for all that time, not even a
+/// bookmark (the API server sends one only once its cache of ResourceSlices moved):
+/// kube-runtime's watcher takes a watch as dead only after this and 5 s without a word, when the
+/// API server has ended it already, and the watch client has no read timeout; TCP keepalive
+/// finds a connection whose API server vanished ([`daemon_kit::kube::watch_client`]).
+pub const WATCH_TIMEOUT_SECS: u32 = 3600;
+
 /// What asks the publisher to compare the slices with the node again.
 #[derive(Debug)]
 enum Change {
@@ -105,8 +126,6 @@ enum Change {
     Registered,
     /// Another client changed the node's slices, or they were listed (again).
     Slices,
-    /// The Node appeared, went, or has a new UID or container runtime.
-    Node,
     /// A pooled GPU's VFs could not be enabled, or could again: its vGPU devices' taint.
     Vfs,
 }
@@ -128,8 +147,8 @@ pub struct PublishConfig {
     pub api_timeout: Duration,
     /// Where passes are counted, and readiness told.
     pub telemetry: std::sync::Arc<crate::telemetry::Telemetry>,
-    /// Where the node's container runtime is recorded, for prepare to refuse what it could not
-    /// hand to a pod.
+    /// Where the node's container runtime is recorded when the Node is read, for prepare to
+    /// refuse what it could not hand to a pod.
     pub runtime: std::sync::Arc<crate::runtime::RuntimeCheck>,
     /// Which GPUs are published with vGPU devices (`--vgpu`), for those that appear.
     pub vgpu: vgpu::Selector,
@@ -288,7 +307,7 @@ enum Written {
 /// What a pass made of the API server's slices.
 #[derive(Debug, PartialEq, Eq)]
 enum Published {
-    /// The node's slices and Node are not listed yet: the list's end starts a pass.
+    /// The node's slices are not listed yet: the list's end starts a pass.
     Waiting,
     /// They already said what the node has.
     Unchanged,
@@ -302,7 +321,12 @@ struct Publisher {
     /// Writes go through the client whose every request is bounded.
     slices: Api<ResourceSlice>,
     cache: cache::Cache,
-    runtime: std::sync::Arc<crate::runtime::RuntimeCheck>,
+    /// Reads the Node (through the bounded client); records its container runtime.
+    node: NodeReader,
+    /// The Node as last read.
+    node_facts: Option<NodeFacts>,
+    /// The watch showed what a new Node brings: the next pass reads it before it writes.
+    node_stale: bool,
     telemetry: std::sync::Arc<crate::telemetry::Telemetry>,
     pool: Pool,
     /// The pool generation last applied or adopted.
@@ -333,17 +357,20 @@ impl Publisher {
         }
         // A Node deleted and registered again has a new UID: a slice owned by the old one would
         // be deleted by the garbage collector each time it is put back.
-        let node = self.cache.node().with_context(|| {
-            format!(
-                "Node {} is not in the API server (its slices name it as their owner)",
-                self.pool.node_name
-            )
-        })?;
-        self.pool.node_uid = node.uid;
-        if !node.runtime.is_empty()
-            && let Some(cdi) = self.runtime.observe(&node.runtime)
-        {
-            self.telemetry.runtime(&cdi);
+        if self.node_stale || self.node_facts.is_none() {
+            let read = self.node.read().await?;
+            if let Some(was) = &self.node_facts
+                && was.uid != read.uid
+            {
+                tracing::info!(
+                    node = %self.node.name(),
+                    uid = ?read.uid,
+                    "the Node was registered again: its slices are written owned by its new UID"
+                );
+            }
+            self.pool.node_uid = read.uid.clone();
+            self.node_facts = Some(read);
+            self.node_stale = false;
         }
         let pool = support::is_pool(&devices);
         if pool && self.support.needs_probe() {
@@ -565,20 +592,31 @@ async fn wait_on_api<T>(
     }
 }
 
-/// What the two watches deliver, in one stream.
-#[derive(Debug)]
-enum Watched {
-    Slices(Box<watcher::Result<Event<ResourceSlice>>>),
-    Node(Box<watcher::Result<Event<Node>>>),
+/// Whether slice event `ev`, another client's change, may come of the Node deleted and
+/// registered again (its slices deleted by the garbage collector or by kubelet as it starts, one
+/// owned by another UID than `uid`, a list anew that may have missed either), so that the Node
+/// is read again before the next write.
+fn node_news(ev: &Event<ResourceSlice>, uid: Option<&str>) -> bool {
+    match ev {
+        Event::InitDone | Event::Delete(_) => true,
+        Event::Apply(s) => s
+            .metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .filter(|o| o.kind == "Node")
+            .any(|o| Some(o.uid.as_str()) != uid),
+        Event::Init | Event::InitApply(_) => false,
+    }
 }
 
 /// Publishes the node's slices until `shutdown`; `registered` follows kubelet's registration.
-/// Writes go through `client` (every request bounded by `--api-timeout`), the watches through
+/// Writes go through `client` (every request bounded by `--api-timeout`), the watch through
 /// `watch_client` (a quiet watch is not a hung request: kube-runtime's watcher ends one that
-/// says nothing, not even a bookmark, for longer than its timeout). After each read of the
-/// node, `health` judges its devices for kubelet ([`crate::health`]), whether or not the API
-/// server then takes the slice. Failures are logged and retried, never fatal: the driver keeps
-/// serving prepared claims.
+/// says nothing, not even a bookmark, for longer than its timeout); the Node is read through
+/// `client` when it matters. After each read of the node, `health` judges its devices for
+/// kubelet ([`crate::health`]), whether or not the API server then takes the slice. Failures
+/// are logged and retried, never fatal: the driver keeps serving prepared claims.
 pub async fn run(
     client: kube::Client,
     watch_client: kube::Client,
@@ -589,32 +627,31 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let slice_fields = format!("spec.nodeName={},spec.driver={}", cfg.node_name, cfg.driver);
-    let node_fields = format!("metadata.name={}", cfg.node_name);
     let (slice_store, slice_writer) = reflector::store::<ResourceSlice>();
-    let (node_store, node_writer) = reflector::store::<Node>();
-    let slice_watch = reflector::reflector(
+    let mut watched = reflector::reflector(
         slice_writer,
         watcher::watcher(
-            Api::<ResourceSlice>::all(watch_client.clone()),
-            watcher::Config::default().fields(&slice_fields),
+            Api::<ResourceSlice>::all(watch_client),
+            watcher::Config::default()
+                .fields(&slice_fields)
+                .timeout(WATCH_TIMEOUT_SECS),
         )
         .default_backoff(),
     )
-    .map(|ev| Watched::Slices(Box::new(ev)));
-    let node_watch = reflector::reflector(
-        node_writer,
-        watcher::watcher(
-            Api::<Node>::all(watch_client),
-            watcher::Config::default().fields(&node_fields),
-        )
-        .default_backoff(),
-    )
-    .map(|ev| Watched::Node(Box::new(ev)));
-    let mut watched = futures::stream::select(slice_watch.boxed(), node_watch.boxed());
+    .boxed();
+    let node = NodeReader::new(
+        client.clone(),
+        &cfg.node_name,
+        cfg.api_timeout,
+        cfg.runtime.clone(),
+        cfg.telemetry.clone(),
+    );
     let mut p = Publisher {
         slices: Api::all(client),
-        cache: cache::Cache::new(slice_store, node_store, &cfg.node_name),
-        runtime: cfg.runtime.clone(),
+        cache: cache::Cache::new(slice_store),
+        node,
+        node_facts: None,
+        node_stale: true,
         telemetry: cfg.telemetry.clone(),
         pool: Pool {
             driver: cfg.driver.clone(),
@@ -665,31 +702,19 @@ pub async fn run(
             }
             ev = watched.next(), if watching => {
                 match ev {
-                    Some(Watched::Slices(ev)) => match *ev {
-                        Ok(ev) => {
-                            if p.cache.slice_event(&ev) {
-                                changes.send(Change::Slices);
-                            }
+                    Some(Ok(ev)) => {
+                        if p.cache.slice_event(&ev) {
+                            let uid = p.pool.node_uid.as_deref();
+                            p.node_stale |= node_news(&ev, uid);
+                            changes.send(Change::Slices);
                         }
-                        Err(e) => tracing::warn!(
-                            error = %e,
-                            fields = %slice_fields,
-                            "cannot list or watch the node's ResourceSlices"
-                        ),
-                    },
-                    Some(Watched::Node(ev)) => match *ev {
-                        Ok(ev) => {
-                            if p.cache.node_event(&ev) {
-                                changes.send(Change::Node);
-                            }
-                        }
-                        Err(e) => tracing::warn!(
-                            error = %e,
-                            node = %cfg.node_name,
-                            "cannot list or watch the Node"
-                        ),
-                    },
-                    // kube-runtime's watchers do not end.
+                    }
+                    Some(Err(e)) => tracing::warn!(
+                        error = %e,
+                        fields = %slice_fields,
+                        "cannot list or watch the node's ResourceSlices"
+                    ),
+                    // kube-runtime's watcher does not end.
                     None => watching = false,
                 }
                 continue;
@@ -706,7 +731,6 @@ pub async fn run(
                 Change::Slices => {
                     tracing::debug!("the node's slices changed in the API server; checking them")
                 }
-                Change::Node => tracing::debug!("the Node changed; checking the slices"),
                 Change::Vfs => {
                     tracing::debug!(
                         "a pooled GPU's VFs could or could not be enabled; checking the slices"
@@ -742,9 +766,7 @@ pub async fn run(
         match outcome {
             Ok((_, Published::Waiting)) => {
                 cfg.telemetry.pass("waiting");
-                tracing::debug!(
-                    "the node's slices and Node are not listed yet; publishing once they are"
-                );
+                tracing::debug!("the node's slices are not listed yet; publishing once they are");
                 trigger.done();
             }
             Ok((published, done)) => {
@@ -760,12 +782,20 @@ pub async fn run(
             Err(e) => {
                 cfg.telemetry.pass("failed");
                 cfg.telemetry.publish_failed();
-                refused = matches!(e.downcast_ref::<kube::Error>(), Some(kube::Error::Api(_)));
+                refused = answered(&e);
                 let retry_in = trigger.retry();
                 tracing::error!(error = %format!("{e:#}"), ?retry_in, "cannot publish the node's ResourceSlice");
             }
         }
     }
+}
+
+/// Whether a pass failed on the API server's answer (a refusal, no such Node), not on its
+/// absence.
+fn answered(e: &anyhow::Error) -> bool {
+    matches!(e.downcast_ref::<kube::Error>(), Some(kube::Error::Api(_)))
+        || e.downcast_ref::<crate::node::Error>()
+            .is_some_and(crate::node::Error::answered)
 }
 
 #[cfg(test)]
@@ -802,6 +832,50 @@ mod tests {
         stop.cancel();
         let stopped = wait_on_api(std::future::pending::<()>(), bound, &t, &stop).await;
         assert!(matches!(stopped, Waited::Stopped), "{stopped:?}");
+    }
+
+    fn owned_by(uid: &str) -> ResourceSlice {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "n-d", "resourceVersion": "5", "ownerReferences": [
+                {"apiVersion": "v1", "kind": "Node", "name": "n", "uid": uid}
+            ]},
+            "spec": {"driver": "d", "nodeName": "n", "pool": {"name": "n", "generation": 1, "resourceSliceCount": 1}}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn the_node_is_read_again_when_its_slices_go_or_name_another_uid() {
+        let uid = Some("u1");
+        // Another client's edit that keeps the owner: the UID known still holds.
+        assert!(!node_news(&Event::Apply(owned_by("u1")), uid));
+        // Owned by another UID, deleted (the garbage collector, kubelet's wipe), listed anew.
+        assert!(node_news(&Event::Apply(owned_by("u2")), uid));
+        assert!(node_news(&Event::Delete(owned_by("u1")), uid));
+        assert!(node_news(&Event::InitDone, uid));
+        // A list's objects: its end says it.
+        assert!(!node_news(&Event::InitApply(owned_by("u2")), uid));
+        assert!(!node_news(&Event::Init, uid));
+    }
+
+    #[test]
+    fn no_such_node_is_an_answer_like_a_refusal() {
+        let missing = anyhow::Error::from(crate::node::Error::Missing { node: "n".into() });
+        assert!(answered(&missing));
+        let late = anyhow::Error::from(crate::node::Error::Timeout {
+            node: "n".into(),
+            after: Duration::from_secs(1),
+        });
+        assert!(!answered(&late));
+        let forbidden = kube::Error::Api(
+            kube::core::Status::failure("forbidden", "Forbidden")
+                .with_code(403)
+                .boxed(),
+        );
+        assert!(answered(
+            &anyhow::Error::from(forbidden).context("cannot apply ResourceSlice n-d")
+        ));
+        assert!(!answered(&anyhow::anyhow!("the node reader failed")));
     }
 
     #[test]

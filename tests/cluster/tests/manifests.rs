@@ -424,7 +424,8 @@ fn the_admission_policies_keep_each_daemon_to_its_own_node() {
         ("sandbox-dra", "delete", slices, true),
         ("sandbox-dra", "get", claims, true),
         ("sandbox-dra", "update", claims, false),
-        ("sandbox-dra", "list", "nodes", true),
+        ("sandbox-dra", "get", "nodes", true),
+        ("sandbox-dra", "watch", "nodes", false),
         ("sandbox-dra", "patch", "nodes", false),
     ];
     for (sa, verb, resource, want) in can {

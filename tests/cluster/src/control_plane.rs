@@ -1,6 +1,6 @@
 //! etcd, kube-apiserver and, for a whole cluster, kube-controller-manager and kube-scheduler.
 
-use std::net::TcpListener;
+use std::net::{IpAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -226,8 +226,14 @@ impl ControlPlane {
                 self.dir.join("audit-policy.yaml").display()
             ))
             .arg(format!("--audit-log-path={}", self.audit_log().display()))
-            .args(["--audit-log-maxsize", "0"])
-            .args(&self.opts.apiserver_args);
+            .args(["--audit-log-maxsize", "0"]);
+        if is_loopback(&self.opts.bind_ip) {
+            // An API server on loopback serves no pods: the `kubernetes` Service gets no
+            // endpoints (their reconciler refuses a loopback address from v1.37 on, and the API
+            // server with it: "may not be in the loopback range").
+            cmd.args(["--endpoint-reconciler-type", "none"]);
+        }
+        cmd.args(&self.opts.apiserver_args);
         self.apiserver = Some(Proc::spawn(
             "kube-apiserver",
             &mut cmd,
@@ -434,6 +440,11 @@ impl Drop for ControlPlane {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// Whether `ip` is a loopback address (`127.0.0.0/8`, `::1`).
+fn is_loopback(ip: &str) -> bool {
+    ip.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// The first host address of an IPv4 CIDR (`10.96.0.0/24` → `10.96.0.1`).

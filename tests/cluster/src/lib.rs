@@ -687,8 +687,9 @@ fn lock() -> Result<nix::fcntl::Flock<std::fs::File>> {
 /// Stops and removes what earlier runs killed before their clean-up left: their processes
 /// (every process in their network namespace, and every process naming their scratch
 /// directory: a container shim names its containerd's socket), mounts (their namespace's pin
-/// among them: the kernel then removes the namespace with its bridge and veths), host changes
-/// and scratch directories.
+/// among them: the kernel then removes the namespace with its bridge and veths), host changes,
+/// kubelet's and the CNI plugins' files outside their scratch directories
+/// ([`host_logs_and_cni_cache`]), and the scratch directories.
 pub fn leftovers() {
     let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
         return;
@@ -717,6 +718,7 @@ pub fn leftovers() {
         }
         std::thread::sleep(Duration::from_millis(200));
         undo_host_changes(&dir.join("host-changes"));
+        host_logs_and_cni_cache(&dir, &node::sandbox_ids(&dir.join("node")));
         unmount_under(&dir);
         if let Ok(data) = std::fs::read_to_string(dir.join("etcd-data"))
             && data.starts_with("/dev/shm/")

@@ -331,16 +331,7 @@ state = "{d}/state"
 
     /// The IDs of the pod sandboxes containerd ever made here (their CNI results name them).
     pub fn sandbox_ids(&self) -> Vec<String> {
-        let dir = self
-            .dir
-            .join("containerd/root/io.containerd.grpc.v1.cri/sandboxes");
-        std::fs::read_dir(dir)
-            .map(|d| {
-                d.flatten()
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default()
+        sandbox_ids(&self.dir)
     }
 
     /// Stops everything the node runs: kubelet, every container (their shims and processes)
@@ -367,6 +358,19 @@ impl Drop for Node {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// The IDs of the pod sandboxes the containerd of the node in `dir` ever made (a killed run's
+/// too).
+pub fn sandbox_ids(dir: &Path) -> Vec<String> {
+    let dir = dir.join("containerd/root/io.containerd.grpc.v1.cri/sandboxes");
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// PATH with `dir` first.

@@ -2,7 +2,10 @@
 # Makes every generated file under deploy/ from its one source; run it after changing the chart
 # or node-sim's GPU catalogue, and commit what it writes:
 #   1. deploy/helm/gpu-vm-node/files/vgpu-config.yaml, the chart's default vGPU profiles, from
-#      tests/node-sim/catalogue.toml (UPDATE_CONFIGMAP=1 cargo test -p node-sim --test configmap);
+#      tests/node-sim/catalogue.toml (UPDATE_CONFIGMAP=1 cargo test -p node-sim --test configmap),
+#      and files/extended-resources.yaml, the device plugin's resource names the DRA driver
+#      serves, from its vGPU model table (UPDATE_EXTENDED_RESOURCES=1 cargo test -p sandbox-dra
+#      --test extended_resources);
 #   2. the plain manifests deploy/manifests/*.yaml and deploy/operator/events-rbac.yaml: the Helm
 #      chart deploy/helm/gpu-vm-node rendered by `helm template` with each value set below. Each
 #      manifest begins with the Namespace, which the chart leaves to `helm install
@@ -42,6 +45,8 @@ if [ -z "$out" ]; then
     echo "generate.sh: files/vgpu-config.yaml from tests/node-sim/catalogue.toml" >&2
     UPDATE_CONFIGMAP=1 cargo test -q -p node-sim --test configmap >/dev/null 2>&1 ||
         die "UPDATE_CONFIGMAP=1 cargo test -p node-sim --test configmap failed"
+    UPDATE_EXTENDED_RESOURCES=1 cargo test -q -p sandbox-dra --test extended_resources >/dev/null 2>&1 ||
+        die "UPDATE_EXTENDED_RESOURCES=1 cargo test -p sandbox-dra --test extended_resources failed"
     rm -f deploy/manifests/*.yaml
 fi
 for set in "${sets[@]}"; do

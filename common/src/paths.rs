@@ -173,17 +173,25 @@ impl HostPaths {
         self.kubelet_dir.join(KUBELET_CHECKPOINT)
     }
 
+    /// kubelet's root directory: the parent of the device-plugin directory
+    /// (`<root>/var/lib/kubelet` by default).
+    pub fn kubelet_root(&self) -> &Path {
+        self.kubelet_dir.parent().unwrap_or(&self.kubelet_dir)
+    }
+
     /// kubelet's PodResources socket: `pod-resources/kubelet.sock` in the kubelet root, the
     /// parent of the device-plugin directory, unless set.
     pub fn pod_resources_socket(&self) -> PathBuf {
         match &self.pod_resources_socket {
             Some(s) => s.clone(),
-            None => self
-                .kubelet_dir
-                .parent()
-                .unwrap_or(&self.kubelet_dir)
-                .join("pod-resources/kubelet.sock"),
+            None => self.kubelet_root().join("pod-resources/kubelet.sock"),
         }
+    }
+
+    /// The DRA drivers' directories: `<kubelet-root>/plugins`, one `<driver>/` each (its
+    /// service socket; sandbox-dra's claim records under `claims/`).
+    pub fn kubelet_plugins_dir(&self) -> PathBuf {
+        self.kubelet_root().join("plugins")
     }
 
     /// The directories container runtimes read CDI specs from, as CDI defines them and

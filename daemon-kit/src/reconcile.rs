@@ -108,14 +108,52 @@ impl Settings {
         self
     }
 
-    fn backoff(&self) -> ExponentialBackoff {
+    fn backoff(&self) -> Backoff {
+        Backoff::new(self.retry_min, self.retry_max)
+    }
+}
+
+/// The delays between retries of something that failed, the same for every loop of the
+/// daemons: `backon`'s [`ExponentialBuilder`], doubling from `min` up to `max`, each delay
+/// lengthened by a random part of itself (up to as much again), so that nodes (or a node's
+/// resources) failing together do not retry together. [`Trigger`] retries its passes with it;
+/// a loop of its own (a registration with kubelet, a label write) uses it directly.
+#[derive(Debug)]
+pub struct Backoff {
+    min: Duration,
+    max: Duration,
+    delays: ExponentialBackoff,
+}
+
+impl Backoff {
+    /// Delays from `min` doubling to `max` (never shorter than `min`), with jitter.
+    pub fn new(min: Duration, max: Duration) -> Backoff {
+        let max = max.max(min);
+        Backoff {
+            min,
+            max,
+            delays: Self::delays(min, max),
+        }
+    }
+
+    fn delays(min: Duration, max: Duration) -> ExponentialBackoff {
         ExponentialBuilder::new()
-            .with_min_delay(self.retry_min)
-            .with_max_delay(self.retry_max)
+            .with_min_delay(min)
+            .with_max_delay(max)
             .with_factor(2.0)
             .with_jitter()
             .without_max_times()
             .build()
+    }
+
+    /// The delay before the next try.
+    pub fn next_delay(&mut self) -> Duration {
+        self.delays.next().unwrap_or(self.max)
+    }
+
+    /// Something succeeded: the next failure waits the shortest delay again.
+    pub fn reset(&mut self) {
+        self.delays = Self::delays(self.min, self.max);
     }
 }
 
@@ -202,7 +240,7 @@ pub struct Trigger<C> {
     told_lost: bool,
     first: bool,
     ticker: Option<Interval>,
-    backoff: ExponentialBackoff,
+    backoff: Backoff,
     /// A failed pass is retried then.
     retry_at: Option<Instant>,
     /// After a failed pass, no change starts one before this.
@@ -330,7 +368,7 @@ impl<C> Trigger<C> {
     /// The pass ended with nothing to retry (it succeeded, or only a change can mend what
     /// failed): the backoff starts over.
     pub fn done(&mut self) {
-        self.backoff = self.settings.backoff();
+        self.backoff.reset();
         self.retry_at = None;
         self.not_before = None;
     }
@@ -338,7 +376,7 @@ impl<C> Trigger<C> {
     /// The pass failed: it is retried after the backoff's next delay, which is returned (to
     /// log). Changes wait at least the first delay.
     pub fn retry(&mut self) -> Duration {
-        let delay = self.backoff.next().unwrap_or(self.settings.retry_max);
+        let delay = self.backoff.next_delay();
         let now = Instant::now();
         self.retry_at = Some(now + delay);
         self.not_before = Some(now + self.settings.retry_min.min(delay));
@@ -411,6 +449,29 @@ mod tests {
 
     async fn next(t: &mut Trigger<u32>, stop: &CancellationToken) -> Wake<u32> {
         t.wait(stop).await.expect("a wake")
+    }
+
+    #[test]
+    fn backoff_doubles_to_its_longest_with_jitter_and_starts_over() {
+        let (min, max) = (Duration::from_secs(1), Duration::from_secs(30));
+        let within = |d: Duration, base: Duration| d >= base && d <= base * 2;
+        let mut b = Backoff::new(min, max);
+        let first = b.next_delay();
+        assert!(within(first, min), "{first:?}");
+        for _ in 0..10 {
+            b.next_delay();
+        }
+        let late = b.next_delay();
+        assert!(within(late, max), "{late:?}");
+        b.reset();
+        let again = b.next_delay();
+        assert!(within(again, min), "{again:?}");
+        // Jitter: retries that fail together (every resource of a node, every node) do not
+        // come back together.
+        let firsts: std::collections::BTreeSet<Duration> = (0..20)
+            .map(|_| Backoff::new(min, max).next_delay())
+            .collect();
+        assert!(firsts.len() > 1, "no jitter: {firsts:?}");
     }
 
     #[tokio::test(start_paused = true)]

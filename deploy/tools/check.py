@@ -107,6 +107,7 @@ BINARY = {"sandbox-dp-on-demand": "sandbox-dp"}
 ALLOWED_HOST_MOUNTS = {
     "vfio-manager": {
         "/sys": True,
+        "/var/lib/kubelet/plugins": False,
         "/dev": False,
         "/proc": False,
         "/lib/modules": False,
@@ -119,6 +120,7 @@ ALLOWED_HOST_MOUNTS = {
     },
     "vgpu-device-manager": {
         "/sys": True,
+        "/var/lib/kubelet/plugins": False,
         "/dev": False,
         "/proc": False,
         "/run/nvidia/validations": True,
@@ -151,6 +153,7 @@ ALLOWED_HOST_MOUNTS = {
     },
     "sandbox-dp-on-demand": {
         "/sys": True,
+        "/var/lib/kubelet/plugins": False,
         "/dev": False,
         "/proc": False,
         "/var/lib/kubelet/device-plugins": True,
@@ -168,13 +171,15 @@ NEEDS_HOSTPID = {"vfio-manager", "vgpu-device-manager", "sandbox-dra", "sandbox-
 EVENTS_RULE = ({"events.k8s.io", ""}, {"events"}, {"create", "patch"})
 ALLOWED_RULES = {
     "vfio-manager": [EVENTS_RULE],
-    "sandbox-dp": [EVENTS_RULE],
+    # get on nodes: its init container reads its Node's workload label.
+    "sandbox-dp": [({""}, {"nodes"}, {"get"}), EVENTS_RULE],
     "vgpu-device-manager": [({""}, {"nodes"}, {"get", "list", "watch", "patch"}), EVENTS_RULE],
     "sandbox-dra": [
         EVENTS_RULE,
         ({"resource.k8s.io"}, {"resourceslices"},
          {"get", "list", "watch", "create", "update", "patch", "delete"}),
-        ({"resource.k8s.io"}, {"resourceclaims"}, {"get"}),
+        # deviceclasses: which extended resource names the cluster's classes claim.
+        ({"resource.k8s.io"}, {"resourceclaims", "deviceclasses"}, {"get"}),
         ({""}, {"nodes"}, {"list", "watch"}),
     ],
     **{sa: [EVENTS_RULE] for sa in GPU_OPERATOR_ACCOUNTS},
@@ -188,11 +193,8 @@ METRICS_PORTS = {"vfio-manager": 9481, "vgpu-device-manager": 9482, "sandbox-dp"
 OPERANDS = {"vfio-manager": "vfio-manager", "vgpu-device-manager": "vgpu-device-manager",
             "sandbox-dp": "sandbox-device-plugin", "sandbox-dp-on-demand": "sandbox-device-plugin"}
 DEPLOY_OFF_VALUES = {"false", "paused-for-vgpu-change", "paused-for-driver-upgrade"}
-# The files sandbox-dp's init container waits for.
-READY_FILES = {
-    "vfio-manager": "/host/run/nvidia/validations/vfio-pci-ready",
-    "vgpu-device-manager": "/host/run/nvidia/validations/vgpu-devices-ready",
-}
+# Where the readiness files are, as the containers see the host.
+READY_DIR = "/host/run/nvidia/validations"
 
 
 
@@ -321,17 +323,22 @@ def check_rules(objs: list[dict], where: str) -> None:
                 fail(f"{tag}: {c['name']} runs {cmd}, expected [/usr/local/bin/{binary}]")
             check_metrics(c, name, tag, by_kind.get("Service", {}))
         ok(f"{tag}: service account, host namespaces, privileges and host mounts as required")
-    # The init containers of sandbox-dp wait for the readiness files the others write.
+    # An init container of sandbox-dp waits for the readiness file of the node's workload
+    # (`sandbox-dp wait-ready`: vfio-pci-ready or vgpu-devices-ready, by the workload label),
+    # with the validations directory mounted.
     sdp = dss.get("sandbox-dp")
     if sdp:
-        inits = " ".join(
-            " ".join(c.get("command") or []) + " " + " ".join(c.get("args") or [])
-            for c in (pod_spec(sdp) or {}).get("initContainers") or []
-        )
-        for f in READY_FILES.values():
-            if os.path.basename(f) not in inits:
-                fail(f"{where}: sandbox-dp's init containers do not wait for {os.path.basename(f)}")
-        ok(f"{where}: sandbox-dp waits for {sorted(os.path.basename(f) for f in READY_FILES.values())}")
+        waits = [
+            c for c in (pod_spec(sdp) or {}).get("initContainers") or []
+            if (c.get("command") or []) + (c.get("args") or []) == ["/usr/local/bin/sandbox-dp", "wait-ready"]
+        ]
+        if not waits:
+            fail(f"{where}: sandbox-dp has no init container running `sandbox-dp wait-ready`")
+        else:
+            mounts = {m.get("mountPath") for m in waits[0].get("volumeMounts") or []}
+            if not any(READY_DIR.startswith(m or "\0") for m in mounts):
+                fail(f"{where}: sandbox-dp's wait-ready init container does not mount {READY_DIR}")
+            ok(f"{where}: sandbox-dp waits for its workload's readiness file in {READY_DIR}")
     # RBAC: only the daemons that need the API, each only what ALLOWED_RULES gives it.
     bound_sas = set()
     role_sas: dict[tuple[str, str], set[str]] = {}

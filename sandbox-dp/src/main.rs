@@ -98,7 +98,8 @@ const EXIT_STATUS: &str = "\
 Exit status:
   0  done (daemon: stopped by SIGTERM/SIGINT)
   1  failed: the node or --pci-ids cannot be read, a socket cannot be served, a task of the
-     plugin failed (the error is logged)
+     plugin failed (the error is logged); wait-ready: stopped by SIGTERM/SIGINT before the node
+     was prepared
   2  usage error (a bad flag or value)";
 
 #[derive(Debug, Subcommand)]
@@ -115,6 +116,11 @@ enum Command {
     },
     /// Print KubeVirt's permittedHostDevices block for what this node has. Writes nothing.
     PermittedDevices,
+    /// Wait until the node is prepared for the device plugin, then exit 0: the readiness file
+    /// of the node's workload (its label nvidia.com/gpu.workload.config: vm-passthrough ->
+    /// run/nvidia/validations/vfio-pci-ready, vm-vgpu -> vgpu-devices-ready) exists. Reads
+    /// the node's labels (--node-name, --kubeconfig). The deployment's init container.
+    WaitReady,
 }
 
 fn main() -> ExitCode {
@@ -175,6 +181,19 @@ fn run(cli: Cli) -> exit::Result {
                 eprintln!("sandbox-dp: {p}");
             }
             Ok(())
+        }
+        Command::WaitReady => {
+            let node = cli.events.need_node_name("wait-ready")?;
+            let kubeconfig = cli.events.kubeconfig.clone();
+            daemon_kit::daemon::run(Threads::Current, |shutdown| async move {
+                let client = daemon_kit::kube::client(kubeconfig.as_deref()).await?;
+                match daemon_kit::readiness::wait_for_workload(&paths, &node, client, &shutdown)
+                    .await
+                {
+                    Some(_) => Ok(()),
+                    None => Err(anyhow::anyhow!("stopped before node {node} was prepared").into()),
+                }
+            })
         }
         Command::Daemon => {
             let config = Config {

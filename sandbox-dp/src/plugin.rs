@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use common::state::{self, file_identity};
+use daemon_kit::reconcile::Backoff;
 use hyper_util::rt::TokioIo;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
@@ -342,17 +343,17 @@ impl ResourceTask {
             }
             tracing::info!(resource = %self.name, socket = %path.display(), "serving");
             let mut registered = Registered::No;
-            let mut backoff = RETRY_MIN;
+            // Every resource of the node retries on its own jittered delays: when kubelet
+            // refuses or does not answer, they do not all call it again at the same moment.
+            let mut backoff = Backoff::new(RETRY_MIN, RETRY_MAX);
             let rebind = loop {
                 self.register_if_needed(&endpoint, &mut registered).await?;
                 let retry = matches!(registered, Registered::No)
                     && file_identity(&self.kubelet_dir.join(KUBELET_SOCKET)).is_some();
                 let delay = if retry {
-                    let d = backoff;
-                    backoff = (backoff * 2).min(RETRY_MAX);
-                    d
+                    backoff.next_delay()
                 } else {
-                    backoff = RETRY_MIN;
+                    backoff.reset();
                     RETRY_MAX
                 };
                 tokio::select! {

@@ -1037,8 +1037,8 @@ async fn vfs_are_not_enabled_at_start_on_a_gpu_in_use() {
 }
 
 /// A records file that cannot be read does not stop the daemon or hold a pod: it is set aside
-/// (kept beside it for an operator), an Event on the Node says so, and the pool serves with no
-/// records. One of the format before versions is read as it is and written with its version.
+/// (kept beside it for an operator), an Event on the Node says so (as `kubectl get events`
+/// shows it from a real API server), and the pool serves with no records. One of the format before versions is read as it is and written with its version.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreadable_records_are_set_aside_and_told_and_old_ones_are_read() {
     let Some(sim) = testkit::sim::try_mount("2xA10") else {
@@ -1048,8 +1048,13 @@ async fn unreadable_records_are_set_aside_and_told_and_old_ones_are_read() {
     let file = root.join("run/gpu-vm-node/on-demand-vgpus.json");
     std::fs::create_dir_all(file.parent().unwrap()).unwrap();
     std::fs::write(&file, "{\"vgpus\": [{\"device\": ").unwrap();
-    let api = testkit::apiserver::FakeApiServer::start("node-od", &[]).unwrap();
-    let kubeconfig = api.kubeconfig().to_str().unwrap().to_string();
+    let Some(api) =
+        block(|| cluster_tier::ApiServer::start_or_skip("sandbox-dp's records Event")).unwrap()
+    else {
+        return;
+    };
+    api.create_node("node-od", &[]).unwrap();
+    let kubeconfig = api.admin_kubeconfig().to_str().unwrap().to_string();
     let mut pool = a10_pool(
         root,
         &[
@@ -1062,10 +1067,13 @@ async fn unreadable_records_are_set_aside_and_told_and_old_ones_are_read() {
         ],
     )
     .await;
-    let ev = block(|| api.wait_for_event("OnDemandRecordsUnreadable", DEADLINE))
+    // As `kubectl get events` shows it: Node events go to "default", as kubelet's do.
+    let ev = block(|| api.wait_for_event("default", "OnDemandRecordsUnreadable", DEADLINE))
         .expect("an OnDemandRecordsUnreadable event on the Node");
     assert_eq!(ev["type"], "Warning");
-    let note = ev["note"].as_str().unwrap_or_default();
+    assert_eq!(ev["involvedObject"]["kind"], "Node");
+    assert_eq!(ev["involvedObject"]["name"], "node-od");
+    let note = ev["message"].as_str().unwrap_or_default();
     assert!(
         note.contains("on-demand-vgpus.json") && note.contains("set aside as"),
         "{ev}"

@@ -15,20 +15,27 @@
 //!   made from a template (`podClaimName`: the pod's name for the claim, which the claim carries
 //!   in its `resource.kubernetes.io/pod-claim-name` annotation). `<requestName>` is the
 //!   top-level request (a `/subrequest` is dropped from the path, kept in the JSON);
-//! - the file is a stream of `DeviceMetadata` objects (`metadata.resource.k8s.io/v1alpha1`),
-//!   one per supported version, newest first: `metadata` (the claim's name, namespace, UID and a
-//!   `generation` that grows when the file changes), `podClaimName`, and `requests[]` with
-//!   `name` and `devices[]` (`driver`, `pool`, `name`, `attributes` in the ResourceSlice's
-//!   attribute form, e.g. `{"string": "0000:41:00.0"}`);
-//! - virt-launcher takes `resource.kubernetes.io/pciBusID` of the request's single device and
-//!   writes the libvirt `<hostdev>` from it;
+//! - the file is a stream of `DeviceMetadata` objects, one per API version, newest first, as
+//!   Kubernetes 1.37's kubelet-plugin helper writes it: `metadata.resource.k8s.io/v1beta1`
+//!   (what 1.37's readers require), then `v1alpha1` (what KubeVirt 1.8.3 to 1.9 accept, skipping
+//!   other versions); each one compact JSON object on a line. Each holds `metadata` (the claim's
+//!   name, namespace, UID and a `generation`: 1 when the file is first written, one more at
+//!   each change), `podClaimName`, and `requests[]` with `name` and `devices[]` (`driver`,
+//!   `pool`, `name`, `attributes` in the ResourceSlice's attribute form, e.g.
+//!   `{"string": "0000:41:00.0"}`);
+//! - the request the scheduler chose for a `firstAvailable` request is named as the allocation
+//!   names it (`gpu/a10-4q`, as upstream writes it) and again under the top-level request
+//!   (`gpu`): KubeVirt looks the VMI's `requestName` up, and that can only be the top-level name;
+//! - virt-launcher takes `mdevUUID`, else `resource.kubernetes.io/pciBusID`, of the request's
+//!   single device and writes the libvirt `<hostdev>` from it;
 //! - KubeVirt 1.8.0 to 1.8.2 read KEP-5304's first layout,
 //!   `/var/run/dra-device-attributes/<claimName>/<requestName>/<driver>-metadata.json` (1.8.3
-//!   moved to the one above): the file is mounted there as well.
+//!   moved to the one above), as one plain object: a file of that form (the `v1alpha1` object
+//!   alone) is mounted there.
 //!
-//! On the host the file lives in the driver's own directory under kubelet's root
-//! (`<kubelet-root>/plugins/<driver>/metadata/<namespace>_<claim>/<request>/metadata.json`),
-//! mounted read-only.
+//! On the host the files live in the driver's own directory under kubelet's root
+//! (`<kubelet-root>/plugins/<driver>/metadata/<namespace>_<claim>/<request>/metadata.json`, and
+//! `metadata-v1alpha1.json` beside it), mounted read-only.
 //!
 //! **CDI**: one spec file per claim, `<cdi-root>/<driver>_<claim-uid>.json`, kind
 //! `<driver>/vfio`. Each allocated GPU is one CDI device `<claim-uid>-<device>` (one share of a
@@ -67,8 +74,14 @@ pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
 /// VEP 10; not yet standardized under `resource.kubernetes.io`).
 pub const MDEV_UUID: &str = "mdevUUID";
 
-/// The metadata API version written.
-pub const METADATA_API_VERSION: &str = "metadata.resource.k8s.io/v1alpha1";
+/// The metadata API versions written, newest first (the file is a stream of one object each).
+pub const METADATA_API_VERSIONS: [&str; 2] = [
+    "metadata.resource.k8s.io/v1beta1",
+    "metadata.resource.k8s.io/v1alpha1",
+];
+
+/// The metadata API version of the plain object KubeVirt 1.8.0 to 1.8.2 read.
+pub const LEGACY_METADATA_API_VERSION: &str = "metadata.resource.k8s.io/v1alpha1";
 
 /// One allocated GPU as the claim's record holds it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -97,6 +110,10 @@ pub struct ClaimDevice {
     /// The mdev made for it, for a device of an mdev parent that is not a PCI function.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mdev: Option<crate::vgpu::Mdev>,
+    /// The extended resource its request stands for, in a claim the scheduler made for a
+    /// pod's `resources.limits`: the container gets the env var KubeVirt reads for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub extended_resource: Option<String>,
     /// Its attributes as the ResourceSlice published them when it was prepared, in the
     /// slice's form (`{"string": "10de"}`), for the metadata file.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -104,6 +121,20 @@ pub struct ClaimDevice {
 }
 
 impl ClaimDevice {
+    /// How KubeVirt's device-plugin code names it in an env var: `MDEV_PCI_RESOURCE` and the
+    /// mdev's UUID for a mediated device, else `PCI_RESOURCE` and the PCI address of the
+    /// function (a GPU, or an SR-IOV VF vGPU), as sandbox-dp hands them out.
+    fn kubevirt_id(&self) -> Option<(&'static str, String)> {
+        match (&self.vgpu, &self.mdev, self.address) {
+            (Some(v), _, _) if !v.handle.is_vendor() => {
+                Some(("MDEV_PCI_RESOURCE", v.handle.to_string()))
+            }
+            (_, Some(m), _) => Some(("MDEV_PCI_RESOURCE", m.uuid.clone())),
+            (_, _, Some(a)) => Some(("PCI_RESOURCE", a.to_string())),
+            (_, None, None) => None,
+        }
+    }
+
     /// What the metadata file says of it: every attribute the slice published, and what
     /// KubeVirt reads: the mdev's UUID (`mdevUUID`) for a mediated device, else the PCI
     /// address of the function (a GPU, or an SR-IOV VF vGPU).
@@ -171,9 +202,16 @@ impl Layout {
             .join(format!("{}_{}", claim.namespace, claim.name))
     }
 
-    /// The metadata file of one (top-level) request of the claim.
+    /// The metadata file of one (top-level) request of the claim: the stream.
     pub fn metadata_file(&self, claim: &ClaimId, request: &str) -> PathBuf {
         self.metadata_dir(claim).join(request).join("metadata.json")
+    }
+
+    /// The metadata of one request as KubeVirt 1.8.0 to 1.8.2 read it: one plain object.
+    pub fn legacy_metadata_file(&self, claim: &ClaimId, request: &str) -> PathBuf {
+        self.metadata_dir(claim)
+            .join(request)
+            .join("metadata-v1alpha1.json")
     }
 
     /// Where the request's metadata file appears inside the container.
@@ -211,16 +249,28 @@ impl Layout {
         format!("{}-metadata-{request}", claim.uid)
     }
 
+    /// The CDI device name setting the env var of a request that stands for an extended
+    /// resource.
+    fn env_cdi_name(claim: &ClaimId, request: &str) -> String {
+        format!("{}-env-{request}", claim.uid)
+    }
+
     /// A fully qualified CDI device id (`<driver>/vfio=<name>`).
     fn cdi_id(&self, name: &str) -> String {
         format!("{}/{CDI_CLASS}={name}", self.driver)
     }
 
-    /// The CDI ids of one device: its own, then its requests' metadata.
+    /// The CDI ids of one device: its own, then its requests' metadata, then (for a request
+    /// that stands for an extended resource) its request's env var.
     pub fn cdi_ids(&self, claim: &ClaimId, device: &ClaimDevice) -> Vec<String> {
         let mut ids = vec![self.cdi_id(&Self::gpu_cdi_name(claim, device))];
         for r in requests_of(std::slice::from_ref(device)) {
             ids.push(self.cdi_id(&Self::metadata_cdi_name(claim, &r)));
+        }
+        if device.extended_resource.is_some() {
+            for r in requests_of(std::slice::from_ref(device)) {
+                ids.push(self.cdi_id(&Self::env_cdi_name(claim, &r)));
+            }
         }
         ids
     }
@@ -239,6 +289,13 @@ impl Layout {
             })
             .collect();
         for r in requests_of(devices) {
+            let env = extended_env(devices, &r);
+            if !env.is_empty() {
+                cdi_devices.push(json!({
+                    "name": Self::env_cdi_name(claim, &r),
+                    "containerEdits": {"env": env},
+                }));
+            }
             cdi_devices.push(json!({
                 "name": Self::metadata_cdi_name(claim, &r),
                 "containerEdits": {
@@ -249,7 +306,7 @@ impl Layout {
                             "options": ["ro", "bind"],
                         },
                         {
-                            "hostPath": self.metadata_file(claim, &r),
+                            "hostPath": self.legacy_metadata_file(claim, &r),
                             "containerPath": self.legacy_container_metadata_file(claim, &r),
                             "options": ["ro", "bind"],
                         },
@@ -264,9 +321,17 @@ impl Layout {
         })
     }
 
-    /// The metadata file of one top-level request: a `DeviceMetadata` for the devices
-    /// allocated to it (or to its subrequests).
-    pub fn metadata_json(&self, claim: &ClaimId, request: &str, devices: &[ClaimDevice]) -> Value {
+    /// The `DeviceMetadata` of one top-level request at `api_version` and `generation`: the
+    /// devices allocated to it (or to its subrequests), each request as the allocation names it
+    /// and, for a subrequest, again under the top-level name (what KubeVirt looks up).
+    pub fn metadata_json(
+        &self,
+        claim: &ClaimId,
+        request: &str,
+        devices: &[ClaimDevice],
+        api_version: &str,
+        generation: i64,
+    ) -> Value {
         let mut refs: Vec<&str> = Vec::new();
         for d in devices {
             for r in &d.requests {
@@ -275,32 +340,33 @@ impl Layout {
                 }
             }
         }
-        let requests: Vec<Value> = refs
-            .iter()
-            .map(|r| {
-                let devs: Vec<Value> = devices
-                    .iter()
-                    .filter(|d| d.requests.iter().any(|x| x == r))
-                    .map(|d| {
-                        json!({
-                            "driver": self.driver,
-                            "pool": d.pool,
-                            "name": d.device,
-                            "attributes": d.attributes(),
-                        })
+        let entry = |name: &str, of: &dyn Fn(&str) -> bool| -> Value {
+            let devs: Vec<Value> = devices
+                .iter()
+                .filter(|d| d.requests.iter().any(|x| of(x)))
+                .map(|d| {
+                    json!({
+                        "driver": self.driver,
+                        "pool": d.pool,
+                        "name": d.device,
+                        "attributes": d.attributes(),
                     })
-                    .collect();
-                json!({"name": r, "devices": devs})
-            })
-            .collect();
+                })
+                .collect();
+            json!({"name": name, "devices": devs})
+        };
+        let mut requests: Vec<Value> = refs.iter().map(|r| entry(r, &|x| x == *r)).collect();
+        if !refs.contains(&request) {
+            requests.push(entry(request, &|x| base_request(x) == request));
+        }
         let mut obj = json!({
             "kind": "DeviceMetadata",
-            "apiVersion": METADATA_API_VERSION,
+            "apiVersion": api_version,
             "metadata": {
                 "name": claim.name,
                 "namespace": claim.namespace,
                 "uid": claim.uid,
-                "generation": 1,
+                "generation": generation,
             },
             "requests": requests,
         });
@@ -309,6 +375,55 @@ impl Layout {
         }
         obj
     }
+
+    /// The metadata stream of one top-level request: an object per version of
+    /// [`METADATA_API_VERSIONS`], newest first, each compact on a line of its own.
+    pub fn metadata_stream(
+        &self,
+        claim: &ClaimId,
+        request: &str,
+        devices: &[ClaimDevice],
+        generation: i64,
+    ) -> Vec<u8> {
+        let mut out = Vec::new();
+        for v in METADATA_API_VERSIONS {
+            let obj = self.metadata_json(claim, request, devices, v, generation);
+            out.extend_from_slice(obj.to_string().as_bytes());
+            out.push(b'\n');
+        }
+        out
+    }
+}
+
+/// The `generation` of the first object of a metadata stream; `None` when it has none.
+pub fn stream_generation(stream: &str) -> Option<i64> {
+    serde_json::Deserializer::from_str(stream)
+        .into_iter::<Value>()
+        .next()?
+        .ok()?["metadata"]["generation"]
+        .as_i64()
+}
+
+/// The env vars KubeVirt's virt-launcher reads for the devices of top-level request `request`
+/// that stand for an extended resource, as sandbox-dp's Allocate sets them for that resource
+/// name: `MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q=<uuid>[,<uuid>…]`,
+/// `PCI_RESOURCE_NVIDIA_COM_GA102GL_A10=<address>[,…]`. Empty for any other request.
+pub fn extended_env(devices: &[ClaimDevice], request: &str) -> Vec<String> {
+    let mut vars: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for d in devices
+        .iter()
+        .filter(|d| d.requests.iter().any(|r| base_request(r) == request))
+    {
+        let (Some(resource), Some((prefix, id))) = (&d.extended_resource, d.kubevirt_id()) else {
+            continue;
+        };
+        vars.entry(common::naming::env_var_name(prefix, resource))
+            .or_default()
+            .push(id);
+    }
+    vars.into_iter()
+        .map(|(k, ids)| format!("{k}={}", ids.join(",")))
+        .collect()
 }
 
 /// The top-level requests of `devices`, each once, in order.
@@ -357,6 +472,7 @@ mod tests {
             nodes: vec!["/dev/vfio/vfio".into(), "/dev/vfio/21".into()],
             vgpu: None,
             mdev: None,
+            extended_resource: None,
             attributes: BTreeMap::from([
                 ("vendorID".to_string(), json!({"string": "10de"})),
                 (
@@ -385,15 +501,23 @@ mod tests {
     }
 
     #[test]
-    fn metadata_carries_the_pci_bus_id_under_the_full_request_name() {
+    fn metadata_carries_the_pci_bus_id_under_the_full_and_the_top_level_request_name() {
         let l = layout();
         let c = claim(Some("gpu"));
-        let m = l.metadata_json(&c, "gpu", &[gpu("gpu/a10")]);
-        assert_eq!(m["apiVersion"], METADATA_API_VERSION);
+        let v1alpha1 = LEGACY_METADATA_API_VERSION;
+        let m = l.metadata_json(&c, "gpu", &[gpu("gpu/a10")], v1alpha1, 3);
+        assert_eq!(m["apiVersion"], v1alpha1);
         assert_eq!(m["kind"], "DeviceMetadata");
         assert_eq!(m["podClaimName"], "gpu");
         assert_eq!(m["metadata"]["uid"], "u-1");
+        assert_eq!(m["metadata"]["generation"], 3);
+        // As the allocation names it, then under the top-level name KubeVirt looks up.
         assert_eq!(m["requests"][0]["name"], "gpu/a10");
+        assert_eq!(m["requests"][1]["name"], "gpu");
+        assert_eq!(m["requests"][1]["devices"], m["requests"][0]["devices"]);
+        assert_eq!(m["requests"].as_array().unwrap().len(), 2);
+        let plain = l.metadata_json(&c, "gpu", &[gpu("gpu")], v1alpha1, 1);
+        assert_eq!(plain["requests"].as_array().unwrap().len(), 1);
         let d = &m["requests"][0]["devices"][0];
         assert_eq!(d["driver"], "gpu.example.io");
         assert_eq!(d["pool"], "node-a");
@@ -405,7 +529,31 @@ mod tests {
             d["attributes"]["resource.kubernetes.io/pcieRoot"]["string"],
             "pci0000:40"
         );
-        assert!(l.metadata_json(&claim(None), "gpu", &[gpu("gpu")])["podClaimName"].is_null());
+        assert!(
+            l.metadata_json(&claim(None), "gpu", &[gpu("gpu")], v1alpha1, 1)["podClaimName"]
+                .is_null()
+        );
+    }
+
+    #[test]
+    fn the_metadata_stream_is_one_object_per_version_newest_first() {
+        let l = layout();
+        let c = claim(None);
+        let stream = l.metadata_stream(&c, "gpu", &[gpu("gpu")], 2);
+        let text = String::from_utf8(stream).unwrap();
+        let objs: Vec<Value> = serde_json::Deserializer::from_str(&text)
+            .into_iter::<Value>()
+            .map(Result::unwrap)
+            .collect();
+        let versions: Vec<&str> = objs
+            .iter()
+            .map(|o| o["apiVersion"].as_str().unwrap())
+            .collect();
+        assert_eq!(versions, METADATA_API_VERSIONS);
+        assert_eq!(text.lines().count(), 2, "one object a line:\n{text}");
+        assert_eq!(stream_generation(&text), Some(2));
+        assert_eq!(objs[0]["requests"], objs[1]["requests"]);
+        assert_eq!(stream_generation(""), None);
     }
 
     #[test]
@@ -426,9 +574,12 @@ mod tests {
             "/var/lib/kubelet/plugins/gpu.example.io/metadata/vms_vm1-gpu-x7k/gpu/metadata.json"
         );
         assert_eq!(m["options"], json!(["ro", "bind"]));
-        // The same file where KubeVirt 1.8.0 to 1.8.2 read it.
+        // One plain object where KubeVirt 1.8.0 to 1.8.2 read it.
         let legacy = &spec["devices"][1]["containerEdits"]["mounts"][1];
-        assert_eq!(legacy["hostPath"], m["hostPath"]);
+        assert_eq!(
+            legacy["hostPath"],
+            "/var/lib/kubelet/plugins/gpu.example.io/metadata/vms_vm1-gpu-x7k/gpu/metadata-v1alpha1.json"
+        );
         assert_eq!(
             legacy["containerPath"],
             "/var/run/dra-device-attributes/vm1-gpu-x7k/gpu/gpu.example.io-metadata.json"
@@ -440,5 +591,39 @@ mod tests {
                 "gpu.example.io/vfio=u-1-metadata-gpu".to_string()
             ]
         );
+    }
+
+    #[test]
+    fn a_request_for_an_extended_resource_sets_the_env_var_virt_launcher_reads() {
+        let l = layout();
+        let c = claim(None);
+        let mut a = gpu("container-0-request-0");
+        a.extended_resource = Some("nvidia.com/GA102GL_A10".into());
+        let mut b = a.clone();
+        b.device = "gpu-0000-61-00-0".into();
+        b.address = Some("0000:61:00.0".parse().unwrap());
+        let devices = [a.clone(), b];
+        assert_eq!(
+            extended_env(&devices, "container-0-request-0"),
+            vec!["PCI_RESOURCE_NVIDIA_COM_GA102GL_A10=0000:41:00.0,0000:61:00.0".to_string()]
+        );
+        let spec = l.cdi_spec_json(&c, &devices);
+        let env = spec["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["name"] == "u-1-env-container-0-request-0")
+            .unwrap();
+        assert_eq!(
+            env["containerEdits"]["env"],
+            json!(["PCI_RESOURCE_NVIDIA_COM_GA102GL_A10=0000:41:00.0,0000:61:00.0"])
+        );
+        assert_eq!(
+            l.cdi_ids(&c, &a).last().map(String::as_str),
+            Some("gpu.example.io/vfio=u-1-env-container-0-request-0")
+        );
+        // A claim of the pod's own: no env var.
+        assert!(extended_env(&[gpu("gpu")], "gpu").is_empty());
+        assert_eq!(l.cdi_ids(&c, &gpu("gpu")).len(), 2);
     }
 }

@@ -15,8 +15,10 @@
 //!   no longer on a VFIO driver (`vfio-pci` or a variant), or gone from the node, or another
 //!   function of its IOMMU group (its audio function) taken by a host driver; a vGPU whose mdev
 //!   or vendor-path VF vGPU is gone; any device whose `/dev/vfio/<group>` node is gone;
-//! - **Unhealthy** when it was published and is not any more (hot-removed, or left out of the
-//!   slice, the reason in the message), until it comes back; at most [`MAX_GONE`] are kept;
+//! - **Unhealthy** when the slice publishes it with a taint (it cannot serve a VM: a group that
+//!   cannot go to VFIO, a missing group node; the reason in the message);
+//! - **Unhealthy** when it was published and is not any more (hot-removed, the reason in the
+//!   message), until it comes back; at most [`MAX_GONE`] are kept;
 //! - **Healthy** otherwise: every device the slice publishes.
 //!
 //! kubelet stamps what it receives with its own clock and reads a device as Unknown once
@@ -168,6 +170,13 @@ pub fn judge(seen: &Seen<'_>, gone: &mut Gone) -> BTreeMap<String, Verdict> {
         .iter()
         .map(|n| (n.clone(), Verdict::Healthy))
         .collect();
+    // Published with a taint: unusable, and why.
+    for l in seen.left_out {
+        let name = names::gpu_device(&l.address);
+        if seen.published.contains(&name) {
+            out.insert(name, Verdict::Unhealthy(l.reason.clone()));
+        }
+    }
     for d in seen.prepared {
         if let Some(why) = prepared_fault(seen.inv, d) {
             out.insert(d.device.clone(), Verdict::Unhealthy(why));
@@ -249,7 +258,7 @@ pub fn channel(
 }
 
 /// The devices of the claims prepared in this pool; a record that cannot be read is skipped.
-fn prepared_devices(driver_dir: &std::path::Path, pool: &str) -> Vec<ClaimDevice> {
+pub fn prepared_devices(driver_dir: &std::path::Path, pool: &str) -> Vec<ClaimDevice> {
     let mut out = Vec::new();
     for p in record::list(driver_dir) {
         match record::load_path(&p) {
@@ -436,6 +445,7 @@ mod tests {
         // 61 removed, 41 left out with a reason.
         let left = [LeftOut {
             address: a,
+            code: "group-not-assignable",
             reason: "/dev/vfio/21 is missing".to_string(),
         }];
         g.update(&set(&[]), &left);

@@ -15,6 +15,7 @@
 //! `--kubelet-root`, `/dev/vfio/<g>`); the driver reaches them under `--host-root`.
 
 pub mod cdi;
+pub mod extended;
 pub mod health;
 pub mod names;
 pub mod plugin;
@@ -147,6 +148,8 @@ pub struct Config {
     /// How long the publisher's loop may go without coming round before `/healthz` fails;
     /// `None`: [`daemon_kit::ops::liveness_window`] of the resync interval.
     pub liveness_window: Option<Duration>,
+    /// The effect of the taint on a device that cannot serve a VM (`--taint-effect`).
+    pub taint_effect: slices::TaintEffect,
 }
 
 /// Binds a Unix socket at `path`, replacing a stale one a killed run left.
@@ -186,6 +189,54 @@ fn check_vgpu_types(
     }
     tracing::info!(vgpu_types = %types.describe(), "vGPU types published");
     Ok(())
+}
+
+/// The devices this node's slices would publish, read without writing anything (no pool is
+/// claimed): its GPUs of `vendor`, with `vgpu` the vGPU types `types` lists for the GPUs it
+/// names. For `sandbox-dra device-classes` and `permitted-devices`.
+pub fn node_devices(
+    paths: &HostPaths,
+    vendor: u16,
+    ids: &common::PciIds,
+    vgpu: Option<&vgpu::Selector>,
+    types: &vgpu_types::Types,
+) -> anyhow::Result<Vec<k8s_openapi::api::resource::v1::Device>> {
+    use anyhow::Context as _;
+    let inv = common::Inventory::read_with(
+        paths,
+        &common::ReadOptions {
+            mdev_types: vgpu.is_some(),
+            vf_identity: false,
+        },
+    )
+    .with_context(|| {
+        format!(
+            "cannot read the node's PCI devices under {}",
+            paths.root().display()
+        )
+    })?;
+    let aliases = common::vfio::load_aliases(paths);
+    let selector = common::vfio::Selector {
+        vendors: vec![vendor],
+        ..common::vfio::Selector::default()
+    };
+    let sel = common::vfio::select(&inv, &selector, None, &aliases);
+    let pooled = vgpu::Pooled {
+        gpus: vgpu
+            .map(|v| vgpu::selected_gpus(&inv, v))
+            .unwrap_or_default(),
+        types: types.clone(),
+    };
+    let mut out = slices::devices_with_vgpus(&inv, &sel, ids, &pooled).devices;
+    for p in vgpu
+        .map(|v| vgpu::mdev_parents(&inv, v))
+        .unwrap_or_default()
+    {
+        if let Some((_, devices)) = slices::mdev_parent_devices(&inv, &p) {
+            out.extend(devices);
+        }
+    }
+    Ok(out)
 }
 
 /// Serves the driver until `shutdown`: the `DRAPlugin` socket first, then the registration
@@ -317,6 +368,8 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
             vgpu: sel,
             vgpu_pool,
             mdev_parents,
+            taint_effect: config.taint_effect,
+            driver_dir: dirs.driver_dir(),
         },
         paths.clone(),
         registrar.subscribe(),

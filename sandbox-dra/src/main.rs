@@ -145,6 +145,20 @@ struct Cli {
     )]
     vgpu_types: sandbox_dra::vgpu_types::Types,
 
+    /// The effect of the taint on a device that cannot serve a VM (a group that cannot go to
+    /// VFIO, a missing /dev/vfio group node, VFs that could not be enabled, a GPU gone under a
+    /// prepared claim): NoSchedule (no new claim is placed on it) or NoExecute (the pods of
+    /// claims that have it are evicted too, unless they tolerate it). The taint's key is
+    /// <driver>/unusable, its value the reason.
+    #[arg(
+        long,
+        env = "TAINT_EFFECT",
+        value_enum,
+        default_value = "NoSchedule",
+        global = true
+    )]
+    taint_effect: sandbox_dra::slices::TaintEffect,
+
     /// The most one request to the API server may take (connecting, sending, waiting for the
     /// answer): a claim whose allocation cannot be read in that time fails and kubelet calls
     /// again; a ResourceSlice pass fails and is retried (500ms, 10s, 1m; a bare number is
@@ -191,6 +205,23 @@ enum Command {
     /// Publish the node's GPUs, serve the driver and register it with kubelet (the default).
     #[command(visible_alias = SERVE_ALIAS)]
     Daemon,
+    /// Print the DeviceClasses that serve the device plugin's resource names through this
+    /// driver (`extendedResourceName`: a pod asking for `nvidia.com/NVIDIA_A10-4Q` in its
+    /// limits gets a claim the driver prepares): for the GPUs of this node (with --vgpu and
+    /// --vgpu-types, their vGPU types too), or with --catalogue for every GPU model the vGPU
+    /// model table knows (what the Helm chart installs). Writes nothing.
+    DeviceClasses {
+        /// Every model the vGPU model table knows, not this node's GPUs.
+        #[arg(long)]
+        catalogue: bool,
+    },
+    /// Print KubeVirt's permittedHostDevices block for the same names
+    /// (`externalResourceProvider: true`), as `device-classes` chooses them. Writes nothing.
+    PermittedDevices {
+        /// Every model the vGPU model table knows, not this node's GPUs.
+        #[arg(long)]
+        catalogue: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -226,7 +257,41 @@ fn run(cli: Cli) -> exit::Result {
         let device_plugins = paths.root().join(root).join("device-plugins");
         paths = paths.with_kubelet_dir(Some(device_plugins));
     }
-    match cli.command.unwrap_or(Command::Daemon) {
+    let command = cli.command.unwrap_or(Command::Daemon);
+    if let Command::DeviceClasses { catalogue } | Command::PermittedDevices { catalogue } = command
+    {
+        let pci_ids = match &cli.pci_ids {
+            Some(p) => PciIds::from_file(p)
+                .with_context(|| format!("reading --pci-ids {}", p.display()))?,
+            None => PciIds::embedded(),
+        };
+        let (resources, problems) = if catalogue {
+            sandbox_dra::extended::catalogue(&pci_ids, cli.vgpu.is_some(), &cli.vgpu_types)
+        } else {
+            let devices = sandbox_dra::node_devices(
+                &paths,
+                cli.vendor,
+                &pci_ids,
+                cli.vgpu.as_ref(),
+                &cli.vgpu_types,
+            )
+            .context("reading the node")?;
+            sandbox_dra::extended::of_node(&devices, &pci_ids)
+        };
+        for p in &problems {
+            eprintln!("warning: {p}");
+        }
+        match command {
+            Command::DeviceClasses { .. } => print!(
+                "{}",
+                sandbox_dra::extended::device_classes_yaml(&resources, &cli.driver_name)
+            ),
+            _ => print!("{}", sandbox_dra::extended::permitted_devices(&resources)),
+        }
+        return Ok(());
+    }
+    match command {
+        Command::DeviceClasses { .. } | Command::PermittedDevices { .. } => Ok(()),
         Command::Daemon => {
             let node_name = cli.events.need_node_name("daemon")?;
             let pci_ids = match &cli.pci_ids {
@@ -250,6 +315,7 @@ fn run(cli: Cli) -> exit::Result {
                 vgpu_types: cli.vgpu_types,
                 api_timeout: cli.api_timeout,
                 liveness_window: cli.liveness_window,
+                taint_effect: cli.taint_effect,
             };
             daemon_kit::daemon::run(Threads::Current, |shutdown| {
                 sandbox_dra::run(config, paths, shutdown)

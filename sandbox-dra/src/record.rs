@@ -37,7 +37,7 @@ pub enum ClaimState {
 }
 
 /// The format version records are written in.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = common::usage::CLAIM_RECORD_VERSION;
 
 /// One claim's record.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

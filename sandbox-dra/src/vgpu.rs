@@ -138,6 +138,9 @@ pub fn claim_pool(paths: &HostPaths, sel: &Selector) -> anyhow::Result<Claimed> 
 #[derive(Clone, Debug, Default)]
 pub struct Pool {
     inner: Arc<RwLock<PoolState>>,
+    /// Told when a GPU's VFs are noted as enabled or not ([`Pool::note_vfs`]): the publisher
+    /// taints or untaints its vGPU devices.
+    changed: Arc<tokio::sync::Notify>,
 }
 
 /// The vGPU pool as one pass of the publisher reads it.
@@ -166,6 +169,9 @@ struct PoolState {
     parents: BTreeSet<String>,
     /// GPUs that appeared and could not join (another owner holds them), said once each.
     refused: BTreeSet<PciAddress>,
+    /// GPUs whose VFs a prepare could not enable (their vGPU devices are tainted), until one
+    /// enables them.
+    no_vfs: BTreeSet<PciAddress>,
 }
 
 impl Pool {
@@ -182,8 +188,39 @@ impl Pool {
                 types,
                 parents: members.parents,
                 refused: BTreeSet::new(),
+                no_vfs: BTreeSet::new(),
             })),
+            changed: Arc::default(),
         }
+    }
+
+    /// Notes whether GPU `a`'s VFs could be enabled (a prepare's last try); whether that
+    /// changed what is noted.
+    pub fn note_vfs(&self, a: PciAddress, enabled: bool) -> bool {
+        let mut st = self.inner.write().unwrap_or_else(PoisonError::into_inner);
+        let changed = if enabled {
+            st.no_vfs.remove(&a)
+        } else {
+            st.no_vfs.insert(a)
+        };
+        if changed {
+            self.changed.notify_one();
+        }
+        changed
+    }
+
+    /// Notified when what [`Pool::note_vfs`] noted changes.
+    pub fn changed(&self) -> Arc<tokio::sync::Notify> {
+        self.changed.clone()
+    }
+
+    /// The GPUs whose VFs a prepare could not enable.
+    pub fn without_vfs(&self) -> BTreeSet<PciAddress> {
+        self.inner
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .no_vfs
+            .clone()
     }
 
     /// Whether GPU `a` is in the pool.

@@ -3,6 +3,11 @@
 //! sandbox-dra's prepare answered), `vfio-manager` refuses to take the claim's GPU or the GPU
 //! of its vGPU, naming the pod and the claim, and takes it once kubelet no longer runs the pod.
 //!
+//! With kubelet down (no PodResources socket, and kubelet's checkpoint has no claims), the
+//! driver's own record of the claim says the same: `vfio-manager` refuses the claim's GPU,
+//! naming the claim and the driver, until the claim is unprepared; a record that cannot be read
+//! is an unknown user, which only `--force` overrides.
+//!
 //! sandbox-dra and vfio-manager run as processes on a simulated node (node-sim); vfio-manager
 //! is the binary built beside sandbox-dra (`cargo test --workspace` builds it; a test without
 //! it says `skipped`).
@@ -14,7 +19,12 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use support::{BIN, DRIVER, NODE, NS, driver_of, prepare, put_claim, register, start, unprepare};
+use cluster_tier::ApiServer;
+use serde_json::json;
+use support::{
+    BIN, DRIVER, KUBELET_ROOT, NODE, NS, claim, command, driver_of, prepare, put_claim, reg_socket,
+    register, serving, start, unprepare,
+};
 use testkit::apiserver::FakeApiServer;
 use testkit::kubelet::FakePodResources;
 use testkit::kubelet::dra::{Claim, PreparedDevice};
@@ -185,5 +195,111 @@ async fn vfio_manager_bind_refuses_the_gpu_of_a_prepared_vgpu_claim() {
         "{}",
         show(&o)
     );
+    assert_eq!(driver_of(root, "0000:61:00.0").as_deref(), Some("nvidia"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_kubelet_down_a_prepared_claims_record_keeps_its_gpu_in_use() {
+    let Some(vfio_manager) = vfio_manager() else {
+        return;
+    };
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let Some(api) = ApiServer::start_or_skip("a prepared claim with kubelet down").unwrap() else {
+        return;
+    };
+    let root = sim.root();
+    api.create_node(NODE, &[]).unwrap();
+    let uid = api
+        .put_allocated_claim(
+            NS,
+            "vm1-gpu",
+            json!([{"name": "gpu", "exactly": {"deviceClassName": "vfio-gpu.gpu-vm-node.io"}}]),
+            json!([{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-0000-41-00-0"}]),
+        )
+        .unwrap();
+    let _d = serving(
+        command(root, NODE, api.admin_kubeconfig(), &[]),
+        &reg_socket(root, KUBELET_ROOT),
+    );
+    let drv = register(root).await;
+    let c = claim("vm1-gpu", &uid);
+    prepare(&drv, &c).await.unwrap();
+    assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    // kubelet is down: nothing answers PodResources, and it left no checkpoint.
+    let kubelet = root.join("var/lib/kubelet");
+    assert!(!kubelet.join("pod-resources/kubelet.sock").exists());
+    assert!(
+        !kubelet
+            .join("device-plugins/kubelet_internal_checkpoint")
+            .exists()
+    );
+
+    sim.clear_ops();
+    let o = vfio(
+        &vfio_manager,
+        root,
+        &["unbind", "--address", "0000:41:00.0"],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains(&format!(
+            "0000:41:00.0: claim {NS}/vm1-gpu (prepared by {DRIVER}) has it"
+        )),
+        "{}",
+        show(&o)
+    );
+    assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    assert!(
+        sim.ops().iter().all(|op| op.path.contains("node-sim/")),
+        "nothing written: {:?}",
+        sim.ops()
+    );
+    let st = vfio(&vfio_manager, root, &["status", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+    let gpu = v["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["address"] == "0000:41:00.0")
+        .unwrap_or_else(|| panic!("{}", show(&st)));
+    assert_eq!(gpu["in_use"][0]["kind"], "claim", "{}", show(&st));
+    assert_eq!(gpu["in_use"][0]["name"], "vm1-gpu", "{}", show(&st));
+
+    // Unprepared, its record is gone: the GPU is free.
+    unprepare(&drv, &c).await.unwrap();
+    let o = vfio(
+        &vfio_manager,
+        root,
+        &["unbind", "--address", "0000:41:00.0"],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("nvidia"));
+
+    // A record that cannot be read may hold any GPU: unknown, refused but with --force.
+    let o = vfio(&vfio_manager, root, &["bind", "--address", "0000:61:00.0"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let damaged = kubelet.join(format!("plugins/{DRIVER}/claims/uid-damaged.json"));
+    std::fs::write(&damaged, "{\"version\": 1, \"claim\": {").unwrap();
+    let o = vfio(
+        &vfio_manager,
+        root,
+        &["unbind", "--address", "0000:61:00.0"],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("uid-damaged.json"),
+        "{}",
+        show(&o)
+    );
+    assert_eq!(driver_of(root, "0000:61:00.0").as_deref(), Some("vfio-pci"));
+    let o = vfio(
+        &vfio_manager,
+        root,
+        &["unbind", "--force", "--address", "0000:61:00.0"],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
     assert_eq!(driver_of(root, "0000:61:00.0").as_deref(), Some("nvidia"));
 }

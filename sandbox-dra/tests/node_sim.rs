@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use support::{
     DRIVER, KUBELET_ROOT, NODE, NS, PATIENCE, claim, command, driver_of, prepare_one, read_json,
-    reg_socket, register, register_at, serving, start, under, unprepare_one,
+    read_metadata, reg_socket, register, register_at, serving, start, under, unprepare_one,
 };
 use testkit::apiserver::FakeApiServer;
 use testkit::kubelet::dra::{Claim, DraDriver, Version};
@@ -86,8 +86,9 @@ fn spec_nodes(spec: &Value, device: &str) -> Vec<String> {
         .collect()
 }
 
-/// The one metadata file of the spec: (host path, container path). It is mounted twice: where
-/// KEP-5304 (and KubeVirt 1.8.3 and later) has it, and where KubeVirt 1.8.0 to 1.8.2 read it.
+/// The one request's metadata of the spec: (host path, container path) of the stream, where
+/// KEP-5304 (and KubeVirt 1.8.3 and later) has it. Beside it, where KubeVirt 1.8.0 to 1.8.2
+/// read it, a plain file of the stream's `v1alpha1` object (checked when it is there).
 fn spec_metadata_mount(spec: &Value) -> (String, String) {
     let mounts: Vec<&Value> = spec["devices"]
         .as_array()
@@ -97,11 +98,20 @@ fn spec_metadata_mount(spec: &Value) -> (String, String) {
         .flatten()
         .collect();
     assert_eq!(mounts.len(), 2, "{spec}");
-    assert_eq!(mounts[0]["hostPath"], mounts[1]["hostPath"], "{spec}");
     let legacy = mounts[1]["containerPath"].as_str().unwrap();
     assert!(
         legacy.starts_with("/var/run/dra-device-attributes/"),
         "{legacy}"
+    );
+    let (stream, plain) = (
+        mounts[0]["hostPath"].as_str().unwrap(),
+        mounts[1]["hostPath"].as_str().unwrap(),
+    );
+    assert!(plain.ends_with("/metadata-v1alpha1.json"), "{plain}");
+    assert_eq!(
+        Path::new(stream).parent(),
+        Path::new(plain).parent(),
+        "{spec}"
     );
     (
         mounts[0]["hostPath"].as_str().unwrap().to_string(),
@@ -182,8 +192,12 @@ async fn two_a10_claim_binds_both_and_hands_kubevirt_the_vfio_nodes_and_pci_addr
             "/var/run/kubernetes.io/dra-device-attributes/resourceclaims/vm1-gpu/gpu/{DRIVER}-metadata.json"
         )
     );
-    let meta = read_json(&under(root, &host));
+    let meta = read_metadata(&under(root, &host));
     assert_eq!(meta["apiVersion"], "metadata.resource.k8s.io/v1alpha1");
+    assert_eq!(meta["metadata"]["generation"], 1);
+    // The same, one plain object, where KubeVirt 1.8.0 to 1.8.2 read it.
+    let plain = read_json(&under(root, &host).with_file_name("metadata-v1alpha1.json"));
+    assert_eq!(plain, meta);
     assert_eq!(meta["metadata"]["uid"], "uid-1");
     let ids: Vec<&str> = meta["requests"][0]["devices"]
         .as_array()
@@ -234,7 +248,7 @@ fn first_available_claim_json(name: &str, uid: &str, device: &str) -> Value {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_first_available_claim_is_answered_by_its_request_and_keeps_the_subrequest_in_metadata() {
+async fn a_first_available_claim_is_answered_by_its_request_and_names_both_in_metadata() {
     let Some(sim) = try_mount("2xA10") else {
         return;
     };
@@ -270,9 +284,15 @@ async fn a_first_available_claim_is_answered_by_its_request_and_keeps_the_subreq
         )),
         "{container}"
     );
-    // The metadata names what was allocated: the subrequest.
-    let meta = read_json(&under(root, &host));
+    // The metadata names what was allocated: the subrequest; and the same device under the
+    // top-level request, which a VMI's `requestName` names (KubeVirt looks that up).
+    let meta = read_metadata(&under(root, &host));
     assert_eq!(meta["requests"][0]["name"], "gpu/a10", "{meta}");
+    assert_eq!(meta["requests"][1]["name"], "gpu", "{meta}");
+    assert_eq!(
+        meta["requests"][1]["devices"], meta["requests"][0]["devices"],
+        "{meta}"
+    );
     // Every attribute the slice publishes, the standard ones among them.
     let attrs = &meta["requests"][0]["devices"][0]["attributes"];
     for (k, v) in [

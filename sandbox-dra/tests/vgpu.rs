@@ -69,12 +69,9 @@ fn handed_out(root: &Path, uid: &str) -> (Vec<String>, Value) {
         {
             nodes.push(n["path"].as_str().unwrap().to_string());
         }
-        for m in d["containerEdits"]["mounts"]
-            .as_array()
-            .into_iter()
-            .flatten()
-        {
-            let file = read_json(&under(root, m["hostPath"].as_str().unwrap()));
+        // The first mount is the metadata stream (the second, the plain file of KubeVirt 1.8.2).
+        if let Some(m) = d["containerEdits"]["mounts"].get(0) {
+            let file = support::read_metadata(&under(root, m["hostPath"].as_str().unwrap()));
             meta = file["requests"][0]["devices"][0].clone();
         }
     }
@@ -299,7 +296,7 @@ async fn a_claim_of_two_vgpus_of_one_gpu_is_prepared_at_its_first_call() {
             .find_map(|d| d["containerEdits"]["mounts"][0]["hostPath"].as_str())
             .unwrap()
             .to_string();
-        let meta = read_json(&under(root, &meta_host));
+        let meta = support::read_metadata(&under(root, &meta_host));
         let handles: Vec<String> = meta["requests"][0]["devices"]
             .as_array()
             .unwrap()
@@ -926,6 +923,16 @@ async fn a_retry_writes_nothing_and_a_vgpu_made_by_hand_is_found_by_the_kernels_
         nodes.contains(&format!("/dev/vfio/{}", again[0].3)),
         "{nodes:?} name the new vGPU's group {}",
         again[0].3
+    );
+    // Its metadata names the new vGPU, one generation on (the retry before changed nothing).
+    let meta_file = root.join(format!(
+        "var/lib/kubelet/plugins/{DRIVER}/metadata/{NS}_v/gpu/metadata.json"
+    ));
+    let meta = support::read_metadata(&meta_file);
+    assert_eq!(meta["metadata"]["generation"], 2, "{meta}");
+    assert_eq!(
+        meta["requests"][0]["devices"][0]["attributes"]["mdevUUID"]["string"],
+        again[0].0.as_str()
     );
     unprepare(&drv, &c).await.unwrap();
     assert_eq!(mdevs(root), vec![]);

@@ -1,7 +1,8 @@
 //! `--vgpu-types`: only the listed vGPU types are published, on simulated nodes (node-sim) with
-//! the fake kubelet and the fake API server; a device of another type is refused at prepare,
-//! and an entry that is no vGPU type stops the driver at start (exit 2) before it changes
-//! anything.
+//! the fake kubelet and a real API server (the cluster tier's assets; skipped without them),
+//! which validates and stores the slices and holds the claims as the scheduler allocates them;
+//! a device of another type is refused at prepare, and an entry that is no vGPU type stops the
+//! driver at start (exit 2) before it changes anything.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
 mod support;
@@ -10,17 +11,79 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
-use support::{Driver, NODE, PATIENCE, command, prepare, put_claim, register, start, unprepare};
-use testkit::apiserver::FakeApiServer;
+use cluster_tier::ApiServer;
+use serde_json::{Value, json};
+use support::{
+    DRIVER, Driver, KUBELET_ROOT, NODE, NS, PATIENCE, claim, command, prepare, reg_socket,
+    register, serving, share_id, unprepare,
+};
+use testkit::kubelet::dra::Claim;
 use testkit::sim::try_mount;
 
 /// The class of the claims.
 const VGPU: &str = "vgpu.gpu-vm-node.io";
 
+/// A real API server with this node's Node, or `None` (said as `skipped`).
+fn api_server(what: &str) -> Option<ApiServer> {
+    let api = ApiServer::start_or_skip(what).unwrap()?;
+    api.create_node(NODE, &[]).unwrap();
+    Some(api)
+}
+
+/// sandbox-dra serving `root` with `args` for node `NODE` against `api`, once its registration
+/// socket is there.
+fn start(root: &Path, api: &ApiServer, args: &[&str]) -> Driver {
+    serving(
+        command(root, NODE, api.admin_kubeconfig(), args),
+        &reg_socket(root, KUBELET_ROOT),
+    )
+}
+
+/// Claim `name` of `NS` for request `gpu` of class `class`, allocated `device` of this node
+/// with a share of its own (a vGPU type's shared device), as the scheduler writes it.
+fn put_claim(api: &ApiServer, name: &str, class: &str, device: &str) -> Claim {
+    let uid = api
+        .put_allocated_claim(
+            NS,
+            name,
+            json!([{"name": "gpu", "exactly": {"deviceClassName": class}}]),
+            json!([{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device,
+                    "shareID": share_id(name, 0)}]),
+        )
+        .unwrap();
+    claim(name, &uid)
+}
+
+/// The node's slices of the driver, as the API server stores them.
+fn slices(api: &ApiServer) -> Vec<Value> {
+    let v = api
+        .get_json(&[
+            "resourceslices",
+            "--field-selector",
+            &format!("spec.nodeName={NODE},spec.driver={DRIVER}"),
+        ])
+        .unwrap();
+    v["items"].as_array().cloned().unwrap_or_default()
+}
+
+/// The node's slices once `f` holds of them, or `None` after `PATIENCE`.
+fn wait_for_slices(api: &ApiServer, f: impl Fn(&[Value]) -> bool) -> Option<Vec<Value>> {
+    let t = Instant::now();
+    loop {
+        let s = slices(api);
+        if f(&s) {
+            return Some(s);
+        }
+        if t.elapsed() > PATIENCE {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 /// sandbox-dra with `args` run to its end (it must stop by itself): its exit code and log.
-fn run_to_end(root: &Path, api: &FakeApiServer, args: &[&str]) -> (Option<i32>, String) {
-    let mut d = Driver::spawn(command(root, NODE, api.kubeconfig(), args));
+fn run_to_end(root: &Path, api: &ApiServer, args: &[&str]) -> (Option<i32>, String) {
+    let mut d = Driver::spawn(command(root, NODE, api.admin_kubeconfig(), args));
     let t = Instant::now();
     let status = loop {
         if let Some(st) = d.process.0.try_wait().unwrap() {
@@ -36,14 +99,28 @@ fn run_to_end(root: &Path, api: &FakeApiServer, args: &[&str]) -> (Option<i32>, 
     (status.code(), d.log())
 }
 
+/// Each tainted device with its taint's value (the reason).
+fn tainted(slices: &[Value]) -> BTreeMap<String, String> {
+    slices
+        .iter()
+        .filter_map(|s| s["spec"]["devices"].as_array())
+        .flatten()
+        .filter_map(|d| {
+            let reason = d["taints"][0]["value"].as_str()?;
+            Some((d["name"].as_str()?.to_string(), reason.to_string()))
+        })
+        .collect()
+}
+
 /// Per GPU (`0000-41-00-0`), its vGPU types in the slices (`a10-4q`), each with how many
-/// vGPUs its shared device holds.
+/// vGPUs its shared device holds; tainted devices are not offered.
 fn vgpus(slices: &[Value]) -> BTreeMap<String, BTreeMap<String, usize>> {
     let mut out: BTreeMap<String, BTreeMap<String, usize>> = BTreeMap::new();
     for d in slices
         .iter()
         .filter_map(|s| s["spec"]["devices"].as_array())
         .flatten()
+        .filter(|d| d["taints"].is_null())
     {
         let name = d["name"].as_str().unwrap();
         let Some(rest) = name.strip_prefix("vgpu-") else {
@@ -91,7 +168,9 @@ async fn only_the_listed_vgpu_types_are_published_and_prepared() {
         return;
     };
     let root = sim.root();
-    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let Some(api) = api_server("--vgpu-types on a real API server") else {
+        return;
+    };
     let d = start(
         root,
         &api,
@@ -116,16 +195,15 @@ async fn only_the_listed_vgpu_types_are_published_and_prepared() {
                     .all(|n| n as usize == s.len())
         }
     };
-    let slices = api
-        .wait_for_slices(PATIENCE, offers(&both, &both))
-        .unwrap_or_else(|| panic!("{:?}\n{}", vgpus(&api.slices()), d.log()));
-    let names = device_names(&slices);
+    let published = wait_for_slices(&api, offers(&both, &both))
+        .unwrap_or_else(|| panic!("{:?}\n{}", vgpus(&slices(&api)), d.log()));
+    let names = device_names(&published);
     assert!(
         names.contains("gpu-0000-41-00-0") && names.contains("gpu-0000-61-00-0"),
         "{names:?}"
     );
     assert_eq!(names.len(), 2 + 2 * 2, "{names:?}");
-    let sets: usize = slices
+    let sets: usize = published
         .iter()
         .filter_map(|s| s["spec"]["sharedCounters"].as_array())
         .map(Vec::len)
@@ -134,7 +212,7 @@ async fn only_the_listed_vgpu_types_are_published_and_prepared() {
     assert!(d.log().contains("vGPU types published"), "{}", d.log());
 
     // A type the list leaves out is no device of this driver.
-    let other = put_claim(&api, "small", "uid-2q", VGPU, "vgpu-0000-41-00-0-a10-2q");
+    let other = put_claim(&api, "small", VGPU, "vgpu-0000-41-00-0-a10-2q");
     let e = prepare(&drv, &other).await.unwrap_err();
     assert!(
         e.contains("publishes no vGPU of type") && e.contains("a10-2q"),
@@ -142,27 +220,38 @@ async fn only_the_listed_vgpu_types_are_published_and_prepared() {
     );
     assert_eq!(mdev_count(root), 0);
 
-    let claim = put_claim(&api, "four", "uid-4q", VGPU, "vgpu-0000-41-00-0-a10-4q");
+    let claim = put_claim(&api, "four", VGPU, "vgpu-0000-41-00-0-a10-4q");
     prepare(&drv, &claim).await.unwrap();
     assert_eq!(mdev_count(root), 1);
     unprepare(&drv, &claim).await.unwrap();
     assert_eq!(mdev_count(root), 0);
 
-    // An A10-8Q prepared, then the driver started again with A10-4Q only: kubelet's repeated
-    // prepare keeps the vGPU made, and unprepare removes it.
-    let eight = put_claim(&api, "eight", "uid-8q", VGPU, "vgpu-0000-61-00-0-a10-8q");
+    // An A10-8Q prepared, then the driver started again with A10-4Q only: the claim's device
+    // stays published, tainted "not-offered", so the scheduler keeps counting it and places
+    // nothing new on it; kubelet's repeated prepare keeps the vGPU made, and unprepare removes
+    // it, and then the device.
+    let eight = put_claim(&api, "eight", VGPU, "vgpu-0000-61-00-0-a10-8q");
     prepare(&drv, &eight).await.unwrap();
     drop(d);
     let d = start(root, &api, &["--vgpu", "all", "--vgpu-types", "A10-4Q"]);
     let drv = register(root).await;
-    api.wait_for_slices(PATIENCE, offers(&four, &four))
-        .unwrap_or_else(|| panic!("{:?}\n{}", vgpus(&api.slices()), d.log()));
+    let held: BTreeMap<String, String> = [(
+        "vgpu-0000-61-00-0-a10-8q".to_string(),
+        "not-offered".to_string(),
+    )]
+    .into();
+    let four_and_held = offers(&four, &four);
+    wait_for_slices(&api, |s| four_and_held(s) && tainted(s) == held)
+        .unwrap_or_else(|| panic!("{:?}\n{}", slices(&api), d.log()));
     prepare(&drv, &eight)
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
     assert_eq!(mdev_count(root), 1);
     unprepare(&drv, &eight).await.unwrap();
     assert_eq!(mdev_count(root), 0);
+    let four_only = offers(&four, &four);
+    wait_for_slices(&api, |s| four_only(s) && tainted(s).is_empty())
+        .unwrap_or_else(|| panic!("{:?}\n{}", slices(&api), d.log()));
 }
 
 /// A type of no GPU model (a typo) stops the driver at start with exit 2, naming the entry and
@@ -174,7 +263,9 @@ async fn an_entry_that_is_no_vgpu_type_is_refused_at_start() {
         return;
     };
     let root = sim.root();
-    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let Some(api) = api_server("--vgpu-types refused at start") else {
+        return;
+    };
     let (code, log) = run_to_end(
         root,
         &api,
@@ -190,7 +281,7 @@ async fn an_entry_that_is_no_vgpu_type_is_refused_at_start() {
         assert!(log.contains(want), "{want:?} not in:\n{log}");
     }
     assert!(!root.join("run/gpu-vm-node/dra-pool").exists());
-    assert!(api.slices().is_empty(), "{:?}", api.slices());
+    assert!(slices(&api).is_empty(), "{:?}", slices(&api));
 
     // --vgpu-types alone selects types of nothing: a usage error.
     let (code, log) = run_to_end(root, &api, &["--vgpu-types", "A10-4Q"]);
@@ -199,13 +290,12 @@ async fn an_entry_that_is_no_vgpu_type_is_refused_at_start() {
 
     // Another model's type: started, and each A10 published whole only.
     let d = start(root, &api, &["--vgpu", "all", "--vgpu-types", "L40S-8Q"]);
-    let slices = api
-        .wait_for_slices(PATIENCE, |s| {
-            device_names(s).contains("gpu-0000-61-00-0")
-                && s.iter().any(|s| s["spec"]["sharedCounters"].is_array())
-        })
-        .unwrap_or_else(|| panic!("{:#?}\n{}", api.slices(), d.log()));
-    assert!(vgpus(&slices).is_empty(), "{:?}", vgpus(&slices));
+    let published = wait_for_slices(&api, |s| {
+        device_names(s).contains("gpu-0000-61-00-0")
+            && s.iter().any(|s| s["spec"]["sharedCounters"].is_array())
+    })
+    .unwrap_or_else(|| panic!("{:#?}\n{}", slices(&api), d.log()));
+    assert!(vgpus(&published).is_empty(), "{:?}", vgpus(&published));
     assert!(
         d.log()
             .contains("none of --vgpu-types is a type of this GPU"),

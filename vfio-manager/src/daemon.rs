@@ -6,7 +6,8 @@
 //! resync timer as a safety net; a pass that did not bind everything is retried with backoff
 //! ([`daemon_kit::reconcile`]). While any selected function is not bound the readiness file
 //! is absent; while all are, it is written again whenever someone else removes it (the GPU
-//! Operator's validator). SIGTERM/SIGINT end it with the devices left bound (a rollout must not break
+//! Operator's validator). One found at start (a daemon killed before it could remove its own)
+//! is removed before the first pass, which writes it again once everything is bound. SIGTERM/SIGINT end it with the devices left bound (a rollout must not break
 //! running VMs); with `--unbind-on-exit` it gives them back first.
 
 use std::net::SocketAddr;
@@ -30,7 +31,7 @@ use crate::report::{Outcome, Report};
 use crate::{Config, run_bind, run_unbind};
 
 /// The readiness file's name under the validations directory.
-pub const READY_FILE: &str = "vfio-pci-ready";
+pub const READY_FILE: &str = common::state::readiness::VFIO_PCI_READY;
 
 /// The first delay before a failed pass is tried again; it doubles up to the resync interval.
 const RETRY_MIN: Duration = Duration::from_secs(1);

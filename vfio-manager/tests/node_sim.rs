@@ -1201,3 +1201,35 @@ fn daemon_writes_its_readiness_file_again_when_someone_else_removes_it() {
     sigterm(&d.0);
     assert_eq!(d.0.wait().unwrap().code(), Some(0));
 }
+
+#[test]
+fn a_readiness_file_left_by_a_killed_daemon_goes_when_the_next_one_starts() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root().to_path_buf();
+    let ready = root.join("run/nvidia/validations/vfio-pci-ready");
+    let mut d = daemon(&root, &["--resync-interval", "1h"]);
+    wait_until("the readiness file", || ready.exists());
+    // Killed (an OOM kill): it removes nothing; then a GPU goes back to nvidia.
+    d.0.kill().unwrap();
+    d.0.wait().unwrap();
+    assert!(ready.exists(), "a killed daemon removes nothing");
+    let o = run(&root, &["unbind", "--address", "0000:41:00.0"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(driver(&root, "0000:41:00.0").as_deref(), Some("nvidia"));
+
+    // The next one cannot even start (its metrics port is taken): the old file says nothing.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let o = run(&root, &["daemon", "--metrics-addr", &addr]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    assert!(!ready.exists(), "left from before: {}", show(&o));
+
+    // One that starts binds the GPU again, and vouches once it did.
+    let mut d = daemon(&root, &["--resync-interval", "1h"]);
+    wait_until("the readiness file again", || ready.exists());
+    assert_eq!(driver(&root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
+    sigterm(&d.0);
+    assert_eq!(d.0.wait().unwrap().code(), Some(0));
+}

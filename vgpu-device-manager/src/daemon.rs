@@ -7,9 +7,11 @@
 //! symlink), and retries a failed or blocked apply with backoff (`--retry-min` doubling up to
 //! `--retry-max`, with jitter: [`daemon_kit::reconcile`]). In Kubernetes it reports
 //! through `nvidia.com/vgpu.config.state` (`pending`, `success`, `failed`) and the annotation
-//! `nvidia.com/vgpu.config.state.reason`. After a successful apply it writes
+//! `nvidia.com/vgpu.config.state.reason`, written by a task of their own, retried with backoff
+//! until the write lands or a newer state replaces it. After a successful apply it writes
 //! `<host-root>/run/nvidia/validations/vgpu-devices-ready`, and writes it again whenever someone
-//! else removes it (the GPU Operator's validator) until an apply fails.
+//! else removes it (the GPU Operator's validator) until an apply fails. One found at start (a
+//! daemon killed before it could remove its own) is removed until an apply succeeds.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -47,7 +49,7 @@ pub const STATE_LABEL: &str = "nvidia.com/vgpu.config.state";
 /// The annotation with the reason of a failure.
 pub const REASON_ANNOTATION: &str = "nvidia.com/vgpu.config.state.reason";
 /// The readiness file's name under the validations directory.
-pub const READY_FILE: &str = "vgpu-devices-ready";
+pub const READY_FILE: &str = common::state::readiness::VGPU_DEVICES_READY;
 
 /// Where the profile name comes from.
 #[derive(Clone, Debug)]
@@ -237,61 +239,91 @@ enum State {
     Failed(String),
 }
 
+/// Tells the node's state: the label [`STATE_LABEL`] and the annotation [`REASON_ANNOTATION`],
+/// written by a task of their own ([`report`]) so that the apply loop never waits on the API
+/// server. Without Kubernetes it tells nothing.
 struct Reporter {
-    node: Option<NodeMeta>,
-    /// What the node shows now: the same state and reason are not written again.
-    shown: Option<State>,
+    states: Option<Changes<State>>,
 }
 
 impl Reporter {
-    async fn set(&mut self, state: &State) {
-        let Some(node) = &self.node else {
-            return;
-        };
-        if self.shown.as_ref() == Some(state) {
-            return;
+    /// The node is in `state` now.
+    fn set(&self, state: &State) {
+        if let Some(tx) = &self.states {
+            tx.send(state.clone());
         }
-        let (value, reason) = match state {
-            State::Pending => ("pending", None),
-            State::Success => ("success", None),
-            State::Failed(r) => ("failed", Some(r.clone())),
+    }
+}
+
+/// Writes each state the apply loop tells, in order, unless the node shows it already. A write
+/// that fails (the API server away, a refusal) is retried with [`daemon_kit::reconcile`]'s
+/// backoff until it lands or a newer state replaces it: the label never stays behind the node
+/// until the next change. A state a newer one follows is not retried.
+async fn report(node: NodeMeta, mut trigger: Trigger<State>, shutdown: CancellationToken) {
+    // What the node shows, as far as this daemon wrote it, and the newest state told.
+    let mut shown: Option<State> = None;
+    let mut want: Option<State> = None;
+    while let Some(wake) = trigger.wait(&shutdown).await {
+        let states: Vec<State> = if wake.changes.is_empty() {
+            want.clone().into_iter().collect()
+        } else {
+            wake.changes
         };
-        let mut change = MetaChange::default();
-        change
-            .labels
-            .insert(STATE_LABEL.into(), Some(value.to_string()));
-        if !matches!(state, State::Pending) {
-            change.annotations.insert(REASON_ANNOTATION.into(), reason);
+        let last = states.len().saturating_sub(1);
+        let mut failed = None;
+        for (i, state) in states.into_iter().enumerate() {
+            want = Some(state.clone());
+            if shown.as_ref() == Some(&state) {
+                failed = None;
+                continue;
+            }
+            match write_state(&node, &state).await {
+                Ok(()) => {
+                    shown = Some(state);
+                    failed = None;
+                }
+                Err(e) if i == last => failed = Some(e),
+                Err(e) => tracing::warn!(node = node.node(), "{e}; a newer state follows"),
+            }
         }
-        for attempt in 0..3 {
-            match tokio::time::timeout(API_TIMEOUT, node.apply(&change)).await {
-                Ok(Ok(())) => {
-                    self.shown = Some(state.clone());
-                    return;
-                }
-                Err(_) => {
-                    // Not answering: the next state written tries again; the apply goes on.
-                    tracing::warn!(
-                        node = node.node(),
-                        "cannot set {STATE_LABEL}={value}: the API server did not answer within {API_TIMEOUT:?}"
-                    );
-                    return;
-                }
-                Ok(Err(e)) => {
-                    tracing::warn!(
-                        node = node.node(),
-                        attempt,
-                        "cannot set {STATE_LABEL}={value}: {e}"
-                    );
-                    tokio::time::sleep(Duration::from_millis(200 << attempt)).await;
-                }
+        match failed {
+            None => trigger.done(),
+            Some(e) => {
+                let retry_in = trigger.retry();
+                tracing::warn!(node = node.node(), ?retry_in, "{e}");
             }
         }
     }
 }
 
+/// One write of `state` to the node, bounded by [`API_TIMEOUT`].
+async fn write_state(node: &NodeMeta, state: &State) -> Result<(), String> {
+    let (value, reason) = match state {
+        State::Pending => ("pending", None),
+        State::Success => ("success", None),
+        State::Failed(r) => ("failed", Some(r.clone())),
+    };
+    let mut change = MetaChange::default();
+    change
+        .labels
+        .insert(STATE_LABEL.into(), Some(value.to_string()));
+    if !matches!(state, State::Pending) {
+        change.annotations.insert(REASON_ANNOTATION.into(), reason);
+    }
+    match tokio::time::timeout(API_TIMEOUT, node.apply(&change)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(format!("cannot set {STATE_LABEL}={value}: {e}")),
+        Err(_) => Err(format!(
+            "cannot set {STATE_LABEL}={value}: the API server did not answer within {API_TIMEOUT:?}"
+        )),
+    }
+}
+
 /// Runs until `shutdown`; an error means the daemon cannot go on (its watch ended): exit 1.
 pub async fn run(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToken) -> exit::Result {
+    // First: a readiness file left by a daemon that did not stop cleanly goes before anything
+    // here may fail or wait (the API server, the metrics port, the first apply).
+    let ready = Keeper::start(&paths, READY_FILE, shutdown.clone())?;
     let ops = Ops::new();
     ops.expect_beats(LIVENESS_WINDOW);
     if let Some(addr) = cfg.metrics_addr {
@@ -302,7 +334,6 @@ pub async fn run(cfg: DaemonConfig, paths: HostPaths, shutdown: CancellationToke
         write_timeout: cfg.write_timeout,
         ..Options::new(paths)
     };
-    let ready = Keeper::start(&opts.paths, READY_FILE, shutdown.clone())?;
     Ok(keep_applied(cfg, opts, ready, Telemetry::new(ops), shutdown).await?)
 }
 
@@ -317,13 +348,10 @@ async fn keep_applied(
     let (mut trigger, changes) = Trigger::<Change>::new(settings);
     let mut profile: Option<String> = None;
     let mut tasks = tokio::task::JoinSet::new();
-    let mut reporter = match &cfg.source {
+    let reporter = match &cfg.source {
         Source::Fixed(name) => {
             profile = Some(name.clone());
-            Reporter {
-                node: None,
-                shown: None,
-            }
+            Reporter { states: None }
         }
         Source::Kube {
             node_name,
@@ -381,10 +409,20 @@ async fn keep_applied(
                     }
                 }
             });
-            Reporter {
-                node: Some(NodeMeta::new(Api::all(writer), node_name.clone())),
-                shown: None,
-            }
+            // The state label's own loop: its retries follow the backoff of daemon-kit's
+            // reconcile loops (1 s doubling to 30 s, with jitter), not the applies'.
+            let (states, tx) = Trigger::<State>::new(
+                Settings::new("vgpu-device-manager state label")
+                    .with_settle(Duration::ZERO)
+                    .without_first_pass(),
+            );
+            let node = NodeMeta::new(Api::all(writer), node_name.clone());
+            let stop = shutdown.clone();
+            tasks.spawn(async move {
+                report(node, states, stop).await;
+                Ok(())
+            });
+            Reporter { states: Some(tx) }
         }
     };
 
@@ -446,7 +484,7 @@ async fn keep_applied(
         // A retry after a failure keeps reporting `failed` until it passes: the label does not
         // flap through `pending` on every attempt.
         if asked {
-            reporter.set(&State::Pending).await;
+            reporter.set(&State::Pending);
         }
         let started = Instant::now();
         telemetry.ops.status(&format!("applying profile {profile}"));
@@ -492,7 +530,7 @@ async fn keep_applied(
                 if let Err(e) = ready.vouch("") {
                     tracing::warn!("cannot write the readiness file: {}", error_chain(&e));
                 }
-                reporter.set(&State::Success).await;
+                reporter.set(&State::Success);
                 trigger.done();
             }
             Err((reason, retryable)) => {
@@ -519,7 +557,7 @@ async fn keep_applied(
                     started.elapsed(),
                     failed_report.as_ref(),
                 );
-                reporter.set(&State::Failed(reason)).await;
+                reporter.set(&State::Failed(reason));
                 if retryable {
                     let delay = trigger.retry();
                     tracing::info!("retrying in {delay:?}");

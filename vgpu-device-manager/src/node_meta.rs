@@ -4,7 +4,9 @@
 //! names. The GPU Operator's ClusterRole for its vgpu-device-manager grants `update` instead:
 //! there a patch is refused (403 Forbidden), and the change is made by reading the Node and
 //! replacing it with the `resourceVersion` read, read again and retried when someone changed the
-//! Node in between (409 Conflict). Once refused, later changes go straight to the replace.
+//! Node in between (409 Conflict). Once refused, later changes go straight to the replace,
+//! until the replace is refused too: then neither is allowed, and the next change tries the
+//! patch first again (a role fixed either way is found).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -62,7 +64,11 @@ impl NodeMeta {
                 other => return other,
             }
         }
-        self.update(change).await
+        let r = self.update(change).await;
+        if matches!(&r, Err(kube::Error::Api(e)) if e.code == 403) {
+            self.patch_forbidden.store(false, Ordering::Relaxed);
+        }
+        r
     }
 
     async fn patch(&self, change: &MetaChange) -> Result<(), kube::Error> {

@@ -557,3 +557,121 @@ fn a_gpu_whose_driver_comes_up_late_is_retried_without_flapping() {
     assert_eq!(api.annotation(REASON), None);
     assert_eq!(d.stop(), Some(0));
 }
+
+/// A daemon killed before it could remove its readiness file (an OOM kill) leaves it; the next
+/// one removes it at start, before it can read its profile (here the API server is away), and
+/// writes it again only once it has applied the profile itself.
+#[test]
+fn a_readiness_file_left_by_a_killed_daemon_goes_until_the_next_one_applied() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let Some(mut api) =
+        cluster_tier::ApiServer::start_or_skip("a readiness file left by a killed daemon").unwrap()
+    else {
+        return;
+    };
+    let node = "node-killed";
+    api.create_node(node, &[(CONFIG_LABEL, "A10-4Q")]).unwrap();
+    let cfg = config_file(CONFIG);
+    let kc = api.admin_kubeconfig().to_str().unwrap().to_string();
+    let args = [
+        "--node-name",
+        node,
+        "--kubeconfig",
+        &kc,
+        "-f",
+        cfg.path.to_str().unwrap(),
+    ];
+    let mut d = daemon(root, &args);
+    assert!(api.wait_for_label(node, STATE, WAIT, |v| v == Some("success")));
+    wait_until("the readiness file", || ready_file(root).exists());
+    d.0.kill().unwrap();
+    d.0.wait().unwrap();
+    assert!(ready_file(root).exists(), "a killed daemon removes nothing");
+
+    // The next one cannot read its Node: it applies nothing, and the old file says nothing.
+    api.stop_apiserver();
+    let mut d = daemon(root, &args);
+    wait_until("the file left from before removed", || {
+        !ready_file(root).exists()
+    });
+    assert!(d.0.try_wait().unwrap().is_none(), "the daemon runs on");
+
+    // The API server back: the profile is applied (already in place) and vouched for again.
+    api.start_apiserver().unwrap();
+    wait_until("the readiness file again", || ready_file(root).exists());
+    assert_eq!(counts(root), each("NVIDIA A10-4Q", 6));
+    assert_eq!(d.stop(), Some(0));
+}
+
+/// A state write the API server refuses is tried again with backoff until it lands, without
+/// any new change of the node: here RBAC forbids writing the Node until a role is fixed.
+#[test]
+fn a_refused_state_write_lands_once_it_is_allowed() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let Some(api) =
+        cluster_tier::ApiServer::start_or_skip("a refused state write retried").unwrap()
+    else {
+        return;
+    };
+    let node = "node-refused";
+    api.create_node(node, &[(CONFIG_LABEL, "A10-4Q")]).unwrap();
+    let role = |verbs: &str| {
+        format!(
+            "apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\nmetadata:\n  name: vgpu-dm\n\
+             rules:\n- apiGroups: [\"\"]\n  resources: [nodes]\n  verbs: [{verbs}]\n---\n\
+             apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata:\n  name: vgpu-dm\n\
+             roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: vgpu-dm}}\n\
+             subjects: [{{apiGroup: rbac.authorization.k8s.io, kind: User, name: vgpu-dm}}]\n"
+        )
+    };
+    // It may follow its Node, not write it.
+    api.apply(&role("get, list, watch")).unwrap();
+    let kc = api.kubeconfig_for("vgpu-dm", "vgpu-dm", &[]).unwrap();
+    let cfg = config_file(CONFIG);
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let d = Daemon(
+        Command::new(BIN)
+            .args(["daemon", "--node-name", node, "--kubeconfig"])
+            .arg(&kc)
+            .arg("-f")
+            .arg(&cfg.path)
+            .arg("--host-root")
+            .arg(root)
+            .env_remove("NODE_NAME")
+            .env_remove("KUBECONFIG")
+            .env_remove("CONFIG_FILE")
+            .env_remove("VGPU_DM_CONFIG_FILE")
+            .env_remove("DEFAULT_VGPU_CONFIG")
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log.reopen().unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    // The profile is applied; its state cannot be written, and is tried again.
+    wait_until("the profile applied", || ready_file(root).exists());
+    let refused = |n: usize| {
+        std::fs::read_to_string(log.path())
+            .unwrap_or_default()
+            .matches("cannot set nvidia.com/vgpu.config.state=success")
+            .count()
+            >= n
+    };
+    wait_until("three refused writes of the state", || refused(3));
+    assert_eq!(api.label(node, STATE), None);
+
+    // The role fixed, nothing else: the state lands.
+    api.apply(&role("get, list, watch, patch")).unwrap();
+    assert!(
+        api.wait_for_label(node, STATE, WAIT * 2, |v| v == Some("success")),
+        "the state never landed:\n{}",
+        std::fs::read_to_string(log.path()).unwrap_or_default()
+    );
+    assert_eq!(d.stop(), Some(0));
+}

@@ -13,9 +13,15 @@
 //! runs; [`owner_running`] tells a live pool from one left over (a node relabelled, the owner's
 //! DaemonSet gone). A writer refuses a member the other pool holds while its owner runs
 //! ([`write`], [`write_dra`]); a left-over pool takes nothing from a running owner.
+//!
+//! That check and the write are one step for the node: each writer takes an exclusive `flock`
+//! on `<root>/run/gpu-vm-node/pools.lock` ([`writers_lock_path`]) around its read of the other pool
+//! and its own write, so two owners starting together cannot both take a GPU (the second
+//! reads what the first wrote, and refuses).
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::paths::{HostPaths, is_parent_name};
@@ -183,17 +189,67 @@ pub fn owner_running(paths: &HostPaths, owner: &str) -> bool {
     )
 }
 
+/// `<root>/run/gpu-vm-node/pools.lock`: held by a pool's writer from its read of the other
+/// pool to its own write.
+pub fn writers_lock_path(paths: &HostPaths) -> PathBuf {
+    paths.root().join("run/gpu-vm-node/pools.lock")
+}
+
+/// The longest a writer waits for the other to finish its check and write (a read and a write
+/// of two small files: milliseconds).
+const CLAIM_WAIT: Duration = Duration::from_secs(30);
+
+/// Runs `f` holding the writers' lock ([`writers_lock_path`]), released when it returns. An error
+/// naming the lock file when it cannot be taken within [`CLAIM_WAIT`].
+fn claiming<T>(paths: &HostPaths, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    use nix::fcntl::{Flock, FlockArg};
+    let p = writers_lock_path(paths);
+    if let Some(dir) = p.parent() {
+        super::ensure_dir(dir)?;
+    }
+    let io = |source: std::io::Error| Error::Io {
+        path: p.clone(),
+        source,
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&p)
+        .map_err(io)?;
+    let start = Instant::now();
+    let _lock = loop {
+        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(l) => break l,
+            Err((f, nix::errno::Errno::EWOULDBLOCK)) if start.elapsed() < CLAIM_WAIT => {
+                file = f;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
+                return Err(io(std::io::Error::other(format!(
+                    "another pool's writer held it for more than {CLAIM_WAIT:?}"
+                ))));
+            }
+            Err((_, e)) => return Err(io(e.into())),
+        }
+    };
+    f()
+}
+
 /// Replaces sandbox-dra's pool with `members`. Refused, writing nothing, when the on-demand
 /// pool holds one of them and sandbox-dp runs: the error names it, the owner and the file. A
-/// pool left over by an owner that is not running takes nothing from the new one.
+/// pool left over by an owner that is not running takes nothing from the new one. The check
+/// and the write are made under the writers' lock ([`writers_lock_path`]).
 pub fn write_dra(paths: &HostPaths, members: &Members) -> Result<()> {
     // An empty pool shares nothing: written without reading the on-demand pool, which may be
     // unreadable.
     if members.is_empty() {
         return write_file(dra_path(paths), DRA_KIND, members);
     }
-    one_owner(paths, members, ON_DEMAND_OWNER, path(paths), load(paths)?)?;
-    write_file(dra_path(paths), DRA_KIND, members)
+    claiming(paths, || {
+        one_owner(paths, members, ON_DEMAND_OWNER, path(paths), load(paths)?)?;
+        write_file(dra_path(paths), DRA_KIND, members)
+    })
 }
 
 fn one_owner(
@@ -222,13 +278,15 @@ fn one_owner(
 
 /// Replaces the on-demand pool with `members` ([`super::write_atomic`]); an empty pool removes
 /// the file. Refused as [`write_dra`] is when sandbox-dra's pool holds one of them and
-/// sandbox-dra runs.
+/// sandbox-dra runs, under the same lock.
 pub fn write(paths: &HostPaths, members: &Members) -> Result<()> {
     if members.is_empty() {
         return write_file(path(paths), ON_DEMAND_KIND, members);
     }
-    one_owner(paths, members, DRA_OWNER, dra_path(paths), load_dra(paths)?)?;
-    write_file(path(paths), ON_DEMAND_KIND, members)
+    claiming(paths, || {
+        one_owner(paths, members, DRA_OWNER, dra_path(paths), load_dra(paths)?)?;
+        write_file(path(paths), ON_DEMAND_KIND, members)
+    })
 }
 
 fn write_file(p: PathBuf, kind: &str, members: &Members) -> Result<()> {
@@ -369,6 +427,45 @@ mod tests {
         write_dra(&paths, &members(&["0000:61:00.0"], &[])).unwrap();
         write_dra(&paths, &Members::default()).unwrap();
         assert!(!dra_path(&paths).exists());
+    }
+
+    #[test]
+    fn two_owners_starting_together_never_both_take_a_gpu() {
+        let one = members(&["0000:41:00.0"], &[]);
+        for round in 0..200 {
+            let dir = tempfile::tempdir().unwrap();
+            let paths = HostPaths::new(dir.path());
+            let start = std::sync::Barrier::new(2);
+            let (on_demand, dra) = std::thread::scope(|s| {
+                let a = s.spawn(|| {
+                    let hold = hold(&paths).unwrap().unwrap();
+                    start.wait();
+                    (write(&paths, &one).is_ok(), hold)
+                });
+                let b = s.spawn(|| {
+                    let hold = hold_dra(&paths).unwrap().unwrap();
+                    start.wait();
+                    (write_dra(&paths, &one).is_ok(), hold)
+                });
+                (a.join().unwrap(), b.join().unwrap())
+            });
+            assert!(
+                on_demand.0 != dra.0,
+                "round {round}: one owner takes the GPU, the other is refused \
+                 (on-demand: {}, dra: {})",
+                on_demand.0,
+                dra.0
+            );
+            let taken = [load(&paths).unwrap(), load_dra(&paths).unwrap()];
+            assert_eq!(
+                taken
+                    .iter()
+                    .filter(|m| m.gpus.contains(&gpu("0000:41:00.0")))
+                    .count(),
+                1,
+                "round {round}: {taken:?}"
+            );
+        }
     }
 
     #[test]

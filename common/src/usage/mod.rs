@@ -16,20 +16,27 @@
 //!   specs on the node ([`HostPaths::cdi_spec_dirs`]) say which device nodes those are
 //!   (`/dev/vfio/<group>`, `/dev/vfio/devices/vfioN`, `/dev/nvidia<N>`), matched as a process's
 //!   open files are. Any DRA driver that hands devices through CDI is seen, sandbox-dra's
-//!   among them. kubelet's checkpoint has no claims: while kubelet is down, a prepared claim
-//!   is seen only through the processes holding its devices;
+//!   among them;
+//! - a **DRA driver has prepared a claim** with one of its device nodes: sandbox-dra's records
+//!   of the claims it prepared (`<kubelet-root>/plugins/<driver>/claims/<uid>.json`, every
+//!   driver directory read), from its prepare to its unprepare. They stand for the claim while
+//!   kubelet is down (kubelet's checkpoint has no claims) and before the VM opens the device;
 //! - or a source cannot be read (no `/proc`, a truncated checkpoint, a PodResources socket
 //!   that does not answer, a claim's CDI device that no spec on the node defines): the user is
-//!   **unknown**, which counts as in use. Only a daemon's `--force` overrides it.
+//!   **unknown**, which counts as in use. Only a daemon's `--force` overrides it. So does a
+//!   claim record that cannot be read.
 //!
 //! A GPU is in use when any of its functions, VFs or vGPUs is ([`Usage::of_gpu`]).
 //!
-//! [`Usage::read`] reads every source once (one `/proc` scan, one `List`); the queries then
-//! answer for any number of devices without reading again.
+//! [`Usage::read`] reads every source once (one `/proc` scan, one `List`, the claim records);
+//! the queries then answer for any number of devices without reading again.
 
 mod cdi;
 mod kubelet;
 mod procs;
+mod records;
+
+pub use records::CLAIM_RECORD_VERSION;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -99,6 +106,38 @@ impl fmt::Display for Claim {
     }
 }
 
+/// A ResourceClaim a DRA driver prepared on this node, as its record says
+/// (`<kubelet-root>/plugins/<driver>/claims/<uid>.json`): the claim holds the device from its
+/// prepare to its unprepare, whether kubelet runs or not.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PreparedClaim {
+    /// The claim's namespace.
+    pub namespace: String,
+    /// The claim's name.
+    pub name: String,
+    /// The DRA driver whose record it is (its directory's name, `gpu.gpu-vm-node.io`).
+    pub driver: String,
+    /// Where its prepare is, as the record says: `preparing`, `prepared`, `unpreparing`.
+    pub state: String,
+    /// The record.
+    pub record: PathBuf,
+}
+
+impl fmt::Display for PreparedClaim {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let how = match self.state.as_str() {
+            "preparing" => "being prepared by",
+            "unpreparing" => "being unprepared by",
+            _ => "prepared by",
+        };
+        write!(
+            f,
+            "claim {}/{} ({how} {})",
+            self.namespace, self.name, self.driver
+        )
+    }
+}
+
 /// A pod's container that kubelet gave the device to.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Pod {
@@ -146,6 +185,8 @@ pub enum Source {
     Processes,
     /// kubelet: its PodResources API or its checkpoint.
     Kubelet,
+    /// The DRA drivers' records of the claims they prepared.
+    ClaimRecords,
 }
 
 /// Why a source of "in use" could not be read: every device that depends on it is then used by
@@ -214,6 +255,9 @@ pub enum User {
     Process(Process),
     /// kubelet gave it to a pod.
     Pod(Pod),
+    /// A DRA driver prepared a claim with it (the claim's record says so; kubelet may be
+    /// down).
+    Claim(PreparedClaim),
     /// A source could not be read: counts as in use.
     Unknown(Unknown),
 }
@@ -240,6 +284,7 @@ impl User {
                 (_, _, Some(uid)) => format!("pod {uid}"),
                 _ => "a pod".into(),
             },
+            User::Claim(c) => format!("claim {}/{}", c.namespace, c.name),
             User::Unknown(_) => "unknown".into(),
         }
     }
@@ -250,6 +295,7 @@ impl fmt::Display for User {
         match self {
             User::Process(p) => p.fmt(f),
             User::Pod(p) => write!(f, "{p} has it"),
+            User::Claim(c) => write!(f, "{c} has it"),
             User::Unknown(u) => write!(f, "unknown: {}", u.reason),
         }
     }
@@ -369,6 +415,14 @@ pub struct Usage {
     /// Claims' devices whose device nodes cannot be told (a CDI device that no spec on the node
     /// defines, a spec that cannot be read): why, each naming the pod and claim.
     pub claims_unknown: Vec<String>,
+    /// Device nodes, as host paths → the claims a DRA driver's records say it prepared with
+    /// them.
+    pub prepared: BTreeMap<String, Vec<PreparedClaim>>,
+    /// PCI functions → the prepared claims holding them whose device nodes are not known yet
+    /// (a prepare under way, or interrupted).
+    pub prepared_functions: BTreeMap<PciAddress, Vec<PreparedClaim>>,
+    /// Claim records that cannot be read: why, each naming the file.
+    pub records_unknown: Vec<String>,
     /// Where `pods` comes from, for logs.
     pub pods_source: String,
 }
@@ -382,14 +436,17 @@ impl Default for Usage {
             pods: Ok(BTreeMap::new()),
             claims: BTreeMap::new(),
             claims_unknown: Vec::new(),
+            prepared: BTreeMap::new(),
+            prepared_functions: BTreeMap::new(),
+            records_unknown: Vec::new(),
             pods_source: "none".into(),
         }
     }
 }
 
 impl Usage {
-    /// Reads every source once: `<root>/proc`, the nvidia driver's GPU table, and kubelet's
-    /// PodResources API (or its checkpoint). Never fails: a source that cannot be read makes
+    /// Reads every source once: `<root>/proc`, the nvidia driver's GPU table, kubelet's
+    /// PodResources API (or its checkpoint), and the DRA drivers' claim records. Never fails: a source that cannot be read makes
     /// every device that depends on it [`User::Unknown`].
     pub fn read(paths: &HostPaths) -> Usage {
         Usage::read_excluding_claim(paths, None)
@@ -398,7 +455,7 @@ impl Usage {
     /// [`Usage::read`] for a DRA driver preparing or unpreparing the claim `namespace/name`:
     /// that claim's own pod is not a user of its devices (kubelet unprepares a claim once the
     /// pod's containers have stopped, while PodResources may still list it, with CDI devices
-    /// the driver has already removed).
+    /// the driver has already removed), nor is its own record.
     pub fn read_excluding_claim(paths: &HostPaths, claim: Option<(&str, &str)>) -> Usage {
         let processes = procs::scan(paths).map_err(|e| {
             let e = Unreadable::Processes {
@@ -443,12 +500,24 @@ impl Usage {
         for e in &claims_unknown {
             tracing::warn!("{e}");
         }
+        let records = records::read(paths, claim);
+        tracing::debug!(
+            records = records.read,
+            dir = %paths.kubelet_plugins_dir().display(),
+            "DRA claim records read"
+        );
+        for e in &records.unknown {
+            tracing::warn!("{e}");
+        }
         Usage {
             processes,
             nvidia_minors,
             pods: allocations,
             claims,
             claims_unknown,
+            prepared: records.by_node,
+            prepared_functions: records.by_function,
+            records_unknown: records.unknown,
             pods_source: source,
         }
     }
@@ -462,10 +531,28 @@ impl Usage {
         }
     }
 
-    /// Pods whose prepared claims gave them `path` (a host path).
+    /// Pods whose prepared claims gave them `path` (a host path), then the claims a DRA
+    /// driver's records say hold it that no such pod named already.
     fn claim_holders(&self, path: &str, out: &mut Vec<User>) {
         if let Some(p) = self.claims.get(path) {
             out.extend(p.iter().cloned().map(User::Pod));
+        }
+        if let Some(c) = self.prepared.get(path) {
+            Self::prepared_holders(c, out);
+        }
+    }
+
+    /// `claims`, each unless a pod with the same claim is named in `out` already.
+    fn prepared_holders(claims: &[PreparedClaim], out: &mut Vec<User>) {
+        for c in claims {
+            let named = out.iter().any(|u| {
+                matches!(u, User::Pod(p) if p.claim.as_ref().is_some_and(|pc| {
+                    pc.namespace == c.namespace && pc.name == c.name
+                }))
+            });
+            if !named {
+                out.push(User::Claim(c.clone()));
+            }
         }
     }
 
@@ -479,11 +566,18 @@ impl Usage {
         }
     }
 
-    /// Claims whose device nodes cannot be told: any device may be theirs.
+    /// Claims whose device nodes cannot be told (a CDI device no spec defines, a claim record
+    /// that cannot be read): any device may be theirs.
     fn claims_unknown(&self, out: &mut Vec<User>) {
         out.extend(self.claims_unknown.iter().map(|reason| {
             User::Unknown(Unknown {
                 source: Source::Kubelet,
+                reason: reason.clone(),
+            })
+        }));
+        out.extend(self.records_unknown.iter().map(|reason| {
+            User::Unknown(Unknown {
+                source: Source::ClaimRecords,
                 reason: reason.clone(),
             })
         }));
@@ -506,7 +600,8 @@ impl Usage {
 
     /// Users of one PCI function: processes holding its group's `/dev/vfio/<group>` or its VFIO
     /// cdev, or (on nvidia) its `/dev/nvidia<N>`; pods kubelet gave its address to, or whose
-    /// claims gave them one of those nodes. A function the inventory does not have is asked of
+    /// claims gave them one of those nodes; claims a DRA driver prepared with one of those
+    /// nodes, or with the function itself while its nodes are not known yet. A function the inventory does not have is asked of
     /// kubelet's device plugins' allocations only.
     pub fn of_function(&self, inv: &Inventory, address: &PciAddress) -> Vec<User> {
         let mut out = self.holders_of_function(inv, address, true);
@@ -545,6 +640,11 @@ impl Usage {
                 self.claim_holders(n, &mut out);
             }
         }
+        // A prepare under way (or interrupted) before it knew the device's nodes: the function
+        // is the claim's, for passthrough too.
+        if let Some(c) = self.prepared_functions.get(address) {
+            Self::prepared_holders(c, &mut out);
+        }
         if d.driver.as_deref() == Some("nvidia") {
             match &self.nvidia_minors {
                 Ok(m) => match m.get(address) {
@@ -570,7 +670,8 @@ impl Usage {
     }
 
     /// Users of an mdev: processes holding its group's `/dev/vfio/<group>` or its VFIO cdev;
-    /// pods kubelet gave its UUID to, or whose claims gave them one of those nodes.
+    /// pods kubelet gave its UUID to, or whose claims gave them one of those nodes; claims a DRA
+    /// driver prepared with one of those nodes.
     pub fn of_mdev(&self, m: &MdevDevice) -> Vec<User> {
         let mut out = Vec::new();
         self.processes_unknown(&mut out);

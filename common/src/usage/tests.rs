@@ -373,3 +373,175 @@ fn a_claim_whose_nodes_cannot_be_told_is_an_unknown_user_of_every_device() {
             .is_empty()
     );
 }
+
+/// sandbox-dra's record of claim `vms/<name>`, as it writes one: `devices` are
+/// `(address, nodes)`.
+fn record(name: &str, state: &str, devices: &[(&str, &[&str])]) -> String {
+    let devices: Vec<serde_json::Value> = devices
+        .iter()
+        .map(|(address, nodes)| {
+            serde_json::json!({
+                "requests": ["gpu"],
+                "pool": "node-a",
+                "device": "gpu-0000-61-00-0",
+                "address": address,
+                "group": 37,
+                "nodes": nodes,
+            })
+        })
+        .collect();
+    serde_json::to_string_pretty(&serde_json::json!({
+        "version": 1,
+        "claim": {"namespace": "vms", "name": name, "uid": format!("uid-{name}"), "pod_claim_name": null},
+        "state": state,
+        "devices": devices,
+        "originals": {"0000:61:00.0": "nvidia"},
+    }))
+    .unwrap()
+}
+
+/// A host root whose kubelet root holds `files` (path under `var/lib/kubelet/plugins`, text).
+fn records_tree(files: &[(&str, &str)]) -> (tempfile::TempDir, HostPaths) {
+    let dir = tempfile::tempdir().unwrap();
+    for (path, text) in files {
+        let p = dir.path().join("var/lib/kubelet/plugins").join(path);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(&p, text).unwrap();
+    }
+    let paths = HostPaths::new(dir.path());
+    (dir, paths)
+}
+
+/// [`usage`] with the claim records under `paths`, leaving out claim `exclude`.
+fn with_records(paths: &HostPaths, exclude: Option<(&str, &str)>) -> Usage {
+    let r = records::read(paths, exclude);
+    Usage {
+        prepared: r.by_node,
+        prepared_functions: r.by_function,
+        records_unknown: r.unknown,
+        ..usage()
+    }
+}
+
+#[test]
+fn a_claim_a_dra_driver_prepared_holds_its_nodes_without_kubelet() {
+    let inv = node();
+    let (_dir, paths) = records_tree(&[
+        (
+            "gpu.gpu-vm-node.io/claims/uid-gpu.json",
+            &record(
+                "gpu",
+                "prepared",
+                &[("0000:61:00.0", &["/dev/vfio/vfio", "/dev/vfio/37"])],
+            ),
+        ),
+        // A driver keeping other files, and one keeping none: nothing to read.
+        ("gpu.example.com/checkpoint.json", "{}"),
+        ("gpu.example.com/dra.sock", ""),
+    ]);
+    let u = with_records(&paths, None);
+    let uses = u.of_group(&inv, 37);
+    assert_eq!(
+        uses.iter().map(|u| u.to_string()).collect::<Vec<_>>(),
+        vec!["0000:61:00.0: claim vms/gpu (prepared by gpu.gpu-vm-node.io) has it"]
+    );
+    let json = serde_json::to_value(&uses[0]).unwrap();
+    assert_eq!(json["kind"], "claim");
+    assert_eq!(json["name"], "gpu");
+    assert_eq!(json["driver"], "gpu.gpu-vm-node.io");
+    // It needs the GPU on VFIO: no blocker of that move, of every other.
+    assert!(
+        u.of_gpu_for_passthrough(&inv, &a("0000:61:00.0"))
+            .is_empty()
+    );
+    assert_eq!(u.of_gpu(&inv, &a("0000:61:00.0")).len(), 1);
+    assert!(u.of_group(&inv, 21).is_empty(), "the other GPU is free");
+    // The driver preparing or unpreparing that claim is not its user.
+    assert!(
+        with_records(&paths, Some(("vms", "gpu")))
+            .of_group(&inv, 37)
+            .is_empty()
+    );
+
+    // Named once when kubelet's PodResources names the same claim's pod.
+    let mut u = with_records(&paths, None);
+    u.claims = [(
+        "/dev/vfio/37".to_string(),
+        vec![claim_pod("gpu", "gpu-0000-61-00-0")],
+    )]
+    .into();
+    let uses = u.of_group(&inv, 37);
+    assert_eq!(uses.len(), 2, "one per function: {uses:?}");
+    assert!(uses.iter().all(|u| u.user.is_pod()), "{uses:?}");
+}
+
+#[test]
+fn a_prepare_under_way_holds_its_function_and_a_vgpus_claim_its_gpu() {
+    let inv = node();
+    let (_dir, paths) = records_tree(&[
+        // Preparing: the devices' nodes are not known yet.
+        (
+            "gpu.gpu-vm-node.io/claims/uid-gpu.json",
+            &record("gpu", "preparing", &[("0000:61:00.0", &[])]),
+        ),
+        // A vGPU on the first GPU's VF, prepared under another driver name.
+        (
+            "vgpu.example.org/claims/uid-vgpu.json",
+            &record(
+                "vgpu",
+                "prepared",
+                &[("0000:41:00.0", &["/dev/vfio/vfio", "/dev/vfio/120"])],
+            ),
+        ),
+    ]);
+    let u = with_records(&paths, None);
+    let uses = u.of_gpu_for_passthrough(&inv, &a("0000:61:00.0"));
+    assert_eq!(
+        uses.iter().map(|u| u.to_string()).collect::<Vec<_>>(),
+        vec!["0000:61:00.0: claim vms/gpu (being prepared by gpu.gpu-vm-node.io) has it"]
+    );
+    let uses = u.of_gpu_for_passthrough(&inv, &a("0000:41:00.0"));
+    assert_eq!(
+        uses.iter().map(|u| u.to_string()).collect::<Vec<_>>(),
+        vec![format!(
+            "mdev {UUID}: claim vms/vgpu (prepared by vgpu.example.org) has it"
+        )]
+    );
+}
+
+#[test]
+fn a_claim_record_that_cannot_be_read_is_an_unknown_user_of_every_device() {
+    let inv = node();
+    let ok = record("gpu", "prepared", &[("0000:61:00.0", &["/dev/vfio/37"])]);
+    let newer = ok.replace("\"version\": 1", "\"version\": 2");
+    for (text, says) in [
+        ("{\"claim\": {\"namespace\": \"vms\"", "is not one"),
+        (newer.as_str(), "format v2"),
+    ] {
+        let (_dir, paths) = records_tree(&[
+            ("gpu.gpu-vm-node.io/claims/uid-x.json", text),
+            // Set aside by the driver, and a write's temporary file: not records.
+            (
+                "gpu.gpu-vm-node.io/claims/uid-y.json.unreadable-1700000000",
+                "garbage",
+            ),
+            ("gpu.gpu-vm-node.io/claims/.uid-z.json.1f2e.tmp", "garb"),
+        ]);
+        let u = with_records(&paths, None);
+        for g in [21, 37] {
+            let uses = u.of_group(&inv, g);
+            assert_eq!(uses.len(), 1, "{uses:?}");
+            assert!(
+                uses[0].user.is_unknown_from(Source::ClaimRecords),
+                "{uses:?}"
+            );
+            let s = uses[0].to_string();
+            assert!(s.contains("uid-x.json") && s.contains(says), "{s}");
+        }
+        assert_eq!(u.of_mdev(&inv.mdevs[UUID]).len(), 1);
+    }
+    // No plugins directory at all: no DRA driver ran, nothing is held.
+    let dir = tempfile::tempdir().unwrap();
+    let u = with_records(&HostPaths::new(dir.path()), None);
+    assert!(u.of_group(&inv, 37).is_empty());
+}

@@ -4,6 +4,8 @@
 //!
 //! 1. [`offers`] reads what a [`Member`] can host now: a GPU by NVIDIA's rules
 //!    ([`super::capacity`]), a non-PCI mdev parent by its sysfs counts ([`super::parents`]).
+//!    A GPU whose types show only on its VFs ([`Offers::needs_vfs`]) has them enabled first,
+//!    and waited for, by [`enable_vfs`].
 //! 2. [`Offers::place`] says where the next vGPU of a type goes ([`Planned`]: a fresh UUID on
 //!    the first parent with room, or the first free VF on NVIDIA's vendor path), or why none
 //!    can (the GPU full, or holding vGPUs of another size).
@@ -29,8 +31,39 @@ use super::{Capacity, Creatable, Mode, capacity, mix_conflict, parents};
 use crate::usage::{Usage, User};
 use crate::{HostPaths, Inventory, PciAddress, ReadOptions, Sysfs};
 
-/// How long [`Handle::wait_ready`] waits for the kernel to make a new vGPU's group node.
+/// How long [`Handle::wait_ready`] waits for the kernel to make a new vGPU's group node, and
+/// [`enable_vfs`] for a GPU's new VFs to show their vGPU types.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Enables `n` SR-IOV VFs on GPU `gpu` (its `sriov_numvfs`), for a GPU whose vGPU types show
+/// only on its VFs ([`super::Mode::NeedsVfs`]), then re-reads the GPU with its VFs into `inv`
+/// until they show their vGPU types, at most [`READY_TIMEOUT`] (the driver probes each new VF
+/// after the write returns), read with `opts` (which must read mdev types). Whether they did;
+/// an error, naming the GPU and the file, when the kernel refuses the write.
+pub fn enable_vfs(
+    sysfs: &Sysfs,
+    paths: &HostPaths,
+    inv: &mut Inventory,
+    gpu: &PciAddress,
+    n: u32,
+    opts: &ReadOptions,
+) -> crate::Result<bool> {
+    sysfs.set_sriov_numvfs(gpu, n)?;
+    let end = Instant::now() + READY_TIMEOUT;
+    loop {
+        inv.refresh_pci(paths, *gpu, opts);
+        let cap = capacity(inv, gpu);
+        let shown = !matches!(cap.mode, Mode::NeedsVfs { .. })
+            && cap.types.iter().any(|t| t.type_id.is_some());
+        if shown {
+            return Ok(true);
+        }
+        if Instant::now() >= end {
+            return Ok(false);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
 
 /// Where vGPUs are made: what a pool holds, and what a record names.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]

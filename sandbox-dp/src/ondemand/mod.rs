@@ -46,7 +46,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use anyhow::Context;
-use common::vgpu::lifecycle::{Handle, NoRoom};
+use common::vgpu::lifecycle::{self, Handle, NoRoom};
 use common::vgpu::{Mode, capacity};
 use common::{HostPaths, Inventory, PciAddress, ReadOptions, Sysfs, state};
 use daemon_kit::events::NodeEvents;
@@ -340,7 +340,7 @@ impl Pool {
                 state::pool::path(&self.paths).display()
             )
         })?;
-        let inv = Inventory::read_with(&self.paths, &READ_OPTIONS)?;
+        let mut inv = Inventory::read_with(&self.paths, &READ_OPTIONS)?;
         let gpus = self.gpus(&inv);
         if let Selector::Listed {
             gpus: want,
@@ -384,7 +384,9 @@ impl Pool {
                 continue;
             }
             tracing::info!(gpu = %a, vfs = total, "enabling VFs for on-demand vGPUs");
-            sysfs.set_sriov_numvfs(&a, total)?;
+            if !lifecycle::enable_vfs(sysfs, &self.paths, &mut inv, &a, total, &READ_OPTIONS)? {
+                tracing::warn!(gpu = %a, "the VFs of GPU {a} show no vGPU types yet");
+            }
         }
         // Each member read once now, so that the first Allocate on it does not wait for that.
         for m in gpus

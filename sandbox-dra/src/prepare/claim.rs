@@ -19,6 +19,9 @@ pub struct Wanted {
     pub share_id: Option<String>,
     /// Its PCI address; none for an mdev of a parent that is not a PCI function.
     pub address: Option<PciAddress>,
+    /// The extended resource its request stands for, in a claim the scheduler made for a
+    /// pod's `resources.limits` (`nvidia.com/NVIDIA_A10-4Q`).
+    pub extended_resource: Option<String>,
 }
 
 impl From<&ClaimDevice> for Wanted {
@@ -28,6 +31,7 @@ impl From<&ClaimDevice> for Wanted {
             device: d.device.clone(),
             share_id: d.share_id.clone(),
             address: d.address,
+            extended_resource: d.extended_resource.clone(),
         }
     }
 }
@@ -124,6 +128,7 @@ pub fn allocated(
                 device: r.device.clone(),
                 share_id: r.share_id.clone(),
                 address,
+                extended_resource: None,
             }),
         }
     }
@@ -162,6 +167,60 @@ pub fn allocated(
         pod_claim_name,
     };
     Ok((id, wanted))
+}
+
+/// The annotation the scheduler puts on the claim it makes for a pod's extended resources
+/// (`resources.limits` served through DRA).
+pub const EXTENDED_RESOURCE_CLAIM_ANNOTATION: &str =
+    "resource.kubernetes.io/extended-resource-claim";
+
+/// For a claim the scheduler made for a pod's extended resources: each request and the
+/// DeviceClass it names (whose `extendedResourceName` is the resource the pod asked for). Empty
+/// for any other claim.
+pub fn extended_classes(rc: &ResourceClaim) -> Vec<(String, String)> {
+    let made_for_limits = rc
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(EXTENDED_RESOURCE_CLAIM_ANNOTATION))
+        .is_some_and(|v| v == "true");
+    if !made_for_limits {
+        return Vec::new();
+    }
+    rc.spec
+        .devices
+        .as_ref()
+        .and_then(|d| d.requests.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|r| {
+            Some((
+                r.name.clone(),
+                r.exactly.as_ref()?.device_class_name.clone(),
+            ))
+        })
+        .collect()
+}
+
+/// Whether `name` is an extended resource name the API accepts (`<domain>/<name>`, each part
+/// of letters, digits, `-`, `_` and `.`, starting and ending with a letter or digit; the name
+/// part at most 63 characters): it becomes the name of an environment variable.
+pub fn is_resource_name(name: &str) -> bool {
+    let part = |s: &str, max: usize| {
+        let b = s.as_bytes();
+        !b.is_empty()
+            && b.len() <= max
+            && b.iter()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
+            && b[0].is_ascii_alphanumeric()
+            && b[b.len() - 1].is_ascii_alphanumeric()
+    };
+    match name.split_once('/') {
+        Some((domain, n)) => {
+            part(domain, names::DNS_SUBDOMAIN_MAX) && part(n, names::DNS_LABEL_MAX)
+        }
+        None => false,
+    }
 }
 
 #[cfg(test)]
@@ -259,8 +318,72 @@ mod tests {
                 device: "gpu-0000-41-00-0".into(),
                 share_id: None,
                 address: Some("0000:41:00.0".parse().unwrap()),
+                extended_resource: None,
             }]
         );
+    }
+
+    #[test]
+    fn a_claim_made_for_limits_names_its_requests_classes_and_resource_names_are_checked() {
+        let mut c = rc(
+            "u-1",
+            &[(
+                "container-0-request-0",
+                "gpu.example.io",
+                "node-a",
+                "gpu-0000-41-00-0",
+            )],
+        );
+        c.spec.devices = Some(k8s_openapi::api::resource::v1::DeviceClaim {
+            requests: Some(vec![k8s_openapi::api::resource::v1::DeviceRequest {
+                name: "container-0-request-0".into(),
+                exactly: Some(k8s_openapi::api::resource::v1::ExactDeviceRequest {
+                    device_class_name: "ga102gl-a10.gpu-vm-node.io".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        });
+        assert_eq!(extended_classes(&c), vec![]);
+        c.metadata.annotations = Some(
+            [(
+                EXTENDED_RESOURCE_CLAIM_ANNOTATION.to_string(),
+                "true".to_string(),
+            )]
+            .into(),
+        );
+        assert_eq!(
+            extended_classes(&c),
+            vec![(
+                "container-0-request-0".to_string(),
+                "ga102gl-a10.gpu-vm-node.io".to_string()
+            )]
+        );
+        for ok in [
+            "nvidia.com/GA102GL_A10",
+            "nvidia.com/NVIDIA_A10-4Q",
+            "example.com/gpu",
+        ] {
+            assert!(is_resource_name(ok), "{ok}");
+        }
+        for bad in [
+            "gpu",
+            "nvidia.com/",
+            "/gpu",
+            "nvidia.com/a=b",
+            "nvidia.com/a b",
+            "nvidia.com/-a",
+        ]
+        .into_iter()
+        .map(String::from)
+        .chain(
+            names::tests::hostile(63)
+                .into_iter()
+                .map(|h| format!("nvidia.com/{h}")),
+        ) {
+            assert!(!is_resource_name(&bad), "{bad:?}");
+        }
     }
 
     #[test]
@@ -337,6 +460,7 @@ mod tests {
                 device: "mdev-mtty-mtty-2-0".into(),
                 share_id: None,
                 address: None,
+                extended_resource: None,
             }]
         );
     }

@@ -18,8 +18,29 @@ impl Node {
         let top = self.local(&layout.metadata_dir(&rec.claim));
         for r in cdi::requests_of(&rec.devices) {
             let host = layout.metadata_file(&rec.claim, &r);
-            let json = layout.metadata_json(&rec.claim, &r, &rec.devices);
-            write_json(&self.local(&host), Some(&top), &json).map_err(Self::state_err(
+            let local = self.local(&host);
+            let err = || format!("cannot write its device metadata {}", host.display());
+            // The generation of what is there: kept when nothing changed, one more when it did.
+            let now = state::read_if_present(&local)
+                .map_err(Self::state_err(claim, err()))?
+                .unwrap_or_default();
+            let was = cdi::stream_generation(&now);
+            let mut generation = was.unwrap_or(1);
+            let mut stream = layout.metadata_stream(&rec.claim, &r, &rec.devices, generation);
+            if was.is_some() && now.as_bytes() != stream {
+                generation += 1;
+                stream = layout.metadata_stream(&rec.claim, &r, &rec.devices, generation);
+            }
+            write_shared(&local, Some(&top), stream).map_err(Self::state_err(claim, err()))?;
+            let host = layout.legacy_metadata_file(&rec.claim, &r);
+            let plain = layout.metadata_json(
+                &rec.claim,
+                &r,
+                &rec.devices,
+                cdi::LEGACY_METADATA_API_VERSION,
+                generation,
+            );
+            write_json(&self.local(&host), Some(&top), &plain).map_err(Self::state_err(
                 claim,
                 format!("cannot write its device metadata {}", host.display()),
             ))?;
@@ -83,9 +104,18 @@ fn write_json(
     top: Option<&Path>,
     v: &serde_json::Value,
 ) -> Result<bool, Box<dyn std::error::Error + Send + Sync>> {
-    use std::os::unix::fs::PermissionsExt as _;
     let mut bytes = serde_json::to_vec_pretty(v)?;
     bytes.push(b'\n');
+    write_shared(p, top, bytes)
+}
+
+/// Writes `bytes` to `p` as [`write_json`] does.
+fn write_shared(
+    p: &Path,
+    top: Option<&Path>,
+    bytes: Vec<u8>,
+) -> Result<bool, Box<dyn std::error::Error + Send + Sync>> {
+    use std::os::unix::fs::PermissionsExt as _;
     let mode = |p: &Path| std::fs::metadata(p).map(|m| m.permissions().mode() & 0o7777);
     if let Ok(Some(now)) = state::read_if_present(p)
         && now.as_bytes() == bytes

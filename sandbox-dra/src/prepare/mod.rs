@@ -53,14 +53,14 @@ use common::{
     HostPaths, Inventory, PciAddress, PciIds, ReadOptions, Sysfs, error_chain, is_vfio_driver,
     state,
 };
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 
-use crate::cdi::{ClaimDevice, ClaimId, Layout};
+use crate::cdi::{self, ClaimDevice, ClaimId, Layout};
 use crate::names;
 use crate::record::{self, ClaimState, Record};
 use crate::telemetry::Telemetry;
 
-pub use claim::{Wanted, allocated};
+pub use claim::{Wanted, allocated, is_resource_name};
 use steps::{Step, Steps};
 
 /// One claim kubelet names: namespace, name and UID of the ResourceClaim.
@@ -316,7 +316,57 @@ impl Preparer {
                 });
             }
         };
-        allocated(&self.node.config, claim, &rc)
+        let (id, mut wanted) = allocated(&self.node.config, claim, &rc)?;
+        // A claim the scheduler made for a pod's extended resources: the resource each request
+        // stands for, from its DeviceClass.
+        for (request, class) in claim::extended_classes(&rc) {
+            let resource = self.extended_resource(claim, &class).await?;
+            for w in wanted
+                .iter_mut()
+                .filter(|w| w.requests.iter().any(|r| cdi::base_request(r) == request))
+            {
+                w.extended_resource = Some(resource.clone());
+            }
+        }
+        Ok((id, wanted))
+    }
+
+    /// The extended resource DeviceClass `class` serves: its `extendedResourceName`, or the
+    /// implicit `deviceclass.resource.kubernetes.io/<class>`; checked, since it becomes the
+    /// name of an environment variable.
+    async fn extended_resource(
+        &self,
+        claim: &ClaimRef,
+        class: &str,
+    ) -> Result<String, PrepareError> {
+        let api: kube::Api<DeviceClass> = kube::Api::all(self.client.clone());
+        let timeout = self.node.config.api_timeout;
+        let got = tokio::time::timeout(timeout, api.get(class))
+            .await
+            .map_err(|_| PrepareError::ApiTimeout {
+                claim: claim.clone(),
+                after: timeout,
+            })?
+            .map_err(|source| PrepareError::Api {
+                claim: claim.clone(),
+                source: Box::new(source),
+            })?;
+        let name = got
+            .spec
+            .extended_resource_name
+            .unwrap_or_else(|| format!("deviceclass.resource.kubernetes.io/{class}"));
+        if !claim::is_resource_name(&name) {
+            return Err(refused(
+                claim,
+                format!(
+                    "DeviceClass {} names extended resource {}, which is not a resource name; \
+                     nothing was changed",
+                    names::quoted(class),
+                    names::quoted(&name)
+                ),
+            ));
+        }
+        Ok(name)
     }
 }
 
@@ -715,6 +765,7 @@ impl Node {
                     nodes: Vec::new(),
                     vgpu: None,
                     mdev: None,
+                    extended_resource: w.extended_resource.clone(),
                     attributes: Default::default(),
                 })
                 .collect(),

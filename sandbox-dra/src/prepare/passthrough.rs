@@ -230,6 +230,7 @@ impl Node {
                     nodes: Vec::new(),
                     vgpu: None,
                     mdev: None,
+                    extended_resource: w.extended_resource.clone(),
                     attributes: Default::default(),
                 })
                 .collect();
@@ -322,8 +323,13 @@ impl Node {
 
     /// Gives a GPU a whole-GPU claim left on VFIO back to the driver it had before (its vGPU
     /// driver, `nvidia` when no record says), with the rest of its group; refused while
-    /// anything holds the group.
-    pub(super) fn give_back(&self, inv: &Inventory, gpu: PciAddress) -> Result<(), GiveBack> {
+    /// anything but `claim` (the vGPU claim it is given back for) holds the group.
+    pub(super) fn give_back(
+        &self,
+        inv: &Inventory,
+        gpu: PciAddress,
+        claim: &ClaimRef,
+    ) -> Result<(), GiveBack> {
         let selector = Selector {
             addresses: vec![gpu],
             allow_foreign_in_group: true,
@@ -336,7 +342,7 @@ impl Node {
         originals
             .entry(gpu)
             .or_insert_with(|| Some("nvidia".to_string()));
-        let failures = self.unbind_groups(inv, &sel, &originals, None);
+        let failures = self.unbind_groups(inv, &sel, &originals, Some(claim));
         if failures.is_empty() {
             Ok(())
         } else {

@@ -4,9 +4,8 @@
 
 use std::collections::BTreeSet;
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
 
-use common::vgpu::lifecycle::{self, Member, Planned, READY_TIMEOUT};
+use common::vgpu::lifecycle::{self, Member, Planned};
 use common::{Inventory, PciAddress, ReadOptions, Usage, error_chain, is_vfio_driver};
 
 use super::{
@@ -124,7 +123,8 @@ impl Node {
                 let inv = self.groups(&[gpu]);
                 // Giving back forgets the GPU's view.
                 drop(views);
-                self.give_back(&inv, gpu).map_err(|e| fail(e.to_string()))?;
+                self.give_back(&inv, gpu, claim)
+                    .map_err(|e| fail(e.to_string()))?;
                 views = self.views();
                 steps.mark(Step::Write);
             }
@@ -154,6 +154,7 @@ impl Node {
                     }
                     Next::Refused(why) => return Err(fail(why)),
                     Next::NeedsVfs(_) if enabled => {
+                        self.config.vgpu_pool.note_vfs(gpu, false);
                         return Err(fail(format!(
                             "GPU {gpu} shows no vGPU types after its VFs were enabled"
                         )));
@@ -162,13 +163,16 @@ impl Node {
                         steps.mark(Step::Node);
                         save(&rec)?;
                         steps.mark(Step::Record);
-                        self.sysfs.set_sriov_numvfs(&gpu, n).map_err(|e| {
-                            fail(format!("cannot enable the VFs of GPU {gpu}: {e}"))
-                        })?;
+                        let inv = self.view(&mut views, gpu);
+                        lifecycle::enable_vfs(&self.sysfs, &self.paths, inv, &gpu, n, &opts)
+                            .map_err(|e| {
+                                // Its vGPU devices are tainted until a prepare enables them.
+                                self.config.vgpu_pool.note_vfs(gpu, false);
+                                fail(format!("cannot enable the VFs of GPU {gpu}: {e}"))
+                            })?;
                         enabled = true;
+                        // The write and the wait for the VFs' types, together.
                         steps.mark(Step::Write);
-                        self.wait_vfs(self.view(&mut views, gpu), &gpu);
-                        steps.mark(Step::Ready);
                         continue;
                     }
                 };
@@ -202,6 +206,7 @@ impl Node {
                     }
                 }
                 tracing::info!(%claim, gpu = %gpu, vgpu = %v.handle, type_name = %v.type_name, "created a vGPU");
+                self.config.vgpu_pool.note_vfs(gpu, true);
                 // Read until its group node is there; the view then shows it, so the next
                 // vGPU of the claim is placed beside it.
                 *ready = v
@@ -249,22 +254,6 @@ impl Node {
         })
     }
 
-    /// Re-reads `gpu` (with its VFs) into `inv` until its VFs show vGPU types, at most
-    /// [`READY_TIMEOUT`].
-    fn wait_vfs(&self, inv: &mut Inventory, gpu: &PciAddress) {
-        let end = Instant::now() + READY_TIMEOUT;
-        loop {
-            inv.refresh_pci(&self.paths, *gpu, &ReadOptions::default());
-            let cap = common::vgpu::capacity(inv, gpu);
-            let ready = !matches!(cap.mode, common::vgpu::Mode::NeedsVfs { .. })
-                && cap.types.iter().any(|t| t.type_id.is_some());
-            if ready || Instant::now() >= end {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
     /// Destroys the claim's vGPUs that exist; one a process holds is kept and named (the
     /// error has kubelet call again).
     ///
@@ -283,7 +272,7 @@ impl Node {
             // No driver: a prepare killed while giving the GPU back from VFIO.
             if matches!(self.sysfs.current_driver(gpu), Ok(None)) {
                 let inv = self.groups(&[*gpu]);
-                self.give_back(&inv, *gpu)
+                self.give_back(&inv, *gpu, claim)
                     .map_err(|e| refused(claim, e.to_string()))?;
             }
         }

@@ -107,6 +107,8 @@ enum Change {
     Slices,
     /// The Node appeared, went, or has a new UID or container runtime.
     Node,
+    /// A pooled GPU's VFs could not be enabled, or could again: its vGPU devices' taint.
+    Vfs,
 }
 
 /// What the publisher needs besides the clients and the host paths.
@@ -135,6 +137,11 @@ pub struct PublishConfig {
     pub vgpu_pool: vgpu::Pool,
     /// The mdev parents that are not PCI functions published with their types (`--vgpu mtty`).
     pub mdev_parents: BTreeSet<String>,
+    /// The effect of the taint on a device that cannot serve a VM (`--taint-effect`).
+    pub taint_effect: slices::TaintEffect,
+    /// `<kubelet-root>/plugins/<driver>` as this process reaches it: the claim records, whose
+    /// devices stay published (tainted) while their GPU is gone.
+    pub driver_dir: std::path::PathBuf,
 }
 
 impl PublishConfig {
@@ -151,16 +158,20 @@ impl PublishConfig {
 /// `vendor`; a GPU `vgpu` selects that is not in `vgpu_pool` yet (hot-plugged) joins it
 /// ([`vgpu::Pool::grow`]); the GPUs of `vgpu_pool` get their counter sets and vGPU devices,
 /// the `mdev_parents` theirs ([`slices::mdev_parent_devices`]).
-pub async fn read_devices(
-    paths: &HostPaths,
-    vendor: u16,
-    ids: &PciIds,
-    vgpu: &vgpu::Selector,
-    vgpu_pool: &vgpu::Pool,
-    mdev_parents: &BTreeSet<String>,
-) -> anyhow::Result<NodeDevices> {
-    let (paths, ids, sel, pool) = (paths.clone(), ids.clone(), vgpu.clone(), vgpu_pool.clone());
-    let parents = mdev_parents.clone();
+pub async fn read_devices(cfg: &PublishConfig, paths: &HostPaths) -> anyhow::Result<NodeDevices> {
+    let (paths, ids, sel, pool) = (
+        paths.clone(),
+        cfg.pci_ids.clone(),
+        cfg.vgpu.clone(),
+        cfg.vgpu_pool.clone(),
+    );
+    let (parents, vendor, driver, effect) = (
+        cfg.mdev_parents.clone(),
+        cfg.vendor,
+        cfg.driver.clone(),
+        cfg.taint_effect,
+    );
+    let (driver_dir, pool_name) = (cfg.driver_dir.clone(), cfg.node_name.clone());
     tokio::task::spawn_blocking(move || {
         let opts = ReadOptions {
             // Type ids, for the vGPU devices' attributes.
@@ -180,6 +191,14 @@ pub async fn read_devices(
             // Published for passthrough only until a later pass succeeds.
             tracing::warn!(error = %format!("{e:#}"), "cannot add new GPUs to the vGPU pool");
         }
+        // A GPU whose VFs a prepare could not enable is tainted until they are enabled (by the
+        // retry of that claim, or by hand).
+        for gpu in pool.without_vfs() {
+            if inv.device(&gpu).and_then(|d| d.sriov_numvfs).is_some_and(|n| n > 0) {
+                pool.note_vfs(gpu, true);
+            }
+        }
+        let no_vfs = pool.without_vfs();
         let pool = pool.gpus();
         let aliases = vfio::load_aliases(&paths);
         let selector = Selector {
@@ -194,11 +213,65 @@ pub async fn read_devices(
                 out.devices.extend(devices);
             }
         }
+        // A device a prepared claim holds stays published while its GPU is gone or the
+        // configuration no longer offers it, tainted: the scheduler keeps counting it, and
+        // places nothing new on it.
+        let gone = gone_devices(&driver_dir, &pool_name, &out.devices);
+        slices::taint(&mut out.devices, &driver, effect, &out.left_out, &no_vfs);
+        out.devices.extend(gone.into_iter().map(|(mut d, gpu)| {
+            let present = gpu.is_some_and(|g| inv.device(&g).is_some());
+            let reason = if present { "not-offered" } else { "gone" };
+            d.taints = Some(vec![k8s_openapi::api::resource::v1::DeviceTaint {
+                key: slices::taint_key(&driver),
+                value: Some(reason.into()),
+                effect: effect.as_str().to_string(),
+                time_added: None,
+            }]);
+            d
+        }));
         out.devices.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
     })
     .await
     .context("the node reader failed")?
+}
+
+/// The devices prepared claims of pool `pool` hold that `devices` lacks (their GPU is gone, or
+/// the configuration no longer offers them), as they were published: their names and
+/// attributes (from the claims' records), each with the GPU it is or is part of.
+fn gone_devices(
+    driver_dir: &std::path::Path,
+    pool: &str,
+    devices: &[Device],
+) -> Vec<(Device, Option<common::PciAddress>)> {
+    let mut out: Vec<(Device, Option<common::PciAddress>)> = Vec::new();
+    for d in crate::health::prepared_devices(driver_dir, pool) {
+        if devices.iter().any(|x| x.name == d.device) || out.iter().any(|(x, _)| x.name == d.device)
+        {
+            continue;
+        }
+        let gpu = crate::names::parse_gpu_device(&d.device).or_else(|| {
+            d.attributes
+                .get("parentGPU")
+                .and_then(|v| v.get("string"))
+                .and_then(|v| v.as_str())
+                .and_then(|g| g.parse().ok())
+        });
+        let attributes = d
+            .attributes
+            .into_iter()
+            .filter_map(|(k, v)| Some((k, serde_json::from_value(v).ok()?)))
+            .collect();
+        out.push((
+            Device {
+                name: d.device,
+                attributes: Some(attributes),
+                ..Default::default()
+            },
+            gpu,
+        ));
+    }
+    out
 }
 
 /// What one write of the slices did.
@@ -240,6 +313,8 @@ struct Publisher {
     support: support::Support,
     /// How many devices the slices say the node has, as last published or found.
     published: usize,
+    /// The API server drops device taints: tainted devices are left out.
+    taints_dropped: bool,
 }
 
 impl Publisher {
@@ -276,10 +351,13 @@ impl Publisher {
         }
         let mut wrote = false;
         loop {
-            let (devices, counters) = match self.support.dropped() {
+            let (mut devices, counters) = match self.support.dropped() {
                 Some(_) if pool => (support::passthrough_only(devices.clone()), Vec::new()),
                 _ => (devices.clone(), counters.clone()),
             };
+            if self.taints_dropped {
+                devices = support::untainted(devices);
+            }
             self.published = devices.len();
             match self.write(devices, counters).await? {
                 Written::Nothing => break,
@@ -287,13 +365,25 @@ impl Publisher {
                     wrote = true;
                     break;
                 }
-                // What was stored is not the pool sent: written again, whole GPUs only.
-                Written::Dropped(fields) => {
+                // What was stored is not what was sent: written again without what it drops.
+                Written::Dropped(mut fields) => {
                     wrote = true;
-                    self.note_support(support::Support::Dropped {
-                        fields,
-                        at: std::time::Instant::now(),
-                    });
+                    if fields.contains(&support::TAINTS) && !self.taints_dropped {
+                        self.taints_dropped = true;
+                        tracing::error!(
+                            "the API server drops device taints (DRADeviceTaints is off): a \
+                             device that cannot serve a VM is left out of the slice instead"
+                        );
+                    }
+                    fields.retain(|f| *f != support::TAINTS);
+                    if !fields.is_empty() {
+                        self.note_support(support::Support::Dropped {
+                            fields,
+                            at: std::time::Instant::now(),
+                        });
+                    } else if !self.taints_dropped {
+                        break;
+                    }
                 }
             }
         }
@@ -535,6 +625,7 @@ pub async fn run(
         left_out: Vec::new(),
         support: support::Support::default(),
         published: 0,
+        taints_dropped: false,
     };
     let settings = Settings::new("sandbox-dra")
         .with_resync(cfg.resync_interval)
@@ -550,6 +641,7 @@ pub async fn run(
     let mut registration_open = true;
     let mut watching = true;
     let pass_timeout = cfg.pass_timeout();
+    let vfs_changed = cfg.vgpu_pool.changed();
     // The last pass failed on a refusal by the API server: resyncs wait for its retry.
     let mut refused = false;
     loop {
@@ -559,6 +651,10 @@ pub async fn run(
                 Some(w) => w,
                 None => break,
             },
+            () = vfs_changed.notified() => {
+                changes.send(Change::Vfs);
+                continue;
+            }
             changed = registered.changed(), if registration_open => {
                 if changed.is_err() {
                     registration_open = false;
@@ -611,21 +707,17 @@ pub async fn run(
                     tracing::debug!("the node's slices changed in the API server; checking them")
                 }
                 Change::Node => tracing::debug!("the Node changed; checking the slices"),
+                Change::Vfs => {
+                    tracing::debug!(
+                        "a pooled GPU's VFs could or could not be enabled; checking the slices"
+                    )
+                }
             }
         }
         // A resync tick while a refused write waits for its retry: the node and its health only.
         let held =
             refused && trigger.retrying() && wake.changes.is_empty() && !wake.retry && !wake.first;
-        let outcome = match read_devices(
-            &paths,
-            cfg.vendor,
-            &cfg.pci_ids,
-            &cfg.vgpu,
-            &cfg.vgpu_pool,
-            &cfg.mdev_parents,
-        )
-        .await
-        {
+        let outcome = match read_devices(&cfg, &paths).await {
             Ok(nd) => {
                 let names = nd.devices.iter().map(|d| d.name.clone()).collect();
                 health.report(&paths, names, &nd.left_out).await;
@@ -726,6 +818,8 @@ mod tests {
             vgpu: vgpu::Selector::none(),
             vgpu_pool: vgpu::Pool::new(Default::default()),
             mdev_parents: BTreeSet::new(),
+            taint_effect: Default::default(),
+            driver_dir: Default::default(),
         };
         assert_eq!(cfg(30, 10).pass_timeout(), Duration::from_secs(30));
         assert_eq!(cfg(1, 10).pass_timeout(), Duration::from_secs(11));

@@ -39,7 +39,8 @@ impl Plan {
     }
 }
 
-/// What a slice says, the generation left out.
+/// What a slice says, the generation left out, and the time each device taint was added (the
+/// API server sets it on the taints the driver writes without one).
 fn content(
     s: &ResourceSlice,
 ) -> (
@@ -49,6 +50,11 @@ fn content(
 ) {
     let mut spec = s.spec.clone();
     spec.pool.generation = 0;
+    for d in spec.devices.iter_mut().flatten() {
+        for t in d.taints.iter_mut().flatten() {
+            t.time_added = None;
+        }
+    }
     (
         s.metadata.name.as_deref(),
         spec,

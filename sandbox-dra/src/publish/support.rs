@@ -12,6 +12,9 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
 
+/// What [`dropped`] names when the API server drops device taints.
+pub const TAINTS: &str = "taints (DRADeviceTaints)";
+
 /// How long a pool published whole only waits before the API server is asked again.
 pub const REPROBE: Duration = Duration::from_secs(3600);
 
@@ -92,6 +95,11 @@ pub fn dropped(sent: &ResourceSlice, stored: &ResourceSlice) -> Vec<&'static str
         if d.consumes_counters.is_some() && s.consumes_counters.is_none() {
             note("consumesCounters (DRAPartitionableDevices)");
         }
+        if d.taints.as_ref().is_some_and(|t| !t.is_empty())
+            && s.taints.as_ref().is_none_or(|t| t.is_empty())
+        {
+            note(TAINTS);
+        }
         let policies = |d: &Device| {
             d.capacity
                 .iter()
@@ -104,6 +112,15 @@ pub fn dropped(sent: &ResourceSlice, stored: &ResourceSlice) -> Vec<&'static str
         }
     }
     out
+}
+
+/// `devices` without those that carry a taint: where the API server drops taints, a device that
+/// cannot serve a VM is left out instead.
+pub fn untainted(devices: Vec<Device>) -> Vec<Device> {
+    devices
+        .into_iter()
+        .filter(|d| d.taints.as_ref().is_none_or(|t| t.is_empty()))
+        .collect()
 }
 
 /// `devices` as the node's GPUs whole only: the passthrough devices, consuming no counters.

@@ -8,11 +8,16 @@
 //! (behind a switch without ACS) are one device, named after the first, the other listed
 //! among its companions.
 //!
-//! A GPU that cannot be given to a VM is left out of the slice rather than published with a
-//! taint (device taints are alpha in Kubernetes 1.34, off by default), with the reason logged:
-//! a group vfio-manager refuses (a foreign or unreadable member, no IOMMU group), and a GPU
-//! on its VFIO driver whose `/dev/vfio/<group>` node is missing (the kernel did not make the
-//! group viable).
+//! A GPU that cannot be given to a VM stays published with a device taint (Kubernetes 1.36:
+//! `DRADeviceTaints`, beta and on by default; [`taint`]), so that the scheduler places no claim
+//! on it and an operator sees why in the slice: key `<driver>/unusable`, the reason as its
+//! value, effect `NoSchedule` (or `NoExecute` with `--taint-effect`, which evicts the pods of
+//! claims that do not tolerate it): a group vfio-manager refuses (`group-not-assignable`: a
+//! foreign or unreadable member, no IOMMU group), a GPU on its VFIO driver whose
+//! `/dev/vfio/<group>` node is missing (`no-vfio-group-node`: the kernel did not make the group
+//! viable), a pooled GPU whose VFs could not be enabled (`vfs-not-enabled`, its vGPU devices),
+//! and a device a prepared claim holds whose GPU is gone (`gone`). The taint goes when the GPU
+//! recovers; either way one slice is written, the pool keeps its devices.
 //!
 //! What a device says, for claims to select on (attributes in the driver's domain unless
 //! named otherwise):
@@ -37,7 +42,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use common::vfio::{AliasTable, Selection, Selector, Target, select};
 use common::{Inventory, PciAddress, PciDevice, PciIds, is_vfio_driver};
 use k8s_openapi::api::resource::v1::{
-    CounterSet, Device, DeviceAttribute, DeviceCapacity, ResourcePool, ResourceSlice,
+    CounterSet, Device, DeviceAttribute, DeviceCapacity, DeviceTaint, ResourcePool, ResourceSlice,
     ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -87,13 +92,80 @@ pub const MAX_COUNTERS: usize = 32;
 /// The longest string attribute value the API accepts.
 const MAX_STRING_ATTRIBUTE: usize = 64;
 
-/// A GPU left out of the slice, and why.
+/// A GPU that cannot be given to a VM (published with a taint), and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LeftOut {
     /// The GPU.
     pub address: PciAddress,
     /// A sentence naming the reason.
     pub reason: String,
+    /// The reason as the taint's value (a label value): `group-not-assignable`, ….
+    pub code: &'static str,
+}
+
+/// The taint key of an unusable device, under the driver's domain.
+pub fn taint_key(driver: &str) -> String {
+    format!("{driver}/unusable")
+}
+
+/// A device taint's effect (`--taint-effect`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum TaintEffect {
+    /// No new claim is placed on the device; claims that have it keep it.
+    #[default]
+    #[value(name = "NoSchedule")]
+    NoSchedule,
+    /// As `NoSchedule`, and the pods of claims that have it are evicted (unless they
+    /// tolerate it).
+    #[value(name = "NoExecute")]
+    NoExecute,
+}
+
+impl TaintEffect {
+    /// As the API writes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaintEffect::NoSchedule => "NoSchedule",
+            TaintEffect::NoExecute => "NoExecute",
+        }
+    }
+}
+
+/// Puts a taint (key [`taint_key`], value the reason's code, `effect`) on each device of a GPU
+/// of `unusable` (its whole device and its vGPU devices) and on the vGPU devices of each GPU of
+/// `no_vgpus` (its VFs could not be enabled, `vfs-not-enabled`).
+pub fn taint(
+    devices: &mut [Device],
+    driver: &str,
+    effect: TaintEffect,
+    unusable: &[LeftOut],
+    no_vgpus: &BTreeSet<PciAddress>,
+) {
+    let key = taint_key(driver);
+    for d in devices.iter_mut() {
+        let attr = |k: &str| {
+            d.attributes
+                .as_ref()
+                .and_then(|a| a.get(k))
+                .and_then(|v| v.string.clone())
+        };
+        let of = names::parse_gpu_device(&d.name)
+            .or_else(|| attr("parentGPU").and_then(|g| g.parse().ok()));
+        let Some(gpu) = of else { continue };
+        let code = match unusable.iter().find(|l| l.address == gpu) {
+            Some(l) => l.code,
+            None if attr("mode").as_deref() == Some(MODE_VGPU) && no_vgpus.contains(&gpu) => {
+                "vfs-not-enabled"
+            }
+            None => continue,
+        };
+        d.taints = Some(vec![DeviceTaint {
+            key: key.clone(),
+            value: Some(code.to_string()),
+            effect: effect.as_str().to_string(),
+            time_added: None,
+        }]);
+    }
 }
 
 /// The devices of the node, in name order, and the GPUs left out.
@@ -129,7 +201,26 @@ pub fn devices_with_vgpus(
         out.left_out.push(LeftOut {
             address: r.address,
             reason: r.reason.clone(),
+            code: "group-not-assignable",
         });
+        // Published all the same, tainted: the scheduler and an operator see it and why.
+        if let Some(gpu) = inv
+            .device(&r.address)
+            .filter(|d| d.is_display() && !d.is_vf())
+        {
+            let mut attrs = BTreeMap::new();
+            attrs.insert("mode".to_string(), string(MODE_PASSTHROUGH));
+            identity(gpu, ids, &mut attrs);
+            attrs.insert(PCI_BUS_ID.to_string(), string(gpu.address.to_string()));
+            if let Some(g) = gpu.iommu_group {
+                attrs.insert("iommuGroup".to_string(), int(g));
+            }
+            out.devices.push(Device {
+                name: names::gpu_device(&gpu.address),
+                attributes: Some(attrs),
+                ..Default::default()
+            });
+        }
     }
     for (&group, targets) in &sel.groups {
         let Some(first) = targets.iter().find(|t| t.primary) else {
@@ -139,6 +230,7 @@ pub fn devices_with_vgpus(
             continue; // selected from this inventory: always there
         };
         if gpu.driver.as_deref().is_some_and(is_vfio_driver) && !inv.vfio_nodes.contains(&group) {
+            // Published, tainted ([`taint`]).
             out.left_out.push(LeftOut {
                 address: gpu.address,
                 reason: format!(
@@ -147,8 +239,8 @@ pub fn devices_with_vgpus(
                     gpu.address,
                     gpu.driver.as_deref().unwrap_or_default()
                 ),
+                code: "no-vfio-group-node",
             });
-            continue;
         }
         let mut whole = device(gpu, first, group, targets, ids);
         if vgpu_pool.gpus.contains(&gpu.address)

@@ -229,7 +229,7 @@ fn two_gpus_in_one_group_are_one_device() {
 }
 
 #[test]
-fn refused_groups_and_unviable_groups_are_left_out_with_the_reason() {
+fn refused_groups_and_unviable_groups_are_published_tainted_with_the_reason() {
     let mut nic = dev("0000:61:00.1", 0x1572, 0x020000, 37, "i40e");
     nic.vendor = 0x8086;
     let inv = inv(
@@ -241,9 +241,46 @@ fn refused_groups_and_unviable_groups_are_left_out_with_the_reason() {
         ],
         &[50],
     );
-    let nd = node_devices(&inv, "");
+    let mut nd = node_devices(&inv, "");
     let names: Vec<&str> = nd.devices.iter().map(|d| d.name.as_str()).collect();
-    assert_eq!(names, ["gpu-0000-81-00-0"]);
+    assert_eq!(
+        names,
+        ["gpu-0000-41-00-0", "gpu-0000-61-00-0", "gpu-0000-81-00-0"]
+    );
+    taint(
+        &mut nd.devices,
+        "gpu.example.io",
+        TaintEffect::NoSchedule,
+        &nd.left_out,
+        &BTreeSet::new(),
+    );
+    let taints: Vec<Option<(String, String, String)>> = nd
+        .devices
+        .iter()
+        .map(|d| {
+            d.taints.as_ref().map(|t| {
+                (
+                    t[0].key.clone(),
+                    t[0].value.clone().unwrap_or_default(),
+                    t[0].effect.clone(),
+                )
+            })
+        })
+        .collect();
+    let t = |v: &str| {
+        Some((
+            "gpu.example.io/unusable".to_string(),
+            v.to_string(),
+            "NoSchedule".to_string(),
+        ))
+    };
+    assert_eq!(
+        taints,
+        [t("no-vfio-group-node"), t("group-not-assignable"), None]
+    );
+    // The refused group's GPU says what it is, for an operator reading the slice.
+    assert_eq!(s(&nd.devices[1], PCI_BUS_ID), Some("0000:61:00.0"));
+    assert_eq!(s(&nd.devices[1], "mode"), Some("passthrough"));
     let [missing, foreign] = &nd.left_out[..] else {
         panic!("{:?}", nd.left_out)
     };
@@ -259,6 +296,44 @@ fn refused_groups_and_unviable_groups_are_left_out_with_the_reason() {
         "{}",
         foreign.reason
     );
+}
+
+#[test]
+fn a_pooled_gpu_whose_vfs_could_not_be_enabled_has_its_vgpu_devices_tainted() {
+    let mut a10 = dev("0000:41:00.0", 0x2236, 0x030200, 21, "nvidia");
+    a10.sriov_totalvfs = Some(32);
+    let inv = inv(vec![a10], &[]);
+    let sel = select(&inv, &Selector::default(), None, &AliasTable::parse(""));
+    let gpu: PciAddress = "0000:41:00.0".parse().unwrap();
+    let mut nd = devices_with_vgpus(
+        &inv,
+        &sel,
+        &PciIds::embedded(),
+        &BTreeSet::from([gpu]).into(),
+    );
+    taint(
+        &mut nd.devices,
+        "gpu.example.io",
+        TaintEffect::NoExecute,
+        &[],
+        &BTreeSet::from([gpu]),
+    );
+    for d in &nd.devices {
+        let v = d
+            .taints
+            .as_ref()
+            .map(|t| (t[0].value.clone().unwrap_or_default(), t[0].effect.clone()));
+        if d.name == "gpu-0000-41-00-0" {
+            assert_eq!(v, None, "the whole GPU does not need VFs");
+        } else {
+            assert_eq!(
+                v,
+                Some(("vfs-not-enabled".to_string(), "NoExecute".to_string())),
+                "{}",
+                d.name
+            );
+        }
+    }
 }
 
 #[test]

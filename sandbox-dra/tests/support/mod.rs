@@ -224,6 +224,36 @@ pub fn read_json(p: &Path) -> Value {
     serde_json::from_str(&text).unwrap()
 }
 
+/// A device-metadata file as KEP-5304 has it: a stream of one object per API version, newest
+/// first (`v1beta1`, then `v1alpha1`), saying the same; the `v1alpha1` one, which KubeVirt reads.
+pub fn read_metadata(p: &Path) -> Value {
+    let text = std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    let objs: Vec<Value> = serde_json::Deserializer::from_str(&text)
+        .into_iter::<Value>()
+        .map(|o| o.unwrap_or_else(|e| panic!("{}: {e}\n{text}", p.display())))
+        .collect();
+    let versions: Vec<&str> = objs
+        .iter()
+        .map(|o| o["apiVersion"].as_str().unwrap_or_default())
+        .collect();
+    assert_eq!(
+        versions,
+        [
+            "metadata.resource.k8s.io/v1beta1",
+            "metadata.resource.k8s.io/v1alpha1"
+        ],
+        "{}",
+        p.display()
+    );
+    for k in ["metadata", "requests", "podClaimName"] {
+        assert_eq!(
+            objs[0][k], objs[1][k],
+            "{k} differs between versions: {text}"
+        );
+    }
+    objs[1].clone()
+}
+
 /// Host path `host` on the simulated host.
 pub fn under(root: &Path, host: &str) -> PathBuf {
     root.join(host.trim_start_matches('/'))

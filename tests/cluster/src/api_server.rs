@@ -119,6 +119,57 @@ impl ApiServer {
         Ok(())
     }
 
+    /// Creates ResourceClaim `namespace/name` (and its namespace when missing) with `requests`
+    /// (its `spec.devices.requests`), then allocates it as the scheduler does: `results`
+    /// (`status.allocation.devices.results`) written through the status subresource. Returns
+    /// the claim's UID.
+    pub fn put_allocated_claim(
+        &self,
+        namespace: &str,
+        name: &str,
+        requests: Value,
+        results: Value,
+    ) -> Result<String> {
+        self.apply(
+            &json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+                .to_string(),
+        )?;
+        let claim = json!({
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"namespace": namespace, "name": name},
+            "spec": {"devices": {"requests": requests}},
+        });
+        crate::kubectl_stdin(
+            &self.kubectl,
+            self.cp.admin_kubeconfig(),
+            &["apply", "--server-side", "-f", "-"],
+            &claim.to_string(),
+        )?;
+        let status = json!({"status": {"allocation": {"devices": {"results": results}}}});
+        self.cp.kubectl(&[
+            "patch",
+            "resourceclaim",
+            "-n",
+            namespace,
+            name,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            &status.to_string(),
+        ])?;
+        let uid = self.cp.kubectl(&[
+            "get",
+            "resourceclaim",
+            "-n",
+            namespace,
+            name,
+            "-o",
+            "jsonpath={.metadata.uid}",
+        ])?;
+        Ok(uid.trim().to_string())
+    }
+
     /// Node `name` as the API server stores it.
     pub fn node(&self, name: &str) -> Result<Value> {
         self.get_json(&["node", name])

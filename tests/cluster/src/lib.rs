@@ -23,6 +23,7 @@
 pub mod api_server;
 pub mod assets;
 pub mod control_plane;
+pub mod kubevirt;
 pub mod netns;
 pub mod node;
 pub mod pki;
@@ -502,10 +503,21 @@ impl Drop for Cluster {
         let dir = self.dir.clone();
         self.host.undo();
         unmount_under(&dir);
+        // The components' logs outlive the run, for a look after it: the last run's only.
+        let kept = assets::repo().join("target/cluster-tier/last-run-logs");
+        let _ = std::fs::remove_dir_all(&kept);
+        let _ = std::fs::rename(dir.join("logs"), &kept).or_else(|_| {
+            std::fs::create_dir_all(&kept)?;
+            for e in std::fs::read_dir(dir.join("logs"))?.flatten() {
+                std::fs::copy(e.path(), kept.join(e.file_name()))?;
+            }
+            Ok::<(), std::io::Error>(())
+        });
         let _ = std::fs::remove_dir_all(&dir);
         eprintln!(
-            "cluster: stopped and removed ({:.1} s)",
-            t0.elapsed().as_secs_f64()
+            "cluster: stopped and removed ({:.1} s; its logs in {})",
+            t0.elapsed().as_secs_f64(),
+            kept.display()
         );
     }
 }

@@ -14,8 +14,8 @@ use cluster_tier::{Cluster, NAMESPACE};
 use serde_json::Value;
 
 use super::{
-    TEST_NS, WORKLOAD, kill_daemon, mdevs, pod_yaml, test_namespace, wait_daemonset_ready,
-    wait_log, wait_phase,
+    TEST_NS, WORKLOAD, kill_daemon, kubevirt_gives, mdevs, pod_yaml, test_namespace, vmi_dra,
+    vmi_dra_claim, wait_daemonset_ready, wait_log, wait_phase,
 };
 
 const DRIVER: &str = "gpu.gpu-vm-node.io";
@@ -246,6 +246,12 @@ pub fn passthrough(c: &Cluster) -> Result<()> {
         driver_of(c, addr_a)?
     );
     prepared_first_time(c, "vm-a")?;
+    kubevirt_gives(
+        c,
+        "vm-a",
+        &vmi_dra("a10-passthrough", &["gpu"]),
+        &[addr_a.to_string()],
+    )?;
 
     // firstAvailable: the H100 subrequest matches nothing here, `any` takes the other A10, and
     // the container still gets its devices (kubelet matches the request `gpu`, not `gpu/any`).
@@ -256,6 +262,47 @@ pub fn passthrough(c: &Cluster) -> Result<()> {
     ensure!(
         meta_b.contains("gpu/any"),
         "vm-b's metadata does not name the subrequest gpu/any:\n{meta_b}"
+    );
+    // A VM names the request `gpu`: KubeVirt finds its device.
+    kubevirt_gives(
+        c,
+        "vm-b",
+        &vmi_dra("first-available", &["gpu"]),
+        &[addr_b.to_string()],
+    )?;
+
+    // kubelet restarted while both VMs run: their containers and GPUs untouched (no sysfs
+    // write at all), the slice back once kubelet (which deletes a node's slices when it starts)
+    // and the driver are; a claim after that is prepared (vm-c, below).
+    c.with_sim(|s| s.clear_ops())?;
+    super::restart_kubelet(c)?;
+    wait_pool(
+        c,
+        "the slice back after kubelet restarted",
+        Duration::from_secs(90),
+        |d| count_modes(d).0 == 2,
+    )?;
+    for (pod, addr) in [("vm-a", addr_a), ("vm-b", addr_b)] {
+        let p = wait_phase(c, pod, &["Running"], Duration::from_secs(30))?;
+        ensure!(
+            p["status"]["containerStatuses"][0]["restartCount"] == 0,
+            "{pod} restarted with kubelet"
+        );
+        ensure!(
+            driver_of(c, addr)? == "vfio-pci",
+            "{addr} left vfio-pci when kubelet restarted"
+        );
+    }
+    let written: Vec<String> = c.with_sim(|s| {
+        s.ops()
+            .into_iter()
+            .filter(|o| !o.path.contains("node-sim/"))
+            .map(|o| format!("{} {}", o.path, o.value))
+            .collect()
+    })?;
+    ensure!(
+        written.is_empty(),
+        "sysfs written while kubelet restarted with both claims prepared: {written:?}"
     );
 
     // sandbox-dra killed (-9) while both VMs run: nothing is taken from them.
@@ -399,6 +446,18 @@ fn vgpu_template(name: &str, vgpu_type: &str) -> String {
     )
 }
 
+/// The vGPUs (`mdevUUID`) a pod's metadata names, each once.
+fn uuids_in(meta: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for part in meta.split("\"mdevUUID\":").skip(1) {
+        let uuid = part.split('"').nth(3).unwrap_or_default().to_string();
+        if !uuid.is_empty() && !out.contains(&uuid) {
+            out.push(uuid);
+        }
+    }
+    out
+}
+
 /// The GPU the metadata of a vGPU pod names as its vGPU's parent (`parentGPU`).
 fn parent_of(meta: &str) -> Result<&'static str> {
     match (
@@ -496,6 +555,9 @@ pub fn vgpu(c: &Cluster) -> Result<()> {
         let (_, meta) = pod_view(c, pod)?;
         prepared_first_time(c, pod)?;
         gpu_of.insert(pod.clone(), (*t, parent_of(&meta)?));
+        if pod == "vm-4q-1" {
+            kubevirt_gives(c, pod, &vmi_dra(t, &["gpu"]), &uuids_in(&meta))?;
+        }
     }
     let sizes_on = |gpu: &str| -> std::collections::BTreeSet<&str> {
         gpu_of
@@ -604,9 +666,26 @@ pub fn vgpu(c: &Cluster) -> Result<()> {
             "vm-4q-{i} restarted"
         );
     }
+    // In the place freed, a firstAvailable claim whose first choice matches nothing here: its
+    // A10-4Q prepared, and found by KubeVirt under the request the VM names.
     c.kubectl(&["delete", "pod", "-n", TEST_NS, "vm-4q-2", "--wait=true"])?;
-    c.apply(&claim_pod(c, "vm-4q-8", "a10-4q"))?;
-    pod_view(c, "vm-4q-8")?;
+    c.apply(&template(
+        "fa-4q",
+        &format!(
+            "- name: gpu\n  firstAvailable:\n  - name: h100\n    deviceClassName: {VGPU_CLASS}\n    \
+             selectors:\n    - cel:\n        expression: device.attributes[\"{DRIVER}\"].vgpuType == \"NVIDIA H100-10C\"\n  \
+             - name: a10-4q\n    deviceClassName: {VGPU_CLASS}\n    selectors:\n    - cel:\n        \
+             expression: device.attributes[\"{DRIVER}\"].vgpuType == \"NVIDIA A10-4Q\""
+        ),
+        "",
+    ))?;
+    c.apply(&claim_pod(c, "vm-4q-8", "fa-4q"))?;
+    let (_, meta) = pod_view(c, "vm-4q-8")?;
+    ensure!(
+        meta.contains("gpu/a10-4q"),
+        "vm-4q-8's metadata does not name the subrequest:\n{meta}"
+    );
+    kubevirt_gives(c, "vm-4q-8", &vmi_dra("fa-4q", &["gpu"]), &uuids_in(&meta))?;
     let created = mdevs(c)?;
     ensure!(created.len() == 6, "{created:?}");
 
@@ -664,6 +743,29 @@ pub fn vgpu(c: &Cluster) -> Result<()> {
         meta_two.matches("\"0000:81:00.0\"").count() >= 2,
         "vm-two's vGPUs are not both on the new GPU:\n{meta_two}"
     );
+    kubevirt_gives(c, "vm-two", &vmi_dra("two-8q", &["gpu-a", "gpu-b"]), &made)?;
+
+    // A claim made by hand (not from a template), named by its pod: the GPU's third A10-8Q.
+    c.apply(&format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata:\n  name: named-8q\n  \
+         namespace: {TEST_NS}\nspec:\n  devices:\n    requests:\n    - name: gpu\n      exactly:\n        \
+         deviceClassName: {VGPU_CLASS}\n        selectors:\n        - cel:\n            \
+         expression: device.attributes[\"{DRIVER}\"].vgpuType == \"NVIDIA A10-8Q\"\n"
+    ))?;
+    let mut y = pod_yaml(c, "vm-named", &show_devices(), "claims:\n- name: gpu", "");
+    y.push_str("  resourceClaims:\n  - name: gpu\n    resourceClaimName: named-8q\n");
+    c.apply(&y)?;
+    let (_, meta_named) = pod_view(c, "vm-named")?;
+    ensure!(
+        meta_named.contains("\"0000:81:00.0\""),
+        "vm-named's vGPU is not on the new GPU:\n{meta_named}"
+    );
+    kubevirt_gives(
+        c,
+        "vm-named",
+        &vmi_dra_claim("named-8q", &["gpu"]),
+        &uuids_in(&meta_named),
+    )?;
 
     c.kubectl(&["delete", "namespace", TEST_NS, "--wait=true"])?;
     c.wait("the vGPUs removed", Duration::from_secs(60), || {
@@ -737,5 +839,257 @@ pub fn large_pools(c: &Cluster) -> Result<()> {
         }
         c.kubectl(&["delete", "namespace", TEST_NS, "--wait=true"])?;
     }
+    Ok(())
+}
+
+/// The taint on device `name` in the driver's slices: (key, value, effect), or `None`.
+fn taint_of(c: &Cluster, name: &str) -> Result<Option<(String, String, String)>> {
+    for s in slices(c)? {
+        for d in s["spec"]["devices"].as_array().into_iter().flatten() {
+            if d["name"] == name {
+                return Ok(d["taints"].get(0).map(|t| {
+                    let f = |k: &str| t[k].as_str().unwrap_or_default().to_string();
+                    (f("key"), f("value"), f("effect"))
+                }));
+            }
+        }
+    }
+    bail!("no device {name} in the slices")
+}
+
+/// The claim of `pod` (its one claim made from a template), as the API server has it.
+fn claim_of(c: &Cluster, pod: &str) -> Result<Value> {
+    let p = c.get_json(&["pod", "-n", TEST_NS, pod])?;
+    let name = p["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+        .as_str()
+        .with_context(|| format!("pod {pod} has no claim yet"))?
+        .to_string();
+    c.get_json(&["resourceclaim", "-n", TEST_NS, &name])
+}
+
+/// Devices that cannot serve a VM stay published with a taint, which the real scheduler and
+/// kubelet act on: a GPU whose IOMMU group holds a NIC (`foreign-group`) is published tainted,
+/// a claim is not placed on it and one that tolerates the taint is; a pooled GPU whose VFs
+/// cannot be enabled gets its vGPU devices tainted, and untainted once they can, each one
+/// slice write; a prepared vGPU whose mdev is removed, and one whose GPU is unplugged, show
+/// Unhealthy in the pod's status (the unplugged GPU's device staying published, tainted, while
+/// the claim holds it).
+pub fn taints(c: &Cluster) -> Result<()> {
+    install(c, "foreign-group", true)?;
+    let key = format!("{DRIVER}/unusable");
+    c.wait(
+        "the refused A10 published with a taint",
+        Duration::from_secs(60),
+        || {
+            Ok(taint_of(c, "gpu-0000-41-00-0").ok().flatten().filter(|t| {
+                *t == (
+                    key.clone(),
+                    "group-not-assignable".into(),
+                    "NoSchedule".into(),
+                )
+            }))
+        },
+    )?;
+    ensure!(
+        taint_of(c, "gpu-0000-61-00-0")?.is_none(),
+        "the clean A10 is tainted"
+    );
+    let example =
+        cluster_tier::assets::repo().join("deploy/examples/dra/resourceclaimtemplate.yaml");
+    c.kubectl(&["apply", "-n", TEST_NS, "-f", &example.to_string_lossy()])?;
+
+    // Two whole-A10 claims: the first gets the clean GPU, the second waits.
+    c.apply(&claim_pod(c, "vm-t1", "a10-passthrough"))?;
+    let (vfio, meta) = pod_view(c, "vm-t1")?;
+    ensure!(
+        which_gpu(&vfio, &meta)? == "0000:61:00.0",
+        "vm-t1 is not on the clean A10"
+    );
+    c.apply(&claim_pod(c, "vm-t2", "a10-passthrough"))?;
+    let p = c.wait("vm-t2 left unscheduled", Duration::from_secs(60), || {
+        let p = c.get_json(&["pod", "-n", TEST_NS, "vm-t2"])?;
+        let why = p["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|x| x["type"] == "PodScheduled" && x["status"] == "False")
+            .and_then(|x| x["message"].as_str().map(str::to_string));
+        Ok(why)
+    })?;
+    ensure!(
+        p.contains("cannot allocate all claims"),
+        "vm-t2 waits for another reason: {p}"
+    );
+    // A claim tolerating the taint is placed on the tainted GPU (its prepare then refuses the
+    // group, naming the NIC in it).
+    c.apply(&template(
+        "tolerant",
+        &format!(
+            "- name: gpu\n  exactly:\n    deviceClassName: {GPU_CLASS}\n    tolerations:\n    \
+             - key: {key}\n      operator: Exists\n      effect: NoSchedule"
+        ),
+        "",
+    ))?;
+    c.kubectl(&["delete", "pod", "-n", TEST_NS, "vm-t2", "--wait=true"])?;
+    c.apply(&claim_pod(c, "vm-t3", "tolerant"))?;
+    let got = c.wait(
+        "the tolerating claim allocated",
+        Duration::from_secs(60),
+        || {
+            let claim = claim_of(c, "vm-t3").ok();
+            Ok(claim.and_then(|cl| {
+                cl["status"]["allocation"]["devices"]["results"][0]["device"]
+                    .as_str()
+                    .map(str::to_string)
+            }))
+        },
+    )?;
+    ensure!(
+        got == "gpu-0000-41-00-0",
+        "the tolerating claim got {got}, not the tainted GPU"
+    );
+    c.wait(
+        "vm-t3's prepare refused, naming the NIC in the group",
+        Duration::from_secs(60),
+        || {
+            let refused = c.events(Some(TEST_NS))?.into_iter().any(|e| {
+                let note = e["note"].as_str().or(e["message"].as_str()).unwrap_or("");
+                (e["regarding"]["name"] == "vm-t3" || e["involvedObject"]["name"] == "vm-t3")
+                    && note.contains("0000:42:00.0")
+            });
+            Ok(refused.then_some(()))
+        },
+    )?;
+    for pod in ["vm-t1", "vm-t3"] {
+        c.kubectl(&["delete", "pod", "-n", TEST_NS, pod, "--wait=true"])?;
+    }
+
+    // The clean A10's VFs cannot be enabled: its vGPU devices tainted (one slice written), a
+    // vGPU claim waits; once they can, the taint goes (one more) and the claim is prepared.
+    let vgpu_device = "vgpu-0000-61-00-0-a10-4q";
+    let writes = |c: &Cluster| -> usize {
+        c.control_plane()
+            .requests_of(&format!("system:serviceaccount:{NAMESPACE}:sandbox-dra"))
+            .iter()
+            .filter(|e| {
+                e["objectRef"]["resource"] == "resourceslices"
+                    && e["verb"] == "patch"
+                    && !e["requestURI"]
+                        .as_str()
+                        .is_some_and(|u| u.contains("dryRun"))
+            })
+            .count()
+    };
+    let before = writes(c);
+    c.with_sim(|s| s.control("fault sriov_numvfs 0000:61:00.0 EIO"))??;
+    c.apply(&template(
+        "a10-4q",
+        &format!(
+            "- name: gpu\n  exactly:\n    deviceClassName: {VGPU_CLASS}\n    selectors:\n    - cel:\n        \
+             expression: device.attributes[\"{DRIVER}\"].vgpuType == \"NVIDIA A10-4Q\""
+        ),
+        "",
+    ))?;
+    c.apply(&claim_pod(c, "vm-v", "a10-4q"))?;
+    c.wait(
+        "the vGPU devices of the GPU whose VFs cannot be enabled tainted",
+        Duration::from_secs(60),
+        || {
+            Ok(taint_of(c, vgpu_device)?
+                .filter(|t| t.1 == "vfs-not-enabled")
+                .map(|_| ()))
+        },
+    )?;
+    ensure!(
+        taint_of(c, "gpu-0000-61-00-0")?.is_none(),
+        "the whole GPU is tainted too"
+    );
+    let tainted = writes(c) - before;
+    ensure!(
+        tainted == 1,
+        "the taint took {tainted} slice writes, not one"
+    );
+    // The cause fixed and the VFs enabled by hand: the taint goes, and a vGPU claim is placed
+    // there and prepared.
+    c.kubectl(&["delete", "pod", "-n", TEST_NS, "vm-v", "--wait=true"])?;
+    c.with_sim(|s| s.control("clear-faults"))??;
+    c.with_sim(|s| {
+        std::fs::write(
+            s.root()
+                .join("sys/bus/pci/devices/0000:61:00.0/sriov_numvfs"),
+            "32",
+        )
+    })?
+    .context("enabling the VFs of 0000:61:00.0")?;
+    c.wait("the taint lifted", Duration::from_secs(60), || {
+        Ok(taint_of(c, vgpu_device)?.is_none().then_some(()))
+    })?;
+    let lifted = writes(c) - before - tainted;
+    ensure!(
+        lifted == 1,
+        "lifting the taint took {lifted} slice writes, not one"
+    );
+    c.apply(&claim_pod(c, "vm-v2", "a10-4q"))?;
+    let (_, meta) = pod_view(c, "vm-v2")?;
+    prepared_first_time(c, "vm-v2")?;
+    let uuid = uuids_in(&meta)
+        .first()
+        .with_context(|| format!("vm-v2's metadata names no vGPU:\n{meta}"))?
+        .clone();
+    wait_health(c, "vm-v2", "Healthy")?;
+
+    // The vGPU removed under the VM: kubelet shows it Unhealthy.
+    c.with_sim(|s| {
+        std::fs::write(
+            s.root().join(format!("sys/bus/mdev/devices/{uuid}/remove")),
+            "1",
+        )
+    })?
+    .context("removing vm-v2's vGPU")?;
+    wait_health(c, "vm-v2", "Unhealthy")?;
+    c.kubectl(&["delete", "pod", "-n", TEST_NS, "vm-v2", "--wait=true"])?;
+
+    // A GPU unplugged under a VM's vGPU: Unhealthy in the pod's status, and its device stays
+    // published, tainted `gone`, while the claim holds it.
+    c.apply(&claim_pod(c, "vm-w", "a10-4q"))?;
+    pod_view(c, "vm-w")?;
+    wait_health(c, "vm-w", "Healthy")?;
+    c.with_sim(|s| s.control("unplug 0000:61:00.0"))??;
+    wait_health(c, "vm-w", "Unhealthy")?;
+    c.wait(
+        "the unplugged GPU's vGPU device published, tainted gone",
+        Duration::from_secs(60),
+        || {
+            Ok(taint_of(c, vgpu_device)
+                .ok()
+                .flatten()
+                .filter(|t| t.1 == "gone")
+                .map(|_| ()))
+        },
+    )?;
+    c.kubectl(&["delete", "pod", "-n", TEST_NS, "vm-w", "--wait=true"])?;
+    c.wait(
+        "the gone device left the slices with its last claim",
+        Duration::from_secs(60),
+        || Ok(taint_of(c, vgpu_device).is_err().then_some(())),
+    )?;
+    // kubelet polls the driver's health every 5 s: none of that logged an error (a health
+    // stream that ended with a driver restart aside).
+    let log = std::fs::read_to_string(c.dir().join("logs/kubelet.log")).unwrap_or_default();
+    let health_errors: Vec<&str> = log
+        .lines()
+        .filter(|l| {
+            let l = l.to_ascii_lowercase();
+            l.starts_with('e')
+                && l.contains("health")
+                && (l.contains("dra") || l.contains("device"))
+        })
+        .filter(|l| !l.contains("Error receiving from WatchResources stream"))
+        .collect();
+    ensure!(
+        health_errors.is_empty(),
+        "kubelet logged errors about device health:\n{}",
+        health_errors.join("\n")
+    );
     Ok(())
 }

@@ -7,6 +7,7 @@ use cluster_tier::{Cluster, NAMESPACE, RELEASE};
 use serde_json::Value;
 
 mod dra;
+mod extended;
 mod on_demand;
 mod operator;
 mod passthrough;
@@ -44,6 +45,14 @@ pub const ALL: &[Scenario] = &[
     Scenario {
         name: "dra-vgpu",
         run: dra::vgpu,
+    },
+    Scenario {
+        name: "dra-extended-resources",
+        run: extended::run,
+    },
+    Scenario {
+        name: "dra-taints",
+        run: dra::taints,
     },
     Scenario {
         name: "dra-large-pools",
@@ -180,6 +189,73 @@ spec:
         y.push_str(&format!("    {l}\n"));
     }
     y
+}
+
+/// A VMI whose GPUs are the device-plugin resources `resources`, one `gpus[]` entry each
+/// (`nvidia.com/GA102GL_A10`): what virt-launcher reads from the environment.
+pub fn vmi_gpus(resources: &[&str]) -> String {
+    let gpus: String = resources
+        .iter()
+        .enumerate()
+        .map(|(i, r)| format!("      - name: gpu{i}\n        deviceName: {r}\n"))
+        .collect();
+    format!(
+        "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata:\n  name: vm\n  \
+         namespace: {TEST_NS}\nspec:\n  domain:\n    resources:\n      requests:\n        memory: 1Gi\n    \
+         devices:\n      gpus:\n{gpus}"
+    )
+}
+
+/// A VMI whose GPUs are the requests `requests` of the pod's claim `gpu`, made from the
+/// ResourceClaimTemplate `template` (as the DRA scenarios' pods have it), one `gpus[]` entry
+/// each: what virt-launcher reads from the device-metadata files.
+pub fn vmi_dra(template: &str, requests: &[&str]) -> String {
+    vmi_of_claim(&format!("resourceClaimTemplateName: {template}"), requests)
+}
+
+/// [`vmi_dra`] for a pod whose claim `gpu` is the ResourceClaim `claim` itself.
+pub fn vmi_dra_claim(claim: &str, requests: &[&str]) -> String {
+    vmi_of_claim(&format!("resourceClaimName: {claim}"), requests)
+}
+
+fn vmi_of_claim(source: &str, requests: &[&str]) -> String {
+    let gpus: String = requests
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            format!("      - name: gpu{i}\n        claimName: gpu\n        requestName: {r}\n")
+        })
+        .collect();
+    format!(
+        "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata:\n  name: vm\n  \
+         namespace: {TEST_NS}\nspec:\n  resourceClaims:\n  - name: gpu\n    {source}\n  \
+         domain:\n    resources:\n      requests:\n        memory: 1Gi\n    devices:\n      \
+         gpus:\n{gpus}"
+    )
+}
+
+/// KubeVirt's own code, every version the tier checks, run on `pod`'s container with `vmi`:
+/// each must hand the VM exactly `want` (mdev UUIDs or PCI addresses), in any order.
+pub fn kubevirt_gives(c: &Cluster, pod: &str, vmi: &str, want: &[String]) -> Result<()> {
+    let mut want: Vec<String> = want.to_vec();
+    want.sort();
+    for j in c.kubevirt_hostdevs(TEST_NS, pod, vmi)? {
+        let mut got = j.devices();
+        got.sort();
+        if got != want {
+            bail!(
+                "KubeVirt {} hands pod {pod}'s VM {got:?}, not {want:?}:\n{}",
+                j.version,
+                j.hostdevs.join("\n")
+            );
+        }
+        eprintln!(
+            "  KubeVirt {}: pod {pod}'s VM gets {}",
+            j.version,
+            got.join(", ")
+        );
+    }
+    Ok(())
 }
 
 /// The node's mdevs (node-sim's `sys/bus/mdev/devices`), by UUID.

@@ -9,8 +9,8 @@ use anyhow::{Context, Result, ensure};
 use cluster_tier::Cluster;
 
 use super::{
-    ENV_OF_PID1, TEST_NS, WORKLOAD, kill_daemon, mdevs, pod_yaml, test_namespace, wait_allocatable,
-    wait_log, wait_phase,
+    ENV_OF_PID1, TEST_NS, WORKLOAD, kill_daemon, kubevirt_gives, mdevs, pod_yaml, test_namespace,
+    vmi_gpus, wait_allocatable, wait_log, wait_phase,
 };
 
 const A10_4Q: &str = "nvidia.com/NVIDIA_A10-4Q";
@@ -51,6 +51,12 @@ pub fn run(c: &Cluster) -> Result<()> {
         "the node's vGPUs are {:?}, not the pod's {uuid}",
         mdevs(c)?
     );
+    kubevirt_gives(
+        c,
+        "vm-a",
+        &vmi_gpus(&["nvidia.com/NVIDIA_A10-4Q"]),
+        std::slice::from_ref(&uuid),
+    )?;
     // The GPU now hosts 4Q: its 8Q slots are withdrawn.
     wait_allocatable(c, A10_8Q, 3, Duration::from_secs(30))?;
 

@@ -10,8 +10,8 @@ use anyhow::{Result, ensure};
 use cluster_tier::Cluster;
 
 use super::{
-    ENV_OF_PID1, TEST_NS, WORKLOAD, kill_daemon, pod_yaml, restart_kubelet, test_namespace,
-    wait_allocatable, wait_log, wait_phase,
+    ENV_OF_PID1, TEST_NS, WORKLOAD, kill_daemon, kubevirt_gives, pod_yaml, restart_kubelet,
+    test_namespace, vmi_gpus, wait_allocatable, wait_log, wait_phase,
 };
 
 const RESOURCE: &str = "nvidia.com/GA102GL_A10";
@@ -57,6 +57,8 @@ pub fn run(c: &Cluster) -> Result<()> {
         nodes.contains(&group) && nodes.contains(&"vfio"),
         "/dev/vfio in the container holds {nodes:?}, not {group} and vfio ({addr})"
     );
+    // KubeVirt's own code, on what the container holds, gives a VM naming the resource that GPU.
+    kubevirt_gives(c, "vm-a", &vmi_gpus(&[RESOURCE]), &[addr.to_string()])?;
 
     // Both GPUs are taken: a pod asking for two waits; once vm-a is gone it starts.
     c.apply(&pod_yaml(

@@ -10,8 +10,8 @@ use anyhow::{Context, Result, ensure};
 use cluster_tier::Cluster;
 
 use super::{
-    ENV_OF_PID1, TEST_NS, WORKLOAD, kill_daemon, pod_yaml, test_namespace, wait_allocatable,
-    wait_log, wait_phase,
+    ENV_OF_PID1, TEST_NS, WORKLOAD, kill_daemon, kubevirt_gives, pod_yaml, test_namespace,
+    vmi_gpus, wait_allocatable, wait_log, wait_phase,
 };
 
 const A10_4Q: &str = "nvidia.com/NVIDIA_A10-4Q";
@@ -77,6 +77,12 @@ pub fn run(c: &Cluster) -> Result<()> {
         log.lines().any(|l| l == group),
         "/dev/vfio/{group} of vGPU {uuid} is not in the container:\n{log}"
     );
+    kubevirt_gives(
+        c,
+        "vm-a",
+        &vmi_gpus(&["nvidia.com/NVIDIA_A10-4Q"]),
+        std::slice::from_ref(&uuid),
+    )?;
 
     // The API server goes away for 30 s: the daemons keep what they have, and follow the label
     // again once it is back.
@@ -145,7 +151,9 @@ pub fn mdevs(c: &Cluster) -> Result<Vec<String>> {
 
 /// vm-passthrough, then vm-vgpu with a profile that cannot apply (the GPUs are still on
 /// vfio-pci): vfio-manager's pod goes and its readiness file with it, so a sandbox-dp that
-/// starts again waits for vgpu-device-manager instead of serving a node that is not ready.
+/// starts again waits for vgpu-device-manager instead of serving a node that is not ready. It
+/// waits for vgpu-devices-ready alone: a vfio-pci-ready left on the host (by a vfio-manager
+/// OOM-killed on the relabel, which removes nothing) does not let it pass.
 pub fn relabel_passthrough_to_vgpu(c: &Cluster) -> Result<()> {
     c.mount_sim("2xA10")?;
     c.label_node(WORKLOAD, Some("vm-passthrough"))?;
@@ -177,6 +185,9 @@ pub fn relabel_passthrough_to_vgpu(c: &Cluster) -> Result<()> {
     )?;
     // A pass of vgpu-device-manager ran and failed: the GPUs are not on nvidia.
     wait_state(c, "failed", Duration::from_secs(90))?;
+    // What a vfio-manager killed on the relabel (an OOM kill) leaves: its file, which nothing
+    // removes on a vm-vgpu node.
+    std::fs::write(&ready, "0000:41:00.0 vfio-pci 21\n")?;
     // sandbox-dp starts again (a rollout, a crash): its init container must wait.
     c.kubectl(&[
         "delete",
@@ -208,7 +219,7 @@ pub fn relabel_passthrough_to_vgpu(c: &Cluster) -> Result<()> {
             let log = c
                 .container_log(cluster_tier::NAMESPACE, &name, "wait-for-node-ready")
                 .unwrap_or_default();
-            Ok(log.contains("waiting for").then_some(log))
+            Ok(log.contains("vgpu-devices-ready (node").then_some(log))
         },
     )?;
     let p = c.get_json(&["pod", "-n", cluster_tier::NAMESPACE, &name])?;

@@ -465,6 +465,19 @@ impl Cluster {
             out.push_str(&format!("--- pods\n{pods}\n"));
         }
         let logs = self.node().pod_logs();
+        // The pods' whole logs, kept with the components' (target/cluster-tier/last-run-logs)
+        // before the next scenario's reset deletes the pods.
+        let keep = self.dir.join("logs").join(format!(
+            "pods-{}",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs())
+        ));
+        if let Err(e) = copy_tree(&logs, &keep) {
+            out.push_str(&format!("--- cannot keep the pods' logs: {e}\n"));
+        } else {
+            out.push_str(&format!("--- the pods' whole logs: {}\n", keep.display()));
+        }
         if let Ok(dirs) = std::fs::read_dir(&logs) {
             for d in dirs.flatten() {
                 if let Ok(cs) = std::fs::read_dir(d.path()) {
@@ -759,6 +772,20 @@ fn host_logs_and_cni_cache(dir: &Path, sandboxes: &[String]) {
             }
         }
     }
+}
+
+/// Copies the files under `from` to `to` (made), following no links.
+fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for e in std::fs::read_dir(from)?.flatten() {
+        let t = e.file_type()?;
+        if t.is_dir() {
+            copy_tree(&e.path(), &to.join(e.file_name()))?;
+        } else if t.is_file() {
+            std::fs::copy(e.path(), to.join(e.file_name()))?;
+        }
+    }
+    Ok(())
 }
 
 /// Unmounts every mount at or under `dir`, deepest first (lazily: a mount still in use goes

@@ -14,8 +14,9 @@ use cluster_tier::{Cluster, NAMESPACE};
 use serde_json::Value;
 
 use super::{
-    TEST_NS, WORKLOAD, kill_daemon, kubevirt_gives, mdevs, pod_yaml, test_namespace, vmi_dra,
-    vmi_dra_claim, wait_daemonset_ready, wait_log, wait_phase,
+    TEST_NS, WORKLOAD, ensure_resources, kill_daemon, kubevirt_gives, mdevs, pod_yaml,
+    resources_value, test_namespace, values_file, vmi_dra, vmi_dra_claim, wait_daemonset_ready,
+    wait_log, wait_phase,
 };
 
 const DRIVER: &str = "gpu.gpu-vm-node.io";
@@ -72,7 +73,7 @@ fn slices(c: &Cluster) -> Result<Vec<Value>> {
 
 /// The published devices: name → attributes. Fails while the pool is incomplete (fewer slices
 /// than its `resourceSliceCount`, or slices of two generations).
-fn devices(c: &Cluster) -> Result<Option<Vec<(String, Value)>>> {
+pub(super) fn devices(c: &Cluster) -> Result<Option<Vec<(String, Value)>>> {
     let slices = slices(c)?;
     let Some(first) = slices.first() else {
         return Ok(None);
@@ -100,7 +101,7 @@ fn devices(c: &Cluster) -> Result<Option<Vec<(String, Value)>>> {
     Ok(Some(out))
 }
 
-fn attr<'a>(attrs: &'a Value, name: &str) -> &'a Value {
+pub(super) fn attr<'a>(attrs: &'a Value, name: &str) -> &'a Value {
     let key = if name.contains('/') {
         name.to_string()
     } else {
@@ -114,7 +115,7 @@ fn attr<'a>(attrs: &'a Value, name: &str) -> &'a Value {
 }
 
 /// Waits for a complete pool in which `pred` holds; its devices.
-fn wait_pool(
+pub(super) fn wait_pool(
     c: &Cluster,
     what: &str,
     timeout: Duration,
@@ -124,7 +125,9 @@ fn wait_pool(
 }
 
 /// Passthrough devices (mode `passthrough`) and vGPU devices per parent GPU.
-fn count_modes(devs: &[(String, Value)]) -> (usize, std::collections::BTreeMap<String, usize>) {
+pub(super) fn count_modes(
+    devs: &[(String, Value)],
+) -> (usize, std::collections::BTreeMap<String, usize>) {
     let mut whole = 0;
     let mut vgpus = std::collections::BTreeMap::new();
     for (_, a) in devs {
@@ -185,6 +188,11 @@ fn prepared_first_time(c: &Cluster, pod: &str) -> Result<()> {
     Ok(())
 }
 
+/// sandbox-dra's `resources` value (draDriver.resources), and the container's as stored.
+fn dra_resources() -> (Value, Value) {
+    resources_value(72)
+}
+
 fn install(c: &Cluster, topology: &str, vgpu: bool) -> Result<()> {
     c.mount_sim(topology)?;
     c.label_node(WORKLOAD, Some("vm-dra"))?;
@@ -192,7 +200,12 @@ fn install(c: &Cluster, topology: &str, vgpu: bool) -> Result<()> {
     if vgpu {
         set.push("draDriver.vgpu=all");
     }
-    c.helm_install(&set, &["--wait", "--timeout", "3m"])?;
+    let vf = values_file(
+        c,
+        "dra",
+        &serde_json::json!({"draDriver": {"resources": dra_resources().0}}),
+    )?;
+    c.helm_install(&set, &["-f", &vf, "--wait", "--timeout", "3m"])?;
     wait_daemonset_ready(c, "sandbox-dra", Duration::from_secs(120))?;
     test_namespace(c)
 }
@@ -208,6 +221,7 @@ pub fn passthrough(c: &Cluster) -> Result<()> {
         "draDriver.metricsPort: the Service's port is {}",
         svc["spec"]["ports"][0]["port"]
     );
+    ensure_resources(c, "sandbox-dra", "sandbox-dra", &dra_resources().1)?;
     let devs = wait_pool(c, "the two A10s published", Duration::from_secs(60), |d| {
         count_modes(d).0 == 2
     })?;

@@ -755,18 +755,30 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
 /// What the scheduler said of a pod it did not place (its `PodScheduled` condition's message,
 /// as the error quotes the pod), else the error's first line.
 fn why_not_placed(err: &str) -> String {
+    // YAML quotes the message in ' (inside which " is plain) or in ".
     let quoted = err
         .split_once("message: '")
-        .or_else(|| err.split_once("message: \""))
-        .map(|(_, rest)| {
-            rest.split(['\'', '"'])
-                .next()
-                .unwrap_or_default()
-                .split_whitespace()
-                .collect::<Vec<_>>()
-                .join(" ")
-        });
+        .map(|(_, rest)| rest.split('\'').next())
+        .or_else(|| {
+            err.split_once("message: \"")
+                .map(|(_, rest)| rest.split('"').next())
+        })
+        .flatten()
+        .map(|m| m.split_whitespace().collect::<Vec<_>>().join(" "));
     quoted.unwrap_or_else(|| err.lines().next().unwrap_or_default().to_string())
+}
+
+#[cfg(test)]
+mod why {
+    #[test]
+    fn the_schedulers_message_is_taken_whole() {
+        let err = "pod vm-000 not bound:\n  conditions:\n  - message: 'running \"DynamicResources\" filter\n      plugin: node node-465: timed out'\n    reason: SchedulerError";
+        assert_eq!(
+            super::why_not_placed(err),
+            "running \"DynamicResources\" filter plugin: node node-465: timed out"
+        );
+        assert_eq!(super::why_not_placed("no pods\nmore"), "no pods");
+    }
 }
 
 fn report(cli: &Cli, runs: &[Run], r: &mut Report) {

@@ -110,3 +110,99 @@ pub fn watch_backoff() -> ResetTimerBackoff<ExponentialBackoff> {
         .without_max_times();
     ResetTimerBackoff::new(exp.into(), Duration::from_secs(120))
 }
+
+/// What the API server says of a pod that a node's kubelet does not list.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PodOnNode {
+    /// It is bound to the node and not finished (phase `Pending` or `Running`, or a deletion
+    /// still under way): its containers may run there.
+    Runs(String),
+    /// It no longer runs there: why (deleted, finished, or bound to another node).
+    Gone(String),
+}
+
+/// Why [`NodePods::pod`] has no answer.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PodLookupError {
+    /// The daemon's account may not read pods: asking again will not help.
+    #[error("may not read pods: {0}")]
+    Forbidden(String),
+    /// No answer now (the API server away, a timeout, an error).
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// The pods of one node, as the API server knows them.
+#[derive(Clone)]
+pub struct NodePods {
+    client: kube::Client,
+    node: String,
+}
+
+impl std::fmt::Debug for NodePods {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodePods")
+            .field("node", &self.node)
+            .finish()
+    }
+}
+
+impl NodePods {
+    /// The pods of node `node` through `client`.
+    pub fn new(client: kube::Client, node: &str) -> NodePods {
+        NodePods {
+            client,
+            node: node.to_string(),
+        }
+    }
+
+    /// Whether pod `namespace/name` still runs on the node, asked within `timeout`.
+    pub async fn pod(
+        &self,
+        namespace: &str,
+        name: &str,
+        timeout: Duration,
+    ) -> Result<PodOnNode, PodLookupError> {
+        use k8s_openapi::api::core::v1::Pod;
+        let api: kube::Api<Pod> = kube::Api::namespaced(self.client.clone(), namespace);
+        let pod = match tokio::time::timeout(timeout, api.get_opt(name)).await {
+            Err(_) => {
+                return Err(PodLookupError::Failed(format!(
+                    "the API server did not answer within {timeout:?}"
+                )));
+            }
+            Ok(Err(kube::Error::Api(e))) if e.code == 403 => {
+                return Err(PodLookupError::Forbidden(e.message));
+            }
+            Ok(Err(e)) => return Err(PodLookupError::Failed(e.to_string())),
+            Ok(Ok(p)) => p,
+        };
+        let node = &self.node;
+        let Some(pod) = pod else {
+            return Ok(PodOnNode::Gone(format!(
+                "pod {namespace}/{name} no longer exists"
+            )));
+        };
+        let bound = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
+        if bound != Some(node.as_str()) {
+            return Ok(PodOnNode::Gone(format!(
+                "pod {namespace}/{name} is bound to {}",
+                bound.unwrap_or("no node")
+            )));
+        }
+        let phase = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.phase.clone())
+            .unwrap_or_else(|| "Pending".into());
+        Ok(match phase.as_str() {
+            "Succeeded" | "Failed" => {
+                PodOnNode::Gone(format!("pod {namespace}/{name} has finished ({phase})"))
+            }
+            _ if pod.metadata.deletion_timestamp.is_some() => PodOnNode::Runs(format!(
+                "pod {namespace}/{name} is {phase} on {node}, being deleted"
+            )),
+            _ => PodOnNode::Runs(format!("pod {namespace}/{name} is {phase} on {node}")),
+        })
+    }
+}

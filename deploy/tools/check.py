@@ -172,7 +172,8 @@ EVENTS_RULE = ({"events.k8s.io", ""}, {"events"}, {"create", "patch"})
 ALLOWED_RULES = {
     "vfio-manager": [EVENTS_RULE],
     # get on nodes: its init container reads its Node's workload label.
-    "sandbox-dp": [({""}, {"nodes"}, {"get"}), EVENTS_RULE],
+    # get on pods (on-demand): whether a pod kubelet no longer lists still runs on the node.
+    "sandbox-dp": [({""}, {"nodes", "pods"}, {"get"}), EVENTS_RULE],
     "vgpu-device-manager": [({""}, {"nodes"}, {"get", "list", "watch", "patch"}), EVENTS_RULE],
     "sandbox-dra": [
         EVENTS_RULE,

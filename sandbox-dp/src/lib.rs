@@ -257,16 +257,28 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
         .map(|p| p.metrics())
         .unwrap_or_default();
     // Only the on-demand pool changes the node; its creations, removals and refusals are told
-    // on the Node.
+    // on the Node, and the API server is asked whether a pod kubelet no longer lists still
+    // runs here before its vGPU goes.
     if let Some(pool) = &config.discover.pool {
-        pool.set_events(
-            daemon_kit::events::for_node(
-                config.node_name.as_deref(),
-                config.kubeconfig.as_deref(),
-                "sandbox-dp",
-            )
-            .await,
-        );
+        match config.node_name.as_deref() {
+            Some(node) => match daemon_kit::kube::client(config.kubeconfig.as_deref()).await {
+                Ok(client) => {
+                    pool.set_events(daemon_kit::events::NodeEvents::start(
+                        client.clone(),
+                        node,
+                        "sandbox-dp",
+                    ));
+                    pool.set_pods_api(daemon_kit::kube::NodePods::new(client, node));
+                }
+                Err(e) => tracing::warn!(
+                    node,
+                    error = format!("{e:#}"),
+                    "no Kubernetes client: no events on the node, and a vGPU goes once \
+                     kubelet's PodResources no longer lists its pod"
+                ),
+            },
+            None => pool.set_events(daemon_kit::events::NodeEvents::disabled()),
+        }
     }
     common::state::ensure_dir(&config.kubelet_dir).map_err(anyhow::Error::new)?;
     // The node is read before the loop: no first pass. A read that fails is tried again with

@@ -1235,6 +1235,157 @@ async fn creations_refusals_and_removals_are_node_events() {
     assert!(!root.join(format!("sys/bus/mdev/devices/{uuid}")).exists());
 }
 
+/// kubelet restarted lists no pod until it has read its pods from the API server: a vGPU whose
+/// pod kubelet does not list then, and which the API server has running on the node, is kept;
+/// it goes once the API server has the pod no more. An account that may not read pods leaves
+/// kubelet's word alone to decide.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vgpu_is_kept_while_the_api_server_has_its_pod_on_the_node() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let Some(api) = block(|| cluster_tier::ApiServer::start_or_skip("pods on the node")).unwrap()
+    else {
+        return;
+    };
+    api.create_node("node-od", &[]).unwrap();
+    api.apply(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {name: vms}\n---\n\
+         apiVersion: v1\nkind: ServiceAccount\nmetadata: {name: default, namespace: vms}\n---\n\
+         apiVersion: v1\nkind: Pod\nmetadata: {name: vm-a, namespace: vms}\n\
+         spec: {nodeName: node-od, containers: [{name: compute, image: vm}]}\n",
+    )
+    .unwrap();
+    let user = "sandbox-dp";
+    let kubeconfig = api.kubeconfig_for(user, user, &["system:masters"]).unwrap();
+    let mut pool = a10_pool(
+        root,
+        &[
+            "--on-demand",
+            GPU_A,
+            "--on-demand-poll",
+            "100ms",
+            "--node-name",
+            "node-od",
+            "--kubeconfig",
+            kubeconfig.to_str().unwrap(),
+        ],
+    )
+    .await;
+    let slot = format!("{GPU_A}-A10-4Q-0");
+    let resp = pool.p4.allocate(&[&[slot.as_str()]]).await.unwrap();
+    let uuid =
+        resp.container_responses[0].envs["MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q"].clone();
+    let mdev = root.join(format!("sys/bus/mdev/devices/{uuid}"));
+    pool.pods
+        .set_pods(vec![pod("vms", "vm-a", "compute", A10_4Q, &[&slot])]);
+    block(|| {
+        eventually("the pod is recorded with the vGPU", || {
+            records(root).contains("\"pod\": \"vms/vm-a\"")
+        })
+    });
+
+    // kubelet lists nothing: the API server is asked at each poll, and the vGPU stays.
+    let gets = || {
+        api.requests_of(user)
+            .into_iter()
+            .filter(|e| e["verb"] == "get" && e["objectRef"]["name"] == "vm-a")
+            .count()
+    };
+    pool.pods.set_pods(vec![]);
+    block(|| eventually("three polls asking for pod vms/vm-a", || gets() >= 3));
+    assert!(mdev.exists(), "the vGPU of a pod the API server has went");
+    assert!(records(root).contains(&uuid));
+
+    // The pod is gone from the API server: the vGPU goes.
+    api.kubectl(&[
+        "delete",
+        "pod",
+        "-n",
+        "vms",
+        "vm-a",
+        "--grace-period=0",
+        "--force",
+    ])
+    .unwrap();
+    block(|| eventually("the vGPU removed", || !mdev.exists()));
+    let asked = gets();
+    // Gone is final: no more questions.
+    let slot1 = format!("{GPU_A}-A10-4Q-1");
+    pool.p4.allocate(&[&[slot1.as_str()]]).await.unwrap();
+    pool.pods
+        .set_pods(vec![pod("vms", "vm-b", "compute", A10_4Q, &[&slot1])]);
+    block(|| {
+        eventually("vm-b recorded", || {
+            records(root).contains("\"pod\": \"vms/vm-b\"")
+        })
+    });
+    pool.pods.set_pods(vec![]);
+    // vm-b never was in the API server: the vGPU goes at the first poll that asks.
+    block(|| {
+        eventually("the vGPU of vm-b removed", || {
+            root.join("sys/bus/mdev/devices")
+                .read_dir()
+                .map(|d| d.count() == 0)
+                .unwrap_or(false)
+        })
+    });
+    assert_eq!(gets(), asked, "vm-a was asked about after it was gone");
+}
+
+/// An account that may not read pods: kubelet's PodResources alone decides, as without an API
+/// server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_get_on_pods_kubelets_word_decides() {
+    let Some(sim) = testkit::sim::try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let Some(api) = block(|| cluster_tier::ApiServer::start_or_skip("pods on the node")).unwrap()
+    else {
+        return;
+    };
+    api.create_node("node-od", &[]).unwrap();
+    // No role bound: every request is refused.
+    let user = "no-rights";
+    let kubeconfig = api.kubeconfig_for(user, user, &[]).unwrap();
+    let mut pool = a10_pool(
+        root,
+        &[
+            "--on-demand",
+            GPU_A,
+            "--on-demand-poll",
+            "100ms",
+            "--node-name",
+            "node-od",
+            "--kubeconfig",
+            kubeconfig.to_str().unwrap(),
+        ],
+    )
+    .await;
+    let slot = format!("{GPU_A}-A10-4Q-0");
+    let resp = pool.p4.allocate(&[&[slot.as_str()]]).await.unwrap();
+    let uuid =
+        resp.container_responses[0].envs["MDEV_PCI_RESOURCE_NVIDIA_COM_NVIDIA_A10-4Q"].clone();
+    pool.pods
+        .set_pods(vec![pod("vms", "vm-a", "compute", A10_4Q, &[&slot])]);
+    block(|| {
+        eventually("the pod is recorded with the vGPU", || {
+            records(root).contains("\"pod\": \"vms/vm-a\"")
+        })
+    });
+    pool.pods.set_pods(vec![]);
+    let mdev = root.join(format!("sys/bus/mdev/devices/{uuid}"));
+    block(|| eventually("the vGPU removed", || !mdev.exists()));
+    let refused = api
+        .requests_of(user)
+        .into_iter()
+        .filter(|e| e["objectRef"]["resource"] == "pods")
+        .count();
+    assert_eq!(refused, 1, "asked once, refused, not again");
+}
+
 /// Each resource `list --json` prints, with its device IDs in order.
 fn list_json(out: &std::process::Output) -> Vec<(String, Vec<String>)> {
     assert!(

@@ -207,6 +207,7 @@ impl Pool {
             phase: Phase::Creating,
             since: now(),
             seen: false,
+            pod: None,
         };
         if let Err(e) = self.update(|rs| {
             rs.retain(|r| r.device != id);

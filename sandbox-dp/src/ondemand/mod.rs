@@ -203,8 +203,25 @@ pub struct Pool {
     events: std::sync::OnceLock<NodeEvents>,
     /// Devices whose vGPU is kept because a process holds it, told once each.
     kept_told: Mutex<BTreeSet<String>>,
+    /// The API server's pods of this node (set once the runtime runs): asked before a vGPU
+    /// whose pod kubelet no longer lists goes ([`release`]).
+    pods_api: std::sync::OnceLock<PodsApi>,
+    /// Pods the API server said are gone (`namespace/name`): not asked again.
+    gone_pods: Mutex<BTreeSet<String>>,
+    /// Devices whose vGPU is kept because the API server has its pod here, told once each.
+    pod_told: Mutex<BTreeSet<String>>,
     /// What became of a records file that could not be read at start, until it is told.
     unreadable: Mutex<Option<String>>,
+}
+
+/// The API server's pods of the node, and the runtime its requests run on (the release runs on
+/// a blocking thread).
+#[derive(Debug)]
+struct PodsApi {
+    pods: daemon_kit::kube::NodePods,
+    rt: tokio::runtime::Handle,
+    /// The account may not read pods: kubelet's PodResources alone decides.
+    forbidden: std::sync::atomic::AtomicBool,
 }
 
 /// A member as the pool last read it (none before the first read, or after a write whose
@@ -251,8 +268,22 @@ impl Pool {
             metrics,
             events: std::sync::OnceLock::new(),
             kept_told: Mutex::new(BTreeSet::new()),
+            pods_api: std::sync::OnceLock::new(),
+            gone_pods: Mutex::new(BTreeSet::new()),
+            pod_told: Mutex::new(BTreeSet::new()),
             unreadable: Mutex::new(unreadable),
         })
+    }
+
+    /// Asks `pods` whether a pod kubelet no longer lists still runs on the node before its
+    /// vGPU goes: kubelet lists no pod for a while after it starts, until it has its pods from
+    /// the API server. To be called on the runtime its requests are to run on.
+    pub fn set_pods_api(&self, pods: daemon_kit::kube::NodePods) {
+        let _ = self.pods_api.set(PodsApi {
+            pods,
+            rt: tokio::runtime::Handle::current(),
+            forbidden: std::sync::atomic::AtomicBool::new(false),
+        });
     }
 
     /// Records its creations, removals and refusals as Events on the Node from now on (and

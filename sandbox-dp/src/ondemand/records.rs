@@ -52,6 +52,10 @@ pub struct Record {
     pub since: u64,
     /// A pod kubelet runs was seen holding it.
     pub seen: bool,
+    /// The pod kubelet last listed holding it (`namespace/name`): when kubelet lists it no
+    /// more, the API server is asked whether it still runs here before the vGPU goes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
 }
 
 /// The format version the file is written in.

@@ -30,9 +30,15 @@ impl Pool {
             let mut rs = lock(&self.records);
             let mut changed = false;
             for r in rs.iter_mut() {
-                if active.contains_key(&r.device.to_ascii_lowercase()) {
-                    changed |= !r.seen;
+                if let Some(pods) = active.get(&r.device.to_ascii_lowercase()) {
+                    let pod = pods.iter().find_map(|p| {
+                        Some(format!("{}/{}", p.namespace.as_ref()?, p.name.as_ref()?))
+                    });
+                    changed |= !r.seen || (pod.is_some() && r.pod != pod);
                     r.seen = true;
+                    if pod.is_some() {
+                        r.pod = pod;
+                    }
                 } else if r.seen || r.phase == Phase::Removing || past_grace(r.since, t, self.grace)
                 {
                     release.push(r.clone());
@@ -44,8 +50,15 @@ impl Pool {
             tracing::warn!(error = %error_chain(&e), "cannot record the vGPUs' pods");
         }
         for r in release {
+            if let Some(why) = self.pod_runs(&r) {
+                if lock(&self.pod_told).insert(r.device.clone()) {
+                    tracing::info!(device = %r.device, vgpu = %r.handle, "keeping an on-demand vGPU: {why}");
+                }
+                continue;
+            }
             match self.release(&r) {
                 Ok(()) => {
+                    lock(&self.pod_told).remove(&r.device);
                     dropped.insert(r.parent.clone());
                 }
                 Err(e) => {
@@ -63,6 +76,51 @@ impl Pool {
             }
         }
         dropped
+    }
+
+    /// Why the vGPU of `r`, whose pod kubelet no longer lists, is kept: the API server has that
+    /// pod on this node still (kubelet lists no pod for a while after it starts, until it has
+    /// its pods from the API server), or cannot say. `None`: it may go (the pod is gone, or no
+    /// pod was ever named, or the API server is not asked).
+    fn pod_runs(&self, r: &Record) -> Option<String> {
+        use daemon_kit::kube::{PodLookupError, PodOnNode};
+        use std::sync::atomic::Ordering;
+        let pod = r.pod.as_deref()?;
+        let api = self.pods_api.get()?;
+        if r.phase == Phase::Removing
+            || api.forbidden.load(Ordering::Relaxed)
+            || lock(&self.gone_pods).contains(pod)
+        {
+            return None;
+        }
+        let (ns, name) = pod.split_once('/')?;
+        let answer = api
+            .rt
+            .block_on(api.pods.pod(ns, name, Duration::from_secs(5)));
+        match answer {
+            Ok(PodOnNode::Gone(why)) => {
+                tracing::debug!(device = %r.device, "{why}");
+                lock(&self.gone_pods).insert(pod.to_string());
+                None
+            }
+            Ok(PodOnNode::Runs(why)) => Some(format!(
+                "kubelet does not list pod {pod} with it, but the API server says {why} \
+                 (kubelet starting?)"
+            )),
+            Err(PodLookupError::Forbidden(e)) => {
+                api.forbidden.store(true, Ordering::Relaxed);
+                tracing::warn!(
+                    "cannot ask the API server whether a pod kubelet no longer lists still runs \
+                     here ({e}): kubelet's PodResources alone decides when a vGPU goes; give \
+                     the account `get` on pods"
+                );
+                None
+            }
+            Err(PodLookupError::Failed(e)) => Some(format!(
+                "kubelet does not list pod {pod} with it, and the API server cannot say whether \
+                 it still runs here ({e}); retried"
+            )),
+        }
     }
 
     fn release(&self, r: &Record) -> Result<(), Error> {

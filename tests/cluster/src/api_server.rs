@@ -61,6 +61,12 @@ impl ApiServer {
                 return Ok(None);
             }
         };
+        ApiServer::start_with(&assets, controllers).map(Some)
+    }
+
+    /// Starts an API server of `assets`' release ([`Assets::newest`]'s, say), with the
+    /// controllers when `controllers`.
+    pub fn start_with(assets: &Assets, controllers: bool) -> Result<ApiServer> {
         let dir = tempfile::Builder::new()
             .prefix("gpu-vm-apiserver-")
             .tempdir()
@@ -69,12 +75,12 @@ impl ApiServer {
             controllers,
             ..ControlPlaneOpts::default()
         };
-        let cp = ControlPlane::start(dir.path(), &assets, opts)?;
-        Ok(Some(ApiServer {
+        let cp = ControlPlane::start(dir.path(), assets, opts)?;
+        Ok(ApiServer {
             cp,
-            kubectl: assets.kubectl,
+            kubectl: assets.kubectl.clone(),
             _dir: dir,
-        }))
+        })
     }
 
     /// `kubectl apply -f -` of `yaml`, as cluster admin.

@@ -1,20 +1,29 @@
 //! etcd, kube-apiserver and, for a whole cluster, kube-controller-manager and kube-scheduler.
+//!
+//! By default they run in this process's network namespace, the API server on `127.0.0.1`. With
+//! [`ControlPlaneOpts::netns`] all four run in that namespace instead, the API server on its
+//! address there, and the host reaches it through a port of its own `127.0.0.1`
+//! ([`Forward`]): [`ControlPlane::server`] is that port's URL, [`ControlPlane::internal_server`]
+//! the one the cluster's processes use.
 
-use std::net::TcpListener;
+use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
 use crate::assets::Assets;
+use crate::netns::{Forward, NetNs};
 use crate::pki::{Cert, Pki};
 use crate::proc::{Proc, run};
 
 /// How to run the control plane.
 #[derive(Debug, Clone)]
 pub struct ControlPlaneOpts {
-    /// The API server's address (also its advertised address).
+    /// The API server's address (also its advertised address), in [`ControlPlaneOpts::netns`]
+    /// when there is one.
     pub bind_ip: String,
     /// Its port (0: any free one).
     pub port: u16,
@@ -23,10 +32,14 @@ pub struct ControlPlaneOpts {
     /// Whether the controller-manager and the scheduler run too.
     pub controllers: bool,
     /// The scheduler's HTTPS port, serving `/metrics` (and `/healthz`) to anyone on
-    /// 127.0.0.1 (a self-signed certificate); 0: none.
+    /// 127.0.0.1 (a self-signed certificate; in [`ControlPlaneOpts::netns`] when there is one);
+    /// 0: none.
     pub scheduler_port: u16,
     /// More flags for kube-apiserver (`--feature-gates=…`, say).
     pub apiserver_args: Vec<String>,
+    /// The network namespace etcd, the API server and the controllers run in (`None`: this
+    /// process's).
+    pub netns: Option<Arc<NetNs>>,
 }
 
 impl Default for ControlPlaneOpts {
@@ -39,6 +52,7 @@ impl Default for ControlPlaneOpts {
             controllers: false,
             scheduler_port: 0,
             apiserver_args: Vec::new(),
+            netns: None,
         }
     }
 }
@@ -52,6 +66,8 @@ pub struct ControlPlane {
     kubectl: PathBuf,
     opts: ControlPlaneOpts,
     port: u16,
+    // The host's way in when the control plane has a network namespace of its own.
+    forward: Option<Forward>,
     etcd_url: String,
     // Stopped in reverse order of start by `Drop` of the fields, last first: declared so.
     sched: Option<Proc>,
@@ -95,7 +111,9 @@ impl ControlPlane {
             .with_context(|| format!("writing {}", dir.join("etcd-data").display()))?;
         let etcd_url = format!("http://127.0.0.1:{client}");
         let peer_url = format!("http://127.0.0.1:{peer}");
-        let etcd = Proc::spawn(
+        let netns = opts.netns.clone();
+        let etcd = Proc::spawn_in(
+            netns.as_deref(),
             "etcd",
             Command::new("etcd")
                 .arg("--data-dir")
@@ -117,12 +135,22 @@ impl ControlPlane {
             &logs,
             &pids,
         )?;
+        let forward = match &netns {
+            Some(ns) => {
+                let ip: IpAddr = opts
+                    .bind_ip
+                    .parse()
+                    .with_context(|| format!("the API server's address {}", opts.bind_ip))?;
+                Some(Forward::start(ns.clone(), SocketAddr::new(ip, port))?)
+            }
+            None => None,
+        };
+        let server = match &forward {
+            Some(f) => format!("https://127.0.0.1:{}", f.port()),
+            None => format!("https://{}:{port}", opts.bind_ip),
+        };
         let admin = pki.sign("admin", "admin", &["system:masters"], &[])?;
-        let admin_kc = pki.kubeconfig(
-            &dir.join("admin.kubeconfig"),
-            &format!("https://{}:{port}", opts.bind_ip),
-            &admin,
-        )?;
+        let admin_kc = pki.kubeconfig(&dir.join("admin.kubeconfig"), &server, &admin)?;
         let mut cp = ControlPlane {
             dir: dir.to_path_buf(),
             pki,
@@ -130,6 +158,7 @@ impl ControlPlane {
             kubectl: assets.kubectl.clone(),
             opts,
             port,
+            forward,
             etcd_url,
             sched: None,
             kcm: None,
@@ -226,9 +255,16 @@ impl ControlPlane {
                 self.dir.join("audit-policy.yaml").display()
             ))
             .arg(format!("--audit-log-path={}", self.audit_log().display()))
-            .args(["--audit-log-maxsize", "0"])
-            .args(&self.opts.apiserver_args);
-        self.apiserver = Some(Proc::spawn(
+            .args(["--audit-log-maxsize", "0"]);
+        if is_loopback(&self.opts.bind_ip) {
+            // An API server on loopback serves no pods: the `kubernetes` Service gets no
+            // endpoints (their reconciler refuses a loopback address from v1.37 on, and the API
+            // server with it: "may not be in the loopback range").
+            cmd.args(["--endpoint-reconciler-type", "none"]);
+        }
+        cmd.args(&self.opts.apiserver_args);
+        self.apiserver = Some(Proc::spawn_in(
+            self.opts.netns.as_deref(),
             "kube-apiserver",
             &mut cmd,
             &self.dir.join("logs"),
@@ -275,7 +311,7 @@ impl ControlPlane {
     }
 
     fn start_controllers(&mut self) -> Result<()> {
-        let server = self.server();
+        let server = self.internal_server();
         let logs = self.dir.join("logs");
         let pids = self.dir.join("pids");
         let kcm_cert = self
@@ -311,7 +347,8 @@ impl ControlPlane {
         ])
         // Nodes that stop reporting are not evicted from while kubelet restarts in a test.
         .args(["--node-monitor-grace-period=120s"]);
-        self.kcm = Some(Proc::spawn(
+        self.kcm = Some(Proc::spawn_in(
+            self.opts.netns.as_deref(),
             "kube-controller-manager",
             &mut cmd,
             &logs,
@@ -333,13 +370,35 @@ impl ControlPlane {
         if self.opts.scheduler_port != 0 {
             cmd.arg("--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics");
         }
-        self.sched = Some(Proc::spawn("kube-scheduler", &mut cmd, &logs, &pids)?);
+        self.sched = Some(Proc::spawn_in(
+            self.opts.netns.as_deref(),
+            "kube-scheduler",
+            &mut cmd,
+            &logs,
+            &pids,
+        )?);
         Ok(())
     }
 
-    /// The API server's URL.
+    /// The API server's URL for clients in this process's network namespace (the tests, kubectl,
+    /// helm): a port of `127.0.0.1` forwarded into [`ControlPlaneOpts::netns`] when there is
+    /// one.
     pub fn server(&self) -> String {
+        match &self.forward {
+            Some(f) => format!("https://127.0.0.1:{}", f.port()),
+            None => self.internal_server(),
+        }
+    }
+
+    /// The API server's URL for the cluster's own processes, in its network namespace (the
+    /// controllers, kubelet): its own address.
+    pub fn internal_server(&self) -> String {
         format!("https://{}:{}", self.opts.bind_ip, self.port)
+    }
+
+    /// The network namespace the control plane runs in, when not this process's.
+    pub fn netns(&self) -> Option<&Arc<NetNs>> {
+        self.opts.netns.as_ref()
     }
 
     /// The cluster-admin kubeconfig.
@@ -422,6 +481,7 @@ impl ControlPlane {
             p.stop(Duration::from_secs(5));
         }
         self.etcd.stop(Duration::from_secs(5));
+        self.forward = None;
         if let Ok(data) = std::fs::read_to_string(self.dir.join("etcd-data"))
             && data.starts_with("/dev/shm/")
         {
@@ -434,6 +494,11 @@ impl Drop for ControlPlane {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// Whether `ip` is a loopback address (`127.0.0.0/8`, `::1`).
+fn is_loopback(ip: &str) -> bool {
+    ip.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// The first host address of an IPv4 CIDR (`10.96.0.0/24` → `10.96.0.1`).

@@ -8,17 +8,23 @@
 //! pointed at node-sim's tree ([`Cluster::helm_install`]). Dropping it stops and removes all of
 //! it; a run killed before that is cleaned up by the next one ([`leftovers`]).
 //!
-//! What the host must lend, and gets back: the address [`NODE_IP`] on `lo` (the node's, the API
-//! server's and the `kubernetes` Service's, so pods reach the API server without kube-proxy),
-//! the bridge [`node::BRIDGE`], and device nodes under `/dev/vfio` (containerd `stat`s a device
-//! a device plugin or a CDI spec names on the host, and node-sim's are not the host's): the
-//! numbers of node-sim's groups, created as copies of `/dev/null` where nothing is, removed
-//! afterwards.
+//! The cluster's network is a namespace of the run's own ([`netns`]): etcd, the control plane,
+//! containerd (its shims, runc and the CNI plugins) and kubelet run there, with the address
+//! [`NODE_IP`] on its `lo` (the node's, the API server's and the `kubernetes` Service's, so pods
+//! reach the API server without kube-proxy) and the pods' bridge [`node::BRIDGE`]; nothing of
+//! it appears in the machine's namespace. The tests reach the API server at a port of the
+//! host's `127.0.0.1` forwarded into it ([`ControlPlane::server`]).
+//!
+//! What the host must lend, and gets back: `/var/lib/kubelet` and device nodes under
+//! `/dev/vfio` (containerd `stat`s a device a device plugin or a CDI spec names on the host,
+//! and node-sim's are not the host's): the numbers of node-sim's groups, created as copies of
+//! `/dev/null` where nothing is, removed afterwards.
 
 pub mod api_server;
 pub mod assets;
 pub mod control_plane;
 pub mod kubevirt;
+pub mod netns;
 pub mod node;
 pub mod pki;
 pub mod proc;
@@ -27,7 +33,7 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -36,9 +42,11 @@ use serde_json::Value;
 pub use api_server::ApiServer;
 pub use assets::Assets;
 pub use control_plane::{ControlPlane, ControlPlaneOpts};
+pub use netns::NetNs;
 pub use node::Node;
 
-/// The node's address (on `lo`), which is also the API server's and the `kubernetes` Service's.
+/// The node's address (on `lo` of the cluster's network namespace), which is also the API
+/// server's and the `kubernetes` Service's.
 pub const NODE_IP: &str = "10.234.0.1";
 /// The Service range: its first address is [`NODE_IP`].
 pub const SERVICE_CIDR: &str = "10.234.0.0/24";
@@ -65,6 +73,7 @@ pub struct Cluster {
     binds: Mutex<Vec<PathBuf>>,
     sim: Mutex<Option<node_sim::Sim>>,
     cp: Mutex<ControlPlane>,
+    netns: Arc<NetNs>,
     host: HostChanges,
 }
 
@@ -111,8 +120,9 @@ impl Cluster {
         )
         .with_context(|| format!("making {} a shared mount", dir.display()))?;
         let mut host = HostChanges::new(dir.join("host-changes"));
-        host.add_address()?;
         host.bind_kubelet_root(&dir.join("node/kubelet"))?;
+        let netns = Arc::new(NetNs::create(&dir.join("netns"))?);
+        netns.run(&["addr", "add", &format!("{NODE_IP}/32"), "dev", "lo"])?;
         let t0 = Instant::now();
         let cp = ControlPlane::start(
             &dir,
@@ -122,6 +132,7 @@ impl Cluster {
                 port: 443,
                 service_cidr: SERVICE_CIDR.into(),
                 controllers: true,
+                netns: Some(netns.clone()),
                 ..ControlPlaneOpts::default()
             },
         )?;
@@ -131,7 +142,6 @@ impl Cluster {
             t0.elapsed().as_secs_f64()
         );
         let node = Node::start(&cp, &assets, &dir.join("node"), NODE_NAME, NODE_IP)?;
-        host.record_bridge();
         eprintln!(
             "cluster: node {NODE_NAME} Ready ({:.1} s)",
             t0.elapsed().as_secs_f64()
@@ -145,6 +155,7 @@ impl Cluster {
             binds: Mutex::new(Vec::new()),
             sim: Mutex::new(None),
             cp: Mutex::new(cp),
+            netns,
             host,
         })
     }
@@ -162,6 +173,11 @@ impl Cluster {
     /// The control plane.
     pub fn control_plane(&self) -> std::sync::MutexGuard<'_, ControlPlane> {
         self.cp.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The cluster's network namespace (pinned at `<dir>/netns`: `nsenter --net=<dir>/netns`).
+    pub fn netns(&self) -> &NetNs {
+        &self.netns
     }
 
     /// The node.
@@ -449,6 +465,19 @@ impl Cluster {
             out.push_str(&format!("--- pods\n{pods}\n"));
         }
         let logs = self.node().pod_logs();
+        // The pods' whole logs, kept with the components' (target/cluster-tier/last-run-logs)
+        // before the next scenario's reset deletes the pods.
+        let keep = self.dir.join("logs").join(format!(
+            "pods-{}",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs())
+        ));
+        if let Err(e) = copy_tree(&logs, &keep) {
+            out.push_str(&format!("--- cannot keep the pods' logs: {e}\n"));
+        } else {
+            out.push_str(&format!("--- the pods' whole logs: {}\n", keep.display()));
+        }
         if let Ok(dirs) = std::fs::read_dir(&logs) {
             for d in dirs.flatten() {
                 if let Ok(cs) = std::fs::read_dir(d.path()) {
@@ -481,6 +510,9 @@ impl Drop for Cluster {
             let _ = sim.unmount();
         }
         self.control_plane().shutdown();
+        // Whatever still runs in the namespace (nothing, when every process stopped as asked):
+        // the namespace, its bridge and veths go with its last process and its pin.
+        self.netns.kill_all();
         let dir = self.dir.clone();
         self.host.undo();
         unmount_under(&dir);
@@ -507,8 +539,6 @@ impl Drop for Cluster {
 #[derive(Debug)]
 struct HostChanges {
     file: PathBuf,
-    address: bool,
-    bridge: bool,
     dev_nodes: Vec<PathBuf>,
     vfio_dir: bool,
     kubelet_bind: bool,
@@ -519,8 +549,6 @@ impl HostChanges {
     fn new(file: PathBuf) -> HostChanges {
         HostChanges {
             file,
-            address: false,
-            bridge: false,
             dev_nodes: Vec::new(),
             vfio_dir: false,
             kubelet_bind: false,
@@ -530,12 +558,6 @@ impl HostChanges {
 
     fn save(&self) {
         let mut text = String::new();
-        if self.address {
-            text.push_str("address\n");
-        }
-        if self.bridge {
-            text.push_str("bridge\n");
-        }
         if self.vfio_dir {
             text.push_str("vfio-dir\n");
         }
@@ -549,22 +571,6 @@ impl HostChanges {
             text.push_str(&format!("dev {}\n", n.display()));
         }
         let _ = std::fs::write(&self.file, text);
-    }
-
-    fn add_address(&mut self) -> Result<()> {
-        let have = proc::run(Command::new("ip").args(["-o", "addr", "show", "dev", "lo"]))?;
-        if !have.contains(&format!(" {NODE_IP}/")) {
-            proc::run(Command::new("ip").args([
-                "addr",
-                "add",
-                &format!("{NODE_IP}/32"),
-                "dev",
-                "lo",
-            ]))?;
-            self.address = true;
-            self.save();
-        }
-        Ok(())
     }
 
     /// Mounts `dir` at kubelet's root, which must be empty or absent: a node's kubelet is not
@@ -599,11 +605,6 @@ impl HostChanges {
         Ok(())
     }
 
-    fn record_bridge(&mut self) {
-        self.bridge = true;
-        self.save();
-    }
-
     fn make_vfio_nodes(&mut self) -> Result<()> {
         let dir = Path::new("/dev/vfio");
         if !dir.exists() {
@@ -632,8 +633,6 @@ impl HostChanges {
 
     fn undo(&mut self) {
         undo_host_changes(&self.file);
-        self.address = false;
-        self.bridge = false;
         self.dev_nodes.clear();
         self.vfio_dir = false;
         self.kubelet_bind = false;
@@ -658,6 +657,8 @@ fn undo_host_changes(file: &Path) {
     }
     for line in text.lines() {
         match line {
+            // The node's address and the bridge, in the machine's own namespace: recorded by runs
+            // of the tier from before it had a network namespace of its own.
             "address" => {
                 let _ = proc::run(Command::new("ip").args([
                     "addr",
@@ -709,8 +710,11 @@ fn lock() -> Result<nix::fcntl::Flock<std::fs::File>> {
 }
 
 /// Stops and removes what earlier runs killed before their clean-up left: their processes
-/// (recorded in `pids`, and every container shim naming their containerd), mounts, host
-/// changes and scratch directories.
+/// (every process in their network namespace, and every process naming their scratch
+/// directory: a container shim names its containerd's socket), mounts (their namespace's pin
+/// among them: the kernel then removes the namespace with its bridge and veths), host changes,
+/// kubelet's and the CNI plugins' files outside their scratch directories
+/// ([`host_logs_and_cni_cache`]), and the scratch directories.
 pub fn leftovers() {
     let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
         return;
@@ -732,12 +736,14 @@ pub fn leftovers() {
             "cluster: removing what a killed run left in {}",
             dir.display()
         );
+        netns::kill_pinned(&dir.join("netns"));
         let dir_s = dir.to_string_lossy().into_owned();
         for (p, _) in proc::find(&dir_s) {
             proc::kill_tree(p);
         }
         std::thread::sleep(Duration::from_millis(200));
         undo_host_changes(&dir.join("host-changes"));
+        host_logs_and_cni_cache(&dir, &node::sandbox_ids(&dir.join("node")));
         unmount_under(&dir);
         if let Ok(data) = std::fs::read_to_string(dir.join("etcd-data"))
             && data.starts_with("/dev/shm/")
@@ -766,6 +772,20 @@ fn host_logs_and_cni_cache(dir: &Path, sandboxes: &[String]) {
             }
         }
     }
+}
+
+/// Copies the files under `from` to `to` (made), following no links.
+fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for e in std::fs::read_dir(from)?.flatten() {
+        let t = e.file_type()?;
+        if t.is_dir() {
+            copy_tree(&e.path(), &to.join(e.file_name()))?;
+        } else if t.is_file() {
+            std::fs::copy(e.path(), to.join(e.file_name()))?;
+        }
+    }
+    Ok(())
 }
 
 /// Unmounts every mount at or under `dir`, deepest first (lazily: a mount still in use goes

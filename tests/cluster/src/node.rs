@@ -1,18 +1,22 @@
 //! A node: containerd (CRI, CDI on) and kubelet, every directory of theirs under the run's
-//! scratch directory.
+//! scratch directory, in the control plane's network namespace ([`crate::netns`]): the pods'
+//! network (the bridge, each pod's veth) is made there by the CNI plugins containerd runs.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
 use crate::assets::Assets;
 use crate::control_plane::ControlPlane;
+use crate::netns::NetNs;
 use crate::proc::{Proc, find, kill_tree, run};
 
 /// The pod network's bridge and range (host-local IPAM, no kube-proxy: pods reach the API
-/// server at the node's own address, which is the `kubernetes` Service's too).
+/// server at the node's own address, which is the `kubernetes` Service's too), in the node's
+/// network namespace.
 pub const BRIDGE: &str = "gvmbr0";
 const POD_CIDR: &str = "10.235.0.0/24";
 const CNI_NETWORK: &str = "gpu-vm-test";
@@ -29,11 +33,13 @@ pub struct Node {
     kubelet: Option<Proc>,
     containerd: Option<Proc>,
     kubeconfig: PathBuf,
+    netns: Option<Arc<NetNs>>,
 }
 
 impl Node {
-    /// Starts containerd (with the images imported) and kubelet for node `name` at `ip`;
-    /// returns when the Node is Ready.
+    /// Starts containerd (with the images imported) and kubelet for node `name` at `ip`, in the
+    /// control plane's network namespace when it has one (`ip` is an address there); returns
+    /// when the Node is Ready.
     pub fn start(
         cp: &ControlPlane,
         assets: &Assets,
@@ -48,9 +54,11 @@ impl Node {
             &["system:nodes"],
             &[],
         )?;
-        let kubeconfig =
-            cp.pki()
-                .kubeconfig(&dir.join("kubelet.kubeconfig"), &cp.server(), &cert)?;
+        let kubeconfig = cp.pki().kubeconfig(
+            &dir.join("kubelet.kubeconfig"),
+            &cp.internal_server(),
+            &cert,
+        )?;
         let mut node = Node {
             name: name.to_string(),
             ip: ip.to_string(),
@@ -59,6 +67,7 @@ impl Node {
             kubelet: None,
             containerd: None,
             kubeconfig,
+            netns: cp.netns().cloned(),
         };
         node.write_containerd_config()?;
         node.start_containerd()?;
@@ -173,7 +182,8 @@ state = "{d}/state"
             .arg(self.dir.join("containerd/config.toml"));
         // The shim is found on PATH.
         cmd.env("PATH", path_with(&self.k8s_bin));
-        self.containerd = Some(Proc::spawn(
+        self.containerd = Some(Proc::spawn_in(
+            self.netns.as_deref(),
             "containerd",
             &mut cmd,
             &self.dir.join("../logs"),
@@ -262,7 +272,8 @@ state = "{d}/state"
             .arg(self.dir.join("kubelet-pki"))
             .args(["--hostname-override", &self.name, "--node-ip", &self.ip]);
         cmd.env("PATH", path_with(&self.k8s_bin));
-        self.kubelet = Some(Proc::spawn(
+        self.kubelet = Some(Proc::spawn_in(
+            self.netns.as_deref(),
             "kubelet",
             &mut cmd,
             &self.dir.join("../logs"),
@@ -320,16 +331,7 @@ state = "{d}/state"
 
     /// The IDs of the pod sandboxes containerd ever made here (their CNI results name them).
     pub fn sandbox_ids(&self) -> Vec<String> {
-        let dir = self
-            .dir
-            .join("containerd/root/io.containerd.grpc.v1.cri/sandboxes");
-        std::fs::read_dir(dir)
-            .map(|d| {
-                d.flatten()
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default()
+        sandbox_ids(&self.dir)
     }
 
     /// Stops everything the node runs: kubelet, every container (their shims and processes)
@@ -356,6 +358,19 @@ impl Drop for Node {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// The IDs of the pod sandboxes the containerd of the node in `dir` ever made (a killed run's
+/// too).
+pub fn sandbox_ids(dir: &Path) -> Vec<String> {
+    let dir = dir.join("containerd/root/io.containerd.grpc.v1.cri/sandboxes");
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// PATH with `dir` first.

@@ -1,7 +1,8 @@
 //! The cluster's processes: each started by us, known by PID, logged to a file, stopped on drop.
 //!
-//! Every PID is also appended to the run's `pids` file, so that the next run can stop what a
-//! killed run left behind ([`crate::leftovers`]).
+//! Every PID is also appended to the run's `pids` file, with its name: which process was which,
+//! for whoever reads a run's logs. What a killed run left running is found by its network
+//! namespace and its command lines ([`crate::leftovers`]).
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -12,6 +13,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
+
+use crate::netns::NetNs;
 
 /// A process of the cluster.
 #[derive(Debug)]
@@ -25,6 +28,17 @@ impl Proc {
     /// Starts `cmd` with its output appended to `<logs>/<name>.log` and its PID recorded in
     /// `pids`.
     pub fn spawn(name: &str, cmd: &mut Command, logs: &Path, pids: &Path) -> Result<Proc> {
+        Proc::spawn_in(None, name, cmd, logs, pids)
+    }
+
+    /// [`Proc::spawn`] in network namespace `netns` (`None`: this process's).
+    pub fn spawn_in(
+        netns: Option<&NetNs>,
+        name: &str,
+        cmd: &mut Command,
+        logs: &Path,
+        pids: &Path,
+    ) -> Result<Proc> {
         std::fs::create_dir_all(logs).with_context(|| format!("creating {}", logs.display()))?;
         let log = logs.join(format!("{name}.log"));
         let out = OpenOptions::new()
@@ -33,12 +47,12 @@ impl Proc {
             .open(&log)
             .with_context(|| format!("opening {}", log.display()))?;
         let err = out.try_clone().context("duplicating a log descriptor")?;
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .spawn()
-            .with_context(|| format!("starting {name} ({:?})", cmd.get_program()))?;
+        cmd.stdin(Stdio::null()).stdout(out).stderr(err);
+        let child = match netns {
+            Some(ns) => ns.spawn(cmd),
+            None => cmd.spawn().map_err(anyhow::Error::from),
+        }
+        .with_context(|| format!("starting {name} ({:?})", cmd.get_program()))?;
         let mut f = OpenOptions::new()
             .create(true)
             .append(true)

@@ -165,3 +165,13 @@ on every real node; a simulated node is a directory.
 {{- $root := trimSuffix "/" (index . 0).Values.hostRoot -}}
 {{- printf "%s%s" $root (index . 1) -}}
 {{- end }}
+
+{{/*
+sandbox-dp --on-demand: before a vGPU goes, whether the pod kubelet no longer lists still runs on
+the node (a restarted kubelet lists no pod until it has read its pods from the API server).
+*/}}
+{{- define "gpu-vm-node.onDemandPodsRule" -}}
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get]
+{{- end }}

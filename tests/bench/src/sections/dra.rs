@@ -349,6 +349,16 @@ struct VgpuRun {
     unplugged: Duration,
     slices: usize,
     devices: usize,
+    /// ResourceSlice writes (any request but a read) while the cycles ran.
+    slice_writes: usize,
+}
+
+/// The ResourceSlice writes `api` received so far: every request on them but a read.
+fn slice_writes(api: &FakeApiServer) -> usize {
+    api.requests()
+        .iter()
+        .filter(|r| r.contains("/resourceslices") && !r.starts_with("GET"))
+        .count()
 }
 
 fn slice_devices(api: &FakeApiServer) -> Vec<String> {
@@ -441,7 +451,9 @@ async fn vgpu_once(b: &Bins, cycles: usize) -> Result<VgpuRun> {
         unplugged: Duration::ZERO,
         slices: api.slices().len(),
         devices: slice_devices(&api).len(),
+        slice_writes: 0,
     };
+    let writes_before = slice_writes(&api);
     let mut written = Vec::with_capacity(cycles);
     for i in 0..cycles {
         let watch = Watch::start(&sim);
@@ -467,6 +479,7 @@ async fn vgpu_once(b: &Bins, cycles: usize) -> Result<VgpuRun> {
         let undo = writes(&sim.ops());
         written.push(Writes { sysfs, files, undo });
     }
+    run.slice_writes = slice_writes(&api) - writes_before;
     let t = Instant::now();
     sim.control("hotplug 0000:81:00.0 A10 group=50 numa=1")?;
     wait_slices(&api, |d| d.iter().any(|n| n == "gpu-0000-81-00-0")).await?;
@@ -496,7 +509,7 @@ async fn bench_vgpu(
     r: &mut Report,
 ) -> Result<Vec<(&'static str, Vec<Parts>)>> {
     let cycles = cli.claims.max(2);
-    r.line(format!("vGPUs (`--vgpu 0000:41:00.0` on 2xA10: one counter set, 137 vGPU devices of that GPU, its passthrough device and the other GPU's, in three device slices and a counter slice): {cycles} cycles per run of an A10-4Q claim. The first prepare enables the GPU's 32 VFs, then creates the mdev; the others create it on the enabled VFs; each returns once the vGPU's /dev/vfio group node exists (vGPU ready). The same prepare again is kubelet's retry (nothing to do). Unprepare removes the mdev. Floor: each prepare's writes replayed bare on a fresh node, as for whole GPUs above. Goals: prepare p50 ≤ 2× and p99 ≤ 3× the floor's p50, prepare again ≤ 2 ms. Publication: from node-sim's hot-plug (or unplug) of a third A10 to the API server's slices showing (or no longer showing) its device, through the uevent, a read of the node and the pool's slices written again."));
+    r.line(format!("vGPUs (`--vgpu 0000:41:00.0` on 2xA10: one counter set, one shared device per vGPU type of that GPU, its passthrough device and the other GPU's): {cycles} cycles per run of an A10-4Q claim. The first prepare enables the GPU's 32 VFs, then creates the mdev; the others create it on the enabled VFs; each returns once the vGPU's /dev/vfio group node exists (vGPU ready). The same prepare again is kubelet's retry (nothing to do). Unprepare removes the mdev. Floor: each prepare's writes replayed bare on a fresh node, as for whole GPUs above. Goals: prepare p50 ≤ 2× and p99 ≤ 3× the floor's p50, prepare again ≤ 2 ms. Slice writes: the API server's ResourceSlice writes while the cycles ran, per prepare (the pool changes only when the node does). Publication: from node-sim's hot-plug (or unplug) of a third A10 to the API server's slices showing (or no longer showing) its device, through the uevent, a read of the node and the pool's slices written again."));
     r.line("");
     r.table(&[
         "node",
@@ -512,6 +525,7 @@ async fn bench_vgpu(
         "prepare again p99",
         "unprepare p50",
         "unprepare p99",
+        "slice writes per prepare",
         "hot-plug → slices p50",
         "unplug → slices p50",
     ]);
@@ -555,6 +569,11 @@ async fn bench_vgpu(
         a99,
         u50,
         u99,
+        {
+            let writes: usize = runs.iter().map(|x| x.slice_writes).sum();
+            let prepares = runs.len() * cycles;
+            format!("{:.2}", writes as f64 / prepares.max(1) as f64)
+        },
         pl,
         un,
     ]);

@@ -723,25 +723,62 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
         n => n.to_vec(),
     };
     let mut runs = Vec::new();
+    // A pool whose pods the scheduler could not place is reported as such; the others go on.
+    let mut failed = Vec::new();
     for nodes in counts {
         for (i, (&pool, published)) in pools.iter().zip(&published).enumerate() {
             let from = format!("source-{i}");
             let dir = top.path().join(format!("{unique}-{nodes}-{pool:?}"));
             std::fs::create_dir_all(&dir)?;
             eprintln!("scheduler: {nodes} nodes, {}", pool.label());
-            runs.push(scenario(
-                &assets,
-                &dir,
-                published,
-                &from,
-                nodes,
-                pool,
-                cli.sched_pods,
-            )?);
+            match scenario(&assets, &dir, published, &from, nodes, pool, cli.sched_pods) {
+                Ok(run) => runs.push(run),
+                Err(e) => {
+                    let why = why_not_placed(&format!("{e:#}"));
+                    eprintln!("scheduler: {nodes} nodes, {}: {why}", pool.label());
+                    failed.push((nodes, pool, why));
+                }
+            }
         }
     }
     report(cli, &runs, r);
+    for (nodes, pool, why) in &failed {
+        r.line(format!(
+            "Not measured: {nodes} nodes, {}: {why}",
+            pool.label()
+        ));
+        r.line("");
+    }
     Ok(())
+}
+
+/// What the scheduler said of a pod it did not place (its `PodScheduled` condition's message,
+/// as the error quotes the pod), else the error's first line.
+fn why_not_placed(err: &str) -> String {
+    // YAML quotes the message in ' (inside which " is plain) or in ".
+    let quoted = err
+        .split_once("message: '")
+        .map(|(_, rest)| rest.split('\'').next())
+        .or_else(|| {
+            err.split_once("message: \"")
+                .map(|(_, rest)| rest.split('"').next())
+        })
+        .flatten()
+        .map(|m| m.split_whitespace().collect::<Vec<_>>().join(" "));
+    quoted.unwrap_or_else(|| err.lines().next().unwrap_or_default().to_string())
+}
+
+#[cfg(test)]
+mod why {
+    #[test]
+    fn the_schedulers_message_is_taken_whole() {
+        let err = "pod vm-000 not bound:\n  conditions:\n  - message: 'running \"DynamicResources\" filter\n      plugin: node node-465: timed out'\n    reason: SchedulerError";
+        assert_eq!(
+            super::why_not_placed(err),
+            "running \"DynamicResources\" filter plugin: node node-465: timed out"
+        );
+        assert_eq!(super::why_not_placed("no pods\nmore"), "no pods");
+    }
 }
 
 fn report(cli: &Cli, runs: &[Run], r: &mut Report) {

@@ -14,27 +14,36 @@ use cluster_tier::{Cluster, NAMESPACE};
 use serde_json::Value;
 
 use super::{
-    TEST_NS, WORKLOAD, kill_daemon, kubevirt_gives, mdevs, pod_yaml, test_namespace, vmi_dra,
-    vmi_dra_claim, wait_daemonset_ready, wait_log, wait_phase,
+    TEST_NS, WORKLOAD, ensure_resources, kill_daemon, kubevirt_gives, mdevs, pod_yaml,
+    resources_value, test_namespace, values_file, vmi_dra, vmi_dra_claim, wait_daemonset_ready,
+    wait_log, wait_phase,
 };
 
 const DRIVER: &str = "gpu.gpu-vm-node.io";
 const VGPU_CLASS: &str = "vgpu.gpu-vm-node.io";
 const GPU_CLASS: &str = "vfio-gpu.gpu-vm-node.io";
 const METADATA_DIR: &str = "/var/run/kubernetes.io/dra-device-attributes";
+/// Where KubeVirt 1.8.0 to 1.8.2 read the metadata: `<dir>/<claim>/<request>/`.
+const LEGACY_METADATA_DIR: &str = "/var/run/dra-device-attributes";
 
-/// What the pods run: the container's `/dev/vfio` and every metadata file, then they stay.
+/// What the pods run: the container's `/dev/vfio` and every metadata file (both layouts), then
+/// they stay.
 fn show_devices() -> String {
     format!(
-        "ls /dev/vfio; echo ---; for f in $(busybox find {METADATA_DIR} -name '*.json'); do \
-         echo \"$f\"; busybox cat \"$f\"; echo; done; echo done; sleep 3600"
+        "ls /dev/vfio; echo ---; for f in $(busybox find {METADATA_DIR} {LEGACY_METADATA_DIR} \
+         -name '*.json'); do echo \"$f\"; busybox cat \"$f\"; echo; done; echo done; sleep 3600"
     )
 }
 
 /// A pod claiming one claim made from `template`, its container using the claim's request
 /// `gpu`.
 fn claim_pod(c: &Cluster, name: &str, template: &str) -> String {
-    let mut y = pod_yaml(c, name, &show_devices(), "claims:\n- name: gpu", "");
+    claim_pod_with(c, name, template, "")
+}
+
+/// [`claim_pod`] with `extra` lines in the container (`securityContext: ...`).
+fn claim_pod_with(c: &Cluster, name: &str, template: &str, extra: &str) -> String {
+    let mut y = pod_yaml(c, name, &show_devices(), "claims:\n- name: gpu", extra);
     y.push_str(&format!(
         "  resourceClaims:\n  - name: gpu\n    resourceClaimTemplateName: {template}\n"
     ));
@@ -72,7 +81,7 @@ fn slices(c: &Cluster) -> Result<Vec<Value>> {
 
 /// The published devices: name → attributes. Fails while the pool is incomplete (fewer slices
 /// than its `resourceSliceCount`, or slices of two generations).
-fn devices(c: &Cluster) -> Result<Option<Vec<(String, Value)>>> {
+pub(super) fn devices(c: &Cluster) -> Result<Option<Vec<(String, Value)>>> {
     let slices = slices(c)?;
     let Some(first) = slices.first() else {
         return Ok(None);
@@ -100,7 +109,7 @@ fn devices(c: &Cluster) -> Result<Option<Vec<(String, Value)>>> {
     Ok(Some(out))
 }
 
-fn attr<'a>(attrs: &'a Value, name: &str) -> &'a Value {
+pub(super) fn attr<'a>(attrs: &'a Value, name: &str) -> &'a Value {
     let key = if name.contains('/') {
         name.to_string()
     } else {
@@ -114,7 +123,7 @@ fn attr<'a>(attrs: &'a Value, name: &str) -> &'a Value {
 }
 
 /// Waits for a complete pool in which `pred` holds; its devices.
-fn wait_pool(
+pub(super) fn wait_pool(
     c: &Cluster,
     what: &str,
     timeout: Duration,
@@ -124,7 +133,9 @@ fn wait_pool(
 }
 
 /// Passthrough devices (mode `passthrough`) and vGPU devices per parent GPU.
-fn count_modes(devs: &[(String, Value)]) -> (usize, std::collections::BTreeMap<String, usize>) {
+pub(super) fn count_modes(
+    devs: &[(String, Value)],
+) -> (usize, std::collections::BTreeMap<String, usize>) {
     let mut whole = 0;
     let mut vgpus = std::collections::BTreeMap::new();
     for (_, a) in devs {
@@ -150,6 +161,89 @@ fn driver_of(c: &Cluster, addr: &str) -> Result<String> {
             .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
             .unwrap_or_default()
     })
+}
+
+/// The metadata files a pod printed ([`show_devices`]): each path, and what it holds.
+fn metadata_files(meta: &str) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    for line in meta.lines() {
+        if line == "done" {
+            break;
+        }
+        if line.starts_with(METADATA_DIR) || line.starts_with(LEGACY_METADATA_DIR) {
+            out.push((line.to_string(), String::new()));
+        } else if let Some((_, text)) = out.last_mut() {
+            text.push_str(line);
+            text.push('\n');
+        }
+    }
+    out
+}
+
+/// The name of the ResourceClaim `pod` calls `gpu` (made from its template, or named).
+fn claim_name_of(c: &Cluster, pod: &str) -> Result<String> {
+    let p = c.get_json(&["pod", "-n", TEST_NS, pod])?;
+    p["status"]["resourceClaimStatuses"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|s| s["name"] == "gpu")
+        .and_then(|s| s["resourceClaimName"].as_str())
+        .or_else(|| {
+            p["spec"]["resourceClaims"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|s| s["name"] == "gpu")
+                .and_then(|s| s["resourceClaimName"].as_str())
+        })
+        .map(str::to_string)
+        .with_context(|| format!("pod {pod} has no claim gpu"))
+}
+
+/// The metadata of `pod`'s request `request` as KubeVirt 1.8.0 to 1.8.2 read it, as the
+/// container printed it ([`pod_view`]): at `/var/run/dra-device-attributes/<claim>/<request>/`,
+/// one plain JSON object (not a stream), the `v1alpha1` object of the stream at the newer path;
+/// the object.
+fn legacy_metadata(c: &Cluster, pod: &str, meta: &str, request: &str) -> Result<Value> {
+    let claim = claim_name_of(c, pod)?;
+    let files = metadata_files(meta);
+    let want = format!("{LEGACY_METADATA_DIR}/{claim}/{request}/{DRIVER}-metadata.json");
+    let (_, text) = files
+        .iter()
+        .find(|(p, _)| *p == want)
+        .with_context(|| format!("{pod}'s container has no {want}:\n{meta}"))?;
+    let obj: Value = serde_json::from_str(text.trim())
+        .with_context(|| format!("{want} in {pod} is not one JSON object:\n{text}"))?;
+    ensure!(
+        obj.is_object() && obj["apiVersion"] == "metadata.resource.k8s.io/v1alpha1",
+        "{want} in {pod} is not a v1alpha1 DeviceMetadata object: {obj}"
+    );
+    let suffix = format!("/{request}/{DRIVER}-metadata.json");
+    let (stream_path, stream) = files
+        .iter()
+        .find(|(p, _)| p.starts_with(METADATA_DIR) && p.ends_with(&suffix))
+        .with_context(|| format!("{pod}'s container has no stream file for {request}:\n{meta}"))?;
+    let in_stream = stream
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .any(|o| o == obj);
+    ensure!(
+        in_stream,
+        "{want} in {pod} is not the v1alpha1 object of {stream_path}:\n{text}\n{stream}"
+    );
+    Ok(obj)
+}
+
+/// The attribute `name` (`{"string": ...}`) of the one device of request `request` in a
+/// metadata object.
+fn metadata_attr(obj: &Value, request: &str, name: &str) -> Option<String> {
+    obj["requests"]
+        .as_array()?
+        .iter()
+        .find(|r| r["name"] == request)?["devices"][0]["attributes"][name]["string"]
+        .as_str()
+        .map(str::to_string)
 }
 
 /// The pod's log once it printed everything: its `/dev/vfio` entries and its metadata files.
@@ -185,6 +279,11 @@ fn prepared_first_time(c: &Cluster, pod: &str) -> Result<()> {
     Ok(())
 }
 
+/// sandbox-dra's `resources` value (draDriver.resources), and the container's as stored.
+fn dra_resources() -> (Value, Value) {
+    resources_value(72)
+}
+
 fn install(c: &Cluster, topology: &str, vgpu: bool) -> Result<()> {
     c.mount_sim(topology)?;
     c.label_node(WORKLOAD, Some("vm-dra"))?;
@@ -192,7 +291,12 @@ fn install(c: &Cluster, topology: &str, vgpu: bool) -> Result<()> {
     if vgpu {
         set.push("draDriver.vgpu=all");
     }
-    c.helm_install(&set, &["--wait", "--timeout", "3m"])?;
+    let vf = values_file(
+        c,
+        "dra",
+        &serde_json::json!({"draDriver": {"resources": dra_resources().0}}),
+    )?;
+    c.helm_install(&set, &["-f", &vf, "--wait", "--timeout", "3m"])?;
     wait_daemonset_ready(c, "sandbox-dra", Duration::from_secs(120))?;
     test_namespace(c)
 }
@@ -208,6 +312,7 @@ pub fn passthrough(c: &Cluster) -> Result<()> {
         "draDriver.metricsPort: the Service's port is {}",
         svc["spec"]["ports"][0]["port"]
     );
+    ensure_resources(c, "sandbox-dra", "sandbox-dra", &dra_resources().1)?;
     let devs = wait_pool(c, "the two A10s published", Duration::from_secs(60), |d| {
         count_modes(d).0 == 2
     })?;
@@ -231,7 +336,13 @@ pub fn passthrough(c: &Cluster) -> Result<()> {
         "",
     ))?;
 
-    c.apply(&claim_pod(c, "vm-a", "a10-passthrough"))?;
+    // vm-a runs as virt-launcher's user (107, qemu), not root.
+    c.apply(&claim_pod_with(
+        c,
+        "vm-a",
+        "a10-passthrough",
+        "securityContext:\n  runAsUser: 107\n  runAsGroup: 107",
+    ))?;
     let (vfio_a, meta_a) = pod_view(c, "vm-a")?;
     let addr_a = which_gpu(&vfio_a, &meta_a)?;
     ensure!(
@@ -239,6 +350,12 @@ pub fn passthrough(c: &Cluster) -> Result<()> {
             "{METADATA_DIR}/resourceclaimtemplates/gpu/gpu/{DRIVER}-metadata.json"
         )),
         "vm-a's metadata file is not where KubeVirt reads it:\n{meta_a}"
+    );
+    // Where KubeVirt 1.8.0 to 1.8.2 read it, as that user reads it: one object, the GPU's.
+    let legacy = legacy_metadata(c, "vm-a", &meta_a, "gpu")?;
+    ensure!(
+        metadata_attr(&legacy, "gpu", "resource.kubernetes.io/pciBusID").as_deref() == Some(addr_a),
+        "vm-a's metadata for KubeVirt 1.8.0-1.8.2 does not name {addr_a}: {legacy}"
     );
     ensure!(
         driver_of(c, addr_a)? == "vfio-pci",
@@ -759,6 +876,14 @@ pub fn vgpu(c: &Cluster) -> Result<()> {
     ensure!(
         meta_named.contains("\"0000:81:00.0\""),
         "vm-named's vGPU is not on the new GPU:\n{meta_named}"
+    );
+    // A claim the pod names, where KubeVirt 1.8.0 to 1.8.2 read it: its vGPU's UUID.
+    let legacy = legacy_metadata(c, "vm-named", &meta_named, "gpu")?;
+    let named_uuids = uuids_in(&meta_named);
+    ensure!(
+        named_uuids.len() == 1
+            && metadata_attr(&legacy, "gpu", "mdevUUID") == named_uuids.first().cloned(),
+        "vm-named's metadata for KubeVirt 1.8.0-1.8.2 does not name its vGPU {named_uuids:?}: {legacy}"
     );
     kubevirt_gives(
         c,

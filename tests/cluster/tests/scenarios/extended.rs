@@ -12,9 +12,10 @@ use anyhow::{Context, Result, bail, ensure};
 use cluster_tier::Cluster;
 use serde_json::Value;
 
+use super::dra::{attr, count_modes, wait_pool};
 use super::{
-    ENV_OF_PID1, TEST_NS, WORKLOAD, kubevirt_gives, mdevs, pod_yaml, test_namespace, vmi_gpus,
-    wait_daemonset_ready, wait_log, wait_phase,
+    ENV_OF_PID1, TEST_NS, WORKLOAD, kubevirt_gives, mdevs, pod_yaml, test_namespace, values_file,
+    vmi_gpus, wait_daemonset_ready, wait_log, wait_phase,
 };
 
 const A10: &str = "nvidia.com/GA102GL_A10";
@@ -142,12 +143,50 @@ fn pending_reason(c: &Cluster, pod: &str) -> Result<String> {
 pub fn run(c: &Cluster) -> Result<()> {
     c.mount_sim("2xA10")?;
     c.label_node(WORKLOAD, Some("vm-dra"))?;
+    // draDriver.vgpuTypes: a name and a pattern, the types these pods ask for.
+    let vf = values_file(
+        c,
+        "vgpu-types",
+        &serde_json::json!({"draDriver": {"vgpuTypes": "A10-4Q,*-8Q"}}),
+    )?;
     c.helm_install(
         &["draDriver.enabled=true", "draDriver.vgpu=all"],
-        &["--wait", "--timeout", "3m"],
+        &["-f", &vf, "--wait", "--timeout", "3m"],
     )?;
     wait_daemonset_ready(c, "sandbox-dra", Duration::from_secs(120))?;
     test_namespace(c)?;
+    // The node's slices publish those types' devices alone, on each GPU.
+    let devs = wait_pool(
+        c,
+        "the A10s and their vGPU types published",
+        Duration::from_secs(60),
+        |d| {
+            let (whole, vgpus) = count_modes(d);
+            whole == 2 && vgpus.len() == 2
+        },
+    )?;
+    let mut types: Vec<String> = devs
+        .iter()
+        .filter(|(_, a)| attr(a, "mode")["string"] == "vgpu")
+        .map(|(_, a)| {
+            format!(
+                "{} on {}",
+                attr(a, "vgpuType")["string"].as_str().unwrap_or_default(),
+                attr(a, "parentGPU")["string"].as_str().unwrap_or_default()
+            )
+        })
+        .collect();
+    types.sort();
+    ensure!(
+        types
+            == [
+                "NVIDIA A10-4Q on 0000:41:00.0",
+                "NVIDIA A10-4Q on 0000:61:00.0",
+                "NVIDIA A10-8Q on 0000:41:00.0",
+                "NVIDIA A10-8Q on 0000:61:00.0",
+            ],
+        "draDriver.vgpuTypes=A10-4Q,*-8Q: the slices publish {types:?}"
+    );
     // The chart's classes, and no device plugin on the node: the names are not allocatable.
     let classes = c.get_json(&["deviceclasses"])?;
     let serves = |name: &str| {
@@ -161,9 +200,25 @@ pub fn run(c: &Cluster) -> Result<()> {
         serves(A10) && serves(A10_4Q) && serves(A10_8Q),
         "the chart installs no DeviceClass for {A10}, {A10_4Q} or {A10_8Q}"
     );
-    let node = c.node_json()?;
+    // Of the A10's types, only those vgpuTypes lists have a class.
+    let a10_types: Vec<&str> = classes["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|d: &Value| d["spec"]["extendedResourceName"].as_str())
+        .filter(|n| n.starts_with("nvidia.com/NVIDIA_A10-"))
+        .collect();
     ensure!(
-        node["status"]["allocatable"][A10_4Q].is_null(),
+        a10_types.len() == 2,
+        "draDriver.vgpuTypes=A10-4Q,*-8Q: DeviceClasses for {a10_types:?}"
+    );
+    // A node that ran sandbox-dp before keeps its names in allocatable at 0 (kubelet zeroes a
+    // device plugin's resources and never drops them): the scheduler serves a name at 0
+    // through DRA, as one the node never had.
+    let node = c.node_json()?;
+    let advertised = &node["status"]["allocatable"][A10_4Q];
+    ensure!(
+        advertised.is_null() || advertised == "0",
         "the node advertises {A10_4Q} itself: {}",
         node["status"]["allocatable"]
     );

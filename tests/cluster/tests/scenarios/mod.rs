@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use cluster_tier::{Cluster, NAMESPACE, RELEASE};
 use serde_json::Value;
 
@@ -67,8 +67,8 @@ pub const ALL: &[Scenario] = &[
         run: values::run,
     },
     Scenario {
-        name: "chart-kubelet-dir-and-on-demand-gpus",
-        run: values::kubelet_dir_and_on_demand_gpus,
+        name: "chart-vfio-off-kubelet-dir-on-demand",
+        run: values::vfio_off_kubelet_dir_on_demand,
     },
 ];
 
@@ -269,6 +269,81 @@ pub fn mdevs(c: &Cluster) -> Result<Vec<String>> {
             })
             .unwrap_or_default()
     })
+}
+
+/// Writes `values` (JSON, which is YAML) into the scratch directory for `helm --values`; its
+/// path.
+pub fn values_file(c: &Cluster, name: &str, values: &Value) -> Result<String> {
+    let path = c.dir().join(format!("values-{name}.yaml"));
+    std::fs::write(&path, values.to_string())
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(path.to_string_lossy().into_owned())
+}
+
+/// A daemon's `resources` value as a user may write it (CPUs as a decimal fraction, memory in
+/// Ki and in a fraction of Gi), with `memory_mi` MiB requested; and what the API server stores
+/// for it (canonical quantities), which the daemon's container must carry.
+pub fn resources_value(memory_mi: u32) -> (Value, Value) {
+    let given = serde_json::json!({
+        "requests": {"cpu": "0.015", "memory": format!("{}Ki", memory_mi * 1024)},
+        "limits": {"memory": "0.25Gi"}
+    });
+    let stored = serde_json::json!({
+        "requests": {"cpu": "15m", "memory": format!("{memory_mi}Mi")},
+        "limits": {"memory": "256Mi"}
+    });
+    (given, stored)
+}
+
+/// The chart's pod `app` (`app.kubernetes.io/name`): its container `container` carries exactly
+/// the resources `want`, as the API server stores the pod.
+pub fn ensure_resources(c: &Cluster, app: &str, container: &str, want: &Value) -> Result<()> {
+    let pods = c.get_json(&[
+        "pods",
+        "-n",
+        NAMESPACE,
+        "-l",
+        &format!("app.kubernetes.io/name={app}"),
+    ])?;
+    let items = pods["items"].as_array().cloned().unwrap_or_default();
+    ensure!(!items.is_empty(), "no pod of {app}");
+    for p in items {
+        let got = p["spec"]["containers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|x| x["name"] == container)
+            .map(|x| x["resources"].clone())
+            .with_context(|| format!("{app}'s pod has no container {container}"))?;
+        ensure!(
+            &got == want,
+            "{app}'s container {container} carries the resources {got}, not {want}"
+        );
+    }
+    Ok(())
+}
+
+/// GET `path` from `ip:port` inside the cluster's network (a pod's IP, or the node's); the
+/// status line and the body.
+pub fn http_get(c: &Cluster, ip: &str, port: u16, path: &str) -> Result<(String, String)> {
+    use std::io::{Read, Write};
+    let addr = format!("{ip}:{port}");
+    let text = c.netns().within(|| {
+        let sock: std::net::SocketAddr = addr.parse().with_context(|| format!("address {addr}"))?;
+        let mut s = std::net::TcpStream::connect_timeout(&sock, Duration::from_secs(5))
+            .with_context(|| format!("connecting to {addr}"))?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))?;
+        write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+        let mut out = String::new();
+        s.read_to_string(&mut out)
+            .with_context(|| format!("reading {path} from {addr}"))?;
+        Ok(out)
+    })?;
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    Ok((
+        head.lines().next().unwrap_or_default().to_string(),
+        body.to_string(),
+    ))
 }
 
 /// Waits for a pod's phase to be one of `phases`; the pod.

@@ -8,8 +8,11 @@ use anyhow::{Context, Result, bail, ensure};
 use cluster_tier::{Cluster, NAMESPACE};
 use serde_json::Value;
 
-use super::vgpu::{CONFIG, wait_state};
-use super::{WORKLOAD, wait_allocatable, wait_daemonset_ready};
+use super::vgpu::{CONFIG, STATE, wait_state};
+use super::{
+    WORKLOAD, ensure_resources, http_get, mdevs, resources_value, values_file, wait_allocatable,
+    wait_daemonset_ready,
+};
 
 const CUSTOM_CONFIG: &str = r#"version: v1
 vgpu-configs:
@@ -19,6 +22,16 @@ vgpu-configs:
   two-small:
     - devices: all
       vgpu-devices: {"A10-2Q": 4}
+"#;
+
+/// A ConfigMap of profiles the user keeps (`vgpuDeviceManager.config.create=false`), with a
+/// profile the chart's content does not have.
+const USER_CONFIG_MAP: &str = "user-vgpu-profiles";
+const USER_CONFIG: &str = r#"version: v1
+vgpu-configs:
+  user-4q:
+    - devices: all
+      vgpu-devices: {"A10-4Q": 6}
 "#;
 
 /// The minimal CRDs the chart's optional objects need: the Prometheus Operator's
@@ -140,6 +153,8 @@ pub fn run(c: &Cluster) -> Result<()> {
         "--docker-username=u",
         "--docker-password=p",
     ])?;
+    let (vdm_resources, vdm_stored) = resources_value(40);
+    let (dp_resources, dp_stored) = resources_value(24);
     let values_file = c.dir().join("values-test.yaml");
     let values = serde_json::json!({
         "image": {"repository": "example.test/gpu/gpu-vm-node", "tag": "cluster-test"},
@@ -154,9 +169,9 @@ pub fn run(c: &Cluster) -> Result<()> {
             "defaultConfig": "A10-8Q",
             "config": {"name": "my-vgpu-profiles", "content": CUSTOM_CONFIG},
             "ownNodePolicy": {"enabled": true},
-            "resources": {"requests": {"cpu": "20m", "memory": "40Mi"}, "limits": {"memory": "200Mi"}}
+            "resources": vdm_resources
         },
-        "sandboxDevicePlugin": {"metricsPort": 19483},
+        "sandboxDevicePlugin": {"metricsPort": 19483, "resources": dp_resources},
         "metrics": {"serviceMonitor": {"enabled": true, "interval": "15s", "labels": {"release": "prometheus"}}},
         "openshift": {"scc": {"enabled": true}}
     });
@@ -208,11 +223,9 @@ pub fn run(c: &Cluster) -> Result<()> {
         spec["priorityClassName"],
         spec["priority"]
     );
-    ensure!(
-        spec["containers"][0]["resources"]["limits"]["memory"] == "200Mi",
-        "resources: {}",
-        spec["containers"][0]["resources"]
-    );
+    // resources: as given, in the API server's canonical quantities.
+    ensure_resources(c, "vgpu-device-manager", "vgpu-device-manager", &vdm_stored)?;
+    ensure_resources(c, "sandbox-dp", "sandbox-dp", &dp_stored)?;
     let name = pod["metadata"]["name"]
         .as_str()
         .unwrap_or_default()
@@ -222,16 +235,16 @@ pub fn run(c: &Cluster) -> Result<()> {
         log.contains(" DEBUG "),
         "logLevel=debug: no debug line in vgpu-device-manager's log"
     );
-    for (svc, port) in [
-        ("vgpu-device-manager-metrics", 19482),
-        ("sandbox-dp-metrics", 19483),
-    ] {
-        let s = c.get_json(&["service", "-n", NAMESPACE, svc])?;
+    // metricsPort: the Service's port, and /metrics served there on the pod's IP.
+    for (app, port) in [("vgpu-device-manager", 19482), ("sandbox-dp", 19483)] {
+        let svc = format!("{app}-metrics");
+        let s = c.get_json(&["service", "-n", NAMESPACE, &svc])?;
         ensure!(
             s["spec"]["ports"][0]["port"] == port,
             "{svc} port: {}",
             s["spec"]["ports"][0]
         );
+        metrics_served(c, app, port)?;
     }
     // The ServiceMonitor and the SCC.
     let sm = c.get_json(&["servicemonitors", "-n", NAMESPACE])?;
@@ -272,8 +285,139 @@ pub fn run(c: &Cluster) -> Result<()> {
     );
     c.kubectl(&["delete", "node", "other-node"])?;
 
-    // enabled=false removes a daemon; namespace.create=true is refused and changes nothing.
-    c.helm_install(&["sandboxDevicePlugin.enabled=false"], &["-f", &vf])?;
+    // namespace.create=true is refused and changes nothing.
+    match c.helm_install(&["namespace.create=true"], &["-f", &vf]) {
+        Ok(_) => bail!("namespace.create=true was accepted"),
+        Err(e) => ensure!(
+            format!("{e:#}").contains("Create the namespace first"),
+            "namespace.create=true refused without saying what to do: {e:#}"
+        ),
+    }
+    ensure!(
+        daemonset(c, "vgpu-device-manager").is_ok(),
+        "the refused upgrade changed the release"
+    );
+
+    // config.create=false: the chart's ConfigMap goes, the daemon reads the user's own.
+    c.apply(
+        &serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": USER_CONFIG_MAP, "namespace": NAMESPACE},
+            "data": {"config.yaml": USER_CONFIG}
+        })
+        .to_string(),
+    )?;
+    let user_config = [
+        "vgpuDeviceManager.config.create=false",
+        &format!("vgpuDeviceManager.config.name={USER_CONFIG_MAP}"),
+    ];
+    c.helm_install(&user_config, &["-f", &vf])?;
+    c.wait(
+        "vgpu-device-manager started again with the user's ConfigMap",
+        Duration::from_secs(120),
+        || {
+            let pods = c.get_json(&[
+                "pods",
+                "-n",
+                NAMESPACE,
+                "-l",
+                "app.kubernetes.io/name=vgpu-device-manager",
+            ])?;
+            let items = pods["items"].as_array().cloned().unwrap_or_default();
+            let ok = items.len() == 1
+                && items.iter().all(|p| {
+                    let mounts_user = p["spec"]["volumes"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .any(|v| v["configMap"]["name"] == USER_CONFIG_MAP);
+                    let running =
+                        p["status"]["containerStatuses"][0]["state"]["running"].is_object();
+                    mounts_user && running && p["metadata"]["deletionTimestamp"].is_null()
+                });
+            Ok(ok.then_some(()))
+        },
+    )?;
+    let cms = c.get_json(&["configmaps", "-n", NAMESPACE])?;
+    let mut names: Vec<&str> = cms["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|m| m["metadata"]["name"].as_str())
+        .collect();
+    names.sort_unstable();
+    ensure!(
+        names == ["kube-root-ca.crt", USER_CONFIG_MAP],
+        "config.create=false: the namespace's ConfigMaps are {names:?}"
+    );
+    let user_cm = c.get_json(&["configmap", "-n", NAMESPACE, USER_CONFIG_MAP])?;
+    ensure!(
+        user_cm["data"]["config.yaml"] == USER_CONFIG
+            && user_cm["metadata"]["annotations"]["meta.helm.sh/release-name"].is_null(),
+        "the user's ConfigMap was changed or taken over by the release: {}",
+        user_cm["metadata"]
+    );
+    c.label_node(CONFIG, Some("user-4q"))?;
+    wait_allocatable(c, "nvidia.com/NVIDIA_A10-4Q", 12, Duration::from_secs(90))?;
+    wait_state(c, "success", Duration::from_secs(30))?;
+
+    // vgpuDeviceManager.enabled=false: its DaemonSet, Service and own-node policy go; the vGPUs
+    // it made and the node's state stay, and sandbox-dp goes on serving them.
+    let made = mdevs(c)?;
+    let no_vdm = [
+        user_config[0],
+        user_config[1],
+        "vgpuDeviceManager.enabled=false",
+    ];
+    c.helm_install(&no_vdm, &["-f", &vf])?;
+    c.wait(
+        "vgpu-device-manager's DaemonSet, pod, Service and policy gone",
+        Duration::from_secs(90),
+        || {
+            let left = c.kubectl(&[
+                "get",
+                "daemonset/vgpu-device-manager",
+                "service/vgpu-device-manager-metrics",
+                "validatingadmissionpolicy/gpu-vm-node-vgpu-device-manager-own-node",
+                "-n",
+                NAMESPACE,
+                "--ignore-not-found",
+                "-o",
+                "name",
+            ])?;
+            let pods = c.get_json(&[
+                "pods",
+                "-n",
+                NAMESPACE,
+                "-l",
+                "app.kubernetes.io/name=vgpu-device-manager",
+            ])?;
+            let none = pods["items"].as_array().is_none_or(Vec::is_empty);
+            Ok((left.trim().is_empty() && none).then_some(()))
+        },
+    )?;
+    ensure!(
+        mdevs(c)? == made,
+        "the vGPUs changed when vgpu-device-manager was disabled: {:?}, were {made:?}",
+        mdevs(c)?
+    );
+    let node = c.node_json()?;
+    ensure!(
+        node["metadata"]["labels"][STATE] == "success",
+        "the state label changed when vgpu-device-manager was disabled: {}",
+        node["metadata"]["labels"]
+    );
+    wait_allocatable(c, "nvidia.com/NVIDIA_A10-4Q", 12, Duration::from_secs(30))?;
+
+    // sandboxDevicePlugin.enabled=false removes the device plugin.
+    let no_dp = [
+        user_config[0],
+        user_config[1],
+        "vgpuDeviceManager.enabled=false",
+        "sandboxDevicePlugin.enabled=false",
+    ];
+    c.helm_install(&no_dp, &["-f", &vf])?;
     c.wait("sandbox-dp removed", Duration::from_secs(60), || {
         let out = c.kubectl(&[
             "get",
@@ -287,17 +431,14 @@ pub fn run(c: &Cluster) -> Result<()> {
         ])?;
         Ok(out.trim().is_empty().then_some(()))
     })?;
-    match c.helm_install(&["namespace.create=true"], &["-f", &vf]) {
-        Ok(_) => bail!("namespace.create=true was accepted"),
-        Err(e) => ensure!(
-            format!("{e:#}").contains("Create the namespace first"),
-            "namespace.create=true refused without saying what to do: {e:#}"
-        ),
-    }
-    ensure!(
-        daemonset(c, "vgpu-device-manager").is_ok(),
-        "the refused upgrade changed the release"
-    );
+    c.kubectl(&[
+        "delete",
+        "configmap",
+        "-n",
+        NAMESPACE,
+        USER_CONFIG_MAP,
+        "--ignore-not-found",
+    ])?;
     c.kubectl(&[
         "taint",
         "node",
@@ -307,6 +448,21 @@ pub fn run(c: &Cluster) -> Result<()> {
     for l in ["example.test/pool", "example.test/zone"] {
         c.label_node(l, None)?;
     }
+    Ok(())
+}
+
+/// The chart's daemon `app` serves `/metrics` at `port` of its pod's IP.
+fn metrics_served(c: &Cluster, app: &str, port: u16) -> Result<()> {
+    let pod = pod_of(c, app)?;
+    let ip = pod["status"]["podIP"]
+        .as_str()
+        .with_context(|| format!("{app}'s pod has no IP"))?
+        .to_string();
+    let (status, body) = http_get(c, &ip, port, "/metrics")?;
+    ensure!(
+        status.contains(" 200 ") && body.contains("# TYPE"),
+        "{app}: GET http://{ip}:{port}/metrics answered {status:?}:\n{body}"
+    );
     Ok(())
 }
 
@@ -334,24 +490,95 @@ fn daemon_token(c: &Cluster, name: &str) -> Result<String> {
         .to_string())
 }
 
-/// kubeletDir: a kubelet whose root is not /var/lib/kubelet (k0s, MicroK8s) — here the same
-/// directory seen at another path — and onDemand.gpus naming one GPU.
-pub fn kubelet_dir_and_on_demand_gpus(c: &Cluster) -> Result<()> {
+/// vfioManager.enabled=false on a vm-passthrough node: nothing binds the GPUs, and sandbox-dp
+/// waits for a vfio-pci-ready nobody writes. Then kubeletDir: a kubelet whose root is not
+/// /var/lib/kubelet (k0s, MicroK8s) — here the same directory seen at another path — with
+/// onDemand.gpus naming one GPU, onDemand.metricsPort and onDemand.resources.
+pub fn vfio_off_kubelet_dir_on_demand(c: &Cluster) -> Result<()> {
     let sim = c.mount_sim("2xA10")?;
+    c.label_node(WORKLOAD, Some("vm-passthrough"))?;
+    c.with_sim(|s| s.clear_ops())?;
+    c.helm_install(&["vfioManager.enabled=false"], &[])?;
+    // sandbox-dp scheduled and waiting in its init container: the node was looked at.
+    c.wait(
+        "sandbox-dp waiting for vfio-pci-ready",
+        Duration::from_secs(90),
+        || {
+            let pods = c.get_json(&[
+                "pods",
+                "-n",
+                NAMESPACE,
+                "-l",
+                "app.kubernetes.io/name=sandbox-dp",
+            ])?;
+            let waiting = pods["items"].get(0).is_some_and(|p| {
+                p["status"]["initContainerStatuses"][0]["state"]["running"].is_object()
+            });
+            Ok(waiting.then_some(()))
+        },
+    )?;
+    let left = c.kubectl(&[
+        "get",
+        "daemonset/vfio-manager",
+        "service/vfio-manager-metrics",
+        "-n",
+        NAMESPACE,
+        "--ignore-not-found",
+        "-o",
+        "name",
+    ])?;
+    ensure!(
+        left.trim().is_empty(),
+        "vfioManager.enabled=false installed {left}"
+    );
+    for gpu in ["0000:41:00.0", "0000:61:00.0"] {
+        let drv = std::fs::read_link(sim.join(format!("sys/bus/pci/devices/{gpu}/driver")))?;
+        ensure!(
+            drv.ends_with("nvidia"),
+            "vfioManager.enabled=false: {gpu} is on {drv:?}"
+        );
+    }
+    let written: Vec<String> = c.with_sim(|s| {
+        s.ops()
+            .into_iter()
+            .filter(|o| !o.path.contains("node-sim/"))
+            .map(|o| format!("{} {}", o.path, o.value))
+            .collect()
+    })?;
+    ensure!(
+        written.is_empty(),
+        "vfioManager.enabled=false: sysfs written: {written:?}"
+    );
+    ensure!(
+        !sim.join("run/nvidia/validations/vfio-pci-ready").exists(),
+        "vfio-pci-ready written with vfioManager.enabled=false"
+    );
+    ensure!(
+        c.allocatable("nvidia.com/GA102GL_A10")? == 0,
+        "GPUs advertised with vfioManager.enabled=false"
+    );
+
     // (Short: a device plugin socket path, /host<kubeletDir>/device-plugins/<name>.sock, must fit
     // in 108 bytes.)
     let alt = c.dir().join("k0s/kubelet");
     c.bind_mount(Path::new(cluster_tier::node::KUBELET_ROOT), &alt)?;
     c.label_node(WORKLOAD, Some("vm-vgpu-on-demand"))?;
     let alt_s = alt.to_string_lossy().into_owned();
-    c.helm_install(
-        &[
-            &format!("kubeletDir={alt_s}"),
-            "onDemand.enabled=true",
-            "onDemand.gpus=0000:41:00.0",
-        ],
-        &["--wait", "--timeout", "3m"],
+    let (resources, stored) = resources_value(56);
+    let vf = values_file(
+        c,
+        "on-demand",
+        &serde_json::json!({
+            "kubeletDir": alt_s,
+            "onDemand": {
+                "enabled": true,
+                "gpus": "0000:41:00.0",
+                "metricsPort": 19485,
+                "resources": resources
+            }
+        }),
     )?;
+    c.helm_install(&[], &["-f", &vf, "--wait", "--timeout", "3m"])?;
     // One GPU pooled: six A10-4Q, not twelve; the other GPU's VFs are not enabled.
     wait_allocatable(c, "nvidia.com/NVIDIA_A10-4Q", 6, Duration::from_secs(60))?;
     let vfs = std::fs::read_to_string(sim.join("sys/bus/pci/devices/0000:61:00.0/sriov_numvfs"))?;
@@ -359,5 +586,23 @@ pub fn kubelet_dir_and_on_demand_gpus(c: &Cluster) -> Result<()> {
         vfs.trim() == "0",
         "the GPU outside onDemand.gpus has {vfs} VFs enabled"
     );
+    // onDemand.metricsPort: the Service, and /metrics on the pod's IP; onDemand.resources.
+    let svc = c.get_json(&["service", "-n", NAMESPACE, "sandbox-dp-on-demand-metrics"])?;
+    ensure!(
+        svc["spec"]["ports"][0]["port"] == 19485,
+        "onDemand.metricsPort: the Service's port is {}",
+        svc["spec"]["ports"][0]
+    );
+    let pod = pod_of(c, "sandbox-dp-on-demand")?;
+    let ip = pod["status"]["podIP"]
+        .as_str()
+        .context("sandbox-dp-on-demand's pod has no IP")?
+        .to_string();
+    let (status, body) = http_get(c, &ip, 19485, "/metrics")?;
+    ensure!(
+        status.contains(" 200 ") && body.contains("sandbox_dp_on_demand_vgpus_created"),
+        "GET http://{ip}:19485/metrics answered {status:?}:\n{body}"
+    );
+    ensure_resources(c, "sandbox-dp-on-demand", "sandbox-dp", &stored)?;
     Ok(())
 }

@@ -10,8 +10,8 @@ use anyhow::{Context, Result, ensure};
 use cluster_tier::Cluster;
 
 use super::{
-    ENV_OF_PID1, TEST_NS, WORKLOAD, kill_daemon, kubevirt_gives, pod_yaml, test_namespace,
-    vmi_gpus, wait_allocatable, wait_log, wait_phase,
+    ENV_OF_PID1, TEST_NS, WORKLOAD, ensure_resources, kill_daemon, kubevirt_gives, pod_yaml,
+    resources_value, test_namespace, values_file, vmi_gpus, wait_allocatable, wait_log, wait_phase,
 };
 
 const A10_4Q: &str = "nvidia.com/NVIDIA_A10-4Q";
@@ -157,8 +157,15 @@ pub fn mdevs(c: &Cluster) -> Result<Vec<String>> {
 pub fn relabel_passthrough_to_vgpu(c: &Cluster) -> Result<()> {
     c.mount_sim("2xA10")?;
     c.label_node(WORKLOAD, Some("vm-passthrough"))?;
-    c.helm_install(&[], &["--wait", "--timeout", "3m"])?;
+    let (resources, stored) = resources_value(48);
+    let vf = values_file(
+        c,
+        "vfio-manager",
+        &serde_json::json!({"vfioManager": {"resources": resources}}),
+    )?;
+    c.helm_install(&[], &["-f", &vf, "--wait", "--timeout", "3m"])?;
     wait_allocatable(c, "nvidia.com/GA102GL_A10", 2, Duration::from_secs(60))?;
+    ensure_resources(c, "vfio-manager", "vfio-manager", &stored)?;
     let ready = c.sim_root().join("run/nvidia/validations/vfio-pci-ready");
     ensure!(
         ready.exists(),

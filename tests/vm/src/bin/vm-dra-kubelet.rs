@@ -183,13 +183,36 @@ fn spec_nodes(spec: &Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// The attributes of the first device of the metadata file the CDI spec mounts.
+/// The attributes of the first device of the metadata file the CDI spec mounts: a stream of
+/// `DeviceMetadata` objects, newest API version first (`v1beta1`, then `v1alpha1`), each
+/// naming the same device.
 fn metadata_attributes(spec: &Value) -> anyhow::Result<Value> {
     let host = spec["devices"][1]["containerEdits"]["mounts"][0]["hostPath"]
         .as_str()
         .context("no metadata mount in the spec")?;
-    let m = read_json(Path::new(host))?;
-    Ok(m["requests"][0]["devices"][0]["attributes"].clone())
+    let text = std::fs::read_to_string(host).with_context(|| format!("reading {host}"))?;
+    let objects = serde_json::Deserializer::from_str(&text)
+        .into_iter::<Value>()
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("{host}: not a stream of JSON objects"))?;
+    let versions: Vec<&str> = objects
+        .iter()
+        .map(|o| o["apiVersion"].as_str().unwrap_or(""))
+        .collect();
+    ensure!(
+        versions
+            == [
+                "metadata.resource.k8s.io/v1beta1",
+                "metadata.resource.k8s.io/v1alpha1"
+            ],
+        "{host}: API versions {versions:?}"
+    );
+    let attributes = |o: &Value| o["requests"][0]["devices"][0]["attributes"].clone();
+    ensure!(
+        attributes(&objects[0]) == attributes(&objects[1]),
+        "{host}: its versions name different devices"
+    );
+    Ok(attributes(&objects[0]))
 }
 
 /// Unprepares `c` and checks kubelet is answered without an error.

@@ -60,6 +60,10 @@ pub struct Cli {
     /// scheduler: how many Nodes carry the copied slices (repeatable; default 1 and 100).
     #[arg(long, value_name = "N", value_parser = at_least_one())]
     pub sched_nodes: Vec<usize>,
+    /// scheduler: run on the newest Kubernetes release the cluster tier prepared
+    /// (K8S_NEWEST_VERSION in target/cluster-tier/assets.env) instead of the tier's own.
+    #[arg(long)]
+    pub sched_newest: bool,
     /// scheduler: pods placed one after another per node count and published pool.
     #[arg(long, default_value_t = 50, value_parser = at_least_one())]
     pub sched_pods: usize,

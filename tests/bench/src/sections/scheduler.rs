@@ -692,6 +692,13 @@ fn opt(d: Option<Duration>) -> String {
 pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
     let assets = Assets::load()
         .map_err(|why| anyhow!("the scheduler section needs the cluster tier's assets: {why}"))?;
+    let assets = if cli.sched_newest {
+        assets
+            .newest()
+            .context("--sched-newest: the cluster tier prepared no newest release (K8S_NEWEST)")?
+    } else {
+        assets
+    };
     if !b.dra.exists() {
         bail!(
             "{} not found: build sandbox-dra beside this binary first",
@@ -741,7 +748,7 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
             }
         }
     }
-    report(cli, &runs, r);
+    report(cli, &assets.k8s_version, &runs, r);
     for (nodes, pool, why) in &failed {
         r.line(format!(
             "Not measured: {nodes} nodes, {}: {why}",
@@ -781,8 +788,8 @@ mod why {
     }
 }
 
-fn report(cli: &Cli, runs: &[Run], r: &mut Report) {
-    r.line(format!("sandbox-dra's slices for an {GPUS}xA10 node (node-sim), copied to N Ready Node objects of a real kube-apiserver and kube-scheduler (no kubelet); then {} pods one after another, each with a new claim from a ResourceClaimTemplate (one whole A10 when only passthrough is published, else one A10-4Q), the nodes emptied when full. From the API server's audit log: pod created → bound (the controller-manager creating the claim included), claim created → bound (the scheduler's part: the allocation written, then the binding); p50 and p99 over the pods. From the scheduler's `/metrics`, over the same pods: a scheduling attempt (result `scheduled`), mean and p50/p99 interpolated in the histogram's buckets, and the mean of its Filter extension point (every node's filters, one observation per attempt) and PreFilter.", cli.sched_pods));
+fn report(cli: &Cli, k8s: &str, runs: &[Run], r: &mut Report) {
+    r.line(format!("sandbox-dra's slices for an {GPUS}xA10 node (node-sim), copied to N Ready Node objects of a real kube-apiserver and kube-scheduler {k8s} (no kubelet); then {} pods one after another, each with a new claim from a ResourceClaimTemplate (one whole A10 when only passthrough is published, else one A10-4Q), the nodes emptied when full. From the API server's audit log: pod created → bound (the controller-manager creating the claim included), claim created → bound (the scheduler's part: the allocation written, then the binding); p50 and p99 over the pods. From the scheduler's `/metrics`, over the same pods: a scheduling attempt (result `scheduled`), mean and p50/p99 interpolated in the histogram's buckets, and the mean of its Filter extension point (every node's filters, one observation per attempt) and PreFilter.", cli.sched_pods));
     r.line("");
     r.table(&[
         "nodes",

@@ -348,7 +348,8 @@ pub fn http_get(c: &Cluster, ip: &str, port: u16, path: &str) -> Result<(String,
 
 /// Waits for a pod's phase to be one of `phases`; the pod.
 pub fn wait_phase(c: &Cluster, pod: &str, phases: &[&str], timeout: Duration) -> Result<Value> {
-    c.wait(&format!("pod {pod} in {phases:?}"), timeout, || {
+    let t0 = std::time::Instant::now();
+    let got = c.wait(&format!("pod {pod} in {phases:?}"), timeout, || {
         let p = c.get_json(&["pod", "-n", TEST_NS, pod])?;
         let phase = p["status"]["phase"].as_str().unwrap_or_default();
         if phases.contains(&phase) {
@@ -358,7 +359,25 @@ pub fn wait_phase(c: &Cluster, pod: &str, phases: &[&str], timeout: Duration) ->
             bail!("pod {pod} failed: {}", p["status"]);
         }
         Ok(None)
-    })
+    });
+    // A long wait, passed or not, says what the pod went through.
+    if t0.elapsed() > Duration::from_secs(30) {
+        for e in c.events(Some(TEST_NS)).unwrap_or_default() {
+            if e["regarding"]["name"] == pod || e["involvedObject"]["name"] == pod {
+                let at = e["eventTime"]
+                    .as_str()
+                    .or(e["lastTimestamp"].as_str())
+                    .or(e["deprecatedLastTimestamp"].as_str())
+                    .unwrap_or("");
+                let note = e["note"].as_str().or(e["message"].as_str()).unwrap_or("");
+                eprintln!(
+                    "    {at} {pod}: {} {note}",
+                    e["reason"].as_str().unwrap_or("")
+                );
+            }
+        }
+    }
+    got
 }
 
 /// Waits until a pod's log holds `needle`; the log.

@@ -36,6 +36,8 @@ impl Pool {
                     });
                     changed |= !r.seen || (pod.is_some() && r.pod != pod);
                     r.seen = true;
+                    // Listed again: a later keep is told again.
+                    lock(&self.pod_told).remove(&r.device);
                     if pod.is_some() {
                         r.pod = pod;
                     }
@@ -75,6 +77,9 @@ impl Pool {
                 }
             }
         }
+        // A pod no record names any more is not asked about again anyway.
+        let named: BTreeSet<String> = self.records().into_iter().filter_map(|r| r.pod).collect();
+        lock(&self.gone_pods).retain(|p| named.contains(p));
         dropped
     }
 

@@ -65,7 +65,8 @@ struct Cli {
     /// under /sys/class/mdev_bus, e.g. mtty: their types and counts as sysfs lists them). Each
     /// vGPU type they can host is advertised with as many devices as could still be created;
     /// Allocate creates one, and it is removed once no pod holds it. vgpu-device-manager leaves
-    /// these GPUs alone.
+    /// these GPUs alone. With --node-name, before a vGPU whose pod kubelet no longer lists goes,
+    /// the API server is asked whether that pod still runs on the node (get on pods).
     #[arg(long, value_name = "all|BDF|PARENT,...", value_parser = ondemand::parse_selector, global = true)]
     on_demand: Option<ondemand::Selector>,
 

@@ -410,13 +410,7 @@ pub fn passthrough(c: &Cluster) -> Result<()> {
             "{addr} left vfio-pci when kubelet restarted"
         );
     }
-    let written: Vec<String> = c.with_sim(|s| {
-        s.ops()
-            .into_iter()
-            .filter(|o| !o.path.contains("node-sim/"))
-            .map(|o| format!("{} {}", o.path, o.value))
-            .collect()
-    })?;
+    let written = super::sysfs_writes(c)?;
     ensure!(
         written.is_empty(),
         "sysfs written while kubelet restarted with both claims prepared: {written:?}"

@@ -295,9 +295,8 @@ pub fn resources_value(memory_mi: u32) -> (Value, Value) {
     (given, stored)
 }
 
-/// The chart's pod `app` (`app.kubernetes.io/name`): its container `container` carries exactly
-/// the resources `want`, as the API server stores the pod.
-pub fn ensure_resources(c: &Cluster, app: &str, container: &str, want: &Value) -> Result<()> {
+/// The chart's pods labelled `app.kubernetes.io/name=<app>`.
+pub fn chart_pods(c: &Cluster, app: &str) -> Result<Vec<Value>> {
     let pods = c.get_json(&[
         "pods",
         "-n",
@@ -305,7 +304,25 @@ pub fn ensure_resources(c: &Cluster, app: &str, container: &str, want: &Value) -
         "-l",
         &format!("app.kubernetes.io/name={app}"),
     ])?;
-    let items = pods["items"].as_array().cloned().unwrap_or_default();
+    Ok(pods["items"].as_array().cloned().unwrap_or_default())
+}
+
+/// What was written under node-sim's sysfs since its ops were last cleared (`path value`),
+/// node-sim's own control files left out.
+pub fn sysfs_writes(c: &Cluster) -> Result<Vec<String>> {
+    c.with_sim(|s| {
+        s.ops()
+            .into_iter()
+            .filter(|o| !o.path.contains("node-sim/"))
+            .map(|o| format!("{} {}", o.path, o.value))
+            .collect()
+    })
+}
+
+/// The chart's pod `app` (`app.kubernetes.io/name`): its container `container` carries exactly
+/// the resources `want`, as the API server stores the pod.
+pub fn ensure_resources(c: &Cluster, app: &str, container: &str, want: &Value) -> Result<()> {
+    let items = chart_pods(c, app)?;
     ensure!(!items.is_empty(), "no pod of {app}");
     for p in items {
         let got = p["spec"]["containers"]
@@ -412,8 +429,10 @@ pub fn wait_daemonset_ready(c: &Cluster, name: &str, timeout: Duration) -> Resul
 /// kill -9 of the main container of the chart's pod labelled `app.kubernetes.io/name=<name>` (its
 /// process, as a crash would end it); returns once kubelet restarted it and it is Ready again.
 pub fn kill_daemon(c: &Cluster, name: &str) -> Result<()> {
-    let sel = format!("app.kubernetes.io/name={name}");
-    let pod = c.get_json(&["pods", "-n", NAMESPACE, "-l", &sel])?["items"][0].clone();
+    let pod = chart_pods(c, name)?
+        .into_iter()
+        .next()
+        .with_context(|| format!("no pod of {name}"))?;
     let pod_name = pod["metadata"]["name"]
         .as_str()
         .unwrap_or_default()

@@ -10,8 +10,8 @@ use serde_json::Value;
 
 use super::vgpu::{CONFIG, STATE, wait_state};
 use super::{
-    WORKLOAD, ensure_resources, http_get, mdevs, resources_value, values_file, wait_allocatable,
-    wait_daemonset_ready,
+    WORKLOAD, chart_pods, ensure_resources, http_get, mdevs, resources_value, sysfs_writes,
+    values_file, wait_allocatable, wait_daemonset_ready,
 };
 
 const CUSTOM_CONFIG: &str = r#"version: v1
@@ -62,16 +62,9 @@ fn daemonset(c: &Cluster, name: &str) -> Result<Value> {
 }
 
 fn pod_of(c: &Cluster, name: &str) -> Result<Value> {
-    let pods = c.get_json(&[
-        "pods",
-        "-n",
-        NAMESPACE,
-        "-l",
-        &format!("app.kubernetes.io/name={name}"),
-    ])?;
-    pods["items"]
-        .get(0)
-        .cloned()
+    chart_pods(c, name)?
+        .into_iter()
+        .next()
         .with_context(|| format!("no pod of {name}"))
 }
 
@@ -317,14 +310,7 @@ pub fn run(c: &Cluster) -> Result<()> {
         "vgpu-device-manager started again with the user's ConfigMap",
         Duration::from_secs(120),
         || {
-            let pods = c.get_json(&[
-                "pods",
-                "-n",
-                NAMESPACE,
-                "-l",
-                "app.kubernetes.io/name=vgpu-device-manager",
-            ])?;
-            let items = pods["items"].as_array().cloned().unwrap_or_default();
+            let items = chart_pods(c, "vgpu-device-manager")?;
             let ok = items.len() == 1
                 && items.iter().all(|p| {
                     let mounts_user = p["spec"]["volumes"]
@@ -386,14 +372,7 @@ pub fn run(c: &Cluster) -> Result<()> {
                 "-o",
                 "name",
             ])?;
-            let pods = c.get_json(&[
-                "pods",
-                "-n",
-                NAMESPACE,
-                "-l",
-                "app.kubernetes.io/name=vgpu-device-manager",
-            ])?;
-            let none = pods["items"].as_array().is_none_or(Vec::is_empty);
+            let none = chart_pods(c, "vgpu-device-manager")?.is_empty();
             Ok((left.trim().is_empty() && none).then_some(()))
         },
     )?;
@@ -504,14 +483,8 @@ pub fn vfio_off_kubelet_dir_on_demand(c: &Cluster) -> Result<()> {
         "sandbox-dp waiting for vfio-pci-ready",
         Duration::from_secs(90),
         || {
-            let pods = c.get_json(&[
-                "pods",
-                "-n",
-                NAMESPACE,
-                "-l",
-                "app.kubernetes.io/name=sandbox-dp",
-            ])?;
-            let waiting = pods["items"].get(0).is_some_and(|p| {
+            let pods = chart_pods(c, "sandbox-dp")?;
+            let waiting = pods.first().is_some_and(|p| {
                 p["status"]["initContainerStatuses"][0]["state"]["running"].is_object()
             });
             Ok(waiting.then_some(()))
@@ -538,13 +511,7 @@ pub fn vfio_off_kubelet_dir_on_demand(c: &Cluster) -> Result<()> {
             "vfioManager.enabled=false: {gpu} is on {drv:?}"
         );
     }
-    let written: Vec<String> = c.with_sim(|s| {
-        s.ops()
-            .into_iter()
-            .filter(|o| !o.path.contains("node-sim/"))
-            .map(|o| format!("{} {}", o.path, o.value))
-            .collect()
-    })?;
+    let written = sysfs_writes(c)?;
     ensure!(
         written.is_empty(),
         "vfioManager.enabled=false: sysfs written: {written:?}"

@@ -10,8 +10,9 @@ use anyhow::{Context, Result, ensure};
 use cluster_tier::Cluster;
 
 use super::{
-    ENV_OF_PID1, TEST_NS, WORKLOAD, ensure_resources, kill_daemon, kubevirt_gives, pod_yaml,
-    resources_value, test_namespace, values_file, vmi_gpus, wait_allocatable, wait_log, wait_phase,
+    ENV_OF_PID1, TEST_NS, WORKLOAD, chart_pods, ensure_resources, kill_daemon, kubevirt_gives,
+    pod_yaml, resources_value, test_namespace, values_file, vmi_gpus, wait_allocatable, wait_log,
+    wait_phase,
 };
 
 const A10_4Q: &str = "nvidia.com/NVIDIA_A10-4Q";
@@ -179,14 +180,7 @@ pub fn relabel_passthrough_to_vgpu(c: &Cluster) -> Result<()> {
         "vfio-manager's pod gone, and its readiness file",
         Duration::from_secs(60),
         || {
-            let pods = c.get_json(&[
-                "pods",
-                "-n",
-                cluster_tier::NAMESPACE,
-                "-l",
-                "app.kubernetes.io/name=vfio-manager",
-            ])?;
-            let none = pods["items"].as_array().is_none_or(Vec::is_empty);
+            let none = chart_pods(c, "vfio-manager")?.is_empty();
             Ok((none && !ready.exists()).then_some(()))
         },
     )?;
@@ -206,14 +200,7 @@ pub fn relabel_passthrough_to_vgpu(c: &Cluster) -> Result<()> {
         "--wait=true",
     ])?;
     let pod = c.wait("a new sandbox-dp pod", Duration::from_secs(60), || {
-        let pods = c.get_json(&[
-            "pods",
-            "-n",
-            cluster_tier::NAMESPACE,
-            "-l",
-            "app.kubernetes.io/name=sandbox-dp",
-        ])?;
-        Ok(pods["items"].as_array().and_then(|p| p.first()).cloned())
+        Ok(chart_pods(c, "sandbox-dp")?.into_iter().next())
     })?;
     let name = pod["metadata"]["name"]
         .as_str()

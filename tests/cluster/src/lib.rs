@@ -450,18 +450,32 @@ impl Cluster {
         }
     }
 
-    /// Logs to look at when a scenario failed: each process's last lines, and our pods'.
+    /// Logs to look at when a scenario failed: each process's state and last lines, the
+    /// workloads and pods with their owners, and our pods' logs.
     pub fn diagnostics(&self) -> String {
         let mut out = String::new();
-        for p in self.node().procs() {
-            out.push_str(&format!(
-                "--- {} ({})\n{}\n",
-                p.name(),
-                p.log().display(),
-                p.log_tail(15)
-            ));
+        let procs = |out: &mut String, procs: Vec<&proc::Proc>, lines: usize| {
+            for p in procs {
+                out.push_str(&format!(
+                    "--- {} ({}, {})\n{}\n",
+                    p.name(),
+                    p.state(),
+                    p.log().display(),
+                    p.log_tail(lines)
+                ));
+            }
+        };
+        procs(&mut out, self.control_plane().procs(), 8);
+        procs(&mut out, self.node().procs(), 15);
+        if let Ok(ds) = self.kubectl(&["get", "daemonsets", "-A", "-o", "wide"]) {
+            out.push_str(&format!("--- daemonsets\n{ds}\n"));
         }
-        if let Ok(pods) = self.kubectl(&["get", "pods", "-A", "-o", "wide"]) {
+        // Who owns each pod (a DaemonSet's UID tells a pod of an older one of the same name).
+        let owners = "custom-columns=NAMESPACE:.metadata.namespace,NAME:.metadata.name,\
+                      PHASE:.status.phase,NODE:.spec.nodeName,CREATED:.metadata.creationTimestamp,\
+                      DELETING:.metadata.deletionTimestamp,OWNER:.metadata.ownerReferences[0].name,\
+                      OWNER-UID:.metadata.ownerReferences[0].uid";
+        if let Ok(pods) = self.kubectl(&["get", "pods", "-A", "-o", owners]) {
             out.push_str(&format!("--- pods\n{pods}\n"));
         }
         let logs = self.node().pod_logs();

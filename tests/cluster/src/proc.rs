@@ -87,6 +87,19 @@ impl Proc {
         matches!(self.child.try_wait(), Ok(None))
     }
 
+    /// `running`, or how it ended (`exited`, a zombie not yet reaped), read from /proc without
+    /// reaping it.
+    pub fn state(&self) -> &'static str {
+        match std::fs::read_to_string(format!("/proc/{}/stat", self.pid())) {
+            // The state follows the command name, which is in parentheses.
+            Ok(stat) => match stat.rsplit_once(") ").and_then(|(_, r)| r.chars().next()) {
+                Some('Z') | Some('X') => "exited",
+                _ => "running",
+            },
+            Err(_) => "exited",
+        }
+    }
+
     /// SIGTERM, then SIGKILL after `grace`; waits for it either way.
     pub fn stop(&mut self, grace: Duration) {
         if !self.alive() {

@@ -99,6 +99,7 @@ fn run(cluster: &Cluster, chosen: &[&scenarios::Scenario]) -> Vec<String> {
         // The next scenario starts from a clean cluster, whatever this one left.
         if let Err(e) = scenarios::reset(cluster) {
             eprintln!("cannot reset the cluster after {}: {e:#}", s.name);
+            eprintln!("{}", cluster.diagnostics());
             if result.is_ok() {
                 failed.push(s.name.to_string());
             }

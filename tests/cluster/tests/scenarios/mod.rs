@@ -98,14 +98,40 @@ pub fn reset(c: &Cluster) -> Result<()> {
             .is_none_or(Vec::is_empty)
             .then_some(()))
     })?;
-    let _ = c.helm(&[
+    if let Err(e) = c.helm(&[
         "uninstall",
         RELEASE,
         "--namespace",
         NAMESPACE,
         "--ignore-not-found",
         "--wait",
-    ]);
+    ]) {
+        eprintln!("  reset: helm uninstall failed: {e:#}");
+    }
+    // A workload the uninstall left would start pods in the next scenario, beside its own.
+    let left = c.kubectl(&[
+        "get",
+        "daemonsets,deployments",
+        "-n",
+        NAMESPACE,
+        "-o",
+        "name",
+    ])?;
+    if !left.trim().is_empty() {
+        eprintln!(
+            "  reset: the chart's uninstall left {}; deleting them",
+            left.trim()
+        );
+        c.kubectl(&[
+            "delete",
+            "daemonsets,deployments",
+            "--all",
+            "-n",
+            NAMESPACE,
+            "--wait=true",
+            "--timeout=60s",
+        ])?;
+    }
     for l in [
         WORKLOAD,
         "nvidia.com/vgpu.config",

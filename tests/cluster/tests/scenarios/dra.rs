@@ -287,18 +287,25 @@ fn dra_resources() -> (Value, Value) {
 fn install(c: &Cluster, topology: &str, vgpu: bool) -> Result<()> {
     c.mount_sim(topology)?;
     c.label_node(WORKLOAD, Some("vm-dra"))?;
+    helm_dra(c, vgpu, &[])?;
+    test_namespace(c)
+}
+
+/// Installs or upgrades the chart with the DRA driver as [`install`] does, plus `extra` values,
+/// and waits for the driver to be ready.
+fn helm_dra(c: &Cluster, vgpu: bool, extra: &[&str]) -> Result<()> {
     let mut set = vec!["draDriver.enabled=true", "draDriver.metricsPort=19484"];
     if vgpu {
         set.push("draDriver.vgpu=all");
     }
+    set.extend_from_slice(extra);
     let vf = values_file(
         c,
         "dra",
         &serde_json::json!({"draDriver": {"resources": dra_resources().0}}),
     )?;
     c.helm_install(&set, &["-f", &vf, "--wait", "--timeout", "3m"])?;
-    wait_daemonset_ready(c, "sandbox-dra", Duration::from_secs(120))?;
-    test_namespace(c)
+    wait_daemonset_ready(c, "sandbox-dra", Duration::from_secs(120))
 }
 
 /// Whole GPUs: a claim by product name and one with `firstAvailable`, each pod seeing its
@@ -1210,5 +1217,57 @@ pub fn taints(c: &Cluster) -> Result<()> {
         "kubelet logged errors about device health:\n{}",
         health_errors.join("\n")
     );
+
+    // draDriver.taintEffect=NoExecute: the refused GPU's taint evicts the pod of a claim that
+    // holds it and tolerates NoSchedule only (kube-controller-manager's device taint eviction).
+    c.apply(&claim_pod(c, "vm-x", "tolerant"))?;
+    c.wait(
+        "vm-x's claim allocated the refused GPU",
+        Duration::from_secs(60),
+        || {
+            let claim = claim_of(c, "vm-x").ok();
+            Ok(claim
+                .filter(|cl| {
+                    cl["status"]["allocation"]["devices"]["results"][0]["device"]
+                        == "gpu-0000-41-00-0"
+                })
+                .map(|_| ()))
+        },
+    )?;
+    helm_dra(c, true, &["draDriver.taintEffect=NoExecute"])?;
+    c.wait(
+        "the refused A10's taint NoExecute",
+        Duration::from_secs(60),
+        || {
+            Ok(taint_of(c, "gpu-0000-41-00-0")
+                .ok()
+                .flatten()
+                .filter(|t| {
+                    *t == (
+                        key.clone(),
+                        "group-not-assignable".into(),
+                        "NoExecute".into(),
+                    )
+                })
+                .map(|_| ()))
+        },
+    )?;
+    c.wait(
+        "vm-x evicted by the NoExecute taint",
+        Duration::from_secs(90),
+        || {
+            let out = c.kubectl(&[
+                "get",
+                "pod",
+                "-n",
+                TEST_NS,
+                "vm-x",
+                "--ignore-not-found",
+                "-o",
+                "name",
+            ])?;
+            Ok(out.trim().is_empty().then_some(()))
+        },
+    )?;
     Ok(())
 }

@@ -382,5 +382,33 @@ pub fn run(c: &Cluster) -> Result<()> {
     c.wait("the vGPUs removed", Duration::from_secs(60), || {
         Ok(mdevs(c)?.is_empty().then_some(()))
     })?;
+
+    // draDriver.extendedResources=false: the classes go, and a pod asking by limits waits for
+    // a node that advertises the name, as on a cluster without DRA.
+    c.helm_install(
+        &[
+            "draDriver.enabled=true",
+            "draDriver.vgpu=all",
+            "draDriver.extendedResources=false",
+        ],
+        &["-f", &vf, "--wait", "--timeout", "3m"],
+    )?;
+    let classes = c.get_json(&["deviceclasses"])?;
+    let named: Vec<&str> = classes["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|d: &Value| d["spec"]["extendedResourceName"].as_str())
+        .collect();
+    ensure!(
+        named.is_empty(),
+        "draDriver.extendedResources=false: DeviceClasses still serve {named:?}"
+    );
+    c.apply(&limits_pod(c, "vm-off", A10_4Q, 1))?;
+    let why = pending_reason(c, "vm-off")?;
+    ensure!(
+        why.contains(&format!("Insufficient {A10_4Q}")),
+        "with draDriver.extendedResources=false vm-off waits for another reason: {why}"
+    );
     Ok(())
 }

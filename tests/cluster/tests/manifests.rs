@@ -249,6 +249,19 @@ fn every_value_set_is_accepted_by_the_api_server() {
         assets.k8s_version,
         t0.elapsed().as_secs_f64()
     );
+    drop(api);
+    // And on the newest release when prepared: what a user upgrading the cluster applies next.
+    if let Some(newest) = assets.newest() {
+        let api = ApiServer::start_with(&newest, false).unwrap();
+        let t0 = Instant::now();
+        check_value_sets(&api, &sets, scratch.path()).unwrap();
+        eprintln!(
+            "ok: {} value sets and the examples on Kubernetes {} ({:.1} s)",
+            sets.len(),
+            newest.k8s_version,
+            t0.elapsed().as_secs_f64()
+        );
+    }
 }
 
 /// Global options making a request as service account `sa` of the chart's namespace, from a

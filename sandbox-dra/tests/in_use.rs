@@ -303,3 +303,68 @@ async fn with_kubelet_down_a_prepared_claims_record_keeps_its_gpu_in_use() {
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
     assert_eq!(driver_of(root, "0000:61:00.0").as_deref(), Some("nvidia"));
 }
+
+/// Pods deleted together: kubelet unprepares their claims at once, and each unprepare removes
+/// its claim's CDI spec before it checks who else holds its vGPU. A claim whose spec another
+/// unprepare has removed is held to what its record says, not to "any device": otherwise each
+/// unprepare waits for the other's and none ends (the pods stay Terminating). kubelet's
+/// PodResources is the fake here: the real kubelet's two concurrent unprepares cannot be made
+/// to interleave at this exact point.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unprepare_is_not_blocked_by_a_claim_whose_spec_another_unprepare_removed() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let _d = start(root, &api, &["--vgpu", "all"]);
+    let drv = register(root).await;
+    let a = put_claim(
+        &api,
+        "vm-a-vgpu",
+        "uid-a",
+        "vgpu.gpu-vm-node.io",
+        "vgpu-0000-61-00-0-a10-4q",
+    );
+    let b = put_claim(
+        &api,
+        "vm-b-vgpu",
+        "uid-b",
+        "vgpu.gpu-vm-node.io",
+        "vgpu-0000-41-00-0-a10-4q",
+    );
+    let listed = |c: &Claim, prepared: &[PreparedDevice], pod: &str| {
+        let devices: Vec<ClaimDevice> = prepared
+            .iter()
+            .map(|d| ClaimDevice {
+                driver: DRIVER.into(),
+                pool: d.pool_name.clone(),
+                device: d.device_name.clone(),
+                cdi_devices: d.cdi_device_ids.clone(),
+                share_id: d.share_id.clone(),
+            })
+            .collect();
+        pod_with_claim(NS, pod, "compute", &c.name, &devices)
+    };
+    let pa = prepare(&drv, &a).await.unwrap();
+    let pb = prepare(&drv, &b).await.unwrap();
+    let kubelet = FakePodResources::start(&root.join("var/lib/kubelet/pod-resources/kubelet.sock"))
+        .await
+        .unwrap();
+    kubelet.set_pods(vec![listed(&a, &pa, "vm-a"), listed(&b, &pb, "vm-b")]);
+    let mdevs = || -> usize {
+        std::fs::read_dir(root.join("sys/bus/mdev/devices"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    assert_eq!(mdevs(), 2);
+
+    // vm-b's unprepare got as far as removing its spec.
+    let spec = root.join(format!("var/run/cdi/{DRIVER}_uid-b.json"));
+    std::fs::remove_file(&spec).unwrap_or_else(|e| panic!("{}: {e}", spec.display()));
+
+    unprepare(&drv, &a).await.unwrap();
+    assert_eq!(mdevs(), 1, "vm-a's vGPU is removed, vm-b's kept");
+    unprepare(&drv, &b).await.unwrap();
+    assert_eq!(mdevs(), 0);
+}

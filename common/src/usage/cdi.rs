@@ -61,8 +61,15 @@ impl Edits {
     }
 }
 
-/// The device nodes of the claims' CDI devices, from the specs under `paths`.
-pub(super) fn resolve(paths: &HostPaths, claims: Vec<ListedClaim>) -> Resolved {
+/// The device nodes of the claims' CDI devices, from the specs under `paths`. A CDI device no
+/// spec defines leaves its pod's devices unknown, unless its claim's driver is one of
+/// `keepers`, whose claim records say what the claim holds (its unprepare removes the spec
+/// first and the record last).
+pub(super) fn resolve(
+    paths: &HostPaths,
+    claims: Vec<ListedClaim>,
+    keepers: &BTreeSet<String>,
+) -> Resolved {
     let wanted: BTreeSet<&str> = claims
         .iter()
         .flat_map(|c| c.cdi_devices.iter().map(String::as_str))
@@ -85,7 +92,19 @@ pub(super) fn resolve(paths: &HostPaths, claims: Vec<ListedClaim>) -> Resolved {
             .filter(|d| !nodes.contains_key(d.as_str()))
             .map(String::as_str)
             .collect();
-        if !lost.is_empty() {
+        let recorded = c
+            .pod
+            .claim
+            .as_ref()
+            .is_some_and(|claim| keepers.contains(&claim.driver));
+        if !lost.is_empty() && recorded {
+            // Being unprepared, or unprepared: its record, while there is one, holds its devices.
+            tracing::debug!(
+                "{}: CDI device {} gone; its driver's record says what it holds",
+                who(&c.pod),
+                lost.join(", ")
+            );
+        } else if !lost.is_empty() {
             missing.entry(who(&c.pod)).or_default().extend(lost);
             continue;
         }
@@ -288,6 +307,7 @@ mod tests {
                 listed("c", &["gpu.gpu-vm-node.io/vfio=gone"]),
                 listed("d", &[]),
             ],
+            &BTreeSet::new(),
         );
         let names = |node: &str| -> Vec<String> {
             r.by_node[node]
@@ -319,12 +339,27 @@ mod tests {
     }
 
     #[test]
+    fn a_gone_spec_of_a_driver_that_keeps_records_is_left_to_its_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = HostPaths::new(dir.path());
+        let gone = || vec![listed("c", &["gpu.gpu-vm-node.io/vfio=gone"])];
+        // The driver keeps claim records: the record, or none, says what the claim holds.
+        let keepers = BTreeSet::from(["gpu.gpu-vm-node.io".to_string()]);
+        let r = resolve(&paths, gone(), &keepers);
+        assert!(r.by_node.is_empty() && r.unknown.is_empty(), "{r:?}");
+        // Another driver's: nothing says what it holds.
+        let keepers = BTreeSet::from(["example.com".to_string()]);
+        let r = resolve(&paths, gone(), &keepers);
+        assert_eq!(r.unknown.len(), 1, "{r:?}");
+    }
+
+    #[test]
     fn no_cdi_device_reads_no_spec() {
         let dir = tempfile::tempdir().unwrap();
         let paths = HostPaths::new(dir.path());
         // A directory that cannot be read would be an error: it is not even looked at.
         std::fs::write(dir.path().join("etc"), "not a directory").unwrap();
-        let r = resolve(&paths, vec![listed("a", &[])]);
+        let r = resolve(&paths, vec![listed("a", &[])], &BTreeSet::new());
         assert!(r.by_node.is_empty() && r.unknown.is_empty(), "{r:?}");
     }
 }

@@ -24,7 +24,10 @@
 //! - or a source cannot be read (no `/proc`, a truncated checkpoint, a PodResources socket
 //!   that does not answer, a claim's CDI device that no spec on the node defines): the user is
 //!   **unknown**, which counts as in use. Only a daemon's `--force` overrides it. So does a
-//!   claim record that cannot be read.
+//!   claim record that cannot be read. A claim of a driver that keeps records whose CDI spec is
+//!   gone is not unknown: its unprepare removes the spec first and the record last, so its
+//!   record, while there is one, says what it holds (pods deleted together have their claims
+//!   unprepared at once, and each would otherwise wait for the others).
 //!
 //! A GPU is in use when any of its functions, VFs or vGPUs is ([`Usage::of_gpu`]).
 //!
@@ -493,14 +496,14 @@ impl Usage {
             }
             Err(e) => tracing::warn!("cannot tell which devices pods hold: {e}"),
         }
+        let records = records::read(paths, claim);
         let cdi::Resolved {
             by_node: claims,
             unknown: claims_unknown,
-        } = cdi::resolve(paths, claims);
+        } = cdi::resolve(paths, claims, &records.keepers);
         for e in &claims_unknown {
             tracing::warn!("{e}");
         }
-        let records = records::read(paths, claim);
         tracing::debug!(
             records = records.read,
             dir = %paths.kubelet_plugins_dir().display(),

@@ -17,7 +17,7 @@
 //! a newer format, may hold any device: its user is unknown, which counts as in use until the
 //! driver sets it aside or removes it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -39,6 +39,10 @@ pub(super) struct Records {
     pub by_function: BTreeMap<PciAddress, Vec<PreparedClaim>>,
     /// Records that cannot be read: why, each naming the file.
     pub unknown: Vec<String>,
+    /// The drivers whose records were read (their `claims` directory): what such a driver's
+    /// claim holds is in its record, or nothing when it has none (not prepared yet, or
+    /// unprepared: a record is written before the first change and removed after the last).
+    pub keepers: BTreeSet<String>,
     /// How many records were read, for logs.
     pub read: usize,
 }
@@ -112,6 +116,7 @@ pub(super) fn read(paths: &HostPaths, exclude: Option<(&str, &str)>) -> Records 
                 continue;
             }
         };
+        out.keepers.insert(driver.clone());
         let mut records: Vec<PathBuf> = files
             .filter_map(|e| e.ok())
             .map(|e| e.path())

@@ -268,8 +268,15 @@ impl Cluster {
     }
 
     /// Runs `kubectl` as cluster admin; its stdout.
+    ///
+    /// A `delete` that waits gives up after 3 minutes unless it names its own `--timeout`: a
+    /// pod kubelet cannot finish then fails the scenario, naming it, instead of hanging the run.
     pub fn kubectl(&self, args: &[&str]) -> Result<String> {
-        run_kubectl(&self.assets.kubectl, &self.kubeconfig(), args)
+        let mut args = args.to_vec();
+        if args.first() == Some(&"delete") && !args.iter().any(|a| a.starts_with("--timeout")) {
+            args.push("--timeout=180s");
+        }
+        run_kubectl(&self.assets.kubectl, &self.kubeconfig(), &args)
     }
 
     /// `kubectl get … -o json`.

@@ -46,10 +46,9 @@ fn vfio_manager() -> Option<PathBuf> {
     None
 }
 
-/// kubelet's PodResources API on the node, running pod `vms/virt-launcher-a` whose container
-/// `compute` has claim `c` with the devices its prepare answered.
-async fn kubelet_runs(root: &Path, c: &Claim, prepared: &[PreparedDevice]) -> FakePodResources {
-    let devices: Vec<ClaimDevice> = prepared
+/// The devices of a claim as kubelet's PodResources lists them: those its prepare answered.
+fn claim_devices(prepared: &[PreparedDevice]) -> Vec<ClaimDevice> {
+    prepared
         .iter()
         .map(|d| ClaimDevice {
             driver: DRIVER.into(),
@@ -58,10 +57,16 @@ async fn kubelet_runs(root: &Path, c: &Claim, prepared: &[PreparedDevice]) -> Fa
             cdi_devices: d.cdi_device_ids.clone(),
             share_id: d.share_id.clone(),
         })
-        .collect();
+        .collect()
+}
+
+/// kubelet's PodResources API on the node, running pod `vms/virt-launcher-a` whose container
+/// `compute` has claim `c` with the devices its prepare answered.
+async fn kubelet_runs(root: &Path, c: &Claim, prepared: &[PreparedDevice]) -> FakePodResources {
     let fake = FakePodResources::start(&root.join("var/lib/kubelet/pod-resources/kubelet.sock"))
         .await
         .unwrap();
+    let devices = claim_devices(prepared);
     fake.set_pods(vec![pod_with_claim(NS, POD, "compute", &c.name, &devices)]);
     fake
 }
@@ -334,17 +339,7 @@ async fn an_unprepare_is_not_blocked_by_a_claim_whose_spec_another_unprepare_rem
         "vgpu-0000-41-00-0-a10-4q",
     );
     let listed = |c: &Claim, prepared: &[PreparedDevice], pod: &str| {
-        let devices: Vec<ClaimDevice> = prepared
-            .iter()
-            .map(|d| ClaimDevice {
-                driver: DRIVER.into(),
-                pool: d.pool_name.clone(),
-                device: d.device_name.clone(),
-                cdi_devices: d.cdi_device_ids.clone(),
-                share_id: d.share_id.clone(),
-            })
-            .collect();
-        pod_with_claim(NS, pod, "compute", &c.name, &devices)
+        pod_with_claim(NS, pod, "compute", &c.name, &claim_devices(prepared))
     };
     let pa = prepare(&drv, &a).await.unwrap();
     let pb = prepare(&drv, &b).await.unwrap();

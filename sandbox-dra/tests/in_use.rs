@@ -22,8 +22,8 @@ use std::process::{Command, Output};
 use cluster_tier::ApiServer;
 use serde_json::json;
 use support::{
-    BIN, DRIVER, KUBELET_ROOT, NODE, NS, claim, command, driver_of, prepare, put_claim, reg_socket,
-    register, serving, start, unprepare,
+    BIN, DRIVER, KUBELET_ROOT, NODE, NS, claim, command, driver_of, mdev_count, prepare, put_claim,
+    reg_socket, register, serving, start, unprepare,
 };
 use testkit::apiserver::FakeApiServer;
 use testkit::kubelet::FakePodResources;
@@ -347,19 +347,14 @@ async fn an_unprepare_is_not_blocked_by_a_claim_whose_spec_another_unprepare_rem
         .await
         .unwrap();
     kubelet.set_pods(vec![listed(&a, &pa, "vm-a"), listed(&b, &pb, "vm-b")]);
-    let mdevs = || -> usize {
-        std::fs::read_dir(root.join("sys/bus/mdev/devices"))
-            .map(|d| d.count())
-            .unwrap_or(0)
-    };
-    assert_eq!(mdevs(), 2);
+    assert_eq!(mdev_count(root), 2);
 
     // vm-b's unprepare got as far as removing its spec.
     let spec = root.join(format!("var/run/cdi/{DRIVER}_uid-b.json"));
     std::fs::remove_file(&spec).unwrap_or_else(|e| panic!("{}: {e}", spec.display()));
 
     unprepare(&drv, &a).await.unwrap();
-    assert_eq!(mdevs(), 1, "vm-a's vGPU is removed, vm-b's kept");
+    assert_eq!(mdev_count(root), 1, "vm-a's vGPU is removed, vm-b's kept");
     unprepare(&drv, &b).await.unwrap();
-    assert_eq!(mdevs(), 0);
+    assert_eq!(mdev_count(root), 0);
 }

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use cluster_tier::ApiServer;
 use serde_json::{Value, json};
 use support::{
-    DRIVER, Driver, KUBELET_ROOT, NODE, NS, PATIENCE, claim, command, prepare, reg_socket,
-    register, serving, share_id, unprepare,
+    DRIVER, Driver, KUBELET_ROOT, NODE, NS, PATIENCE, claim, command, mdev_count, prepare,
+    reg_socket, register, serving, share_id, unprepare,
 };
 use testkit::kubelet::dra::Claim;
 use testkit::sim::try_mount;
@@ -146,12 +146,6 @@ fn device_names(slices: &[Value]) -> BTreeSet<String> {
         .flatten()
         .map(|d| d["name"].as_str().unwrap().to_string())
         .collect()
-}
-
-fn mdev_count(root: &Path) -> usize {
-    std::fs::read_dir(root.join("sys/bus/mdev/devices"))
-        .map(|d| d.count())
-        .unwrap_or(0)
 }
 
 fn types(pairs: &[(&str, usize)]) -> BTreeMap<String, usize> {

@@ -212,6 +212,13 @@ pub async fn unprepare(d: &DraDriver, c: &Claim) -> Result<(), String> {
     unprepare_one(d, Version::V1, c).await
 }
 
+/// How many mdevs (vGPUs) the simulated node has.
+pub fn mdev_count(root: &Path) -> usize {
+    std::fs::read_dir(root.join("sys/bus/mdev/devices"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
 /// The driver PCI function `bdf` is bound to, if any.
 pub fn driver_of(root: &Path, bdf: &str) -> Option<String> {
     std::fs::read_link(root.join("sys/bus/pci/devices").join(bdf).join("driver"))

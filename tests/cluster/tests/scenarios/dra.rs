@@ -16,7 +16,7 @@ use serde_json::Value;
 use super::{
     TEST_NS, WORKLOAD, ensure_resources, kill_daemon, kubevirt_gives, mdevs, pod_yaml,
     resources_value, test_namespace, values_file, vmi_dra, vmi_dra_claim, wait_daemonset_ready,
-    wait_log, wait_phase,
+    wait_gone, wait_log, wait_phase,
 };
 
 const DRIVER: &str = "gpu.gpu-vm-node.io";
@@ -1252,22 +1252,12 @@ pub fn taints(c: &Cluster) -> Result<()> {
                 .map(|_| ()))
         },
     )?;
-    c.wait(
+    wait_gone(
+        c,
         "vm-x evicted by the NoExecute taint",
+        "pod",
+        "vm-x",
         Duration::from_secs(90),
-        || {
-            let out = c.kubectl(&[
-                "get",
-                "pod",
-                "-n",
-                TEST_NS,
-                "vm-x",
-                "--ignore-not-found",
-                "-o",
-                "name",
-            ])?;
-            Ok(out.trim().is_empty().then_some(()))
-        },
     )?;
     Ok(())
 }

@@ -15,7 +15,7 @@ use serde_json::Value;
 use super::dra::{attr, count_modes, wait_pool};
 use super::{
     ENV_OF_PID1, TEST_NS, WORKLOAD, kubevirt_gives, mdevs, pod_yaml, test_namespace, values_file,
-    vmi_gpus, wait_daemonset_ready, wait_log, wait_phase,
+    vmi_gpus, wait_daemonset_ready, wait_gone, wait_log, wait_phase,
 };
 
 const A10: &str = "nvidia.com/GA102GL_A10";
@@ -246,22 +246,12 @@ pub fn run(c: &Cluster) -> Result<()> {
         Duration::from_secs(60),
         || Ok(mdevs(c)?.is_empty().then_some(())),
     )?;
-    c.wait(
+    wait_gone(
+        c,
         "vm-4q's claim gone with it",
+        "resourceclaim",
+        &claim,
         Duration::from_secs(60),
-        || {
-            let out = c.kubectl(&[
-                "get",
-                "resourceclaim",
-                "-n",
-                TEST_NS,
-                &claim,
-                "--ignore-not-found",
-                "-o",
-                "name",
-            ])?;
-            Ok(out.trim().is_empty().then_some(()))
-        },
     )?;
 
     // A whole A10 by limits: its address in PCI_RESOURCE_, its group on vfio-pci and in the

@@ -321,6 +321,23 @@ pub fn resources_value(memory_mi: u32) -> (Value, Value) {
     (given, stored)
 }
 
+/// Waits until the test namespace's `kind` object `name` is gone (`what` for the wait's message).
+pub fn wait_gone(c: &Cluster, what: &str, kind: &str, name: &str, timeout: Duration) -> Result<()> {
+    c.wait(what, timeout, || {
+        let out = c.kubectl(&[
+            "get",
+            kind,
+            "-n",
+            TEST_NS,
+            name,
+            "--ignore-not-found",
+            "-o",
+            "name",
+        ])?;
+        Ok(out.trim().is_empty().then_some(()))
+    })
+}
+
 /// The chart's pods labelled `app.kubernetes.io/name=<app>`.
 pub fn chart_pods(c: &Cluster, app: &str) -> Result<Vec<Value>> {
     let pods = c.get_json(&[

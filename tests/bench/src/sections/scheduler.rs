@@ -37,6 +37,11 @@ const GPUS: usize = 8;
 const A10_4Q_PER_GPU: usize = 6;
 /// The vGPU types the third pool publishes (`--vgpu-types`).
 const FEW_TYPES: &str = "A10-4Q,A10-8Q";
+/// The chart's DeviceClass of the type A10-4Q alone (`draDriver.extendedResources`): what a pod
+/// asking for `nvidia.com/NVIDIA_A10-4Q` by limits is given, and what a claim may name.
+const TYPE_CLASS: &str = "nvidia-a10-4q.gpu-vm-node.io";
+/// The claim template of the fourth pool's pods: one device of [`TYPE_CLASS`], no selector.
+const TYPE_CLASS_TEMPLATE: &str = "a10-4q-by-class";
 /// How long one pod may wait to be bound.
 const PATIENCE: Duration = Duration::from_secs(120);
 
@@ -60,6 +65,9 @@ enum Pool {
     AllTypes,
     /// `--vgpu all --vgpu-types` [`FEW_TYPES`].
     FewTypes,
+    /// `--vgpu all`, the claims naming the type's own class ([`TYPE_CLASS`]) instead of the
+    /// vGPU class and a selector.
+    AllTypesByClass,
 }
 
 impl Pool {
@@ -68,6 +76,7 @@ impl Pool {
             Pool::Passthrough => "(a) passthrough only",
             Pool::AllTypes => "(b) `--vgpu all`",
             Pool::FewTypes => "(c) `--vgpu-types A10-4Q,A10-8Q`",
+            Pool::AllTypesByClass => "(d) `--vgpu all`, claims by the type's class",
         }
     }
 
@@ -75,7 +84,7 @@ impl Pool {
     fn args(self) -> Vec<&'static str> {
         match self {
             Pool::Passthrough => vec![],
-            Pool::AllTypes => vec!["--vgpu", "all"],
+            Pool::AllTypes | Pool::AllTypesByClass => vec!["--vgpu", "all"],
             Pool::FewTypes => vec!["--vgpu", "all", "--vgpu-types", FEW_TYPES],
         }
     }
@@ -84,6 +93,11 @@ impl Pool {
     fn claim(self) -> (&'static str, &'static str, usize) {
         match self {
             Pool::Passthrough => ("a10-passthrough", "one whole A10", GPUS),
+            Pool::AllTypesByClass => (
+                TYPE_CLASS_TEMPLATE,
+                "one A10-4Q by its class",
+                GPUS * A10_4Q_PER_GPU,
+            ),
             _ => ("a10-4q", "one A10-4Q", GPUS * A10_4Q_PER_GPU),
         }
     }
@@ -499,6 +513,45 @@ fn wait(what: &str, limit: Duration, mut f: impl FnMut() -> Result<bool>) -> Res
     Ok(())
 }
 
+/// Creates the chart's [`TYPE_CLASS`] as `helm template` renders it with vGPUs on, and the claim
+/// template [`TYPE_CLASS_TEMPLATE`] naming it.
+fn type_class(assets: &Assets, cp: &ControlPlane, dir: &Path) -> Result<()> {
+    let chart = cluster_tier::assets::repo().join("deploy/helm/gpu-vm-node");
+    let out = Command::new(&assets.helm)
+        .args(["template", "bench"])
+        .arg(&chart)
+        .args([
+            "--set",
+            "draDriver.enabled=true",
+            "--set",
+            "draDriver.vgpu=all",
+            "--show-only",
+            "templates/dra.yaml",
+        ])
+        .output()
+        .context("running helm template")?;
+    if !out.status.success() {
+        bail!(
+            "helm template: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let class = text
+        .split("\n---")
+        .find(|d| d.contains("kind: DeviceClass") && d.contains(&format!("name: {TYPE_CLASS}")))
+        .with_context(|| format!("the chart renders no DeviceClass {TYPE_CLASS}"))?;
+    let path = dir.join("type-class.yaml");
+    let template = format!(
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata:\n  name: \
+         {TYPE_CLASS_TEMPLATE}\n  namespace: {NS}\nspec:\n  spec:\n    devices:\n      requests:\n      \
+         - name: gpu\n        exactly:\n          deviceClassName: {TYPE_CLASS}\n"
+    );
+    std::fs::write(&path, format!("{class}\n---\n{template}"))?;
+    cp.kubectl(&["apply", "-f", &path.to_string_lossy()])?;
+    Ok(())
+}
+
 fn scenario(
     assets: &Assets,
     dir: &Path,
@@ -524,6 +577,9 @@ fn scenario(
             cp.kubectl(&["create", "namespace", NS])?;
         }
         cp.kubectl(&["apply", "-n", NS, "-f", &f.to_string_lossy()])?;
+    }
+    if pool == Pool::AllTypesByClass {
+        type_class(assets, &cp, dir)?;
     }
     let names: Vec<String> = (0..nodes).map(|i| format!("node-{i:03}")).collect();
     create(
@@ -714,7 +770,12 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let pools = [Pool::Passthrough, Pool::AllTypes, Pool::FewTypes];
+    let pools = [
+        Pool::Passthrough,
+        Pool::AllTypes,
+        Pool::FewTypes,
+        Pool::AllTypesByClass,
+    ];
     let published = {
         let dir = top.path().join(format!("{unique}-source"));
         std::fs::create_dir_all(&dir)?;

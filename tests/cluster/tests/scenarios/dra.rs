@@ -695,8 +695,13 @@ pub fn vgpu(c: &Cluster) -> Result<()> {
     ensure!(mdevs(c)?.len() == 6, "{:?}", mdevs(c)?);
 
     // The A10-4Q GPU filled up (six), then a seventh: turned away with the scheduler's reason.
+    // The fifth names the type's own class (the examples' a10-4q-by-class, no selector) and
+    // takes a share of the same device.
     let more: String = (4..=6)
-        .map(|i| format!("{}---\n", claim_pod(c, &format!("vm-4q-{i}"), "a10-4q")))
+        .map(|i| {
+            let template = if i == 5 { "a10-4q-by-class" } else { "a10-4q" };
+            format!("{}---\n", claim_pod(c, &format!("vm-4q-{i}"), template))
+        })
         .collect();
     c.apply(&more)?;
     for i in 4..=6 {

@@ -64,6 +64,12 @@ pub struct Cli {
     /// (K8S_NEWEST_VERSION in target/cluster-tier/assets.env) instead of the tier's own.
     #[arg(long)]
     pub sched_newest: bool,
+    /// scheduler: the published pools measured, by letter (default all): a passthrough only,
+    /// b `--vgpu all`, c `--vgpu-types A10-4Q,A10-8Q`, d `--vgpu all` with claims naming the
+    /// type's own DeviceClass.
+    #[arg(long, value_name = "POOL", value_delimiter = ',',
+          value_parser = clap::builder::PossibleValuesParser::new(["a", "b", "c", "d"]))]
+    pub sched_pools: Vec<String>,
     /// scheduler: pods placed one after another per node count and published pool.
     #[arg(long, default_value_t = 50, value_parser = at_least_one())]
     pub sched_pods: usize,
@@ -215,6 +221,10 @@ mod tests {
         assert!(Cli::try_parse_from(["gpu-vm-bench", "--only", "plain"]).is_err());
         let cli = Cli::try_parse_from(["gpu-vm-bench", "--only", "scheduler"]).unwrap();
         assert_eq!((cli.sched_nodes.len(), cli.sched_pods), (0, 50));
+        assert!(cli.sched_pools.is_empty());
+        let cli = Cli::try_parse_from(["gpu-vm-bench", "--sched-pools", "a,d"]).unwrap();
+        assert_eq!(cli.sched_pools, ["a", "d"]);
+        assert!(Cli::try_parse_from(["gpu-vm-bench", "--sched-pools", "e"]).is_err());
         let cli = Cli::try_parse_from(["gpu-vm-bench", "--only", "dra-api"]).unwrap();
         assert_eq!((cli.api_window_secs, cli.api_scale_secs), (600, 120));
     }

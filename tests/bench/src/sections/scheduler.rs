@@ -2,10 +2,12 @@
 //! cluster tier's binaries, `cluster_tier::ControlPlane`; no kubelet: pods are bound, never run).
 //!
 //! The slices are sandbox-dra's own: it runs once per pool on a simulated 8xA10 node against the
-//! API server (passthrough only, `--vgpu all`, and `--vgpu all --vgpu-types A10-4Q,A10-8Q`),
-//! and its slices are copied to N Node objects (renamed, `nodeName`, pool and owner changed).
-//! Then pods, one after another, each with a new claim from a
-//! ResourceClaimTemplate (one A10-4Q, or one whole A10 when no vGPU is published), until the
+//! API server (passthrough only, `--vgpu all`, `--vgpu all --vgpu-types A10-4Q,A10-8Q`, and
+//! `--vgpu all` again for claims naming the type's own DeviceClass), and its slices are copied
+//! to N Node objects (renamed, `nodeName`, pool and owner changed).
+//! Then pods, one after another, each with a new claim from a ResourceClaimTemplate (one
+//! A10-4Q, by the vGPU class and a selector or by its type's class, or one whole A10 when no
+//! vGPU is published), until the
 //! count asked; when the nodes are full the pods are deleted and the next ones start on empty
 //! nodes again. Timings come from the API server's audit log (microseconds): the pod's create,
 //! the claim's create by the controller-manager, the scheduler's binding (`spec.nodeName` set,
@@ -40,7 +42,8 @@ const FEW_TYPES: &str = "A10-4Q,A10-8Q";
 /// The chart's DeviceClass of the type A10-4Q alone (`draDriver.extendedResources`): what a pod
 /// asking for `nvidia.com/NVIDIA_A10-4Q` by limits is given, and what a claim may name.
 const TYPE_CLASS: &str = "nvidia-a10-4q.gpu-vm-node.io";
-/// The claim template of the fourth pool's pods: one device of [`TYPE_CLASS`], no selector.
+/// The examples' claim template of the fourth pool's pods: one device of [`TYPE_CLASS`], no
+/// selector.
 const TYPE_CLASS_TEMPLATE: &str = "a10-4q-by-class";
 /// How long one pod may wait to be bound.
 const PATIENCE: Duration = Duration::from_secs(120);
@@ -71,6 +74,16 @@ enum Pool {
 }
 
 impl Pool {
+    /// How `--sched-pools` names it.
+    fn letter(self) -> &'static str {
+        match self {
+            Pool::Passthrough => "a",
+            Pool::AllTypes => "b",
+            Pool::FewTypes => "c",
+            Pool::AllTypesByClass => "d",
+        }
+    }
+
     fn label(self) -> &'static str {
         match self {
             Pool::Passthrough => "(a) passthrough only",
@@ -513,8 +526,8 @@ fn wait(what: &str, limit: Duration, mut f: impl FnMut() -> Result<bool>) -> Res
     Ok(())
 }
 
-/// Creates the chart's [`TYPE_CLASS`] as `helm template` renders it with vGPUs on, and the claim
-/// template [`TYPE_CLASS_TEMPLATE`] naming it.
+/// Creates the chart's [`TYPE_CLASS`] as `helm template` renders it with vGPUs on (the
+/// examples' template [`TYPE_CLASS_TEMPLATE`] names it).
 fn type_class(assets: &Assets, cp: &ControlPlane, dir: &Path) -> Result<()> {
     let chart = cluster_tier::assets::repo().join("deploy/helm/gpu-vm-node");
     let out = Command::new(&assets.helm)
@@ -542,12 +555,7 @@ fn type_class(assets: &Assets, cp: &ControlPlane, dir: &Path) -> Result<()> {
         .find(|d| d.contains("kind: DeviceClass") && d.contains(&format!("name: {TYPE_CLASS}")))
         .with_context(|| format!("the chart renders no DeviceClass {TYPE_CLASS}"))?;
     let path = dir.join("type-class.yaml");
-    let template = format!(
-        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata:\n  name: \
-         {TYPE_CLASS_TEMPLATE}\n  namespace: {NS}\nspec:\n  spec:\n    devices:\n      requests:\n      \
-         - name: gpu\n        exactly:\n          deviceClassName: {TYPE_CLASS}\n"
-    );
-    std::fs::write(&path, format!("{class}\n---\n{template}"))?;
+    std::fs::write(&path, class)?;
     cp.kubectl(&["apply", "-f", &path.to_string_lossy()])?;
     Ok(())
 }
@@ -770,12 +778,15 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let pools = [
+    let pools: Vec<Pool> = [
         Pool::Passthrough,
         Pool::AllTypes,
         Pool::FewTypes,
         Pool::AllTypesByClass,
-    ];
+    ]
+    .into_iter()
+    .filter(|p| cli.sched_pools.is_empty() || cli.sched_pools.iter().any(|l| l == p.letter()))
+    .collect();
     let published = {
         let dir = top.path().join(format!("{unique}-source"));
         std::fs::create_dir_all(&dir)?;

@@ -429,18 +429,12 @@ struct Metrics {
 }
 
 fn scrape(port: u16) -> Result<Metrics> {
-    let out = Command::new("curl")
-        .args(["-sSfk", "--max-time", "10"])
-        .arg(format!("https://127.0.0.1:{port}/metrics"))
-        .output()
-        .context("running curl")?;
-    if !out.status.success() {
-        bail!(
-            "kube-scheduler's /metrics: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = cluster_tier::proc::run(
+        Command::new("curl")
+            .args(["-sSfk", "--max-time", "10"])
+            .arg(format!("https://127.0.0.1:{port}/metrics")),
+    )
+    .context("kube-scheduler's /metrics")?;
     let ext = "scheduler_framework_extension_point_duration_seconds";
     Ok(Metrics {
         attempt: Histogram::parse(
@@ -530,26 +524,20 @@ fn wait(what: &str, limit: Duration, mut f: impl FnMut() -> Result<bool>) -> Res
 /// examples' template [`TYPE_CLASS_TEMPLATE`] names it).
 fn type_class(assets: &Assets, cp: &ControlPlane, dir: &Path) -> Result<()> {
     let chart = cluster_tier::assets::repo().join("deploy/helm/gpu-vm-node");
-    let out = Command::new(&assets.helm)
-        .args(["template", "bench"])
-        .arg(&chart)
-        .args([
-            "--set",
-            "draDriver.enabled=true",
-            "--set",
-            "draDriver.vgpu=all",
-            "--show-only",
-            "templates/dra.yaml",
-        ])
-        .output()
-        .context("running helm template")?;
-    if !out.status.success() {
-        bail!(
-            "helm template: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = cluster_tier::proc::run(
+        Command::new(&assets.helm)
+            .args(["template", "bench"])
+            .arg(&chart)
+            .args([
+                "--set",
+                "draDriver.enabled=true",
+                "--set",
+                "draDriver.vgpu=all",
+                "--show-only",
+                "templates/dra.yaml",
+            ]),
+    )
+    .context("helm template")?;
     let class = text
         .split("\n---")
         .find(|d| d.contains("kind: DeviceClass") && d.contains(&format!("name: {TYPE_CLASS}")))

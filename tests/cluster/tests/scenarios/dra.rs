@@ -710,6 +710,14 @@ pub fn vgpu(c: &Cluster) -> Result<()> {
             parent_of(&meta)? == four_gpu,
             "vm-4q-{i} is not beside the other A10-4Qs on {four_gpu}"
         );
+        if i == 5 {
+            kubevirt_gives(
+                c,
+                "vm-4q-5",
+                &vmi_dra("a10-4q-by-class", &["gpu"]),
+                &uuids_in(&meta),
+            )?;
+        }
     }
     c.apply(&claim_pod(c, "vm-4q-7", "a10-4q"))?;
     let why = unschedulable(c, "vm-4q-7")?;

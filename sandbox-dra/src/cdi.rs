@@ -88,7 +88,8 @@ pub const LEGACY_METADATA_API_VERSION: &str = "metadata.resource.k8s.io/v1alpha1
 pub struct ClaimDevice {
     /// The claim's requests it was allocated for (`gpu`, or `gpu/subrequest`).
     pub requests: Vec<String>,
-    /// Its pool (the node's name).
+    /// Its pool, as the claim's allocation names it: the node's (`node-a`), or its GPU's
+    /// (`node-a/gpu-0000-41-00-0`).
     pub pool: String,
     /// Its name in the pool (`gpu-0000-41-00-0`).
     pub device: String,

@@ -228,7 +228,10 @@ impl Gone {
 #[derive(Debug)]
 pub struct Reporter {
     tx: watch::Sender<Option<Arc<NodeWatchResourcesResponse>>>,
-    pool: String,
+    /// The node's name: its own pool, and the prefix of its GPUs' pools.
+    node: String,
+    /// The pool each device reported was last published in.
+    pools: BTreeMap<String, String>,
     /// `<kubelet-root>/plugins/<driver>` as this process reaches it (the claim records).
     driver_dir: PathBuf,
     timeout: Duration,
@@ -238,7 +241,7 @@ pub struct Reporter {
 
 /// The reporter and the service it feeds; the service's streams end at `shutdown`.
 pub fn channel(
-    pool: String,
+    node: String,
     driver_dir: PathBuf,
     timeout: Duration,
     shutdown: CancellationToken,
@@ -247,7 +250,8 @@ pub fn channel(
     (
         Reporter {
             tx,
-            pool,
+            node,
+            pools: BTreeMap::new(),
             driver_dir,
             timeout,
             gone: Gone::default(),
@@ -257,13 +261,18 @@ pub fn channel(
     )
 }
 
-/// The devices of the claims prepared in this pool; a record that cannot be read is skipped.
-pub fn prepared_devices(driver_dir: &std::path::Path, pool: &str) -> Vec<ClaimDevice> {
+/// The devices of the claims prepared on node `node`, in any of its pools
+/// ([`names::is_node_pool`]); a record that cannot be read is skipped.
+pub fn prepared_devices(driver_dir: &std::path::Path, node: &str) -> Vec<ClaimDevice> {
     let mut out = Vec::new();
     for p in record::list(driver_dir) {
         match record::load_path(&p) {
             Ok(Some(r)) if r.state == ClaimState::Prepared => {
-                out.extend(r.devices.into_iter().filter(|d| d.pool == pool));
+                out.extend(
+                    r.devices
+                        .into_iter()
+                        .filter(|d| names::is_node_pool(node, &d.pool)),
+                );
             }
             Ok(_) => {}
             Err(e) => tracing::debug!(error = %e, "claim record skipped for health"),
@@ -291,16 +300,18 @@ fn cut(mut s: String) -> String {
 }
 
 impl Reporter {
-    /// Judges the node now that the publisher read it: `published` the slice's device names,
-    /// `left_out` the GPUs it left out. Sends the complete list to every stream (also when
-    /// nothing changed: kubelet's timeout counts from the last message).
+    /// Judges the node now that the publisher read it: `published` the slices' devices (pool,
+    /// name), `left_out` the GPUs they left out. Sends the complete list to every stream (also
+    /// when nothing changed: kubelet's timeout counts from the last message). A device is
+    /// reported in the pool it is published in, and in each pool a prepared claim's allocation
+    /// names it in.
     pub async fn report(
         &mut self,
         paths: &HostPaths,
-        published: Vec<String>,
+        published: Vec<(String, String)>,
         left_out: &[LeftOut],
     ) {
-        let (paths, driver_dir, pool) = (paths.clone(), self.driver_dir.clone(), self.pool.clone());
+        let (paths, driver_dir, pool) = (paths.clone(), self.driver_dir.clone(), self.node.clone());
         let read = tokio::task::spawn_blocking(move || {
             let opts = ReadOptions {
                 mdev_types: false,
@@ -321,7 +332,12 @@ impl Reporter {
                 return;
             }
         };
-        let published: BTreeSet<String> = published.into_iter().collect();
+        let mut names = BTreeSet::new();
+        for (pool, name) in published {
+            self.pools.insert(name.clone(), pool);
+            names.insert(name);
+        }
+        let published = names;
         let verdicts = judge(
             &Seen {
                 inv: &inv,
@@ -347,25 +363,40 @@ impl Reporter {
         }
         let now = unix_now();
         let timeout = i64::try_from(self.timeout.as_secs()).unwrap_or(i64::MAX);
-        let devices = verdicts
-            .iter()
-            .map(|(name, v)| {
-                let (health, message) = match v {
-                    Verdict::Healthy => (HealthStatus::Healthy, String::new()),
-                    Verdict::Unhealthy(why) => (HealthStatus::Unhealthy, cut(why.clone())),
-                };
-                DeviceHealth {
+        self.pools.retain(|name, _| verdicts.contains_key(name));
+        let mut devices = Vec::new();
+        for (name, v) in &verdicts {
+            let (health, message) = match v {
+                Verdict::Healthy => (HealthStatus::Healthy, String::new()),
+                Verdict::Unhealthy(why) => (HealthStatus::Unhealthy, cut(why.clone())),
+            };
+            let mut pools: BTreeSet<&str> = prepared
+                .iter()
+                .filter(|d| d.device == *name)
+                .map(|d| d.pool.as_str())
+                .collect();
+            match self.pools.get(name) {
+                Some(p) => {
+                    pools.insert(p);
+                }
+                None if pools.is_empty() => {
+                    pools.insert(&self.node);
+                }
+                None => {}
+            }
+            for pool in pools {
+                devices.push(DeviceHealth {
                     device: Some(DeviceIdentifier {
-                        pool_name: self.pool.clone(),
+                        pool_name: pool.to_string(),
                         device_name: name.clone(),
                     }),
                     health: health.into(),
                     last_updated_time: now,
                     health_check_timeout_seconds: timeout,
-                    message,
-                }
-            })
-            .collect();
+                    message: message.clone(),
+                });
+            }
+        }
         self.last = verdicts;
         self.tx
             .send_replace(Some(Arc::new(NodeWatchResourcesResponse { devices })));

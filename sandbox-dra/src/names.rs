@@ -30,6 +30,32 @@ pub fn parse_gpu_device(name: &str) -> Option<PciAddress> {
     (gpu_device(&addr) == name).then_some(addr)
 }
 
+/// The longest pool name the API accepts.
+const MAX_POOL_NAME: usize = 253;
+
+/// The pool of a GPU of the vGPU pool on node `node`: `<node>/gpu-0000-41-00-0`, its counter
+/// set and every device consuming it (its whole-GPU device, its vGPU devices) alone, so that the
+/// scheduler's counter check walks that GPU's devices only. The node's own pool (`node`) when
+/// that name would be longer than the API takes.
+pub fn gpu_pool(node: &str, gpu: &PciAddress) -> String {
+    let name = format!("{node}/{}", gpu_device(gpu));
+    if name.len() > MAX_POOL_NAME {
+        return node.to_string();
+    }
+    name
+}
+
+/// Whether `pool` is one of node `node`'s pools: the node's own, or one of its GPUs'
+/// ([`gpu_pool`]).
+pub fn is_node_pool(node: &str, pool: &str) -> bool {
+    pool == node
+        || pool
+            .strip_prefix(node)
+            .and_then(|rest| rest.strip_prefix('/'))
+            .and_then(parse_gpu_device)
+            .is_some()
+}
+
 /// The part of a vGPU type name a device name carries: `a10-4q` for `NVIDIA A10-4Q`.
 pub fn type_key(type_name: &str) -> String {
     type_name
@@ -173,6 +199,27 @@ pub(crate) mod tests {
             "a\0b".into(),
             "a".repeat(limit + 1),
         ]
+    }
+
+    #[test]
+    fn a_pooled_gpu_has_a_pool_of_its_own_under_the_nodes_name() {
+        let gpu: PciAddress = "0000:41:00.0".parse().unwrap();
+        assert_eq!(gpu_pool("node-a", &gpu), "node-a/gpu-0000-41-00-0");
+        assert!(is_node_pool("node-a", "node-a"));
+        assert!(is_node_pool("node-a", "node-a/gpu-0000-41-00-0"));
+        for other in [
+            "node-b",
+            "node-ab",
+            "node-a/",
+            "node-a/gpu-0000-41-00-0/x",
+            "node-a/../node-b",
+            "node-ab/gpu-0000-41-00-0",
+        ] {
+            assert!(!is_node_pool("node-a", other), "{other}");
+        }
+        // A name the API would refuse: the node's own pool.
+        let long = "n".repeat(240);
+        assert_eq!(gpu_pool(&long, &gpu), long);
     }
 
     #[test]

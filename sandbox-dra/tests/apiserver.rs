@@ -1,6 +1,7 @@
 //! sandbox-dra as a process against the real kube-apiserver (the cluster tier's etcd and API
-//! server, no kubelet): the ResourceSlices it publishes for a large vGPU pool are accepted as
-//! a whole, and with consumable capacity off it publishes the GPUs whole only. The API's limits on a pool's slices (Kubernetes 1.35 and later: at most 8 counter
+//! server, no kubelet): the ResourceSlices it publishes for a large vGPU pool (a pool per GPU)
+//! are accepted as a whole, and with consumable capacity off it publishes the GPUs whole only.
+//! The API's limits on a pool's slices (Kubernetes 1.35 and later: at most 8 counter
 //! sets a slice, 2 counter consumptions a device, 64 devices a slice when any consumes
 //! counters, counters and devices never in one slice) are checked by the API server itself,
 //! which the fake one does not. Needs the tier's assets (`tests/cluster/prepare.sh`); skipped
@@ -53,23 +54,16 @@ fn slices(cp: &ControlPlane, node: &str) -> Vec<Value> {
     v["items"].as_array().cloned().unwrap_or_default()
 }
 
-/// Whether `s` is a whole pool: as many slices as each says, all of one generation.
-fn complete(s: &[Value]) -> bool {
-    let pools: Vec<(i64, i64)> = s
+/// Whether `s` is whole: `want_pools` pools (each pooled GPU's, or the node's), each as many
+/// slices as each of its slices says, all of one generation.
+fn complete(s: &[Value], want_pools: usize) -> bool {
+    let mut pools: Vec<&str> = s
         .iter()
-        .map(|s| {
-            (
-                s["spec"]["pool"]["generation"].as_i64().unwrap_or(-1),
-                s["spec"]["pool"]["resourceSliceCount"]
-                    .as_i64()
-                    .unwrap_or(-1),
-            )
-        })
+        .filter_map(|s| s["spec"]["pool"]["name"].as_str())
         .collect();
-    !s.is_empty()
-        && pools
-            .iter()
-            .all(|&(g, n)| (g, n) == (pools[0].0, s.len() as i64))
+    pools.sort_unstable();
+    pools.dedup();
+    pools.len() == want_pools && support::whole_pools(s)
 }
 
 fn len(v: &Value) -> usize {
@@ -109,7 +103,7 @@ fn ten_and_sixteen_pooled_a10s_are_a_pool_the_api_server_accepts() {
         let t = Instant::now();
         let got = loop {
             let s = slices(&cp, &node);
-            if complete(&s) {
+            if complete(&s, n) {
                 break s;
             }
             if t.elapsed() > PATIENCE {
@@ -127,6 +121,21 @@ fn ten_and_sixteen_pooled_a10s_are_a_pool_the_api_server_accepts() {
         // Every GPU's counter set, read back: the API server kept what it accepted.
         let sets: usize = got.iter().map(|s| len(&s["spec"]["sharedCounters"])).sum();
         assert_eq!(sets, n, "{n} A10s: counter sets");
+        // A pool per GPU (two slices: devices, counters); the node's own has nothing left.
+        let mut pools: Vec<&str> = got
+            .iter()
+            .map(|s| s["spec"]["pool"]["name"].as_str().unwrap())
+            .collect();
+        pools.sort_unstable();
+        pools.dedup();
+        assert_eq!(pools.len(), n, "{n} A10s: pools {pools:?}");
+        assert!(
+            pools
+                .iter()
+                .all(|p| p.starts_with(&format!("{node}/gpu-0000-"))),
+            "{pools:?}"
+        );
+        assert_eq!(got.len(), 2 * n, "{n} A10s: slices");
         let devices: Vec<&Value> = got
             .iter()
             .filter_map(|s| s["spec"]["devices"].as_array())
@@ -216,7 +225,7 @@ async fn with_consumable_capacity_off_the_gpus_are_published_whole_only_and_it_s
     let t = Instant::now();
     let got = loop {
         let s = slices(&cp, node);
-        if complete(&s) {
+        if complete(&s, 1) {
             break s;
         }
         assert!(t.elapsed() < PATIENCE, "no pool: {s:#?}\n{}", d.log());

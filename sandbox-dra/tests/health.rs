@@ -41,7 +41,13 @@ fn report(msg: NodeWatchResourcesResponse) -> Report {
     let mut out = Report::new();
     for d in msg.devices {
         let id = d.device.clone().expect("a device identifier");
-        assert_eq!(id.pool_name, NODE, "{d:?}");
+        // The node's pool, or for a device of a GPU of the vGPU pool, that GPU's own.
+        let own = support::gpu_pool(&id.device_name);
+        if id.device_name.starts_with("vgpu-") {
+            assert_eq!(id.pool_name, own, "{d:?}");
+        } else {
+            assert!(id.pool_name == NODE || id.pool_name == own, "{d:?}");
+        }
         assert!(d.last_updated_time > 1_700_000_000, "{d:?}");
         // kubelet reads Unknown after this long without news: at least its own default.
         assert!(d.health_check_timeout_seconds >= 30, "{d:?}");
@@ -234,4 +240,51 @@ async fn a_prepared_gpu_whose_audio_function_a_host_driver_takes_is_unhealthy() 
         why.contains("0000:01:00.1") && why.contains("snd_hda_intel"),
         "{why}"
     );
+}
+
+/// A vGPU a claim holds from the node's own pool (allocated by an earlier version, before its
+/// GPU had a pool of its own) is reported in that pool, where kubelet looks for the claim's
+/// device, and in the GPU's pool, where the device is published now.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_device_a_claim_holds_from_the_nodes_old_pool_is_reported_in_both_pools() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let d = start(root, &api, &["--vgpu", "0000:61:00.0"]);
+    let drv = register(root).await;
+    let vgpu = "vgpu-0000-61-00-0-a10-4q";
+    let old = support::put_claim_in(&api, "vm", "uid-old", "vgpu.gpu-vm-node.io", NODE, vgpu);
+    prepare(&drv, &old)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    let mut s = watch(root).await;
+    let want = [
+        (NODE.to_string(), vgpu.to_string()),
+        (support::gpu_pool(vgpu), vgpu.to_string()),
+    ];
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let m = match tokio::time::timeout(left, s.message()).await {
+            Ok(Ok(Some(m))) => m,
+            other => panic!("no report of {want:?}: {other:?}\n{}", d.log()),
+        };
+        let listed: Vec<(String, String, HealthStatus)> = m
+            .devices
+            .iter()
+            .filter_map(|x| {
+                let id = x.device.clone()?;
+                Some((id.pool_name, id.device_name, x.health()))
+            })
+            .collect();
+        if want.iter().all(|(p, n)| {
+            listed
+                .iter()
+                .any(|(lp, ln, h)| lp == p && ln == n && *h == HealthStatus::Healthy)
+        }) {
+            break;
+        }
+    }
 }

@@ -6,8 +6,8 @@
 //!   open for an hour (`timeoutSeconds=3600`): passes run every second (`--resync-interval 1s`,
 //!   counted by `sandbox_dra_publish_passes_total`), and none of them sends a request; the Node
 //!   is not read again, nor watched;
-//! - a GPU hot-plugged costs one apply per slice of the pool (a change moves the whole pool to
-//!   the next generation), each slice once, and nothing else: no list, no get, no delete;
+//! - a GPU hot-plugged costs one apply per slice of its own pool (devices, counters), each
+//!   once, and nothing else: no list, no get, no delete, no write to the other GPUs' pools;
 //! - a write the API server refuses is tried again on the backoff, not at every resync; one
 //!   to an API server that is down is tried at every resync, and lands once it is back.
 //!
@@ -94,7 +94,8 @@ fn slices(api: &ApiServer) -> Vec<Value> {
     v["items"].as_array().cloned().unwrap_or_default()
 }
 
-/// The pool's slices once it is whole (as many as each says, one generation) and `f` holds.
+/// The node's slices once each pool is whole (as many as each says, one generation) and `f`
+/// holds.
 fn wait_for_pool(
     api: &ApiServer,
     d: &Driver,
@@ -104,12 +105,7 @@ fn wait_for_pool(
     let t = Instant::now();
     loop {
         let s = slices(api);
-        let whole = !s.is_empty()
-            && s.iter().all(|x| {
-                x["spec"]["pool"]["generation"] == s[0]["spec"]["pool"]["generation"]
-                    && x["spec"]["pool"]["resourceSliceCount"].as_u64() == Some(s.len() as u64)
-            });
-        if whole && f(&s) {
+        if support::whole_pools(&s) && f(&s) {
             return s;
         }
         assert!(t.elapsed() < PATIENCE, "{what}: {s:#?}\n{}", d.log());
@@ -157,7 +153,7 @@ fn start(
 }
 
 #[test]
-fn at_rest_the_driver_asks_nothing_and_a_hotplug_costs_one_apply_per_slice() {
+fn at_rest_the_driver_asks_nothing_and_a_hotplug_costs_one_apply_per_slice_of_its_pool() {
     let Some(sim) = testkit::sim::try_mount("2xA10") else {
         return;
     };
@@ -170,12 +166,8 @@ fn at_rest_the_driver_asks_nothing_and_a_hotplug_costs_one_apply_per_slice() {
     let before = wait_for_pool(&api, &d, "the pool never published", |s| {
         counter_sets(s).len() == 2
     });
-    assert!(
-        before.len() >= 2,
-        "a pool of several slices (devices, counters): {}",
-        before.len()
-    );
-    let generation = before[0]["spec"]["pool"]["generation"].as_i64().unwrap();
+    // A pool of two slices (devices, counters) per GPU; the node's own has nothing.
+    assert_eq!(before.len(), 2 * 2, "{before:#?}");
     // Its own writes seen back on the watch.
     wait_for_passes(&metrics, 1, &d);
 
@@ -252,29 +244,40 @@ fn at_rest_the_driver_asks_nothing_and_a_hotplug_costs_one_apply_per_slice() {
         );
     }
 
-    // A GPU hot-plugged: it joins the pool, which moves to the next generation.
+    // A GPU hot-plugged: it joins the vGPU pool, in a pool of its own; the others stay.
     let asked = requests(&api).len();
     sim.control("hotplug 0000:81:00.0 A10 group=50 numa=1")
         .unwrap();
     let after = wait_for_pool(&api, &d, "the hot-plugged GPU never joined the pool", |s| {
         counter_sets(s).contains(&"gpu-0000-81-00-0".to_string())
     });
-    assert_eq!(
-        after[0]["spec"]["pool"]["generation"].as_i64(),
-        Some(generation + 1)
-    );
+    let pool_of = |s: &Value| s["spec"]["pool"]["name"].as_str().unwrap().to_string();
+    let new_pool = format!("{NODE}/gpu-0000-81-00-0");
+    let (new, old): (Vec<&Value>, Vec<&Value>) = after.iter().partition(|s| pool_of(s) == new_pool);
+    assert_eq!(new.len(), 2, "{after:#?}");
+    for s in old {
+        let was = before
+            .iter()
+            .find(|b| b["metadata"]["name"] == s["metadata"]["name"]);
+        assert_eq!(
+            was.map(|b| &b["spec"]["pool"]["generation"]),
+            Some(&s["spec"]["pool"]["generation"]),
+            "{s:#}"
+        );
+    }
     // Settled: passes that found nothing more to write.
     wait_for_passes(&metrics, 3, &d);
     let mut written = requests(&api)[asked..].to_vec();
     written.sort();
     let want: Vec<(String, String, String)> = names(&after)
         .into_iter()
+        .filter(|n| n.contains("gpu-0000-81-00-0"))
         .map(|n| ("patch".to_string(), "resourceslices".to_string(), n))
         .collect();
     assert_eq!(
         written,
         want,
-        "a hot-plug: one apply per slice of the pool, and nothing else\n{}",
+        "a hot-plug: one apply per slice of its pool, and nothing else\n{}",
         d.log()
     );
 }

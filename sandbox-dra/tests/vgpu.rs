@@ -7,13 +7,14 @@
 
 mod support;
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use support::{
-    DRIVER, Driver, NODE, NS, PATIENCE, claim, driver_of, prepare, put_claim, read_json, register,
-    share_id, under, unprepare,
+    DRIVER, Driver, NODE, NS, PATIENCE, claim, driver_of, gpu_pool, prepare, put_claim, read_json,
+    register, share_id, under, unprepare,
 };
 use testkit::apiserver::FakeApiServer;
 use testkit::kubelet::dra::{Claim, Version};
@@ -78,12 +79,10 @@ fn handed_out(root: &Path, uid: &str) -> (Vec<String>, Value) {
     (nodes, meta)
 }
 
-fn wait_for_pool(api: &FakeApiServer) -> Vec<Value> {
+/// The slices once `gpus` pooled GPUs' pools are whole.
+fn wait_for_pool(api: &FakeApiServer, gpus: usize) -> Vec<Value> {
     api.wait_for_slices(PATIENCE, |s| {
-        s.iter().any(|s| s["spec"]["sharedCounters"].is_array())
-            && s.iter()
-                .filter_map(|s| s["spec"]["pool"]["resourceSliceCount"].as_i64())
-                .all(|n| n as usize == s.len())
+        counter_sets(s).len() == gpus && support::whole_pools(s)
     })
     .unwrap_or_else(|| panic!("no counters published: {:#?}", api.slices()))
 }
@@ -97,7 +96,7 @@ async fn an_a10_publishes_its_fractions_and_serves_whole_then_vgpus_then_whole()
     let api = FakeApiServer::start(NODE, &[]).unwrap();
     let d = start(root, &api, "all");
     let drv = register(root).await;
-    let slices = wait_for_pool(&api);
+    let slices = wait_for_pool(&api, 2);
 
     // What is published: per GPU a counter set of its framebuffer and VFs; per A10 type the
     // model table names one shared device holding as many of it as fit, one per allocation;
@@ -173,7 +172,14 @@ async fn an_a10_publishes_its_fractions_and_serves_whole_then_vgpus_then_whole()
     );
 
     // A whole-GPU claim first: the GPU goes to vfio-pci and stays there (--unprepare keep).
-    let whole = put_claim(&api, "whole-1", "uid-w1", VGPU, "gpu-0000-41-00-0");
+    let whole = support::put_claim_in(
+        &api,
+        "whole-1",
+        "uid-w1",
+        VGPU,
+        &gpu_pool("gpu-0000-41-00-0"),
+        "gpu-0000-41-00-0",
+    );
     prepare(&drv, &whole).await.unwrap();
     assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
     unprepare(&drv, &whole).await.unwrap();
@@ -228,7 +234,14 @@ async fn an_a10_publishes_its_fractions_and_serves_whole_then_vgpus_then_whole()
             .join(format!("var/run/cdi/{DRIVER}_uid-s1.json"))
             .exists()
     );
-    let whole2 = put_claim(&api, "whole-2", "uid-w2", VGPU, "gpu-0000-41-00-0");
+    let whole2 = support::put_claim_in(
+        &api,
+        "whole-2",
+        "uid-w2",
+        VGPU,
+        &gpu_pool("gpu-0000-41-00-0"),
+        "gpu-0000-41-00-0",
+    );
     prepare(&drv, &whole2)
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
@@ -250,7 +263,7 @@ fn put_claim_of(api: &FakeApiServer, name: &str, uid: &str, devices: &[&str]) ->
             {"name": "gpu", "exactly": {"deviceClassName": VGPU, "count": devices.len()}}
         ]}},
         "status": {"allocation": {"devices": {"results": devices.iter().zip(0..).map(|(d, n)| json!({
-            "request": "gpu", "driver": DRIVER, "pool": NODE, "device": d,
+            "request": "gpu", "driver": DRIVER, "pool": gpu_pool(d), "device": d,
             "shareID": share_id(uid, n),
         })).collect::<Vec<_>>()}}},
     }));
@@ -282,7 +295,7 @@ async fn a_claim_of_two_vgpus_of_one_gpu_is_prepared_at_its_first_call() {
         let api = FakeApiServer::start(NODE, &[]).unwrap();
         let d = start(root, &api, gpu);
         let drv = register(root).await;
-        wait_for_pool(&api);
+        wait_for_pool(&api, 1);
         let c = put_claim_of(&api, "two", "uid-two", &devices);
         let prepared = prepare(&drv, &c)
             .await
@@ -337,7 +350,7 @@ async fn an_h100_vgpu_is_a_vf_with_current_vgpu_type() {
     let api = FakeApiServer::start(NODE, &[]).unwrap();
     let d = start(root, &api, "0000:13:00.0");
     let drv = register(root).await;
-    let slices = wait_for_pool(&api);
+    let slices = wait_for_pool(&api, 1);
     assert_eq!(counter_sets(&slices), ["gpu-0000-13-00-0"]);
     let dev = slices
         .iter()
@@ -489,7 +502,14 @@ async fn a_vgpu_prepare_or_unprepare_killed_at_any_write_converges_at_start() {
     };
     let root = sim.root();
     let api = FakeApiServer::start(NODE, &[]).unwrap();
-    let whole = put_claim(&api, "whole", "uid-whole", VGPU, "gpu-0000-41-00-0");
+    let whole = support::put_claim_in(
+        &api,
+        "whole",
+        "uid-whole",
+        VGPU,
+        &gpu_pool("gpu-0000-41-00-0"),
+        "gpu-0000-41-00-0",
+    );
     let c = put_claim(&api, "crash", "uid-crash", VGPU, "vgpu-0000-41-00-0-a10-4q");
     let record = root.join(format!(
         "var/lib/kubelet/plugins/{DRIVER}/claims/uid-crash.json"
@@ -592,7 +612,14 @@ async fn a_whole_gpu_claim_leaves_the_vfs_of_a_gpu_in_use_enabled() {
     let node = root.join(format!("dev/nvidia{minor}"));
     let shell = testkit::sim::ShellHolder::hold(&node);
 
-    let whole = put_claim(&api, "whole", "uid-whole", VGPU, "gpu-0000-61-00-0");
+    let whole = support::put_claim_in(
+        &api,
+        "whole",
+        "uid-whole",
+        VGPU,
+        &gpu_pool("gpu-0000-61-00-0"),
+        "gpu-0000-61-00-0",
+    );
     let err = prepare(&drv, &whole).await.unwrap_err();
     assert!(
         err.contains("0000:61:00.0")
@@ -646,7 +673,7 @@ async fn a_gpu_hot_plugged_under_vgpu_all_joins_the_pool_unless_another_daemon_o
     let api = FakeApiServer::start(NODE, &[]).unwrap();
     let d = start(root, &api, "all");
     let drv = register(root).await;
-    wait_for_pool(&api);
+    wait_for_pool(&api, 2);
 
     sim.control("hotplug 0000:81:00.0 A10 group=50 numa=1")
         .unwrap();
@@ -810,7 +837,7 @@ async fn preparing_and_unpreparing_vgpus_writes_no_slice() {
         ],
     );
     let drv = register(root).await;
-    wait_for_pool(&api);
+    wait_for_pool(&api, 2);
     // Every pass, whatever its result.
     let passes = || -> f64 {
         let (_, body) = testkit::ops::http_get(&metrics, "/metrics").unwrap_or_default();
@@ -875,7 +902,7 @@ async fn a_retry_writes_nothing_and_a_vgpu_made_by_hand_is_found_by_the_kernels_
     let api = FakeApiServer::start(NODE, &[]).unwrap();
     let d = start(root, &api, "0000:41:00.0");
     let drv = register(root).await;
-    wait_for_pool(&api);
+    wait_for_pool(&api, 1);
     let c = put_claim(&api, "v", "uid-v", VGPU, "vgpu-0000-41-00-0-a10-4q");
     let first = prepare(&drv, &c)
         .await
@@ -973,4 +1000,87 @@ async fn a_retry_writes_nothing_and_a_vgpu_made_by_hand_is_found_by_the_kernels_
     assert_eq!(now.len(), 1, "{now:?}");
     assert!(now[0].1.ends_with("A10-4Q"), "{now:?}");
     unprepare(&drv, &c).await.unwrap();
+}
+
+/// The taints of every device of `slices`: (pool, device) → (value, effect).
+fn taints(slices: &[Value]) -> BTreeMap<(String, String), (String, String)> {
+    let mut out = BTreeMap::new();
+    for s in slices {
+        let pool = s["spec"]["pool"]["name"].as_str().unwrap().to_string();
+        for d in s["spec"]["devices"].as_array().into_iter().flatten() {
+            for t in d["taints"].as_array().into_iter().flatten() {
+                out.insert(
+                    (pool.clone(), d["name"].as_str().unwrap().to_string()),
+                    (
+                        t["value"].as_str().unwrap_or_default().to_string(),
+                        t["effect"].as_str().unwrap_or_default().to_string(),
+                    ),
+                );
+            }
+        }
+    }
+    out
+}
+
+/// A claim allocated from the node's own pool, before each GPU of the vGPU pool had a pool of
+/// its own (an upgrade with VMs running), is still prepared, and its VM keeps its vGPU; the
+/// scheduler does not count it against the GPU's new pool, so every device of that GPU is
+/// published tainted `old-pool-claims` (`NoSchedule`, even with `--taint-effect NoExecute`:
+/// the VM is not evicted), and nothing new is placed there until the claim is gone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_allocated_from_the_nodes_old_pool_keeps_its_gpu_off_the_scheduler_until_it_goes() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let d = support::start(
+        root,
+        &api,
+        &["--vgpu", "all", "--taint-effect", "NoExecute"],
+    );
+    let drv = register(root).await;
+    wait_for_pool(&api, 2);
+    let old = support::put_claim_in(
+        &api,
+        "old",
+        "uid-old",
+        VGPU,
+        NODE,
+        "vgpu-0000-61-00-0-a10-4q",
+    );
+    prepare(&drv, &old)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    assert_eq!(mdevs(root).len(), 1);
+    let gpu61 = gpu_pool("gpu-0000-61-00-0");
+    let held = api
+        .wait_for_slices(PATIENCE, |s| {
+            support::whole_pools(s) && taints(s).keys().any(|(p, _)| *p == gpu61)
+        })
+        .unwrap_or_else(|| panic!("no taint: {:#?}\n{}", api.slices(), d.log()));
+    let t = taints(&held);
+    let of_61: Vec<&(String, String)> = t
+        .iter()
+        .filter(|((p, _), _)| *p == gpu61)
+        .map(|(_, v)| v)
+        .collect();
+    // The whole GPU and its 21 types, each `NoSchedule`; the other GPU untouched.
+    assert_eq!(of_61.len(), 22, "{t:#?}");
+    assert!(
+        of_61
+            .iter()
+            .all(|(v, e)| v == "old-pool-claims" && e == "NoSchedule"),
+        "{t:#?}"
+    );
+    assert!(t.keys().all(|(p, _)| *p == gpu61), "{t:#?}");
+    // kubelet's repeated prepare: the same vGPU.
+    prepare(&drv, &old).await.unwrap();
+    assert_eq!(mdevs(root).len(), 1);
+    unprepare(&drv, &old).await.unwrap();
+    assert_eq!(mdevs(root), vec![]);
+    api.wait_for_slices(PATIENCE, |s| {
+        support::whole_pools(s) && counter_sets(s).len() == 2 && taints(s).is_empty()
+    })
+    .unwrap_or_else(|| panic!("the taint stayed: {:#?}\n{}", api.slices(), d.log()));
 }

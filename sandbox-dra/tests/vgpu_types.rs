@@ -47,7 +47,7 @@ fn put_claim(api: &ApiServer, name: &str, class: &str, device: &str) -> Claim {
             NS,
             name,
             json!([{"name": "gpu", "exactly": {"deviceClassName": class}}]),
-            json!([{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device,
+            json!([{"request": "gpu", "driver": DRIVER, "pool": support::gpu_pool(device), "device": device,
                     "shareID": share_id(name, 0)}]),
         )
         .unwrap();
@@ -182,12 +182,7 @@ async fn only_the_listed_vgpu_types_are_published_and_prepared() {
         .into_iter()
         .filter(|(_, t)| !t.is_empty())
         .collect();
-        move |s: &[Value]| {
-            vgpus(s) == want
-                && s.iter()
-                    .filter_map(|s| s["spec"]["pool"]["resourceSliceCount"].as_u64())
-                    .all(|n| n as usize == s.len())
-        }
+        move |s: &[Value]| vgpus(s) == want && support::whole_pools(s)
     };
     let published = wait_for_slices(&api, offers(&both, &both))
         .unwrap_or_else(|| panic!("{:?}\n{}", vgpus(&slices(&api)), d.log()));

@@ -13,6 +13,8 @@ use crate::{names, record};
 pub struct Wanted {
     /// The requests it was allocated for.
     pub requests: Vec<String>,
+    /// Its pool: the node's, or its GPU's ([`names::gpu_pool`]).
+    pub pool: String,
     /// Its name in the pool.
     pub device: String,
     /// The allocation's share of it, for a device that allows several (a vGPU type's).
@@ -28,6 +30,7 @@ impl From<&ClaimDevice> for Wanted {
     fn from(d: &ClaimDevice) -> Self {
         Wanted {
             requests: d.requests.clone(),
+            pool: d.pool.clone(),
             device: d.device.clone(),
             share_id: d.share_id.clone(),
             address: d.address,
@@ -66,7 +69,7 @@ pub fn allocated(
     let mut wanted: Vec<Wanted> = Vec::new();
     for r in results
         .iter()
-        .filter(|r| r.driver == config.driver && r.pool == config.node_name)
+        .filter(|r| r.driver == config.driver && names::is_node_pool(&config.node_name, &r.pool))
     {
         // Both end up in host paths (the metadata directory, the CDI spec) and device names.
         if !names::is_request_ref(&r.request) {
@@ -119,12 +122,13 @@ pub fn allocated(
         // One entry per device, or per share of a shared device (one vGPU each).
         match wanted
             .iter_mut()
-            .find(|w| w.device == r.device && w.share_id == r.share_id)
+            .find(|w| w.pool == r.pool && w.device == r.device && w.share_id == r.share_id)
         {
             Some(w) if !w.requests.contains(&r.request) => w.requests.push(r.request.clone()),
             Some(_) => {}
             None => wanted.push(Wanted {
                 requests: vec![r.request.clone()],
+                pool: r.pool.clone(),
                 device: r.device.clone(),
                 share_id: r.share_id.clone(),
                 address,
@@ -136,7 +140,7 @@ pub fn allocated(
         return Err(refused(
             claim,
             format!(
-                "its allocation has no device of driver {} in pool {}",
+                "its allocation has no device of driver {} in the pools of node {}",
                 config.driver, config.node_name
             ),
         ));
@@ -315,6 +319,7 @@ mod tests {
             wanted,
             vec![Wanted {
                 requests: vec!["gpu".into()],
+                pool: "node-a".into(),
                 device: "gpu-0000-41-00-0".into(),
                 share_id: None,
                 address: Some("0000:41:00.0".parse().unwrap()),
@@ -457,6 +462,7 @@ mod tests {
             wanted,
             vec![Wanted {
                 requests: vec!["tty".into()],
+                pool: "node-a".into(),
                 device: "mdev-mtty-mtty-2-0".into(),
                 share_id: None,
                 address: None,
@@ -585,7 +591,7 @@ mod tests {
             &rc("u-1", &[("gpu", "other.io", "node-a", "gpu-0000-41-00-0")]),
         ));
         assert!(
-            r.contains("no device of driver gpu.example.io in pool node-a"),
+            r.contains("no device of driver gpu.example.io in the pools of node node-a"),
             "{r}"
         );
     }

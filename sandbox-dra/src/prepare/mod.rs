@@ -4,7 +4,7 @@
 //!
 //! **Prepare**, in this order (each step converges when repeated):
 //! 1. the claim: from the [`record`] when there is one, else from the API server (its UID must
-//!    be the one kubelet names; its allocation's results of this driver in this node's pool,
+//!    be the one kubelet names; its allocation's results of this driver in this node's pools,
 //!    each device name mapped to its GPU by [`names::parse_gpu_device`]);
 //! 2. the node: each GPU must be here, its group hold nothing but GPU functions (a NIC in it is
 //!    refused), and no function that is to move may be in use (a process holding it, its VFs
@@ -98,7 +98,7 @@ pub struct PreparedDevice {
     /// The claim's requests it serves, as allocated (`gpu/a10` for a `firstAvailable`
     /// subrequest).
     pub requests: Vec<String>,
-    /// Its pool (the node's).
+    /// Its pool: the node's, or its GPU's.
     pub pool: String,
     /// Its name in the pool.
     pub device: String,
@@ -757,7 +757,7 @@ impl Node {
                 .iter()
                 .map(|w| ClaimDevice {
                     requests: w.requests.clone(),
-                    pool: self.config.node_name.clone(),
+                    pool: w.pool.clone(),
                     device: w.device.clone(),
                     share_id: w.share_id.clone(),
                     address: w.address,

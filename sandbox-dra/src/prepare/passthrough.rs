@@ -222,7 +222,7 @@ impl Node {
                 .iter()
                 .map(|w| ClaimDevice {
                     requests: w.requests.clone(),
-                    pool: self.config.node_name.clone(),
+                    pool: w.pool.clone(),
                     device: w.device.clone(),
                     share_id: None,
                     address: w.address,

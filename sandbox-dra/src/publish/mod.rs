@@ -1,6 +1,7 @@
 //! Keeps the node's ResourceSlices ([`crate::slices`]) true in the API server: one slice, or
-//! with a vGPU pool (`--vgpu`) the counter sets in a slice of their own and the devices in
-//! slices of at most 64 ([`slices::Pool::slices`]).
+//! with a vGPU pool (`--vgpu`) a pool per pooled GPU, its counter set and its devices in two
+//! slices ([`slices::Pool::slices`]). Each pool is planned and written on its own: a GPU
+//! hot-plugged writes its pool's slices, not the others'.
 //!
 //! What the API server holds is known without asking ([`cache`]): a kube-runtime reflector
 //! follows this node's slices of this driver (field selector `spec.nodeName=<node>,
@@ -70,7 +71,7 @@ mod cache;
 mod plan;
 mod support;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -235,19 +236,24 @@ pub async fn read_devices(cfg: &PublishConfig, paths: &HostPaths) -> anyhow::Res
         // A device a prepared claim holds stays published while its GPU is gone or the
         // configuration no longer offers it, tainted: the scheduler keeps counting it, and
         // places nothing new on it.
-        let gone = gone_devices(&driver_dir, &pool_name, &out.devices);
+        let prepared = Prepared::read(&driver_dir, &pool_name, &out.devices);
         slices::taint(&mut out.devices, &driver, effect, &out.left_out, &no_vfs);
-        out.devices.extend(gone.into_iter().map(|(mut d, gpu)| {
-            let present = gpu.is_some_and(|g| inv.device(&g).is_some());
-            let reason = if present { "not-offered" } else { "gone" };
-            d.taints = Some(vec![k8s_openapi::api::resource::v1::DeviceTaint {
-                key: slices::taint_key(&driver),
-                value: Some(reason.into()),
-                effect: effect.as_str().to_string(),
-                time_added: None,
-            }]);
-            d
-        }));
+        prepared.taint_moved(&mut out.devices, &driver);
+        out.held = prepared
+            .held
+            .into_iter()
+            .map(|(pool, mut d, gpu)| {
+                let present = gpu.is_some_and(|g| inv.device(&g).is_some());
+                let reason = if present { "not-offered" } else { "gone" };
+                d.taints = Some(vec![k8s_openapi::api::resource::v1::DeviceTaint {
+                    key: slices::taint_key(&driver),
+                    value: Some(reason.into()),
+                    effect: effect.as_str().to_string(),
+                    time_added: None,
+                }]);
+                (pool, d)
+            })
+            .collect();
         out.devices.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
     })
@@ -255,42 +261,101 @@ pub async fn read_devices(cfg: &PublishConfig, paths: &HostPaths) -> anyhow::Res
     .context("the node reader failed")?
 }
 
-/// The devices prepared claims of pool `pool` hold that `devices` lacks (their GPU is gone, or
-/// the configuration no longer offers them), as they were published: their names and
-/// attributes (from the claims' records), each with the GPU it is or is part of.
-fn gone_devices(
-    driver_dir: &std::path::Path,
-    pool: &str,
-    devices: &[Device],
-) -> Vec<(Device, Option<common::PciAddress>)> {
-    let mut out: Vec<(Device, Option<common::PciAddress>)> = Vec::new();
-    for d in crate::health::prepared_devices(driver_dir, pool) {
-        if devices.iter().any(|x| x.name == d.device) || out.iter().any(|(x, _)| x.name == d.device)
-        {
-            continue;
-        }
-        let gpu = crate::names::parse_gpu_device(&d.device).or_else(|| {
-            d.attributes
+/// What the claims prepared on this node hold, against the devices the node publishes now.
+#[derive(Debug, Default)]
+struct Prepared {
+    /// The devices prepared claims hold that the node does not publish (their GPU is gone, or
+    /// the configuration no longer offers them), as they were published: the pool their claims
+    /// name, their names and attributes (from the claims' records), and the GPU each is or is
+    /// part of.
+    held: Vec<(String, Device, Option<common::PciAddress>)>,
+    /// GPUs whose devices the node publishes in another pool than the one a prepared claim's
+    /// allocation names (claims allocated before the GPU had a pool of its own).
+    moved: BTreeSet<common::PciAddress>,
+}
+
+/// The GPU device `name` is or is part of: from its name, or from its `parentGPU` attribute.
+fn gpu_of(
+    name: &str,
+    attributes: &std::collections::BTreeMap<String, serde_json::Value>,
+) -> Option<common::PciAddress> {
+    crate::names::parse_gpu_device(name)
+        .or_else(|| crate::names::parse_vgpu_device(name).map(|(gpu, _)| gpu))
+        .or_else(|| {
+            attributes
                 .get("parentGPU")
                 .and_then(|v| v.get("string"))
                 .and_then(|v| v.as_str())
                 .and_then(|g| g.parse().ok())
-        });
-        let attributes = d
-            .attributes
-            .into_iter()
-            .filter_map(|(k, v)| Some((k, serde_json::from_value(v).ok()?)))
-            .collect();
-        out.push((
-            Device {
-                name: d.device,
-                attributes: Some(attributes),
-                ..Default::default()
-            },
-            gpu,
-        ));
+        })
+}
+
+impl Prepared {
+    /// Reads the claims prepared on node `node` (in any of its pools) from the records under
+    /// `driver_dir`, against `devices`, the devices the node publishes.
+    fn read(driver_dir: &std::path::Path, node: &str, devices: &[Device]) -> Prepared {
+        let mut out = Prepared::default();
+        for d in crate::health::prepared_devices(driver_dir, node) {
+            if let Some(live) = devices.iter().find(|x| x.name == d.device) {
+                if slices::pool_of(node, live) != d.pool
+                    && let Some(gpu) = gpu_of(&d.device, &d.attributes)
+                {
+                    out.moved.insert(gpu);
+                }
+                continue;
+            }
+            if out
+                .held
+                .iter()
+                .any(|(pool, x, _)| *pool == d.pool && x.name == d.device)
+            {
+                continue;
+            }
+            let gpu = gpu_of(&d.device, &d.attributes);
+            let attributes = d
+                .attributes
+                .into_iter()
+                .filter_map(|(k, v)| Some((k, serde_json::from_value(v).ok()?)))
+                .collect();
+            out.held.push((
+                d.pool,
+                Device {
+                    name: d.device,
+                    attributes: Some(attributes),
+                    ..Default::default()
+                },
+                gpu,
+            ));
+        }
+        out
     }
-    out
+
+    /// Taints (`NoSchedule`, value `old-pool-claims`) every untainted device of each GPU whose
+    /// claims were allocated from another pool: the scheduler does not count those claims
+    /// against the GPU's pool, so nothing new is placed on the GPU until they are gone. Never
+    /// `NoExecute`: the claims are the GPU's own, and their VMs keep running.
+    fn taint_moved(&self, devices: &mut [Device], driver: &str) {
+        if self.moved.is_empty() {
+            return;
+        }
+        for d in devices.iter_mut().filter(|d| d.taints.is_none()) {
+            let attrs = d.attributes.as_ref();
+            let of = crate::names::parse_gpu_device(&d.name).or_else(|| {
+                attrs
+                    .and_then(|a| a.get("parentGPU"))
+                    .and_then(|v| v.string.as_deref())
+                    .and_then(|g| g.parse().ok())
+            });
+            if of.is_some_and(|g| self.moved.contains(&g)) {
+                d.taints = Some(vec![k8s_openapi::api::resource::v1::DeviceTaint {
+                    key: slices::taint_key(driver),
+                    value: Some("old-pool-claims".into()),
+                    effect: slices::TaintEffect::NoSchedule.as_str().to_string(),
+                    time_added: None,
+                }]);
+            }
+        }
+    }
 }
 
 /// What one write of the slices did.
@@ -329,8 +394,8 @@ struct Publisher {
     node_stale: bool,
     telemetry: std::sync::Arc<crate::telemetry::Telemetry>,
     pool: Pool,
-    /// The pool generation last applied or adopted.
-    generation: i64,
+    /// Each pool's generation last applied or adopted.
+    generations: BTreeMap<String, i64>,
     /// The GPUs left out at the last pass, to log changes only.
     left_out: Vec<LeftOut>,
     /// Whether the API server keeps what a vGPU pool needs.
@@ -351,6 +416,7 @@ impl Publisher {
         &mut self,
         devices: Vec<Device>,
         counters: Vec<CounterSet>,
+        held: Vec<(String, Device)>,
     ) -> anyhow::Result<Published> {
         if !self.cache.listed() {
             return Ok(Published::Waiting);
@@ -382,11 +448,13 @@ impl Publisher {
                 Some(_) if pool => (support::passthrough_only(devices.clone()), Vec::new()),
                 _ => (devices.clone(), counters.clone()),
             };
+            let mut held = held.clone();
             if self.taints_dropped {
                 devices = support::untainted(devices);
+                held.clear();
             }
-            self.published = devices.len();
-            match self.write(devices, counters).await? {
+            self.published = devices.len() + held.len();
+            match self.write(devices, counters, held).await? {
                 Written::Nothing => break,
                 Written::Done => {
                     wrote = true;
@@ -426,12 +494,13 @@ impl Publisher {
         &mut self,
         devices: Vec<Device>,
         counters: Vec<CounterSet>,
+        held: Vec<(String, Device)>,
     ) -> anyhow::Result<Written> {
         let current = self.cache.slices();
-        let wanted = self.pool.slices(devices, counters, 0);
-        let plan = plan::plan(&current, wanted, self.generation);
+        let wanted = self.pool.slices(devices, counters, held, 0);
+        let plan = plan::plan(&current, wanted, &self.generations);
         if plan.is_empty() {
-            self.generation = plan.generation;
+            self.generations = plan.generations;
             return Ok(Written::Nothing);
         }
         for (name, was) in &plan.delete {
@@ -461,7 +530,9 @@ impl Publisher {
                 .await
                 .with_context(|| format!("cannot apply ResourceSlice {name}"))?;
             self.telemetry.slice_written("apply");
-            self.generation = plan.generation;
+            let pool = &slice.spec.pool;
+            let at = self.generations.entry(pool.name.clone()).or_default();
+            *at = (*at).max(pool.generation);
             for f in support::dropped(&slice, &stored) {
                 if !lost.contains(&f) {
                     lost.push(f);
@@ -471,13 +542,9 @@ impl Publisher {
             names.push(name);
         }
         if !names.is_empty() {
-            tracing::info!(
-                slices = ?names,
-                generation = plan.generation,
-                "published the node's devices"
-            );
+            tracing::info!(slices = ?names, "published the node's devices");
         }
-        self.generation = plan.generation;
+        self.generations = plan.generations;
         Ok(if lost.is_empty() {
             Written::Done
         } else {
@@ -490,7 +557,7 @@ impl Publisher {
     async fn probe(&mut self, devices: &[Device], counters: &[CounterSet]) -> anyhow::Result<()> {
         let wanted = self
             .pool
-            .slices(devices.to_vec(), counters.to_vec(), self.generation.max(1));
+            .slices(devices.to_vec(), counters.to_vec(), Vec::new(), 1);
         let mut fields = Vec::new();
         for slice in wanted.iter().filter(|s| {
             support::is_pool(s.spec.devices.as_deref().unwrap_or_default())
@@ -658,7 +725,7 @@ pub async fn run(
             node_name: cfg.node_name.clone(),
             node_uid: None,
         },
-        generation: 0,
+        generations: BTreeMap::new(),
         left_out: Vec::new(),
         support: support::Support::default(),
         published: 0,
@@ -743,8 +810,14 @@ pub async fn run(
             refused && trigger.retrying() && wake.changes.is_empty() && !wake.retry && !wake.first;
         let outcome = match read_devices(&cfg, &paths).await {
             Ok(nd) => {
-                let names = nd.devices.iter().map(|d| d.name.clone()).collect();
-                health.report(&paths, names, &nd.left_out).await;
+                let node = cfg.node_name.as_str();
+                let published = nd
+                    .devices
+                    .iter()
+                    .map(|d| (slices::pool_of(node, d), d.name.clone()))
+                    .chain(nd.held.iter().map(|(p, d)| (p.clone(), d.name.clone())))
+                    .collect();
+                health.report(&paths, published, &nd.left_out).await;
                 p.note_left_out(nd.left_out);
                 if held {
                     tracing::debug!(
@@ -752,7 +825,7 @@ pub async fn run(
                     );
                     continue;
                 }
-                let publishing = p.publish(nd.devices, nd.counters);
+                let publishing = p.publish(nd.devices, nd.counters, nd.held);
                 match wait_on_api(publishing, pass_timeout, &cfg.telemetry, &shutdown).await {
                     Waited::Done(r) => r.map(|r| (p.published, r)),
                     Waited::TimedOut(t) => Err(anyhow::anyhow!(

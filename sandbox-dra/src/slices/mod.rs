@@ -1,5 +1,6 @@
-//! The node's devices as ResourceSlices: one pool per node, one device per GPU that can be
-//! passed through.
+//! The node's devices as ResourceSlices: one device per GPU that can be passed through, in the
+//! node's pool; each GPU of the vGPU pool, with its vGPU devices, in a pool of its own
+//! ([`Pool::slices`]).
 //!
 //! Which GPUs: exactly those vfio-manager would bind ([`common::vfio::select`] with its default
 //! selector: NVIDIA display functions that are not VFs, each with the other endpoint functions
@@ -177,6 +178,9 @@ pub struct NodeDevices {
     pub left_out: Vec<LeftOut>,
     /// One counter set per GPU of the vGPU pool, named after its passthrough device.
     pub counters: Vec<CounterSet>,
+    /// Devices prepared claims hold that the node no longer offers, each with the pool its
+    /// claims' allocations name ([`Pool::slices`]).
+    pub held: Vec<(String, Device)>,
 }
 
 /// The devices `inv` has for the slice, from vfio-manager's selection `sel` of it; product
@@ -389,27 +393,47 @@ fn truncate(s: &str) -> String {
     s[..end].to_string()
 }
 
-/// What identifies the node's pool and slice.
+/// What identifies the node's pools and slices.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Pool {
     /// The driver name.
     pub driver: String,
-    /// The node's name: the pool's name and the slice's `nodeName`.
+    /// The node's name: its own pool's name, the prefix of its GPUs' pools
+    /// ([`names::gpu_pool`]), and the slices' `nodeName`.
     pub node_name: String,
     /// The Node's UID, for the owner reference that has Kubernetes' garbage collector delete
     /// the slice with the Node; `None` until it is known.
     pub node_uid: Option<String>,
 }
 
+/// `name` cut to the API's 253 characters by keeping its end (the driver's and the GPU's part).
+fn slice_name_within_limit(name: String) -> String {
+    match name.len().checked_sub(253) {
+        Some(extra) if extra > 0 => name[extra..].trim_start_matches(['-', '.']).to_string(),
+        _ => name,
+    }
+}
+
+/// The pool device `d` is published in on node `node` ([`Pool::slices`]): its GPU's own when
+/// it consumes a GPU's counter set, the node's otherwise.
+pub fn pool_of(node: &str, d: &Device) -> String {
+    d.consumes_counters
+        .as_ref()
+        .and_then(|c| c.first())
+        .map_or_else(|| node.to_string(), |c| pool_of_set(node, &c.counter_set))
+}
+
+/// The pool a device or counter set of counter set `set` goes to: its GPU's own, for a GPU's
+/// set; the node's for any other (an mdev parent's).
+fn pool_of_set(node: &str, set: &str) -> String {
+    names::parse_gpu_device(set).map_or_else(|| node.to_string(), |gpu| names::gpu_pool(node, &gpu))
+}
+
 impl Pool {
-    /// The slice's name: `<node>-<driver>`, one per node and driver. A name over 253
+    /// The node pool's slice name: `<node>-<driver>`, one per node and driver. A name over 253
     /// characters (the API's limit) keeps its end, the driver's part.
     pub fn slice_name(&self) -> String {
-        let name = format!("{}-{}", self.node_name, self.driver);
-        match name.len().checked_sub(253) {
-            Some(extra) if extra > 0 => name[extra..].trim_start_matches(['-', '.']).to_string(),
-            _ => name,
-        }
+        slice_name_within_limit(format!("{}-{}", self.node_name, self.driver))
     }
 
     /// The owner reference to the Node, when its UID is known.
@@ -424,25 +448,91 @@ impl Pool {
         })
     }
 
-    /// The node's slice holding `devices`, at pool `generation`.
+    /// The node pool's one slice holding `devices`, at pool `generation`.
     pub fn slice(&self, devices: Vec<Device>, generation: i64) -> ResourceSlice {
-        self.slice_named(self.slice_name(), Some(devices), None, generation, 1)
+        self.slice_named(
+            self.slice_name(),
+            &self.node_name,
+            Some(devices),
+            None,
+            generation,
+            1,
+        )
     }
 
-    /// The node's slices: without counters the one [`Pool::slice`]; with counters (a vGPU
-    /// pool) the counter sets in slices of their own, `<slice>-counters`, `<slice>-counters-1`,
-    /// … of at most [`MAX_COUNTER_SETS`] sets and [`MAX_COUNTERS`] counters (Kubernetes 1.35
-    /// and later take counters and devices only in separate slices of one pool), and the
-    /// devices in slices of at most
-    /// [`MAX_DEVICES_WITH_COUNTERS`], `<slice>`, `<slice>-1`, ….
+    /// The node's slices, each pool's at `generation`:
+    ///
+    /// - each GPU of the vGPU pool is a pool of its own ([`names::gpu_pool`]): its counter set,
+    ///   and the devices that consume it (its whole-GPU device, its vGPU devices), in two
+    ///   slices `<node>-<driver>-<gpu>` and `<node>-<driver>-<gpu>-counters` (Kubernetes 1.35
+    ///   and later take counters and devices only in separate slices of one pool). The
+    ///   scheduler checks a device's counters against the other devices of its pool, and asks
+    ///   for each of them whether any claim in the cluster holds a share of it: a pool per GPU
+    ///   keeps that walk to one GPU's devices;
+    /// - every other device is in the node's pool (named after the node; left out when it has
+    ///   none and there are GPUs' pools): without counters one
+    ///   slice `<node>-<driver>` ([`Pool::slice`]); with counters (an mdev parent's) the counter
+    ///   sets in slices of their own, `<slice>-counters`, `<slice>-counters-1`, … of at most
+    ///   [`MAX_COUNTER_SETS`] sets and [`MAX_COUNTERS`] counters, and the devices in slices of
+    ///   at most [`MAX_DEVICES_WITH_COUNTERS`], `<slice>`, `<slice>-1`, …;
+    /// - each of `held` (a device a prepared claim holds that the node no longer offers) in the
+    ///   pool its claim's allocation names.
     pub fn slices(
         &self,
+        devices: Vec<Device>,
+        counters: Vec<CounterSet>,
+        held: Vec<(String, Device)>,
+        generation: i64,
+    ) -> Vec<ResourceSlice> {
+        let node = self.node_name.as_str();
+        let mut pools: BTreeMap<String, (Vec<Device>, Vec<CounterSet>)> = BTreeMap::new();
+        pools.entry(node.to_string()).or_default();
+        for set in counters {
+            pools
+                .entry(pool_of_set(node, &set.name))
+                .or_default()
+                .1
+                .push(set);
+        }
+        for d in devices {
+            pools.entry(pool_of(node, &d)).or_default().0.push(d);
+        }
+        for (pool, d) in held {
+            pools.entry(pool).or_default().0.push(d);
+        }
+        // The node's own pool only when it has something, or is the only one.
+        if pools.len() > 1
+            && pools
+                .get(node)
+                .is_some_and(|(d, c)| d.is_empty() && c.is_empty())
+        {
+            pools.remove(node);
+        }
+        let mut out = Vec::new();
+        for (pool, (mut devices, counters)) in pools {
+            devices.sort_by(|a, b| a.name.cmp(&b.name));
+            let base = match pool.strip_prefix(node).and_then(|r| r.strip_prefix('/')) {
+                Some(gpu) => slice_name_within_limit(format!("{node}-{}-{gpu}", self.driver)),
+                None => self.slice_name(),
+            };
+            out.extend(self.pool_slices(&pool, &base, devices, counters, generation));
+        }
+        out
+    }
+
+    /// The slices of pool `pool`, named from `base`.
+    fn pool_slices(
+        &self,
+        pool: &str,
+        base: &str,
         devices: Vec<Device>,
         counters: Vec<CounterSet>,
         generation: i64,
     ) -> Vec<ResourceSlice> {
         if counters.is_empty() {
-            return vec![self.slice(devices, generation)];
+            let slice =
+                self.slice_named(base.to_string(), pool, Some(devices), None, generation, 1);
+            return vec![slice];
         }
         let chunks: Vec<Vec<Device>> = if devices.is_empty() {
             vec![Vec::new()]
@@ -466,17 +556,16 @@ impl Pool {
             }
         }
         let count = i64::try_from(chunks.len() + counter_chunks.len()).unwrap_or(i64::MAX);
-        let base = self.slice_name();
         let mut out: Vec<ResourceSlice> = chunks
             .into_iter()
             .enumerate()
             .map(|(i, d)| {
                 let name = if i == 0 {
-                    base.clone()
+                    base.to_string()
                 } else {
-                    format!("{base}-{i}")
+                    slice_name_within_limit(format!("{base}-{i}"))
                 };
-                self.slice_named(name, Some(d), None, generation, count)
+                self.slice_named(name, pool, Some(d), None, generation, count)
             })
             .collect();
         for (i, sets) in counter_chunks.into_iter().enumerate() {
@@ -485,7 +574,8 @@ impl Pool {
             } else {
                 format!("{base}-counters-{i}")
             };
-            out.push(self.slice_named(name, None, Some(sets), generation, count));
+            let name = slice_name_within_limit(name);
+            out.push(self.slice_named(name, pool, None, Some(sets), generation, count));
         }
         out
     }
@@ -493,6 +583,7 @@ impl Pool {
     fn slice_named(
         &self,
         name: String,
+        pool: &str,
         devices: Option<Vec<Device>>,
         counters: Option<Vec<CounterSet>>,
         generation: i64,
@@ -508,7 +599,7 @@ impl Pool {
                 driver: self.driver.clone(),
                 node_name: Some(self.node_name.clone()),
                 pool: ResourcePool {
-                    name: self.node_name.clone(),
+                    name: pool.to_string(),
                     generation,
                     resource_slice_count: count,
                 },

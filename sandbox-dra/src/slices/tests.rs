@@ -480,16 +480,23 @@ fn a_pooled_a10_has_a_counter_set_its_vgpus_and_its_whole_self_consume() {
             ..set.clone()
         })
         .collect();
-    // Three GPUs' devices (66): two device slices.
+    // 66 devices of counter sets that are no GPU's (an mdev parent's): the node's pool, two
+    // device slices.
     let three: Vec<Device> = (0..3)
         .flat_map(|k| {
-            nd.devices.iter().map(move |d| Device {
-                name: format!("{}-{k}", d.name),
-                ..d.clone()
+            nd.devices.iter().map(move |d| {
+                let mut d = Device {
+                    name: format!("{}-{k}", d.name),
+                    ..d.clone()
+                };
+                for c in d.consumes_counters.iter_mut().flatten() {
+                    c.counter_set = "s0".into();
+                }
+                d
             })
         })
         .collect();
-    let slices = pool.slices(three, sets, 4);
+    let slices = pool.slices(three, sets, Vec::new(), 4);
     let names: Vec<&str> = slices
         .iter()
         .map(|s| s.metadata.name.as_deref().unwrap())
@@ -527,6 +534,142 @@ fn a_pooled_a10_has_a_counter_set_its_vgpus_and_its_whole_self_consume() {
         assert!(counters <= MAX_COUNTERS);
         assert!(sl.spec.devices.is_none() || sl.spec.shared_counters.is_none());
     }
+}
+
+#[test]
+fn each_pooled_gpu_is_a_pool_of_its_own_and_the_rest_the_nodes() {
+    let mut a = dev("0000:41:00.0", 0x2236, 0x030200, 21, "nvidia");
+    a.sriov_totalvfs = Some(32);
+    let mut b = dev("0000:61:00.0", 0x2236, 0x030200, 22, "nvidia");
+    b.sriov_totalvfs = Some(32);
+    let plain = dev("0000:81:00.0", 0x2236, 0x030200, 23, "nvidia");
+    let inv = inv(vec![a, b, plain], &[]);
+    let sel = select(&inv, &Selector::default(), None, &AliasTable::parse(""));
+    let pooled = crate::vgpu::Pooled {
+        gpus: [
+            "0000:41:00.0".parse().unwrap(),
+            "0000:61:00.0".parse().unwrap(),
+        ]
+        .into(),
+        types: crate::vgpu_types::parse("A10-4Q,A10-8Q").unwrap(),
+    };
+    let nd = devices_with_vgpus(&inv, &sel, &PciIds::embedded(), &pooled);
+    let pool = Pool {
+        driver: "gpu.gpu-vm-node.io".into(),
+        node_name: "node-a".into(),
+        node_uid: None,
+    };
+    // A device a prepared claim holds, in the pool its allocation names.
+    let held = vec![(
+        "node-a/gpu-0000-a1-00-0".to_string(),
+        Device {
+            name: "gpu-0000-a1-00-0".into(),
+            ..Default::default()
+        },
+    )];
+    let slices = pool.slices(nd.devices, nd.counters, held, 2);
+    /// A slice as (pool, name, resourceSliceCount, devices, counter sets).
+    type Layout<'a> = (&'a str, &'a str, i64, Vec<&'a str>, Vec<&'a str>);
+    let layout: Vec<Layout> = slices
+        .iter()
+        .map(|s| {
+            (
+                s.spec.pool.name.as_str(),
+                s.metadata.name.as_deref().unwrap(),
+                s.spec.pool.resource_slice_count,
+                s.spec
+                    .devices
+                    .iter()
+                    .flatten()
+                    .map(|d| d.name.as_str())
+                    .collect(),
+                s.spec
+                    .shared_counters
+                    .iter()
+                    .flatten()
+                    .map(|c| c.name.as_str())
+                    .collect(),
+            )
+        })
+        .collect();
+    let gpu = |n: &str| {
+        vec![
+            format!("gpu-0000-{n}-00-0"),
+            format!("vgpu-0000-{n}-00-0-a10-4q"),
+            format!("vgpu-0000-{n}-00-0-a10-8q"),
+        ]
+    };
+    let (g41, g61) = (gpu("41"), gpu("61"));
+    fn as_str(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
+    }
+    assert_eq!(
+        layout,
+        [
+            (
+                "node-a",
+                "node-a-gpu.gpu-vm-node.io",
+                1,
+                vec!["gpu-0000-81-00-0"],
+                vec![]
+            ),
+            (
+                "node-a/gpu-0000-41-00-0",
+                "node-a-gpu.gpu-vm-node.io-gpu-0000-41-00-0",
+                2,
+                as_str(&g41),
+                vec![]
+            ),
+            (
+                "node-a/gpu-0000-41-00-0",
+                "node-a-gpu.gpu-vm-node.io-gpu-0000-41-00-0-counters",
+                2,
+                vec![],
+                vec!["gpu-0000-41-00-0"]
+            ),
+            (
+                "node-a/gpu-0000-61-00-0",
+                "node-a-gpu.gpu-vm-node.io-gpu-0000-61-00-0",
+                2,
+                as_str(&g61),
+                vec![]
+            ),
+            (
+                "node-a/gpu-0000-61-00-0",
+                "node-a-gpu.gpu-vm-node.io-gpu-0000-61-00-0-counters",
+                2,
+                vec![],
+                vec!["gpu-0000-61-00-0"]
+            ),
+            (
+                "node-a/gpu-0000-a1-00-0",
+                "node-a-gpu.gpu-vm-node.io-gpu-0000-a1-00-0",
+                1,
+                vec!["gpu-0000-a1-00-0"],
+                vec![]
+            ),
+        ]
+    );
+    assert!(
+        slices
+            .iter()
+            .all(|s| s.spec.pool.generation == 2 && s.spec.node_name.as_deref() == Some("node-a"))
+    );
+
+    // Every GPU pooled: the node's own pool has nothing, and is not published.
+    let nd = devices_with_vgpus(&inv, &sel, &PciIds::embedded(), &pooled);
+    let pooled_only: Vec<Device> = nd
+        .devices
+        .into_iter()
+        .filter(|d| d.name != "gpu-0000-81-00-0")
+        .collect();
+    let slices = pool.slices(pooled_only, nd.counters, Vec::new(), 1);
+    assert_eq!(slices.len(), 4);
+    assert!(slices.iter().all(|s| s.spec.pool.name != "node-a"));
+    // Nothing at all: the node's own pool, empty.
+    let slices = pool.slices(Vec::new(), Vec::new(), Vec::new(), 1);
+    assert_eq!(slices.len(), 1);
+    assert_eq!(slices[0].spec.pool.name, "node-a");
 }
 
 #[test]

@@ -4,7 +4,7 @@
 
 // Each test file is a crate of its own and uses part of this module: what one leaves unused,
 // another uses.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -150,11 +150,41 @@ pub fn claim(name: &str, uid: &str) -> Claim {
     }
 }
 
+pub use cluster_tier::api_server::whole_pools;
+
+/// The pool a device of a GPU of the vGPU pool (`--vgpu`) is published in: its GPU's own,
+/// `<node>/gpu-0000-41-00-0` for `vgpu-0000-41-00-0-a10-4q` or `gpu-0000-41-00-0`.
+pub fn gpu_pool(device: &str) -> String {
+    let rest = device
+        .strip_prefix("vgpu-")
+        .or_else(|| device.strip_prefix("gpu-"))
+        .unwrap_or(device);
+    let gpu: Vec<&str> = rest.splitn(5, '-').take(4).collect();
+    format!("{NODE}/gpu-{}", gpu.join("-"))
+}
+
 /// Claim `name` allocated `device` of this node for request `gpu` of class `class`, in the fake
-/// API server; a vGPU type's shared device with a share of its own, as the scheduler allocates
-/// one.
+/// API server; a vGPU type's shared device (in its GPU's pool) with a share of its own, as the
+/// scheduler allocates one, anything else in the node's pool.
 pub fn put_claim(api: &FakeApiServer, name: &str, uid: &str, class: &str, device: &str) -> Claim {
-    let mut result = json!({"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device});
+    let pool = if device.starts_with("vgpu-") {
+        gpu_pool(device)
+    } else {
+        NODE.to_string()
+    };
+    put_claim_in(api, name, uid, class, &pool, device)
+}
+
+/// [`put_claim`] of `device` in pool `pool`.
+pub fn put_claim_in(
+    api: &FakeApiServer,
+    name: &str,
+    uid: &str,
+    class: &str,
+    pool: &str,
+    device: &str,
+) -> Claim {
+    let mut result = json!({"request": "gpu", "driver": DRIVER, "pool": pool, "device": device});
     if device.starts_with("vgpu-") {
         result["shareID"] = json!(share_id(uid, 0));
     }

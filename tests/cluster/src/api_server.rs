@@ -30,6 +30,28 @@ pub struct ApiServer {
     _dir: tempfile::TempDir,
 }
 
+/// Whether `slices` (ResourceSlices as JSON) are whole: each pool as many slices as each of its
+/// slices says (`resourceSliceCount`), all at one generation. A pool not written at all is not
+/// seen: count the pools where that matters.
+pub fn whole_pools(slices: &[Value]) -> bool {
+    let mut pools: BTreeMap<&str, Vec<(i64, i64)>> = BTreeMap::new();
+    for s in slices {
+        let pool = &s["spec"]["pool"];
+        pools
+            .entry(pool["name"].as_str().unwrap_or_default())
+            .or_default()
+            .push((
+                pool["generation"].as_i64().unwrap_or(-1),
+                pool["resourceSliceCount"].as_i64().unwrap_or(-1),
+            ));
+    }
+    !pools.is_empty()
+        && pools.values().all(|p| {
+            p.iter()
+                .all(|&(g, n)| g == p[0].0 && usize::try_from(n).ok() == Some(p.len()))
+        })
+}
+
 impl std::ops::Deref for ApiServer {
     type Target = ControlPlane;
     fn deref(&self) -> &ControlPlane {

@@ -391,7 +391,8 @@ async fn vgpu_once(b: &Bins, cycles: usize) -> Result<VgpuRun> {
         "metadata": {"namespace": "bench", "name": "v", "uid": "uid-vgpu"},
         "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "x"}}]}},
         "status": {"allocation": {"devices": {"results": [
-            {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "vgpu-0000-41-00-0-a10-4q",
+            {"request": "gpu", "driver": DRIVER, "pool": format!("{NODE}/gpu-0000-41-00-0"),
+             "device": "vgpu-0000-41-00-0-a10-4q",
              "shareID": "5a4e0000-0000-4000-8000-000000000001"}
         ]}}},
     }));
@@ -425,12 +426,10 @@ async fn vgpu_once(b: &Bins, cycles: usize) -> Result<VgpuRun> {
     };
     let mut drv: DraDriver = dra::register(root, &socket, None).await?;
     drv.keep_connection().await?;
-    // The whole pool: as many slices as each says it has.
+    // The pooled GPU's pool, whole: as many slices as each says it has.
     wait_slices(&api, |d| {
-        let s = api.slices();
         d.iter().any(|n| n.starts_with("vgpu-"))
-            && s.iter()
-                .all(|x| x["spec"]["pool"]["resourceSliceCount"].as_u64() == Some(s.len() as u64))
+            && cluster_tier::api_server::whole_pools(&api.slices())
     })
     .await
     .with_context(|| daemon.stderr_tail())?;

@@ -122,6 +122,16 @@ struct Published {
 }
 
 impl Published {
+    /// The whole-GPU devices.
+    fn whole_gpus(&self) -> usize {
+        self.slices
+            .iter()
+            .filter_map(|s| s["spec"]["devices"].as_array())
+            .flatten()
+            .filter(|d| d["name"].as_str().is_some_and(|n| n.starts_with("gpu-")))
+            .count()
+    }
+
     fn devices(&self) -> usize {
         self.slices
             .iter()
@@ -129,7 +139,7 @@ impl Published {
             .sum()
     }
 
-    /// The slices for node `node` (UID `uid`): names, `nodeName`, pool and owner changed.
+    /// The slices for node `node` (UID `uid`): names, `nodeName`, pools and owner changed.
     fn for_node(&self, from: &str, node: &str, uid: &str) -> Vec<Value> {
         self.slices
             .iter()
@@ -137,7 +147,9 @@ impl Published {
                 let name = s["metadata"]["name"].as_str().unwrap_or_default();
                 let mut spec = s["spec"].clone();
                 spec["nodeName"] = json!(node);
-                spec["pool"]["name"] = json!(node);
+                // The node's own pool, or one of its GPUs' (`<node>/gpu-…`).
+                let pool = spec["pool"]["name"].as_str().unwrap_or_default();
+                spec["pool"]["name"] = json!(pool.replacen(from, node, 1));
                 json!({
                     "apiVersion": "resource.k8s.io/v1",
                     "kind": "ResourceSlice",
@@ -233,12 +245,10 @@ fn publish(
             ],
         )?;
         let slices = v["items"].as_array().cloned().unwrap_or_default();
-        let whole = !slices.is_empty()
-            && slices.iter().all(|s| {
-                s["spec"]["pool"]["resourceSliceCount"].as_u64() == Some(slices.len() as u64)
-            });
+        let whole = cluster_tier::api_server::whole_pools(&slices);
         let p = Published { slices };
-        if whole && p.devices() > 0 {
+        // Every GPU (each in the node's pool, or in a pool of its own) and whole pools.
+        if whole && p.whole_gpus() == GPUS {
             return Ok(p);
         }
         if t.elapsed() > Duration::from_secs(90) {

@@ -79,22 +79,11 @@ fn slices(c: &Cluster) -> Result<Vec<Value>> {
     Ok(all["items"].as_array().cloned().unwrap_or_default())
 }
 
-/// The published devices: name → attributes. Fails while the pool is incomplete (fewer slices
+/// The published devices: name → attributes. `None` while a pool is incomplete (fewer slices
 /// than its `resourceSliceCount`, or slices of two generations).
 pub(super) fn devices(c: &Cluster) -> Result<Option<Vec<(String, Value)>>> {
     let slices = slices(c)?;
-    let Some(first) = slices.first() else {
-        return Ok(None);
-    };
-    let generation = &first["spec"]["pool"]["generation"];
-    let count = first["spec"]["pool"]["resourceSliceCount"]
-        .as_u64()
-        .unwrap_or(0);
-    if slices.len() as u64 != count
-        || slices
-            .iter()
-            .any(|s| &s["spec"]["pool"]["generation"] != generation)
-    {
+    if !cluster_tier::api_server::whole_pools(&slices) {
         return Ok(None);
     }
     let mut out = Vec::new();

@@ -137,6 +137,8 @@ refused "namespace.create=true" --set namespace.create=true -- "Create the names
 refused "a misspelt value (vfioManger.enabled)" --set vfioManger.enabled=false -- "vfioManger"
 refused "draDriver.vgpuTypes without draDriver.vgpu" --set draDriver.enabled=true \
     --set draDriver.vgpuTypes=A10-4Q -- "set draDriver.vgpu too"
+refused "draDriver.poolPerGpu without draDriver.vgpu" --set draDriver.enabled=true \
+    --set draDriver.poolPerGpu=true -- "set draDriver.vgpu too"
 # What `helm package` makes installs the same objects.
 "$helm" package "$chart" --destination "$scratch" >/dev/null 2>&1 || die "helm package $chart failed"
 template "$scratch"/gpu-vm-node-*.tgz >"$scratch/packaged.yaml"
@@ -241,6 +243,8 @@ expect(not bad, "image, pullPolicy, logLevel, nodeSelector, nodeAffinityExpressi
 dra = env(daemonsets(load("vgpu-types"))["sandbox-dra"]["spec"]["template"]["spec"]["containers"][0])
 expect((dra.get("VGPU"), dra.get("VGPU_TYPES")) == ("all", "A10-4Q,*-8Q"),
        f"draDriver.vgpu and vgpuTypes reach sandbox-dra: VGPU={dra.get('VGPU')} VGPU_TYPES={dra.get('VGPU_TYPES')}")
+expect(dra.get("POOL_PER_GPU") == "true",
+       f"draDriver.poolPerGpu reaches sandbox-dra: POOL_PER_GPU={dra.get('POOL_PER_GPU')}")
 sys.exit(1 if failed else 0)
 PY
 

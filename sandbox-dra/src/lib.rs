@@ -151,6 +151,8 @@ pub struct Config {
     pub liveness_window: Option<Duration>,
     /// The effect of the taint on a device that cannot serve a VM (`--taint-effect`).
     pub taint_effect: slices::TaintEffect,
+    /// Each GPU of the vGPU pool in a ResourceSlice pool of its own (`--pool-per-gpu`).
+    pub pool_per_gpu: bool,
 }
 
 /// Binds a Unix socket at `path`, replacing a stale one a killed run left.
@@ -375,6 +377,7 @@ pub async fn run(config: Config, paths: HostPaths, shutdown: CancellationToken) 
             vgpu_pool,
             mdev_parents,
             taint_effect: config.taint_effect,
+            pool_per_gpu: config.pool_per_gpu,
             driver_dir: dirs.driver_dir(),
         },
         paths.clone(),

@@ -159,6 +159,16 @@ struct Cli {
     )]
     taint_effect: sandbox_dra::slices::TaintEffect,
 
+    /// Publish each GPU of the vGPU pool (--vgpu) as a ResourceSlice pool of its own
+    /// (<node>/gpu-0000-41-00-0) instead of in the node's pool. kube-scheduler 1.37 and later:
+    /// its counter check walks one GPU's devices, not the node's, so a vGPU pod costs it less
+    /// the more vGPUs run in the cluster. kube-scheduler 1.36 takes every counter-set slice of
+    /// the cluster into each node's filter: there, several times more CPU per vGPU pod. GPUs
+    /// holding claims allocated from the other layout stay out of new placements (taint
+    /// old-pool-claims) until those claims are gone.
+    #[arg(long, env = "POOL_PER_GPU", requires = "vgpu", global = true)]
+    pool_per_gpu: bool,
+
     /// The most one request to the API server may take (connecting, sending, waiting for the
     /// answer): a claim whose allocation cannot be read in that time fails and kubelet calls
     /// again; a ResourceSlice pass fails and is retried (500ms, 10s, 1m; a bare number is
@@ -317,6 +327,7 @@ fn run(cli: Cli) -> exit::Result {
                 api_timeout: cli.api_timeout,
                 liveness_window: cli.liveness_window,
                 taint_effect: cli.taint_effect,
+                pool_per_gpu: cli.pool_per_gpu,
             };
             daemon_kit::daemon::run(Threads::Current, |shutdown| {
                 sandbox_dra::run(config, paths, shutdown)

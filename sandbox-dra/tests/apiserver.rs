@@ -1,6 +1,7 @@
 //! sandbox-dra as a process against the real kube-apiserver (the cluster tier's etcd and API
-//! server, no kubelet): the ResourceSlices it publishes for a large vGPU pool (a pool per GPU)
-//! are accepted as a whole, and with consumable capacity off it publishes the GPUs whole only.
+//! server, no kubelet): the ResourceSlices it publishes for a large vGPU pool (in the node's
+//! pool, or with `--pool-per-gpu` a pool per GPU) are accepted as a whole, and with consumable
+//! capacity off it publishes the GPUs whole only.
 //! The API's limits on a pool's slices (Kubernetes 1.35 and later: at most 8 counter
 //! sets a slice, 2 counter consumptions a device, 64 devices a slice when any consumes
 //! counters, counters and devices never in one slice) are checked by the API server itself,
@@ -71,7 +72,7 @@ fn len(v: &Value) -> usize {
 }
 
 #[test]
-fn ten_and_sixteen_pooled_a10s_are_a_pool_the_api_server_accepts() {
+fn ten_and_sixteen_pooled_a10s_are_slices_the_api_server_accepts_in_either_layout() {
     if let Some(why) = assets::unavailable() {
         assets::skip("sandbox-dra against kube-apiserver", &why);
         return;
@@ -83,8 +84,8 @@ fn ten_and_sixteen_pooled_a10s_are_a_pool_the_api_server_accepts() {
         ControlPlaneOpts::default(),
     )
     .unwrap();
-    for n in [10, 16] {
-        let node = format!("node-{n}");
+    for (n, per_gpu) in [(10, false), (16, false), (10, true)] {
+        let node = format!("node-{n}{}", if per_gpu { "-per-gpu" } else { "" });
         let manifest = dir.path().join(format!("{node}.json"));
         std::fs::write(
             &manifest,
@@ -98,12 +99,16 @@ fn ten_and_sixteen_pooled_a10s_are_a_pool_the_api_server_accepts() {
             sim.root(),
             &node,
             cp.admin_kubeconfig(),
-            &["--vgpu", "all"],
+            if per_gpu {
+                &["--vgpu", "all", "--pool-per-gpu"]
+            } else {
+                &["--vgpu", "all"]
+            },
         ));
         let t = Instant::now();
         let got = loop {
             let s = slices(&cp, &node);
-            if complete(&s, n) {
+            if complete(&s, if per_gpu { n } else { 1 }) {
                 break s;
             }
             if t.elapsed() > PATIENCE {
@@ -121,21 +126,25 @@ fn ten_and_sixteen_pooled_a10s_are_a_pool_the_api_server_accepts() {
         // Every GPU's counter set, read back: the API server kept what it accepted.
         let sets: usize = got.iter().map(|s| len(&s["spec"]["sharedCounters"])).sum();
         assert_eq!(sets, n, "{n} A10s: counter sets");
-        // A pool per GPU (two slices: devices, counters); the node's own has nothing left.
         let mut pools: Vec<&str> = got
             .iter()
             .map(|s| s["spec"]["pool"]["name"].as_str().unwrap())
             .collect();
         pools.sort_unstable();
         pools.dedup();
-        assert_eq!(pools.len(), n, "{n} A10s: pools {pools:?}");
-        assert!(
-            pools
-                .iter()
-                .all(|p| p.starts_with(&format!("{node}/gpu-0000-"))),
-            "{pools:?}"
-        );
-        assert_eq!(got.len(), 2 * n, "{n} A10s: slices");
+        if per_gpu {
+            // A pool per GPU (two slices: devices, counters); the node's own has nothing left.
+            assert_eq!(pools.len(), n, "{n} A10s: pools {pools:?}");
+            assert!(
+                pools
+                    .iter()
+                    .all(|p| p.starts_with(&format!("{node}/gpu-0000-"))),
+                "{pools:?}"
+            );
+            assert_eq!(got.len(), 2 * n, "{n} A10s: slices");
+        } else {
+            assert_eq!(pools, [node.as_str()], "{n} A10s: one pool");
+        }
         let devices: Vec<&Value> = got
             .iter()
             .filter_map(|s| s["spec"]["devices"].as_array())

@@ -41,13 +41,10 @@ fn report(msg: NodeWatchResourcesResponse) -> Report {
     let mut out = Report::new();
     for d in msg.devices {
         let id = d.device.clone().expect("a device identifier");
-        // The node's pool, or for a device of a GPU of the vGPU pool, that GPU's own.
+        // The node's pool, or (`--pool-per-gpu`) for a device of a GPU of the vGPU pool, that
+        // GPU's own.
         let own = support::gpu_pool(&id.device_name);
-        if id.device_name.starts_with("vgpu-") {
-            assert_eq!(id.pool_name, own, "{d:?}");
-        } else {
-            assert!(id.pool_name == NODE || id.pool_name == own, "{d:?}");
-        }
+        assert!(id.pool_name == NODE || id.pool_name == own, "{d:?}");
         assert!(d.last_updated_time > 1_700_000_000, "{d:?}");
         // kubelet reads Unknown after this long without news: at least its own default.
         assert!(d.health_check_timeout_seconds >= 30, "{d:?}");
@@ -242,9 +239,9 @@ async fn a_prepared_gpu_whose_audio_function_a_host_driver_takes_is_unhealthy() 
     );
 }
 
-/// A vGPU a claim holds from the node's own pool (allocated by an earlier version, before its
-/// GPU had a pool of its own) is reported in that pool, where kubelet looks for the claim's
-/// device, and in the GPU's pool, where the device is published now.
+/// A vGPU a claim holds from the node's own pool (allocated before `--pool-per-gpu` gave its GPU
+/// a pool of its own) is reported in that pool, where kubelet looks for the claim's device, and
+/// in the GPU's pool, where the device is published now.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_device_a_claim_holds_from_the_nodes_old_pool_is_reported_in_both_pools() {
     let Some(sim) = try_mount("2xA10") else {
@@ -252,7 +249,7 @@ async fn a_device_a_claim_holds_from_the_nodes_old_pool_is_reported_in_both_pool
     };
     let root = sim.root();
     let api = FakeApiServer::start(NODE, &[]).unwrap();
-    let d = start(root, &api, &["--vgpu", "0000:61:00.0"]);
+    let d = start(root, &api, &["--vgpu", "0000:61:00.0", "--pool-per-gpu"]);
     let drv = register(root).await;
     let vgpu = "vgpu-0000-61-00-0-a10-4q";
     let old = support::put_claim_in(&api, "vm", "uid-old", "vgpu.gpu-vm-node.io", NODE, vgpu);

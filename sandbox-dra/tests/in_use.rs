@@ -195,7 +195,7 @@ async fn vfio_manager_bind_refuses_the_gpu_of_a_prepared_vgpu_claim() {
     assert!(
         err.contains(&format!(
             "pod {NS}/{POD} (container compute, claim {NS}/vm2-vgpu, device \
-             {DRIVER}/{NODE}/gpu-0000-61-00-0/vgpu-0000-61-00-0-a10-4q) has it"
+             {DRIVER}/{NODE}/vgpu-0000-61-00-0-a10-4q) has it"
         )),
         "{}",
         show(&o)

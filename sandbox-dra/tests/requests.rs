@@ -6,8 +6,9 @@
 //!   open for an hour (`timeoutSeconds=3600`): passes run every second (`--resync-interval 1s`,
 //!   counted by `sandbox_dra_publish_passes_total`), and none of them sends a request; the Node
 //!   is not read again, nor watched;
-//! - a GPU hot-plugged costs one apply per slice of its own pool (devices, counters), each
-//!   once, and nothing else: no list, no get, no delete, no write to the other GPUs' pools;
+//! - a GPU hot-plugged (`--pool-per-gpu`) costs one apply per slice of its own pool (devices,
+//!   counters), each once, and nothing else: no list, no get, no delete, no write to the other
+//!   GPUs' pools;
 //! - a write the API server refuses is tried again on the backoff, not at every resync; one
 //!   to an API server that is down is tried at every resync, and lands once it is back.
 //!
@@ -161,7 +162,12 @@ fn at_rest_the_driver_asks_nothing_and_a_hotplug_costs_one_apply_per_slice_of_it
         return;
     };
     api.create_node(NODE, &[]).unwrap();
-    let (d, metrics) = start(&sim, &api, &["system:masters"], &["--vgpu", "all"]);
+    let (d, metrics) = start(
+        &sim,
+        &api,
+        &["system:masters"],
+        &["--vgpu", "all", "--pool-per-gpu"],
+    );
 
     let before = wait_for_pool(&api, &d, "the pool never published", |s| {
         counter_sets(s).len() == 2

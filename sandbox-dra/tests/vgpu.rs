@@ -172,14 +172,7 @@ async fn an_a10_publishes_its_fractions_and_serves_whole_then_vgpus_then_whole()
     );
 
     // A whole-GPU claim first: the GPU goes to vfio-pci and stays there (--unprepare keep).
-    let whole = support::put_claim_in(
-        &api,
-        "whole-1",
-        "uid-w1",
-        VGPU,
-        &gpu_pool("gpu-0000-41-00-0"),
-        "gpu-0000-41-00-0",
-    );
+    let whole = put_claim(&api, "whole-1", "uid-w1", VGPU, "gpu-0000-41-00-0");
     prepare(&drv, &whole).await.unwrap();
     assert_eq!(driver_of(root, "0000:41:00.0").as_deref(), Some("vfio-pci"));
     unprepare(&drv, &whole).await.unwrap();
@@ -234,14 +227,7 @@ async fn an_a10_publishes_its_fractions_and_serves_whole_then_vgpus_then_whole()
             .join(format!("var/run/cdi/{DRIVER}_uid-s1.json"))
             .exists()
     );
-    let whole2 = support::put_claim_in(
-        &api,
-        "whole-2",
-        "uid-w2",
-        VGPU,
-        &gpu_pool("gpu-0000-41-00-0"),
-        "gpu-0000-41-00-0",
-    );
+    let whole2 = put_claim(&api, "whole-2", "uid-w2", VGPU, "gpu-0000-41-00-0");
     prepare(&drv, &whole2)
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
@@ -263,7 +249,7 @@ fn put_claim_of(api: &FakeApiServer, name: &str, uid: &str, devices: &[&str]) ->
             {"name": "gpu", "exactly": {"deviceClassName": VGPU, "count": devices.len()}}
         ]}},
         "status": {"allocation": {"devices": {"results": devices.iter().zip(0..).map(|(d, n)| json!({
-            "request": "gpu", "driver": DRIVER, "pool": gpu_pool(d), "device": d,
+            "request": "gpu", "driver": DRIVER, "pool": NODE, "device": d,
             "shareID": share_id(uid, n),
         })).collect::<Vec<_>>()}}},
     }));
@@ -502,14 +488,7 @@ async fn a_vgpu_prepare_or_unprepare_killed_at_any_write_converges_at_start() {
     };
     let root = sim.root();
     let api = FakeApiServer::start(NODE, &[]).unwrap();
-    let whole = support::put_claim_in(
-        &api,
-        "whole",
-        "uid-whole",
-        VGPU,
-        &gpu_pool("gpu-0000-41-00-0"),
-        "gpu-0000-41-00-0",
-    );
+    let whole = put_claim(&api, "whole", "uid-whole", VGPU, "gpu-0000-41-00-0");
     let c = put_claim(&api, "crash", "uid-crash", VGPU, "vgpu-0000-41-00-0-a10-4q");
     let record = root.join(format!(
         "var/lib/kubelet/plugins/{DRIVER}/claims/uid-crash.json"
@@ -612,14 +591,7 @@ async fn a_whole_gpu_claim_leaves_the_vfs_of_a_gpu_in_use_enabled() {
     let node = root.join(format!("dev/nvidia{minor}"));
     let shell = testkit::sim::ShellHolder::hold(&node);
 
-    let whole = support::put_claim_in(
-        &api,
-        "whole",
-        "uid-whole",
-        VGPU,
-        &gpu_pool("gpu-0000-61-00-0"),
-        "gpu-0000-61-00-0",
-    );
+    let whole = put_claim(&api, "whole", "uid-whole", VGPU, "gpu-0000-61-00-0");
     let err = prepare(&drv, &whole).await.unwrap_err();
     assert!(
         err.contains("0000:61:00.0")
@@ -1022,8 +994,8 @@ fn taints(slices: &[Value]) -> BTreeMap<(String, String), (String, String)> {
     out
 }
 
-/// A claim allocated from the node's own pool, before each GPU of the vGPU pool had a pool of
-/// its own (an upgrade with VMs running), is still prepared, and its VM keeps its vGPU; the
+/// A claim allocated from the node's own pool, before `--pool-per-gpu` gave each GPU of the vGPU
+/// pool a pool of its own (turned on with VMs running), is still prepared, and its VM keeps its vGPU; the
 /// scheduler does not count it against the GPU's new pool, so every device of that GPU is
 /// published tainted `old-pool-claims` (`NoSchedule`, even with `--taint-effect NoExecute`:
 /// the VM is not evicted), and nothing new is placed there until the claim is gone.
@@ -1037,7 +1009,13 @@ async fn a_claim_allocated_from_the_nodes_old_pool_keeps_its_gpu_off_the_schedul
     let d = support::start(
         root,
         &api,
-        &["--vgpu", "all", "--taint-effect", "NoExecute"],
+        &[
+            "--vgpu",
+            "all",
+            "--pool-per-gpu",
+            "--taint-effect",
+            "NoExecute",
+        ],
     );
     let drv = register(root).await;
     wait_for_pool(&api, 2);

@@ -47,7 +47,7 @@ fn put_claim(api: &ApiServer, name: &str, class: &str, device: &str) -> Claim {
             NS,
             name,
             json!([{"name": "gpu", "exactly": {"deviceClassName": class}}]),
-            json!([{"request": "gpu", "driver": DRIVER, "pool": support::gpu_pool(device), "device": device,
+            json!([{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device,
                     "shareID": share_id(name, 0)}]),
         )
         .unwrap();

@@ -159,6 +159,8 @@ pub struct PublishConfig {
     pub mdev_parents: BTreeSet<String>,
     /// The effect of the taint on a device that cannot serve a VM (`--taint-effect`).
     pub taint_effect: slices::TaintEffect,
+    /// Each GPU of the vGPU pool in a pool of its own (`--pool-per-gpu`).
+    pub pool_per_gpu: bool,
     /// `<kubelet-root>/plugins/<driver>` as this process reaches it: the claim records, whose
     /// devices stay published (tainted) while their GPU is gone.
     pub driver_dir: std::path::PathBuf,
@@ -191,7 +193,14 @@ pub async fn read_devices(cfg: &PublishConfig, paths: &HostPaths) -> anyhow::Res
         cfg.driver.clone(),
         cfg.taint_effect,
     );
-    let (driver_dir, pool_name) = (cfg.driver_dir.clone(), cfg.node_name.clone());
+    let driver_dir = cfg.driver_dir.clone();
+    // Which pool each device is published in.
+    let layout = Pool {
+        driver: cfg.driver.clone(),
+        node_name: cfg.node_name.clone(),
+        node_uid: None,
+        per_gpu: cfg.pool_per_gpu,
+    };
     tokio::task::spawn_blocking(move || {
         let opts = ReadOptions {
             // Type ids, for the vGPU devices' attributes.
@@ -236,7 +245,7 @@ pub async fn read_devices(cfg: &PublishConfig, paths: &HostPaths) -> anyhow::Res
         // A device a prepared claim holds stays published while its GPU is gone or the
         // configuration no longer offers it, tainted: the scheduler keeps counting it, and
         // places nothing new on it.
-        let prepared = Prepared::read(&driver_dir, &pool_name, &out.devices);
+        let prepared = Prepared::read(&driver_dir, &layout, &out.devices);
         slices::taint(&mut out.devices, &driver, effect, &out.left_out, &no_vfs);
         prepared.taint_moved(&mut out.devices, &driver);
         out.held = prepared
@@ -293,11 +302,12 @@ fn gpu_of(
 impl Prepared {
     /// Reads the claims prepared on node `node` (in any of its pools) from the records under
     /// `driver_dir`, against `devices`, the devices the node publishes.
-    fn read(driver_dir: &std::path::Path, node: &str, devices: &[Device]) -> Prepared {
+    fn read(driver_dir: &std::path::Path, layout: &Pool, devices: &[Device]) -> Prepared {
+        let node = layout.node_name.as_str();
         let mut out = Prepared::default();
         for d in crate::health::prepared_devices(driver_dir, node) {
             if let Some(live) = devices.iter().find(|x| x.name == d.device) {
-                if slices::pool_of(node, live) != d.pool
+                if layout.pool_of(live) != d.pool
                     && let Some(gpu) = gpu_of(&d.device, &d.attributes)
                 {
                     out.moved.insert(gpu);
@@ -724,6 +734,7 @@ pub async fn run(
             driver: cfg.driver.clone(),
             node_name: cfg.node_name.clone(),
             node_uid: None,
+            per_gpu: cfg.pool_per_gpu,
         },
         generations: BTreeMap::new(),
         left_out: Vec::new(),
@@ -810,11 +821,10 @@ pub async fn run(
             refused && trigger.retrying() && wake.changes.is_empty() && !wake.retry && !wake.first;
         let outcome = match read_devices(&cfg, &paths).await {
             Ok(nd) => {
-                let node = cfg.node_name.as_str();
                 let published = nd
                     .devices
                     .iter()
-                    .map(|d| (slices::pool_of(node, d), d.name.clone()))
+                    .map(|d| (p.pool.pool_of(d), d.name.clone()))
                     .chain(nd.held.iter().map(|(p, d)| (p.clone(), d.name.clone())))
                     .collect();
                 health.report(&paths, published, &nd.left_out).await;
@@ -966,6 +976,7 @@ mod tests {
             vgpu_pool: vgpu::Pool::new(Default::default()),
             mdev_parents: BTreeSet::new(),
             taint_effect: Default::default(),
+            pool_per_gpu: false,
             driver_dir: Default::default(),
         };
         assert_eq!(cfg(30, 10).pass_timeout(), Duration::from_secs(30));

@@ -404,6 +404,9 @@ pub struct Pool {
     /// The Node's UID, for the owner reference that has Kubernetes' garbage collector delete
     /// the slice with the Node; `None` until it is known.
     pub node_uid: Option<String>,
+    /// Each GPU of the vGPU pool in a pool of its own (`--pool-per-gpu`); otherwise every
+    /// device in the node's pool.
+    pub per_gpu: bool,
 }
 
 /// `name` cut to the API's 253 characters by keeping its end (the driver's and the GPU's part).
@@ -414,22 +417,28 @@ fn slice_name_within_limit(name: String) -> String {
     }
 }
 
-/// The pool device `d` is published in on node `node` ([`Pool::slices`]): its GPU's own when
-/// it consumes a GPU's counter set, the node's otherwise.
-pub fn pool_of(node: &str, d: &Device) -> String {
-    d.consumes_counters
-        .as_ref()
-        .and_then(|c| c.first())
-        .map_or_else(|| node.to_string(), |c| pool_of_set(node, &c.counter_set))
-}
-
-/// The pool a device or counter set of counter set `set` goes to: its GPU's own, for a GPU's
-/// set; the node's for any other (an mdev parent's).
-fn pool_of_set(node: &str, set: &str) -> String {
-    names::parse_gpu_device(set).map_or_else(|| node.to_string(), |gpu| names::gpu_pool(node, &gpu))
-}
-
 impl Pool {
+    /// The pool device `d` is published in ([`Pool::slices`]): with [`Pool::per_gpu`] its GPU's
+    /// own when it consumes a GPU's counter set, the node's otherwise.
+    pub fn pool_of(&self, d: &Device) -> String {
+        d.consumes_counters
+            .as_ref()
+            .and_then(|c| c.first())
+            .map_or_else(
+                || self.node_name.clone(),
+                |c| self.pool_of_set(&c.counter_set),
+            )
+    }
+
+    /// The pool counter set `set` (and each device consuming it) goes to: with
+    /// [`Pool::per_gpu`] its GPU's own, for a GPU's set; the node's for any other.
+    fn pool_of_set(&self, set: &str) -> String {
+        match names::parse_gpu_device(set) {
+            Some(gpu) if self.per_gpu => names::gpu_pool(&self.node_name, &gpu),
+            _ => self.node_name.clone(),
+        }
+    }
+
     /// The node pool's slice name: `<node>-<driver>`, one per node and driver. A name over 253
     /// characters (the API's limit) keeps its end, the driver's part.
     pub fn slice_name(&self) -> String {
@@ -462,7 +471,8 @@ impl Pool {
 
     /// The node's slices, each pool's at `generation`:
     ///
-    /// - each GPU of the vGPU pool is a pool of its own ([`names::gpu_pool`]): its counter set,
+    /// - with [`Pool::per_gpu`], each GPU of the vGPU pool is a pool of its own
+    ///   ([`names::gpu_pool`]): its counter set,
     ///   and the devices that consume it (its whole-GPU device, its vGPU devices), in two
     ///   slices `<node>-<driver>-<gpu>` and `<node>-<driver>-<gpu>-counters` (Kubernetes 1.35
     ///   and later take counters and devices only in separate slices of one pool). The
@@ -489,13 +499,13 @@ impl Pool {
         pools.entry(node.to_string()).or_default();
         for set in counters {
             pools
-                .entry(pool_of_set(node, &set.name))
+                .entry(self.pool_of_set(&set.name))
                 .or_default()
                 .1
                 .push(set);
         }
         for d in devices {
-            pools.entry(pool_of(node, &d)).or_default().0.push(d);
+            pools.entry(self.pool_of(&d)).or_default().0.push(d);
         }
         for (pool, d) in held {
             pools.entry(pool).or_default().0.push(d);

@@ -342,6 +342,7 @@ fn the_slice_is_the_nodes_pool_owned_by_its_node() {
         driver: "gpu.gpu-vm-node.io".into(),
         node_name: "node-a".into(),
         node_uid: Some("uid-1".into()),
+        per_gpu: false,
     };
     let inv = inv(
         vec![dev("0000:41:00.0", 0x2236, 0x030200, 21, "nvidia")],
@@ -473,6 +474,7 @@ fn a_pooled_a10_has_a_counter_set_its_vgpus_and_its_whole_self_consume() {
         driver: "gpu.gpu-vm-node.io".into(),
         node_name: "n".into(),
         node_uid: None,
+        per_gpu: false,
     };
     let sets: Vec<CounterSet> = (0..20)
         .map(|k| CounterSet {
@@ -558,6 +560,7 @@ fn each_pooled_gpu_is_a_pool_of_its_own_and_the_rest_the_nodes() {
         driver: "gpu.gpu-vm-node.io".into(),
         node_name: "node-a".into(),
         node_uid: None,
+        per_gpu: true,
     };
     // A device a prepared claim holds, in the pool its allocation names.
     let held = vec![(
@@ -656,6 +659,16 @@ fn each_pooled_gpu_is_a_pool_of_its_own_and_the_rest_the_nodes() {
             .all(|s| s.spec.pool.generation == 2 && s.spec.node_name.as_deref() == Some("node-a"))
     );
 
+    // Without --pool-per-gpu: every device and counter set in the node's pool.
+    let nd = devices_with_vgpus(&inv, &sel, &PciIds::embedded(), &pooled);
+    let node_only = Pool {
+        per_gpu: false,
+        ..pool.clone()
+    };
+    let slices = node_only.slices(nd.devices, nd.counters, Vec::new(), 1);
+    assert!(slices.iter().all(|s| s.spec.pool.name == "node-a"));
+    assert_eq!(slices.len(), 2, "devices and counters");
+
     // Every GPU pooled: the node's own pool has nothing, and is not published.
     let nd = devices_with_vgpus(&inv, &sel, &PciIds::embedded(), &pooled);
     let pooled_only: Vec<Device> = nd
@@ -678,6 +691,7 @@ fn long_slice_names_keep_the_driver() {
         driver: "gpu.gpu-vm-node.io".into(),
         node_name: "n".repeat(250),
         node_uid: None,
+        per_gpu: false,
     };
     let name = pool.slice_name();
     assert!(name.len() <= 253);

@@ -152,7 +152,7 @@ pub fn claim(name: &str, uid: &str) -> Claim {
 
 pub use cluster_tier::api_server::whole_pools;
 
-/// The pool a device of a GPU of the vGPU pool (`--vgpu`) is published in: its GPU's own,
+/// The pool a device of a GPU of the vGPU pool (`--vgpu --pool-per-gpu`) is published in: its GPU's own,
 /// `<node>/gpu-0000-41-00-0` for `vgpu-0000-41-00-0-a10-4q` or `gpu-0000-41-00-0`.
 pub fn gpu_pool(device: &str) -> String {
     let rest = device
@@ -163,16 +163,11 @@ pub fn gpu_pool(device: &str) -> String {
     format!("{NODE}/gpu-{}", gpu.join("-"))
 }
 
-/// Claim `name` allocated `device` of this node for request `gpu` of class `class`, in the fake
-/// API server; a vGPU type's shared device (in its GPU's pool) with a share of its own, as the
-/// scheduler allocates one, anything else in the node's pool.
+/// Claim `name` allocated `device` of this node's pool for request `gpu` of class `class`, in
+/// the fake API server; a vGPU type's shared device with a share of its own, as the scheduler
+/// allocates one.
 pub fn put_claim(api: &FakeApiServer, name: &str, uid: &str, class: &str, device: &str) -> Claim {
-    let pool = if device.starts_with("vgpu-") {
-        gpu_pool(device)
-    } else {
-        NODE.to_string()
-    };
-    put_claim_in(api, name, uid, class, &pool, device)
+    put_claim_in(api, name, uid, class, NODE, device)
 }
 
 /// [`put_claim`] of `device` in pool `pool`.

@@ -66,9 +66,9 @@ pub struct Cli {
     pub sched_newest: bool,
     /// scheduler: the published pools measured, by letter (default all): a passthrough only,
     /// b `--vgpu all`, c `--vgpu-types A10-4Q,A10-8Q`, d `--vgpu all` with claims naming the
-    /// type's own DeviceClass.
+    /// type's own DeviceClass, e and f b and c with `--pool-per-gpu` (a pool per GPU).
     #[arg(long, value_name = "POOL", value_delimiter = ',',
-          value_parser = clap::builder::PossibleValuesParser::new(["a", "b", "c", "d"]))]
+          value_parser = clap::builder::PossibleValuesParser::new(["a", "b", "c", "d", "e", "f"]))]
     pub sched_pools: Vec<String>,
     /// scheduler: pods placed one after another per node count and published pool.
     #[arg(long, default_value_t = 50, value_parser = at_least_one())]
@@ -224,7 +224,7 @@ mod tests {
         assert!(cli.sched_pools.is_empty());
         let cli = Cli::try_parse_from(["gpu-vm-bench", "--sched-pools", "a,d"]).unwrap();
         assert_eq!(cli.sched_pools, ["a", "d"]);
-        assert!(Cli::try_parse_from(["gpu-vm-bench", "--sched-pools", "e"]).is_err());
+        assert!(Cli::try_parse_from(["gpu-vm-bench", "--sched-pools", "g"]).is_err());
         let cli = Cli::try_parse_from(["gpu-vm-bench", "--only", "dra-api"]).unwrap();
         assert_eq!((cli.api_window_secs, cli.api_scale_secs), (600, 120));
     }

@@ -391,8 +391,7 @@ async fn vgpu_once(b: &Bins, cycles: usize) -> Result<VgpuRun> {
         "metadata": {"namespace": "bench", "name": "v", "uid": "uid-vgpu"},
         "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "x"}}]}},
         "status": {"allocation": {"devices": {"results": [
-            {"request": "gpu", "driver": DRIVER, "pool": format!("{NODE}/gpu-0000-41-00-0"),
-             "device": "vgpu-0000-41-00-0-a10-4q",
+            {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "vgpu-0000-41-00-0-a10-4q",
              "shareID": "5a4e0000-0000-4000-8000-000000000001"}
         ]}}},
     }));

@@ -71,6 +71,10 @@ enum Pool {
     /// `--vgpu all`, the claims naming the type's own class ([`TYPE_CLASS`]) instead of the
     /// vGPU class and a selector.
     AllTypesByClass,
+    /// [`Pool::AllTypes`] with `--pool-per-gpu`: each GPU a pool of its own.
+    AllTypesPerGpu,
+    /// [`Pool::FewTypes`] with `--pool-per-gpu`.
+    FewTypesPerGpu,
 }
 
 impl Pool {
@@ -81,6 +85,8 @@ impl Pool {
             Pool::AllTypes => "b",
             Pool::FewTypes => "c",
             Pool::AllTypesByClass => "d",
+            Pool::AllTypesPerGpu => "e",
+            Pool::FewTypesPerGpu => "f",
         }
     }
 
@@ -90,6 +96,8 @@ impl Pool {
             Pool::AllTypes => "(b) `--vgpu all`",
             Pool::FewTypes => "(c) `--vgpu-types A10-4Q,A10-8Q`",
             Pool::AllTypesByClass => "(d) `--vgpu all`, claims by the type's class",
+            Pool::AllTypesPerGpu => "(e) (b) `--pool-per-gpu`",
+            Pool::FewTypesPerGpu => "(f) (c) `--pool-per-gpu`",
         }
     }
 
@@ -99,6 +107,10 @@ impl Pool {
             Pool::Passthrough => vec![],
             Pool::AllTypes | Pool::AllTypesByClass => vec!["--vgpu", "all"],
             Pool::FewTypes => vec!["--vgpu", "all", "--vgpu-types", FEW_TYPES],
+            Pool::AllTypesPerGpu => vec!["--vgpu", "all", "--pool-per-gpu"],
+            Pool::FewTypesPerGpu => {
+                vec!["--vgpu", "all", "--vgpu-types", FEW_TYPES, "--pool-per-gpu"]
+            }
         }
     }
 
@@ -781,6 +793,8 @@ pub fn bench(cli: &Cli, b: &Bins, r: &mut Report) -> Result<()> {
         Pool::AllTypes,
         Pool::FewTypes,
         Pool::AllTypesByClass,
+        Pool::AllTypesPerGpu,
+        Pool::FewTypesPerGpu,
     ]
     .into_iter()
     .filter(|p| cli.sched_pools.is_empty() || cli.sched_pools.iter().any(|l| l == p.letter()))

@@ -280,12 +280,24 @@ fn install(c: &Cluster, topology: &str, vgpu: bool) -> Result<()> {
     test_namespace(c)
 }
 
+/// Whether Kubernetes `version` (`v1.37.2`) is later than 1.36.
+pub(super) fn newer_than_1_36(version: &str) -> bool {
+    let mut parts = version.trim_start_matches('v').split('.');
+    let major: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    let minor: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    (major, minor) > (1, 36)
+}
+
 /// Installs or upgrades the chart with the DRA driver as [`install`] does, plus `extra` values,
 /// and waits for the driver to be ready.
 fn helm_dra(c: &Cluster, vgpu: bool, extra: &[&str]) -> Result<()> {
     let mut set = vec!["draDriver.enabled=true", "draDriver.metricsPort=19484"];
     if vgpu {
         set.push("draDriver.vgpu=all");
+        // The layout for kube-scheduler 1.37 and later.
+        if newer_than_1_36(&c.assets().k8s_version) {
+            set.push("draDriver.poolPerGpu=true");
+        }
     }
     set.extend_from_slice(extra);
     let vf = values_file(

@@ -143,11 +143,13 @@ fn pending_reason(c: &Cluster, pod: &str) -> Result<String> {
 pub fn run(c: &Cluster) -> Result<()> {
     c.mount_sim("2xA10")?;
     c.label_node(WORKLOAD, Some("vm-dra"))?;
-    // draDriver.vgpuTypes: a name and a pattern, the types these pods ask for.
+    // draDriver.vgpuTypes: a name and a pattern, the types these pods ask for; a pool per GPU
+    // on kube-scheduler 1.37 and later.
+    let per_gpu = super::dra::newer_than_1_36(&c.assets().k8s_version);
     let vf = values_file(
         c,
         "vgpu-types",
-        &serde_json::json!({"draDriver": {"vgpuTypes": "A10-4Q,*-8Q"}}),
+        &serde_json::json!({"draDriver": {"vgpuTypes": "A10-4Q,*-8Q", "poolPerGpu": per_gpu}}),
     )?;
     c.helm_install(
         &["draDriver.enabled=true", "draDriver.vgpu=all"],

@@ -669,6 +669,9 @@ pub fn vgpu(c: &Cluster) -> Result<()> {
         .map(|(pod, t)| format!("{}---\n", claim_pod(c, pod, t)))
         .collect();
     c.apply(&all)?;
+    for (pod, _) in &burst {
+        wait_phase(c, pod, &["Running"], super::BURST_PATIENCE)?;
+    }
     let mut gpu_of = std::collections::BTreeMap::new();
     for (pod, t) in &burst {
         let (_, meta) = pod_view(c, pod)?;

@@ -334,6 +334,9 @@ pub fn run(c: &Cluster) -> Result<()> {
         mixed.push_str(&format!("{}---\n", limits_pod(c, pod, resource, 1)));
     }
     c.apply(&mixed)?;
+    for pod in ["vm-m4-1", "vm-m4-2", "vm-m8-1", "vm-m8-2", "vm-m8-3"] {
+        wait_phase(c, pod, &["Running"], super::BURST_PATIENCE)?;
+    }
     let mut sizes: std::collections::BTreeMap<String, &str> = Default::default();
     for pod in ["vm-m4-1", "vm-m4-2", "vm-m8-1", "vm-m8-2", "vm-m8-3"] {
         let (vars, _) = env_view(c, pod)?;

@@ -200,9 +200,9 @@ struct Cli {
 }
 
 /// `--node-name`: what the node is for here.
-const NODE_NAME_HELP: &str = "This node's name: the pool its devices are published in (each GPU \
-    of the vGPU pool in a pool of its own, <node>/gpu-0000-41-00-0), and the Node its changes \
-    are recorded on as Events. Needed by daemon";
+const NODE_NAME_HELP: &str = "This node's name: the pool its devices are published in (with \
+    --pool-per-gpu each GPU of the vGPU pool in a pool of its own, <node>/gpu-0000-41-00-0), and \
+    the Node its changes are recorded on as Events. Needed by daemon";
 
 /// The exit-status table, shown after `--help`.
 const EXIT_STATUS: &str = "\

@@ -1,7 +1,8 @@
 //! Keeps the node's ResourceSlices ([`crate::slices`]) true in the API server: one slice, or
-//! with a vGPU pool (`--vgpu`) a pool per pooled GPU, its counter set and its devices in two
-//! slices ([`slices::Pool::slices`]). Each pool is planned and written on its own: a GPU
-//! hot-plugged writes its pool's slices, not the others'.
+//! with a vGPU pool (`--vgpu`) the counter sets in slices of their own and the devices in
+//! slices of at most 64, or with `--pool-per-gpu` a pool per pooled GPU, its counter set and
+//! its devices in two slices ([`slices::Pool::slices`]). Each pool is planned and written on
+//! its own: with a pool per GPU, a GPU hot-plugged writes its pool's slices, not the others'.
 //!
 //! What the API server holds is known without asking ([`cache`]): a kube-runtime reflector
 //! follows this node's slices of this driver (field selector `spec.nodeName=<node>,
@@ -279,7 +280,8 @@ struct Prepared {
     /// part of.
     held: Vec<(String, Device, Option<common::PciAddress>)>,
     /// GPUs whose devices the node publishes in another pool than the one a prepared claim's
-    /// allocation names (claims allocated before the GPU had a pool of its own).
+    /// allocation names (claims allocated from the other layout: `--pool-per-gpu` turned on or
+    /// off under them).
     moved: BTreeSet<common::PciAddress>,
 }
 

@@ -1,6 +1,6 @@
 //! The node's devices as ResourceSlices: one device per GPU that can be passed through, in the
-//! node's pool; each GPU of the vGPU pool, with its vGPU devices, in a pool of its own
-//! ([`Pool::slices`]).
+//! node's pool; with `--pool-per-gpu` each GPU of the vGPU pool, with its vGPU devices, in a
+//! pool of its own ([`Pool::slices`]).
 //!
 //! Which GPUs: exactly those vfio-manager would bind ([`common::vfio::select`] with its default
 //! selector: NVIDIA display functions that are not VFs, each with the other endpoint functions

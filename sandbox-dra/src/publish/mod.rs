@@ -351,14 +351,7 @@ impl Prepared {
             return;
         }
         for d in devices.iter_mut().filter(|d| d.taints.is_none()) {
-            let attrs = d.attributes.as_ref();
-            let of = crate::names::parse_gpu_device(&d.name).or_else(|| {
-                attrs
-                    .and_then(|a| a.get("parentGPU"))
-                    .and_then(|v| v.string.as_deref())
-                    .and_then(|g| g.parse().ok())
-            });
-            if of.is_some_and(|g| self.moved.contains(&g)) {
+            if slices::gpu_of(d).is_some_and(|g| self.moved.contains(&g)) {
                 d.taints = Some(vec![k8s_openapi::api::resource::v1::DeviceTaint {
                     key: slices::taint_key(driver),
                     value: Some("old-pool-claims".into()),

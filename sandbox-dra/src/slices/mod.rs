@@ -144,20 +144,15 @@ pub fn taint(
 ) {
     let key = taint_key(driver);
     for d in devices.iter_mut() {
-        let attr = |k: &str| {
-            d.attributes
-                .as_ref()
-                .and_then(|a| a.get(k))
-                .and_then(|v| v.string.clone())
-        };
-        let of = names::parse_gpu_device(&d.name)
-            .or_else(|| attr("parentGPU").and_then(|g| g.parse().ok()));
-        let Some(gpu) = of else { continue };
+        let Some(gpu) = gpu_of(d) else { continue };
+        let mode = d
+            .attributes
+            .as_ref()
+            .and_then(|a| a.get("mode"))
+            .and_then(|v| v.string.as_deref());
         let code = match unusable.iter().find(|l| l.address == gpu) {
             Some(l) => l.code,
-            None if attr("mode").as_deref() == Some(MODE_VGPU) && no_vgpus.contains(&gpu) => {
-                "vfs-not-enabled"
-            }
+            None if mode == Some(MODE_VGPU) && no_vgpus.contains(&gpu) => "vfs-not-enabled",
             None => continue,
         };
         d.taints = Some(vec![DeviceTaint {
@@ -167,6 +162,17 @@ pub fn taint(
             time_added: None,
         }]);
     }
+}
+
+/// The GPU device `d` is (its name) or is part of (its `parentGPU` attribute).
+pub fn gpu_of(d: &Device) -> Option<PciAddress> {
+    names::parse_gpu_device(&d.name).or_else(|| {
+        d.attributes
+            .as_ref()
+            .and_then(|a| a.get("parentGPU"))
+            .and_then(|v| v.string.as_deref())
+            .and_then(|g| g.parse().ok())
+    })
 }
 
 /// The devices of the node, in name order, and the GPUs left out.

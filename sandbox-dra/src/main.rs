@@ -163,9 +163,9 @@ struct Cli {
     /// (<node>/gpu-0000-41-00-0) instead of in the node's pool. kube-scheduler 1.37 and later:
     /// its counter check walks one GPU's devices, not the node's, so a vGPU pod costs it less
     /// the more vGPUs run in the cluster. kube-scheduler 1.36 takes every counter-set slice of
-    /// the cluster into each node's filter: there, several times more CPU per vGPU pod. GPUs
-    /// holding claims allocated from the other layout stay out of new placements (taint
-    /// old-pool-claims) until those claims are gone.
+    /// the cluster into each node's filter: there, several times more CPU per vGPU pod. A GPU
+    /// holding claims allocated from the other layout stays in the pool they came from until
+    /// they are gone.
     #[arg(long, env = "POOL_PER_GPU", requires = "vgpu", global = true)]
     pool_per_gpu: bool,
 

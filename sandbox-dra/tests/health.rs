@@ -239,11 +239,11 @@ async fn a_prepared_gpu_whose_audio_function_a_host_driver_takes_is_unhealthy() 
     );
 }
 
-/// A vGPU a claim holds from the node's own pool (allocated before `--pool-per-gpu` gave its GPU
-/// a pool of its own) is reported in that pool, where kubelet looks for the claim's device, and
-/// in the GPU's pool, where the device is published now.
+/// A vGPU claims hold from two pools (one allocated from the node's own pool before
+/// `--pool-per-gpu` gave its GPU a pool of its own, one from the GPU's pool) is reported in
+/// both: where kubelet looks for each claim's device.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_device_a_claim_holds_from_the_nodes_old_pool_is_reported_in_both_pools() {
+async fn a_device_claims_hold_from_two_pools_is_reported_in_both() {
     let Some(sim) = try_mount("2xA10") else {
         return;
     };
@@ -253,9 +253,19 @@ async fn a_device_a_claim_holds_from_the_nodes_old_pool_is_reported_in_both_pool
     let drv = register(root).await;
     let vgpu = "vgpu-0000-61-00-0-a10-4q";
     let old = support::put_claim_in(&api, "vm", "uid-old", "vgpu.gpu-vm-node.io", NODE, vgpu);
-    prepare(&drv, &old)
-        .await
-        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    let new = support::put_claim_in(
+        &api,
+        "vm-2",
+        "uid-new",
+        "vgpu.gpu-vm-node.io",
+        &support::gpu_pool(vgpu),
+        vgpu,
+    );
+    for c in [&old, &new] {
+        prepare(&drv, c)
+            .await
+            .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    }
     let mut s = watch(root).await;
     let want = [
         (NODE.to_string(), vgpu.to_string()),

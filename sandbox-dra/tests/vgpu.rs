@@ -810,32 +810,14 @@ async fn preparing_and_unpreparing_vgpus_writes_no_slice() {
     );
     let drv = register(root).await;
     wait_for_pool(&api, 2);
-    // Every pass, whatever its result.
-    let passes = || -> f64 {
-        let (_, body) = testkit::ops::http_get(&metrics, "/metrics").unwrap_or_default();
-        body.lines()
-            .filter(|l| l.starts_with("sandbox_dra_publish_passes_total"))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    };
+    let passes = || passes(&metrics);
     let writes = |api: &FakeApiServer| {
         api.requests()
             .iter()
             .filter(|r| r.contains("resourceslices") && !r.starts_with("GET"))
             .count()
     };
-    // Passes that began after `since`: two more than then (one may have been running).
-    let after = |since: f64| {
-        let t = Instant::now();
-        while passes() < since + 2.0 {
-            assert!(
-                t.elapsed() < PATIENCE,
-                "no publisher pass ran:\n{}",
-                d.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    };
+    let after = |since: f64| passes_after(&metrics, since, &d);
     after(passes());
     let written = writes(&api);
     let c = put_claim_of(
@@ -994,13 +976,150 @@ fn taints(slices: &[Value]) -> BTreeMap<(String, String), (String, String)> {
     out
 }
 
+/// The publisher's passes so far, whatever their result, from its `/metrics` at `metrics`.
+fn passes(metrics: &str) -> f64 {
+    let (_, body) = testkit::ops::http_get(metrics, "/metrics").unwrap_or_default();
+    body.lines()
+        .filter(|l| l.starts_with("sandbox_dra_publish_passes_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Waits for a publisher pass that began after `since` passes: two more than then (one may
+/// have been running).
+fn passes_after(metrics: &str, since: f64, d: &support::Driver) {
+    let t = Instant::now();
+    while passes(metrics) < since + 2.0 {
+        assert!(
+            t.elapsed() < PATIENCE,
+            "no publisher pass ran:\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The pool of each device and counter set (`set <name>`) of `slices`.
+fn pools(slices: &[Value]) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for s in slices {
+        let pool = s["spec"]["pool"]["name"].as_str().unwrap().to_string();
+        for d in s["spec"]["devices"].as_array().into_iter().flatten() {
+            out.insert(d["name"].as_str().unwrap().to_string(), pool.clone());
+        }
+        for c in s["spec"]["sharedCounters"].as_array().into_iter().flatten() {
+            out.insert(format!("set {}", c["name"].as_str().unwrap()), pool.clone());
+        }
+    }
+    out
+}
+
+/// Whether every device of GPU `gpu` (`0000-61-00-0`) and its counter set are in pool `pool`.
+fn gpu_in(slices: &[Value], gpu: &str, pool: &str) -> bool {
+    let of_gpu: Vec<(String, String)> = pools(slices)
+        .into_iter()
+        .filter(|(name, _)| name.contains(gpu))
+        .collect();
+    // The counter set, the whole GPU and its 21 types.
+    of_gpu.len() == 23 && of_gpu.iter().all(|(_, p)| p == pool)
+}
+
 /// A claim allocated from the node's own pool, before `--pool-per-gpu` gave each GPU of the vGPU
-/// pool a pool of its own (turned on with VMs running), is still prepared, and its VM keeps its vGPU; the
-/// scheduler does not count it against the GPU's new pool, so every device of that GPU is
-/// published tainted `old-pool-claims` (`NoSchedule`, even with `--taint-effect NoExecute`:
-/// the VM is not evicted), and nothing new is placed there until the claim is gone.
+/// pool a pool of its own (turned on with VMs running), is still prepared, and its VM keeps its
+/// vGPU; its GPU stays in the node's pool, untainted, so the scheduler goes on counting that
+/// claim against the GPU and fills the GPU's other shares from there; when its last claim is
+/// gone, the GPU moves to its own pool.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_claim_allocated_from_the_nodes_old_pool_keeps_its_gpu_off_the_scheduler_until_it_goes() {
+async fn a_gpu_stays_in_the_pool_its_prepared_claims_came_from_until_they_go() {
+    let Some(sim) = try_mount("2xA10") else {
+        return;
+    };
+    let root = sim.root();
+    let api = FakeApiServer::start(NODE, &[]).unwrap();
+    let metrics = testkit::ops::free_addr();
+    let d = support::start(
+        root,
+        &api,
+        &[
+            "--vgpu",
+            "all",
+            "--pool-per-gpu",
+            "--metrics-addr",
+            &metrics,
+            "--resync-interval",
+            "1s",
+        ],
+    );
+    let drv = register(root).await;
+    wait_for_pool(&api, 2);
+    let device = "vgpu-0000-61-00-0-a10-4q";
+    let old = support::put_claim_in(&api, "old", "uid-old", VGPU, NODE, device);
+    prepare(&drv, &old)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    assert_eq!(mdevs(root).len(), 1);
+    let kept = api
+        .wait_for_slices(PATIENCE, |s| {
+            support::whole_pools(s) && gpu_in(s, "0000-61-00-0", NODE)
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "GPU 61 not kept in {NODE}: {:#?}\n{}",
+                api.slices(),
+                d.log()
+            )
+        });
+    assert!(
+        gpu_in(&kept, "0000-41-00-0", &gpu_pool("gpu-0000-41-00-0")),
+        "the other GPU follows the layout: {:#?}",
+        pools(&kept)
+    );
+    assert_eq!(taints(&kept), BTreeMap::new(), "nothing tainted");
+    assert!(
+        d.log()
+            .contains("stays in the pool its prepared claims were allocated from"),
+        "{}",
+        d.log()
+    );
+    // kubelet's repeated prepare: the same vGPU. A second share, allocated from where the GPU
+    // is now published: a second vGPU, and the GPU stays.
+    prepare(&drv, &old).await.unwrap();
+    assert_eq!(mdevs(root).len(), 1);
+    let next = support::put_claim_in(&api, "next", "uid-next", VGPU, NODE, device);
+    prepare(&drv, &next)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    assert_eq!(mdevs(root).len(), 2);
+    unprepare(&drv, &old).await.unwrap();
+    assert_eq!(mdevs(root).len(), 1);
+    // Passes ran with `next` still prepared: the GPU is still in the node's pool.
+    passes_after(&metrics, passes(&metrics), &d);
+    assert!(
+        gpu_in(&api.slices(), "0000-61-00-0", NODE),
+        "GPU 61 left {NODE} while a claim from it is prepared: {:#?}",
+        pools(&api.slices())
+    );
+    unprepare(&drv, &next).await.unwrap();
+    assert_eq!(mdevs(root), vec![]);
+    let moved = api
+        .wait_for_slices(PATIENCE, |s| {
+            support::whole_pools(s) && gpu_in(s, "0000-61-00-0", &gpu_pool(device))
+        })
+        .unwrap_or_else(|| panic!("GPU 61 stayed in {NODE}: {:#?}\n{}", api.slices(), d.log()));
+    assert_eq!(taints(&moved), BTreeMap::new());
+    assert!(
+        d.log().contains("moves to the one the layout gives it"),
+        "{}",
+        d.log()
+    );
+}
+
+/// Claims from two pools on one GPU (one allocated before the layout changed, one after, while
+/// the GPU moved): the GPU is published where the layout puts it, and every device of it is
+/// tainted `old-pool-claims` (`NoSchedule`, even with `--taint-effect NoExecute`: no VM is
+/// evicted), since the scheduler does not count the other pool's claim; the taint goes with it.
+#[tokio::test(flavor = "multi_thread")]
+async fn claims_from_two_pools_on_one_gpu_keep_it_off_the_scheduler_until_the_old_one_goes() {
     let Some(sim) = try_mount("2xA10") else {
         return;
     };
@@ -1019,24 +1138,22 @@ async fn a_claim_allocated_from_the_nodes_old_pool_keeps_its_gpu_off_the_schedul
     );
     let drv = register(root).await;
     wait_for_pool(&api, 2);
-    let old = support::put_claim_in(
-        &api,
-        "old",
-        "uid-old",
-        VGPU,
-        NODE,
-        "vgpu-0000-61-00-0-a10-4q",
-    );
-    prepare(&drv, &old)
-        .await
-        .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
-    assert_eq!(mdevs(root).len(), 1);
-    let gpu61 = gpu_pool("gpu-0000-61-00-0");
+    let device = "vgpu-0000-61-00-0-a10-4q";
+    let gpu61 = gpu_pool(device);
+    let old = support::put_claim_in(&api, "old", "uid-old", VGPU, NODE, device);
+    let new = support::put_claim_in(&api, "new", "uid-new", VGPU, &gpu61, device);
+    for c in [&old, &new] {
+        prepare(&drv, c)
+            .await
+            .unwrap_or_else(|e| panic!("{e}\n{}", d.log()));
+    }
+    assert_eq!(mdevs(root).len(), 2);
     let held = api
         .wait_for_slices(PATIENCE, |s| {
             support::whole_pools(s) && taints(s).keys().any(|(p, _)| *p == gpu61)
         })
         .unwrap_or_else(|| panic!("no taint: {:#?}\n{}", api.slices(), d.log()));
+    assert!(gpu_in(&held, "0000-61-00-0", &gpu61), "{:#?}", pools(&held));
     let t = taints(&held);
     let of_61: Vec<&(String, String)> = t
         .iter()
@@ -1052,13 +1169,18 @@ async fn a_claim_allocated_from_the_nodes_old_pool_keeps_its_gpu_off_the_schedul
         "{t:#?}"
     );
     assert!(t.keys().all(|(p, _)| *p == gpu61), "{t:#?}");
-    // kubelet's repeated prepare: the same vGPU.
-    prepare(&drv, &old).await.unwrap();
-    assert_eq!(mdevs(root).len(), 1);
     unprepare(&drv, &old).await.unwrap();
+    assert_eq!(mdevs(root).len(), 1);
+    let freed = api
+        .wait_for_slices(PATIENCE, |s| {
+            support::whole_pools(s) && taints(s).is_empty()
+        })
+        .unwrap_or_else(|| panic!("the taint stayed: {:#?}\n{}", api.slices(), d.log()));
+    assert!(
+        gpu_in(&freed, "0000-61-00-0", &gpu61),
+        "{:#?}",
+        pools(&freed)
+    );
+    unprepare(&drv, &new).await.unwrap();
     assert_eq!(mdevs(root), vec![]);
-    api.wait_for_slices(PATIENCE, |s| {
-        support::whole_pools(s) && counter_sets(s).len() == 2 && taints(s).is_empty()
-    })
-    .unwrap_or_else(|| panic!("the taint stayed: {:#?}\n{}", api.slices(), d.log()));
 }

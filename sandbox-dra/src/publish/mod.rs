@@ -201,6 +201,7 @@ pub async fn read_devices(cfg: &PublishConfig, paths: &HostPaths) -> anyhow::Res
         node_name: cfg.node_name.clone(),
         node_uid: None,
         per_gpu: cfg.pool_per_gpu,
+        pinned: BTreeMap::new(),
     };
     tokio::task::spawn_blocking(move || {
         let opts = ReadOptions {
@@ -248,7 +249,8 @@ pub async fn read_devices(cfg: &PublishConfig, paths: &HostPaths) -> anyhow::Res
         // places nothing new on it.
         let prepared = Prepared::read(&driver_dir, &layout, &out.devices);
         slices::taint(&mut out.devices, &driver, effect, &out.left_out, &no_vfs);
-        prepared.taint_moved(&mut out.devices, &driver);
+        prepared.taint_split(&mut out.devices, &driver);
+        out.pinned = prepared.pinned;
         out.held = prepared
             .held
             .into_iter()
@@ -279,10 +281,14 @@ struct Prepared {
     /// name, their names and attributes (from the claims' records), and the GPU each is or is
     /// part of.
     held: Vec<(String, Device, Option<common::PciAddress>)>,
-    /// GPUs whose devices the node publishes in another pool than the one a prepared claim's
-    /// allocation names (claims allocated from the other layout: `--pool-per-gpu` turned on or
-    /// off under them).
-    moved: BTreeSet<common::PciAddress>,
+    /// GPUs whose prepared claims were all allocated from one of the node's pools other than
+    /// the one the layout gives them (`--pool-per-gpu` turned on or off under them): kept in
+    /// that pool ([`Pool::pinned`]) while those claims are prepared.
+    pinned: BTreeMap<common::PciAddress, String>,
+    /// GPUs whose devices are published in another pool than the one a prepared claim's
+    /// allocation names, even so: claims from two pools on one GPU (allocated while it moved),
+    /// or from a pool it cannot be kept in.
+    split: BTreeSet<common::PciAddress>,
 }
 
 /// The GPU device `name` is or is part of: from its name, or from its `parentGPU` attribute.
@@ -303,17 +309,15 @@ fn gpu_of(
 
 impl Prepared {
     /// Reads the claims prepared on node `node` (in any of its pools) from the records under
-    /// `driver_dir`, against `devices`, the devices the node publishes.
+    /// `driver_dir`, against `devices`, the devices the node publishes, in `layout`'s pools.
     fn read(driver_dir: &std::path::Path, layout: &Pool, devices: &[Device]) -> Prepared {
         let node = layout.node_name.as_str();
         let mut out = Prepared::default();
+        // Each live device a prepared claim holds: the pool its allocation names, its GPU.
+        let mut live = Vec::new();
         for d in crate::health::prepared_devices(driver_dir, node) {
-            if let Some(live) = devices.iter().find(|x| x.name == d.device) {
-                if layout.pool_of(live) != d.pool
-                    && let Some(gpu) = gpu_of(&d.device, &d.attributes)
-                {
-                    out.moved.insert(gpu);
-                }
+            if let Some(device) = devices.iter().find(|x| x.name == d.device) {
+                live.push((device, d.pool, gpu_of(&d.device, &d.attributes)));
                 continue;
             }
             if out
@@ -339,19 +343,45 @@ impl Prepared {
                 gpu,
             ));
         }
+        // A GPU whose claims all name one pool it can be in (the node's, or its own) stays there.
+        let mut pools: BTreeMap<common::PciAddress, BTreeSet<&str>> = BTreeMap::new();
+        for (device, pool, gpu) in &live {
+            if let Some(gpu) = gpu
+                && device.consumes_counters.is_some()
+            {
+                pools.entry(*gpu).or_default().insert(pool.as_str());
+            }
+        }
+        for (gpu, named) in pools {
+            if let [pool] = named.into_iter().collect::<Vec<_>>()[..]
+                && pool != layout.layout_pool(Some(&gpu))
+                && (pool == node || pool == crate::names::gpu_pool(node, &gpu))
+            {
+                out.pinned.insert(gpu, pool.to_string());
+            }
+        }
+        let mut kept = layout.clone();
+        kept.pinned.clone_from(&out.pinned);
+        for (device, pool, gpu) in live {
+            if kept.pool_of(device) != pool
+                && let Some(gpu) = gpu
+            {
+                out.split.insert(gpu);
+            }
+        }
         out
     }
 
-    /// Taints (`NoSchedule`, value `old-pool-claims`) every untainted device of each GPU whose
-    /// claims were allocated from another pool: the scheduler does not count those claims
-    /// against the GPU's pool, so nothing new is placed on the GPU until they are gone. Never
+    /// Taints (`NoSchedule`, value `old-pool-claims`) every untainted device of each GPU of
+    /// [`Prepared::split`]: the scheduler does not count some of its claims against the pool it
+    /// is published in, so nothing new is placed on the GPU until they are gone. Never
     /// `NoExecute`: the claims are the GPU's own, and their VMs keep running.
-    fn taint_moved(&self, devices: &mut [Device], driver: &str) {
-        if self.moved.is_empty() {
+    fn taint_split(&self, devices: &mut [Device], driver: &str) {
+        if self.split.is_empty() {
             return;
         }
         for d in devices.iter_mut().filter(|d| d.taints.is_none()) {
-            if slices::gpu_of(d).is_some_and(|g| self.moved.contains(&g)) {
+            if slices::gpu_of(d).is_some_and(|g| self.split.contains(&g)) {
                 d.taints = Some(vec![k8s_openapi::api::resource::v1::DeviceTaint {
                     key: slices::taint_key(driver),
                     value: Some("old-pool-claims".into()),
@@ -619,6 +649,32 @@ impl Publisher {
         }
     }
 
+    /// Keeps the GPUs of `pinned` in the pools their prepared claims were allocated from
+    /// ([`Pool::pinned`]); logs each GPU kept or let go.
+    fn pin(&mut self, pinned: BTreeMap<common::PciAddress, String>) {
+        if pinned == self.pool.pinned {
+            return;
+        }
+        for (gpu, pool) in &pinned {
+            if self.pool.pinned.get(gpu) != Some(pool) {
+                tracing::info!(
+                    %gpu,
+                    pool = %pool,
+                    layout = %self.pool.layout_pool(Some(gpu)),
+                    "a GPU stays in the pool its prepared claims were allocated from, until they are unprepared"
+                );
+            }
+        }
+        for gpu in self.pool.pinned.keys().filter(|g| !pinned.contains_key(g)) {
+            tracing::info!(
+                %gpu,
+                pool = %self.pool.layout_pool(Some(gpu)),
+                "no prepared claim keeps a GPU in its earlier pool: it moves to the one the layout gives it"
+            );
+        }
+        self.pool.pinned = pinned;
+    }
+
     /// Logs the GPUs left out when that set changes.
     fn note_left_out(&mut self, left_out: Vec<LeftOut>) {
         if left_out != self.left_out {
@@ -730,6 +786,7 @@ pub async fn run(
             node_name: cfg.node_name.clone(),
             node_uid: None,
             per_gpu: cfg.pool_per_gpu,
+            pinned: BTreeMap::new(),
         },
         generations: BTreeMap::new(),
         left_out: Vec::new(),
@@ -816,6 +873,7 @@ pub async fn run(
             refused && trigger.retrying() && wake.changes.is_empty() && !wake.retry && !wake.first;
         let outcome = match read_devices(&cfg, &paths).await {
             Ok(nd) => {
+                p.pin(nd.pinned);
                 let published = nd
                     .devices
                     .iter()

@@ -187,6 +187,8 @@ pub struct NodeDevices {
     /// Devices prepared claims hold that the node no longer offers, each with the pool its
     /// claims' allocations name ([`Pool::slices`]).
     pub held: Vec<(String, Device)>,
+    /// GPUs kept in the pool their prepared claims were allocated from ([`Pool::pinned`]).
+    pub pinned: BTreeMap<PciAddress, String>,
 }
 
 /// The devices `inv` has for the slice, from vfio-manager's selection `sel` of it; product
@@ -413,6 +415,10 @@ pub struct Pool {
     /// Each GPU of the vGPU pool in a pool of its own (`--pool-per-gpu`); otherwise every
     /// device in the node's pool.
     pub per_gpu: bool,
+    /// GPUs kept in another of the node's pools than [`Pool::per_gpu`] gives them: the pool
+    /// their prepared claims were allocated from (the flag turned on or off under them), so
+    /// the scheduler goes on counting those claims against the GPU.
+    pub pinned: BTreeMap<PciAddress, String>,
 }
 
 /// `name` cut to the API's 253 characters by keeping its end (the driver's and the GPU's part).
@@ -436,11 +442,23 @@ impl Pool {
             )
     }
 
-    /// The pool counter set `set` (and each device consuming it) goes to: with
-    /// [`Pool::per_gpu`] its GPU's own, for a GPU's set; the node's for any other.
+    /// The pool counter set `set` (and each device consuming it) goes to: the one its GPU is
+    /// [pinned](Pool::pinned) to; else with [`Pool::per_gpu`] its GPU's own, for a GPU's set;
+    /// the node's for any other.
     fn pool_of_set(&self, set: &str) -> String {
-        match names::parse_gpu_device(set) {
-            Some(gpu) if self.per_gpu => names::gpu_pool(&self.node_name, &gpu),
+        let gpu = names::parse_gpu_device(set);
+        if let Some(pool) = gpu.as_ref().and_then(|g| self.pinned.get(g)) {
+            return pool.clone();
+        }
+        self.layout_pool(gpu.as_ref())
+    }
+
+    /// The pool the layout alone ([`Pool::per_gpu`], nothing [pinned](Pool::pinned)) gives
+    /// the devices of `gpu` (a pooled GPU's counter set and the devices consuming it), or
+    /// devices of no GPU's counter set (`None`).
+    pub fn layout_pool(&self, gpu: Option<&PciAddress>) -> String {
+        match gpu {
+            Some(gpu) if self.per_gpu => names::gpu_pool(&self.node_name, gpu),
             _ => self.node_name.clone(),
         }
     }

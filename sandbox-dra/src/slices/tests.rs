@@ -343,6 +343,7 @@ fn the_slice_is_the_nodes_pool_owned_by_its_node() {
         node_name: "node-a".into(),
         node_uid: Some("uid-1".into()),
         per_gpu: false,
+        pinned: BTreeMap::new(),
     };
     let inv = inv(
         vec![dev("0000:41:00.0", 0x2236, 0x030200, 21, "nvidia")],
@@ -475,6 +476,7 @@ fn a_pooled_a10_has_a_counter_set_its_vgpus_and_its_whole_self_consume() {
         node_name: "n".into(),
         node_uid: None,
         per_gpu: false,
+        pinned: BTreeMap::new(),
     };
     let sets: Vec<CounterSet> = (0..20)
         .map(|k| CounterSet {
@@ -561,6 +563,7 @@ fn each_pooled_gpu_is_a_pool_of_its_own_and_the_rest_the_nodes() {
         node_name: "node-a".into(),
         node_uid: None,
         per_gpu: true,
+        pinned: BTreeMap::new(),
     };
     // A device a prepared claim holds, in the pool its allocation names.
     let held = vec![(
@@ -669,6 +672,55 @@ fn each_pooled_gpu_is_a_pool_of_its_own_and_the_rest_the_nodes() {
     assert!(slices.iter().all(|s| s.spec.pool.name == "node-a"));
     assert_eq!(slices.len(), 2, "devices and counters");
 
+    // A pinned GPU stays in the pool its claims came from, its counter set with its devices, in
+    // either layout; the other GPU follows the layout.
+    let g61: PciAddress = "0000:61:00.0".parse().unwrap();
+    let pools_of = |p: &Pool| -> BTreeMap<String, String> {
+        let nd = devices_with_vgpus(&inv, &sel, &PciIds::embedded(), &pooled);
+        let mut out = BTreeMap::new();
+        for s in p.slices(nd.devices, nd.counters, Vec::new(), 1) {
+            for d in s.spec.devices.iter().flatten() {
+                out.insert(d.name.clone(), s.spec.pool.name.clone());
+            }
+            for c in s.spec.shared_counters.iter().flatten() {
+                out.insert(format!("set {}", c.name), s.spec.pool.name.clone());
+            }
+        }
+        out
+    };
+    let kept_in_node = Pool {
+        pinned: [(g61, "node-a".to_string())].into(),
+        ..pool.clone()
+    };
+    let got = pools_of(&kept_in_node);
+    for name in [
+        "set gpu-0000-61-00-0",
+        "gpu-0000-61-00-0",
+        "vgpu-0000-61-00-0-a10-4q",
+    ] {
+        assert_eq!(got[name], "node-a", "{got:#?}");
+    }
+    assert_eq!(got["vgpu-0000-41-00-0-a10-4q"], "node-a/gpu-0000-41-00-0");
+    assert_eq!(got["set gpu-0000-41-00-0"], "node-a/gpu-0000-41-00-0");
+    let kept_in_own = Pool {
+        pinned: [(g61, "node-a/gpu-0000-61-00-0".to_string())].into(),
+        ..node_only.clone()
+    };
+    let got = pools_of(&kept_in_own);
+    for name in [
+        "set gpu-0000-61-00-0",
+        "gpu-0000-61-00-0",
+        "vgpu-0000-61-00-0-a10-8q",
+    ] {
+        assert_eq!(got[name], "node-a/gpu-0000-61-00-0", "{got:#?}");
+    }
+    assert_eq!(got["vgpu-0000-41-00-0-a10-4q"], "node-a");
+    assert_eq!(kept_in_own.layout_pool(Some(&g61)), "node-a");
+    assert_eq!(
+        kept_in_node.layout_pool(Some(&g61)),
+        "node-a/gpu-0000-61-00-0"
+    );
+
     // Every GPU pooled: the node's own pool has nothing, and is not published.
     let nd = devices_with_vgpus(&inv, &sel, &PciIds::embedded(), &pooled);
     let pooled_only: Vec<Device> = nd
@@ -692,6 +744,7 @@ fn long_slice_names_keep_the_driver() {
         node_name: "n".repeat(250),
         node_uid: None,
         per_gpu: false,
+        pinned: BTreeMap::new(),
     };
     let name = pool.slice_name();
     assert!(name.len() <= 253);

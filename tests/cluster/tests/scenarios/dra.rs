@@ -79,6 +79,19 @@ fn slices(c: &Cluster) -> Result<Vec<Value>> {
     Ok(all["items"].as_array().cloned().unwrap_or_default())
 }
 
+/// The pool each published device is in: name → pool.
+fn device_pools(c: &Cluster) -> Result<std::collections::BTreeMap<String, String>> {
+    let mut out = std::collections::BTreeMap::new();
+    for s in slices(c)? {
+        let pool = s["spec"]["pool"]["name"].as_str().unwrap_or_default();
+        for d in s["spec"]["devices"].as_array().into_iter().flatten() {
+            let name = d["name"].as_str().unwrap_or_default();
+            out.insert(name.to_string(), pool.to_string());
+        }
+    }
+    Ok(out)
+}
+
 /// The published devices: name → attributes. `None` while a pool is incomplete (fewer slices
 /// than its `resourceSliceCount`, or slices of two generations).
 pub(super) fn devices(c: &Cluster) -> Result<Option<Vec<(String, Value)>>> {
@@ -628,7 +641,9 @@ fn slice_writes(c: &Cluster) -> usize {
 /// prepare; a GPU full of one type turns the next claim of it away (the scheduler's reason),
 /// which runs once a place frees; a whole GPU waits until a GPU's last share is gone; the pool
 /// is not written for any prepare. Then sandbox-dra killed and kubelet restarted with shares
-/// prepared (nothing lost, nothing made twice), and a GPU hot-plugged joins the pool.
+/// prepared (nothing lost, nothing made twice), a GPU hot-plugged joins the pool, and the pool
+/// layout (`draDriver.poolPerGpu`) turned over with every GPU in use keeps each GPU where its
+/// claims were allocated, counted, until they are gone.
 pub fn vgpu(c: &Cluster) -> Result<()> {
     install(c, "2xA10", true)?;
     let devs = wait_pool(
@@ -910,10 +925,53 @@ pub fn vgpu(c: &Cluster) -> Result<()> {
         &uuids_in(&meta_named),
     )?;
 
+    // The layout turned over under running VMs (`draDriver.poolPerGpu` flipped by a helm
+    // upgrade; the driver is Ready after a pass with it): every GPU holds claims, so each stays
+    // in the pool they were allocated from, where the scheduler counts them. The share vm-4q-3
+    // frees on the full A10-4Q GPU is taken again, and no seventh.
+    let device_4q = format!("vgpu-{}-a10-4q", four_gpu.replace([':', '.'], "-"));
+    let before = device_pools(c)?;
+    c.kubectl(&["delete", "pod", "-n", TEST_NS, "vm-4q-3", "--wait=true"])?;
+    let per_gpu = !newer_than_1_36(&c.assets().k8s_version);
+    helm_dra(c, true, &[&format!("draDriver.poolPerGpu={per_gpu}")])?;
+    let kept = device_pools(c)?;
+    ensure!(
+        kept == before,
+        "the pools changed with claims prepared on every GPU:\nbefore {before:#?}\nafter {kept:#?}"
+    );
+    c.apply(&claim_pod(c, "vm-4q-9", "a10-4q"))?;
+    let (_, meta) = pod_view(c, "vm-4q-9")?;
+    ensure!(
+        parent_of(&meta)? == four_gpu,
+        "vm-4q-9 is not in vm-4q-3's place on {four_gpu}"
+    );
+    c.apply(&claim_pod(c, "vm-4q-10", "a10-4q"))?;
+    let why = unschedulable(c, "vm-4q-10")?;
+    ensure!(
+        why.contains("cannot allocate all claims"),
+        "vm-4q-10 waits for another reason: {why}"
+    );
+    eprintln!(
+        "  dra-vgpu: poolPerGpu={per_gpu} with every GPU in use: pools kept, {device_4q} in {}",
+        kept.get(&device_4q).map_or("none", String::as_str)
+    );
+
     c.kubectl(&["delete", "namespace", TEST_NS, "--wait=true"])?;
     c.wait("the vGPUs removed", Duration::from_secs(60), || {
         Ok(mdevs(c)?.is_empty().then_some(()))
     })?;
+    // Their claims gone, the GPUs move to the pools the new layout gives them.
+    let node = cluster_tier::NODE_NAME;
+    let want = if per_gpu {
+        format!("{node}/gpu-{}", four_gpu.replace([':', '.'], "-"))
+    } else {
+        node.to_string()
+    };
+    c.wait(
+        &format!("{device_4q} moved to pool {want}"),
+        Duration::from_secs(60),
+        || Ok((device_pools(c)?.get(&device_4q) == Some(&want)).then_some(())),
+    )?;
     Ok(())
 }
 

@@ -473,7 +473,10 @@ pub fn wait_daemonset_ready(c: &Cluster, name: &str, timeout: Duration) -> Resul
             .as_i64()
             .unwrap_or(-1);
         let ready = ds["status"]["numberReady"].as_i64().unwrap_or(0);
-        Ok((want > 0 && ready == want).then_some(()))
+        // After an upgrade, the pods of the new template: the rollout seen and done.
+        let seen = ds["status"]["observedGeneration"] == ds["metadata"]["generation"];
+        let updated = ds["status"]["updatedNumberScheduled"].as_i64().unwrap_or(0);
+        Ok((seen && want > 0 && ready == want && updated == want).then_some(()))
     })
 }
 

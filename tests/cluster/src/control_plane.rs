@@ -368,7 +368,8 @@ impl ControlPlane {
             "--leader-elect=false",
         ]);
         if self.opts.scheduler_port != 0 {
-            cmd.arg("--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics");
+            // /debug/pprof: the bench's scheduler profiled (`go tool pprof`) without credentials.
+            cmd.arg("--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics,/debug/pprof/*");
         }
         self.sched = Some(Proc::spawn_in(
             self.opts.netns.as_deref(),

@@ -589,6 +589,8 @@ fn scenario(
             ..ControlPlaneOpts::default()
         },
     )?;
+    // Where to point `go tool pprof` (its profile, as the bench's own figures, is of this run).
+    eprintln!("  kube-scheduler: https://127.0.0.1:{port}/metrics and /debug/pprof/");
     for (i, file) in DEVICE_CLASSES.iter().chain(&TEMPLATES).enumerate() {
         let f = cluster_tier::assets::repo().join(file);
         if i == DEVICE_CLASSES.len() {

@@ -406,7 +406,6 @@ pub fn http_get(c: &Cluster, ip: &str, port: u16, path: &str) -> Result<(String,
     ))
 }
 
-/// Waits for a pod's phase to be one of `phases`; the pod.
 /// How long a pod of a burst may take to run. kube-scheduler 1.36.3 and 1.37.2 count the
 /// capacity a claim's share consumes twice while its pod is being bound (once from the claim as
 /// written, once as still in flight: `GatherAllocatedState` in
@@ -415,6 +414,7 @@ pub fn http_get(c: &Cluster, ip: &str, port: u16, path: &str) -> Result<(String,
 /// only when the scheduler flushes its unschedulable pods, up to five minutes later.
 pub const BURST_PATIENCE: Duration = Duration::from_secs(330);
 
+/// Waits for a pod's phase to be one of `phases`; the pod.
 pub fn wait_phase(c: &Cluster, pod: &str, phases: &[&str], timeout: Duration) -> Result<Value> {
     let t0 = std::time::Instant::now();
     let got = c.wait(&format!("pod {pod} in {phases:?}"), timeout, || {
